@@ -1,0 +1,80 @@
+"""What a run leaves behind: plain records of calls, attempts and executions,
+engine counters and 1 s time series. `sim.measures` turns a RunLog into the
+SPEC §8 result record; nothing here refers to live simulation state."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+NAN = float("nan")
+
+
+@dataclass(slots=True)
+class AttemptRecord:
+    call: int
+    number: int                 # 0 = first attempt, 1.. = retries
+    sent_at: float
+    ended_at: float = NAN
+    # complete | timeout | refused_budget (429) | refused_engine (503) | refused_proxy (503 from the proxy)
+    outcome: str = ""
+    execution: int = -1         # execution it subscribed to (-1: refused before one was found)
+    attached: bool = False      # joined an execution created for an earlier attempt
+
+
+@dataclass(slots=True)
+class ExecutionRecord:
+    id: int
+    call: int
+    attempt: int                # number of the attempt that created it
+    prompt_len: int
+    max_tokens: int
+    created_at: float
+    dispatched_at: float = NAN  # sent to the engine (after any proxy queue)
+    accepted: bool = False      # engine took it (not refused by the engine cap)
+    # engine side
+    first_scheduled_at: float = NAN   # start of its first step
+    first_token_at: float = NAN
+    finished_at: float = NAN          # completed, aborted, dropped or refused
+    # completed | aborted | dropped (left the proxy queue unsent) | refused (engine cap) | "" (still live at run end)
+    fate: str = ""
+    cancel_requested_at: float = NAN  # proxy closed its engine connection
+    tokens_generated: int = 0         # output tokens produced (discarded ones after abort excluded)
+    prompt_computed: int = 0          # prompt-work tokens computed by steps (recompute after preemption included)
+    prompt_in_flight: int = 0         # share of prompt_computed in steps issued before the abort, finished after
+    prefix_hit_tokens: int = 0        # tokens taken from the prefix cache (all admissions)
+    preemptions: int = 0
+    orphaned_at: float = NAN          # last subscriber left while it ran on (cancellation off)
+
+
+@dataclass(slots=True)
+class CallRecord:
+    id: int
+    planned_at: float
+    delivered_at: float = NAN   # client received the complete response
+    attempts: int = 0
+    # delivered | failed_attempts (four failed attempts) | failed_retry_after (429 wait > limit) | "" (outstanding at run end)
+    outcome: str = ""
+
+
+@dataclass
+class Series:
+    """1 s samples over the run."""
+    t: np.ndarray
+    waiting: np.ndarray         # engine waiting queue
+    running: np.ndarray         # engine running
+    proxy_queue: np.ndarray     # executions held in the proxy's own queue
+
+
+@dataclass
+class RunLog:
+    calls: list[CallRecord]
+    attempts: list[AttemptRecord]
+    executions: list[ExecutionRecord]
+    series: Series
+    counters: dict[str, int]                    # vLLM counters at run end
+    counters_at: dict[float, dict[str, int]]    # counter snapshots at chosen times (e.g. 227, 947)
+    engine: dict[str, int]                      # steps, preemptions, aborted_before_scheduled
+    end_time: float
+    wall_s: float = 0.0
+    extra: dict = field(default_factory=dict)
