@@ -1,0 +1,443 @@
+"""The measures of SPEC §5 and the result record of SPEC §8, computed from a
+`RunLog`. Everything here is a pure function of the log and the scenario: the
+simulator and the live harness write the same record from the same kind of log.
+
+The record lists are turned into numpy columns once (`_Columns`); every measure
+is then a vectorised count, so a run of ~10k executions is summarised in a few
+milliseconds.
+"""
+from __future__ import annotations
+
+import math
+from operator import attrgetter
+from typing import Any, Sequence
+
+import numpy as np
+
+from .runlog import RunLog
+from .scenario import Scenario
+
+# Tolerance on the recovery thresholds: a share computed as 49/50 or a slope
+# that is 0.01 up to rounding must count as meeting the threshold.
+_EPS = 1e-9
+
+REQUIRED_KEYS = (
+    "model", "condition", "pulse", "seed", "capacity",
+    "cohorts", "recovered", "recovery_time_s", "rates_xC", "prompt_tokens",
+    "counters", "counters_hold", "retries", "waste", "engine", "wall_s",
+)
+COUNTER_KEYS = ("prompt_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total")
+
+
+# --------------------------------------------------------------------------
+# Recovery (§5)
+# --------------------------------------------------------------------------
+
+def good_windows(window_delivery: Sequence[float], window_queue_mean: Sequence[float],
+                 window_queue_growth: Sequence[float], scenario: Scenario) -> np.ndarray:
+    """Boolean per hold window: delivery share >= recovery_delivery, mean of
+    (engine waiting + proxy queue) <= recovery_queue_mean and its growth (per s)
+    <= recovery_queue_growth. A NaN input (e.g. a window without samples) is
+    not good."""
+    d = np.asarray(window_delivery, dtype=float)
+    m = np.asarray(window_queue_mean, dtype=float)
+    g = np.asarray(window_queue_growth, dtype=float)
+    if not (len(d) == len(m) == len(g)):
+        raise ValueError(f"window arrays differ in length: {len(d)}, {len(m)}, {len(g)}")
+    with np.errstate(invalid="ignore"):
+        return ((d >= scenario.recovery_delivery - _EPS)
+                & (m <= scenario.recovery_queue_mean + _EPS)
+                & (g <= scenario.recovery_queue_growth + _EPS))
+
+
+def recovery(window_delivery: Sequence[float], window_queue_mean: Sequence[float],
+             window_queue_growth: Sequence[float], scenario: Scenario) -> tuple[bool, float | None]:
+    """SPEC §5 recovery rule over the hold's windows [pulse_end + w·k,
+    pulse_end + w·(k+1)), k = 0, 1, ... (w = scenario.window_s).
+
+    Recovered once two consecutive windows are good; the recovery time is the
+    end of the second window minus the pulse end, i.e. w·(k+2) for the first
+    good pair (k, k+1). (False, None) if no such pair exists."""
+    good = good_windows(window_delivery, window_queue_mean, window_queue_growth, scenario)
+    pair = np.flatnonzero(good[:-1] & good[1:]) if len(good) >= 2 else np.empty(0, int)
+    if len(pair) == 0:
+        return False, None
+    k = int(pair[0])
+    return True, float(scenario.window_s * (k + 2))
+
+
+# --------------------------------------------------------------------------
+# Columns
+# --------------------------------------------------------------------------
+
+class _Codes(dict):
+    def __missing__(self, key):
+        return -1
+
+
+_FATES = _Codes({"": 0, "completed": 1, "aborted": 2, "dropped": 3, "refused": 4})
+_F_LIVE, _F_COMPLETED, _F_ABORTED, _F_DROPPED, _F_REFUSED = range(5)
+_OUTCOMES = _Codes({"": 0, "complete": 1, "timeout": 2, "refused_budget": 3, "refused_engine": 4,
+                    "refused_proxy": 5})
+_O_COMPLETE, _O_TIMEOUT, _O_BUDGET, _O_ENGINE, _O_PROXY = 1, 2, 3, 4, 5
+
+
+def _col(records: list, name: str, dtype) -> np.ndarray:
+    """One field of every record as a numpy column (one pass, no temporaries)."""
+    return np.fromiter(map(attrgetter(name), records), dtype=dtype, count=len(records))
+
+
+def _code(records: list, name: str, table: _Codes) -> np.ndarray:
+    """A string field as integer codes (-1 for a value not in the table)."""
+    return np.fromiter(map(table.__getitem__, map(attrgetter(name), records)),
+                       dtype=np.int64, count=len(records))
+
+
+class _Columns:
+    """The RunLog's record lists as numpy columns, built once."""
+
+    def __init__(self, log: RunLog, calls: bool = True, rest: bool = True):
+        F, I, B = np.float64, np.int64, np.bool_
+        if calls:
+            c = log.calls
+            self.planned = _col(c, "planned_at", F)
+            self.delivered_at = _col(c, "delivered_at", F)
+            self.call_outcome = list(map(attrgetter("outcome"), c))
+        if not rest:
+            return
+        a = log.attempts
+        self.a_call = _col(a, "call", I)
+        self.a_number = _col(a, "number", I)
+        self.a_sent = _col(a, "sent_at", F)
+        self.a_outcome = _code(a, "outcome", _OUTCOMES)
+        self.a_exec = _col(a, "execution", I)
+        self.a_attached = _col(a, "attached", B)
+        e = log.executions
+        self.e_id = _col(e, "id", I)
+        self.e_call = _col(e, "call", I)
+        self.e_attempt = _col(e, "attempt", I)
+        self.e_max_tokens = _col(e, "max_tokens", I)
+        self.e_created = _col(e, "created_at", F)
+        self.e_dispatched = _col(e, "dispatched_at", F)
+        self.e_accepted = _col(e, "accepted", B)
+        self.e_first_sched = _col(e, "first_scheduled_at", F)
+        self.e_first_token = _col(e, "first_token_at", F)
+        self.e_finished = _col(e, "finished_at", F)
+        self.e_fate = _code(e, "fate", _FATES)
+        self.e_cancel = _col(e, "cancel_requested_at", F)
+        self.e_tokens = _col(e, "tokens_generated", I)
+        self.e_prompt = _col(e, "prompt_computed", I)
+        self.e_in_flight = _col(e, "prompt_in_flight", I)
+        self.e_orphaned = _col(e, "orphaned_at", F)
+        # execution id -> row (ids are normally 0..n-1 in order)
+        n = len(self.e_id)
+        if n and (self.e_id == np.arange(n)).all():
+            self.row_of_id = np.arange(n)
+        else:
+            size = int(self.e_id.max()) + 1 if n else 0
+            self.row_of_id = np.full(size, -1, dtype=np.int64)
+            self.row_of_id[self.e_id] = np.arange(n)
+
+    def exec_row(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of the given execution ids; -1 for ids that are -1 or unknown."""
+        out = np.full(len(ids), -1, dtype=np.int64)
+        ok = (ids >= 0) & (ids < len(self.row_of_id))
+        out[ok] = self.row_of_id[ids[ok]]
+        return out
+
+
+# --------------------------------------------------------------------------
+# Per-window inputs of the recovery rule
+# --------------------------------------------------------------------------
+
+def _window_edges(scenario: Scenario) -> np.ndarray:
+    n = int(math.floor(scenario.hold_s / scenario.window_s + 1e-9))
+    return scenario.pulse_end + scenario.window_s * np.arange(n + 1)
+
+
+def _slope(t: np.ndarray, y: np.ndarray) -> float:
+    """Least-squares slope of y over t (per unit of t); 0 for fewer than 2 points."""
+    if len(t) < 2:
+        return 0.0
+    x = t - t.mean()
+    sxx = float(x @ x)
+    if sxx == 0.0:
+        return 0.0
+    return float(x @ (y - y.mean())) / sxx
+
+
+def _window_stats(planned: np.ndarray, delivered_at: np.ndarray, log: RunLog,
+                  scenario: Scenario) -> dict[str, np.ndarray]:
+    edges = _window_edges(scenario)
+    k = len(edges) - 1
+    idx = np.searchsorted(edges, planned, side="right") - 1
+    inside = (idx >= 0) & (idx < k)
+    with np.errstate(invalid="ignore"):
+        on_time = (delivered_at - planned) <= scenario.deadline_s
+    n_planned = np.bincount(idx[inside], minlength=k)[:k]
+    n_on_time = np.bincount(idx[inside & on_time], minlength=k)[:k]
+    share = np.ones(k)
+    nz = n_planned > 0
+    share[nz] = n_on_time[nz] / n_planned[nz]
+
+    s = log.series
+    t = np.asarray(s.t, dtype=float)
+    q = np.asarray(s.waiting, dtype=float) + np.asarray(s.proxy_queue, dtype=float)
+    lo = np.searchsorted(t, edges[:-1], side="left")
+    hi = np.searchsorted(t, edges[1:], side="left")
+    mean = np.full(k, np.nan)
+    growth = np.full(k, np.nan)
+    for j in range(k):
+        if hi[j] > lo[j]:
+            tt, qq = t[lo[j]:hi[j]], q[lo[j]:hi[j]]
+            mean[j] = qq.mean()
+            growth[j] = _slope(tt, qq)
+    good = good_windows(share, mean, growth, scenario)
+    return {"start": edges[:-1].copy(), "planned": n_planned, "on_time": n_on_time,
+            "delivery": share, "queue_mean": mean, "queue_growth": growth, "good": good}
+
+
+def window_stats(log: RunLog, scenario: Scenario) -> dict[str, np.ndarray]:
+    """Per hold window (aligned to the pulse end): `start`, `planned` (calls
+    planned in it), `on_time` (of those, delivered within deadline_s of planned
+    arrival), `delivery` (on_time / planned; 1.0 when none planned),
+    `queue_mean` and `queue_growth` (mean and least-squares slope per second of
+    the 1 s samples of engine waiting + proxy queue with t in the window; NaN
+    when the series has no sample there) and `good`."""
+    cols = _Columns(log, calls=True, rest=False)
+    return _window_stats(cols.planned, cols.delivered_at, log, scenario)
+
+
+# --------------------------------------------------------------------------
+# The §8 record
+# --------------------------------------------------------------------------
+
+def _clean(x: Any) -> Any:
+    """JSON-able plain Python: numpy scalars/arrays converted, NaN/inf -> None."""
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind == "f" and not np.isfinite(x).all():
+            return [v if math.isfinite(v) else None for v in x.tolist()]
+        return x.tolist()
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        v = float(x)
+        return v if math.isfinite(v) else None
+    return x
+
+
+def _ratio(num, den) -> float | None:
+    return float(num) / float(den) if den else None
+
+
+def _median(x: np.ndarray) -> float | None:
+    x = x[np.isfinite(x)]
+    return float(np.median(x)) if len(x) else None
+
+
+def _snapshot(counters_at: dict, t: float) -> dict | None:
+    for k, v in counters_at.items():
+        if abs(float(k) - t) < 1e-6:
+            return v
+    return None
+
+
+def _in(x: np.ndarray, a: float, b: float) -> np.ndarray:
+    with np.errstate(invalid="ignore"):
+        return (x >= a) & (x < b)
+
+
+def record(log: RunLog, scenario: Scenario, capacity: float, inputs: dict) -> dict:
+    """The SPEC §8 result record of one run, as plain JSON-able Python."""
+    s = scenario
+    c = _Columns(log)
+    rec: dict[str, Any] = {}
+
+    # inputs
+    for key in ("model", "condition", "pulse", "seed"):
+        rec[key] = inputs.get(key)
+    for key, v in inputs.items():
+        if key not in rec and key != "capacity":
+            rec[key] = v
+    rec["capacity"] = float(capacity)
+
+    # cohorts
+    with np.errstate(invalid="ignore"):
+        lag = c.delivered_at - c.planned
+        delivered = lag <= s.delivery_horizon_s
+        within = lag <= s.deadline_s
+    cohorts = {}
+    for name, (a, b) in s.cohorts().items():
+        m = _in(c.planned, a, b)
+        offered = int(m.sum())
+        dl = int((m & delivered).sum())
+        wd = int((m & within).sum())
+        cohorts[name] = {"offered": offered, "delivered": dl, "within_deadline": wd,
+                         "late": dl - wd, "undelivered": offered - dl}
+    rec["cohorts"] = cohorts
+
+    # recovery
+    win = _window_stats(c.planned, c.delivered_at, log, s)
+    rec["recovered"], rec["recovery_time_s"] = recovery(
+        win["delivery"], win["queue_mean"], win["queue_growth"], s)
+
+    # rates over the primary interval, in multiples of capacity
+    a, b = s.primary_start, s.hold_end
+    per = 1.0 / ((b - a) * capacity)
+    completed = c.e_fate == _F_COMPLETED
+    aborted = c.e_fate == _F_ABORTED
+    rec["rates_xC"] = {
+        "attempts": _in(c.a_sent, a, b).sum() * per,
+        "created": _in(c.e_created, a, b).sum() * per,
+        "accepted": (c.e_accepted & _in(c.e_dispatched, a, b)).sum() * per,
+        "completed": (completed & _in(c.e_finished, a, b)).sum() * per,
+    }
+
+    # prompt work
+    computed = int(c.e_prompt.sum())
+    ab_prompt = int(c.e_prompt[aborted].sum())
+    ab_flight = int(c.e_in_flight[aborted].sum())
+    rec["prompt_tokens"] = {
+        "computed": computed,
+        "never_aborted": int(c.e_prompt[~aborted].sum()),
+        "aborted_body": ab_prompt - ab_flight,
+        "aborted_in_flight": ab_flight,
+        "missed_by_counter": int(c.e_prompt[aborted & np.isnan(c.e_first_token)].sum()),
+    }
+
+    # counters
+    counters = {k: log.counters.get(k) for k in COUNTER_KEYS}
+    counters.update(log.counters)
+    rec["counters"] = counters
+    start = _snapshot(log.counters_at, s.pulse_end)
+    end = _snapshot(log.counters_at, s.hold_end) or log.counters
+
+    def _incr(key):
+        if start is None or start.get(key) is None or end.get(key) is None:
+            return None
+        return int(end[key]) - int(start[key])
+
+    rec["counters_hold"] = {"prompt_tokens": _incr("prompt_tokens_total"),
+                            "prefix_cache_queries": _incr("prefix_cache_queries_total")}
+
+    # retries
+    retry = c.a_number > 0
+    row = c.exec_row(c.a_exec)
+    has_exec = row >= 0
+    sched = np.zeros(len(row), dtype=bool)
+    sched[has_exec] = ~np.isnan(c.e_first_sched[row[has_exec]])
+    never = retry & ((~has_exec) | (~c.a_attached & ~sched))
+    # retries that created an execution the engine scheduled
+    created_own = retry & has_exec & ~c.a_attached
+    created_own[has_exec] &= c.e_attempt[row[has_exec]] == c.a_number[has_exec]
+    sr = created_own & sched
+    sr_rows = row[sr]
+    # predecessor: the same call's previous execution (by creation time)
+    order = np.lexsort((c.e_id, c.e_created, c.e_call))
+    prev = np.full(len(c.e_id), -1, dtype=np.int64)
+    same = c.e_call[order[1:]] == c.e_call[order[:-1]]
+    prev[order[1:][same]] = order[:-1][same]
+    abort_at = np.where(~np.isnan(c.e_cancel), c.e_cancel,
+                        np.where(aborted, c.e_finished, np.nan))
+    p = prev[sr_rows]
+    has_p = p >= 0
+    gap = np.full(len(sr_rows), np.nan)
+    gap[has_p] = c.e_first_sched[sr_rows[has_p]] - abort_at[p[has_p]]
+    left = c.a_sent[sr] + s.deadline_s - c.e_first_sched[sr_rows]
+    n_retry = int(retry.sum())
+    n_never = int(never.sum())
+    rec["retries"] = {
+        "sent": n_retry,
+        "attached": int(c.a_attached.sum()),
+        "refused_budget": int((c.a_outcome == _O_BUDGET).sum()),
+        "refused_engine": int((c.a_outcome == _O_ENGINE).sum()),
+        "never_scheduled": n_never,
+        "median_abort_to_first_step_s": _median(gap),
+        "median_left_at_first_step_s": _median(left),
+        # extras
+        "never_scheduled_share": _ratio(n_never, n_retry),
+        "refused_engine_retries": int((retry & (c.a_outcome == _O_ENGINE)).sum()),
+        "refused_proxy": int((c.a_outcome == _O_PROXY).sum()),
+        "scheduled_created": int(sr.sum()),
+    }
+
+    # waste, over executions that reached the engine
+    acc = c.e_accepted
+    max_acc = int(c.e_max_tokens[acc].sum())
+    rec["waste"] = {
+        "abort_rate": _ratio((aborted & acc).sum(), acc.sum()),
+        "completion_ratio": _ratio(c.e_tokens[acc].sum(), max_acc),
+        "useful_token_ratio": _ratio(c.e_tokens[acc & completed].sum(), max_acc),
+    }
+
+    rec["engine"] = {k: log.engine.get(k) for k in ("aborted_before_scheduled", "preemptions", "steps")}
+    rec["wall_s"] = float(log.wall_s)
+
+    # extras
+    outc = c.call_outcome
+    rec["calls_failed"] = {"attempts": outc.count("failed_attempts"),
+                           "retry_after": outc.count("failed_retry_after"),
+                           "outstanding": outc.count("")}
+    rec["attempts"] = {
+        "sent": len(c.a_number), "first": int((~retry).sum()), "retries": n_retry,
+        "complete": int((c.a_outcome == _O_COMPLETE).sum()),
+        "timeout": int((c.a_outcome == _O_TIMEOUT).sum()),
+        "refused_budget": int((c.a_outcome == _O_BUDGET).sum()),
+        "refused_engine": int((c.a_outcome == _O_ENGINE).sum()),
+        "refused_proxy": int((c.a_outcome == _O_PROXY).sum()),
+    }
+    rec["executions"] = {
+        "created": len(c.e_id),
+        "accepted": int(acc.sum()),
+        "dropped": int((c.e_fate == _F_DROPPED).sum()),
+        "refused": int((c.e_fate == _F_REFUSED).sum()),
+        "aborted": int(aborted.sum()),
+        "completed": int(completed.sum()),
+        "orphaned": int((~np.isnan(c.e_orphaned)).sum()),
+        "live_at_end": int((c.e_fate == _F_LIVE).sum()),
+    }
+    ser = log.series
+    d = c.delivered_at[~np.isnan(c.delivered_at)]
+    end_t = max(float(log.end_time), float(ser.t[-1]) if len(ser.t) else 0.0,
+                float(d.max()) + 1e-9 if len(d) else 0.0)
+    nbins = max(1, int(math.ceil(end_t / s.window_s)))
+    rec["series"] = {
+        "t": np.asarray(ser.t), "waiting": np.asarray(ser.waiting),
+        "running": np.asarray(ser.running), "proxy_queue": np.asarray(ser.proxy_queue),
+        "delivered_per_60s": np.bincount(np.minimum((d // s.window_s).astype(np.int64), nbins - 1),
+                                         minlength=nbins),
+        "delivered_bin_s": s.window_s,
+    }
+    rec["windows"] = win
+    rec["end_time"] = float(log.end_time)
+    rec["scenario"] = s.to_dict()
+    if log.extra:
+        rec["extra"] = log.extra
+    return _clean(rec)
+
+
+def summary(rec: dict) -> str:
+    """A few lines for a human: condition, recovery, cohort delivery, rates."""
+    def pct(num, den):
+        return f"{100.0 * num / den:.1f}%" if den else "n/a"
+
+    rt = rec.get("recovery_time_s")
+    rec_line = (f"recovered {rt:.0f} s after the pulse" if rec.get("recovered") and rt is not None
+                else "not recovered by the end of the hold")
+    lines = [f"{rec.get('model')} / {rec.get('condition')}  pulse {rec.get('pulse')}  "
+             f"seed {rec.get('seed')}  capacity {rec.get('capacity'):.3f} calls/s: {rec_line}"]
+    for name in ("pulse", "hold", "primary"):
+        co = rec["cohorts"][name]
+        lines.append(f"  {name:<8} offered {co['offered']:>6}  delivered {pct(co['delivered'], co['offered']):>6}"
+                     f"  within deadline {pct(co['within_deadline'], co['offered']):>6}")
+    r = rec["rates_xC"]
+    lines.append(f"  over primary (x C): attempts {r['attempts']:.2f}  created {r['created']:.2f}"
+                 f"  accepted {r['accepted']:.2f}  completed {r['completed']:.2f}")
+    lines.append(f"  wall {rec.get('wall_s', 0.0):.3f} s")
+    return "\n".join(lines)
