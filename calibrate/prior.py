@@ -1,0 +1,125 @@
+"""A roofline prior for the step-time model and the KV capacity, from a
+model's shape and a GPU's published peak compute and memory bandwidth.
+
+Step time (SPEC §6 linear form):
+  fixed_s            = weight bytes / (bandwidth * bw_eff) + step_overhead_s
+  per_request_s      = 2 * hidden * vocab / (peak * mfu)   (LM head, sampled token) + request_overhead_s
+  per_token_s        = 2 * non-embedding params / (peak * mfu)
+  per_prefill_pair_s = 4 * layers * heads * head_dim / (peak * attn_eff)   (QK^T and PV per query-key pair)
+  per_decode_ctx_s   = KV bytes per token / (bandwidth * bw_eff)
+
+KV capacity (vLLM's profiling run): blocks = floor((total memory * utilization
+- weights - activation/graph reserve) / (bytes per token * block size)).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, asdict
+
+GiB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int          # as the CUDA driver reports it (torch.cuda.mem_get_info total)
+    peak_flops: float          # dense bf16/fp16 tensor FLOP/s
+    bandwidth: float           # HBM bytes/s
+
+
+GPUS = {
+    # H100 SXM5 80 GB: 989.4 TFLOP/s dense BF16, 3.35 TB/s; the driver reports 79.1 GiB
+    "h100": GPU("NVIDIA H100 80GB HBM3 (SXM)", int(79.1 * GiB), 989.4e12, 3.35e12),
+    # H200 SXM 141 GB: same compute as H100 SXM, 4.8 TB/s; the driver reports 139.8 GiB
+    "h200": GPU("NVIDIA H200 (SXM, 141 GB)", int(139.8 * GiB), 989.4e12, 4.8e12),
+    # A100 SXM 80 GB: 312 TFLOP/s dense BF16, 2.039 TB/s; the driver reports 79.2 GiB
+    "a100": GPU("NVIDIA A100-SXM4-80GB", int(79.2 * GiB), 312e12, 2.039e12),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    params: int                # total parameters, embeddings included
+    dtype_bytes: int = 2
+    tied_embeddings: bool = False
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params * self.dtype_bytes
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    @property
+    def non_embedding_params(self) -> int:
+        return self.params - self.embedding_params
+
+
+MODELS = {
+    # Qwen/Qwen2.5-7B-Instruct config.json
+    "qwen2.5-7b": ModelShape("Qwen2.5-7B-Instruct", layers=28, hidden=3584, heads=28, kv_heads=4, head_dim=128,
+                             intermediate=18944, vocab=152064, params=7_615_616_512),
+}
+
+
+def kv_cache(shape: ModelShape, gpu: GPU, utilization: float = 0.9, block_size: int = 16,
+             reserve_bytes: int = int(2.5 * GiB)) -> dict:
+    """vLLM's KV sizing, step by step."""
+    budget = gpu.memory_bytes * utilization
+    kv_bytes = budget - shape.weight_bytes - reserve_bytes
+    if kv_bytes <= 0:
+        raise ValueError(f"{shape.name} does not fit on {gpu.name} at utilization {utilization}")
+    per_block = shape.kv_bytes_per_token * block_size
+    blocks = int(kv_bytes // per_block)
+    return {"gpu_memory_bytes": gpu.memory_bytes, "utilization": utilization,
+            "weights_bytes": shape.weight_bytes, "reserve_bytes": reserve_bytes,
+            "kv_bytes": int(kv_bytes), "kv_bytes_per_token": shape.kv_bytes_per_token,
+            "block_size": block_size, "bytes_per_block": per_block, "num_gpu_blocks": blocks,
+            "kv_tokens": blocks * block_size,
+            "formula": "floor((memory*utilization - weights - reserve) / (2*layers*kv_heads*head_dim*dtype_bytes*block_size))"}
+
+
+def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: float | None = None,
+              step_overhead_s: float = 0.002, request_overhead_s: float = 2e-5) -> dict:
+    attn_eff = mfu if attn_eff is None else attn_eff
+    return {
+        "fixed_s": shape.weight_bytes / (gpu.bandwidth * bw_eff) + step_overhead_s,
+        "per_request_s": 2 * shape.hidden * shape.vocab / (gpu.peak_flops * mfu) + request_overhead_s,
+        "per_token_s": 2 * shape.non_embedding_params / (gpu.peak_flops * mfu),
+        "per_prefill_pair_s": 4 * shape.layers * shape.heads * shape.head_dim / (gpu.peak_flops * attn_eff),
+        "per_decode_ctx_s": shape.kv_bytes_per_token / (gpu.bandwidth * bw_eff),
+    }
+
+
+def prior_profile(model: str, gpu: str = "h100", mfu: float = 0.6, bw_eff: float = 0.8,
+                  utilization: float = 0.9, block_size: int = 16, max_num_seqs: int = 256,
+                  max_num_batched_tokens: int = 8192, max_model_len: int = 32768, depth: int = 2,
+                  capacity: float = 1.0, **kw) -> dict:
+    shape = MODELS[model] if isinstance(model, str) else model
+    g = GPUS[gpu] if isinstance(gpu, str) else gpu
+    kv = kv_cache(shape, g, utilization, block_size)
+    return {
+        "name": model if isinstance(model, str) else shape.name,
+        "model": asdict(shape),
+        "hardware": asdict(g),
+        "engine": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                   "block_size": block_size, "num_gpu_blocks": kv["num_gpu_blocks"], "depth": depth,
+                   "max_model_len": max_model_len},
+        "kv_cache": kv,
+        "step_time": step_time(shape, g, mfu, bw_eff, **kw),
+        "capacity": capacity,
+        "provenance": {"kind": "roofline prior", "mfu": mfu, "bw_eff": bw_eff},
+    }

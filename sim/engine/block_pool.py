@@ -1,0 +1,221 @@
+"""KV block pool with a hashed prefix cache, in the shape of vLLM's
+`v1/core/block_pool.py`, kept at range granularity so that a 12k-token prompt
+costs a handful of operations rather than 750 block objects.
+
+A block's hash is its *key*: (space, index). Blocks of the shared prompt
+prefix live in space 0; full blocks lying wholly inside one call's prompt live
+in that call's space (a retry resends the same prompt, so it may hit them);
+blocks holding output tokens, or a prompt's partial tail, live in the
+execution's own space. Within a space, index = the block's position in the
+sequence, so a request's leading run of cached blocks is a chain of ranges.
+
+An `Extent` is a run of physically distinct blocks [lo, hi) of one space, all
+with the same reference count. Free blocks sit in `free_queue` (LRU: evicted
+from the front, freed blocks appended at the back); a free extent is evicted
+from its top block down, so a request's tail blocks go before its prefix,
+exactly as vLLM frees a request's blocks in reverse order. Free blocks with no
+hash (never filled, or a partial last block) are extents of space -1.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+UNHASHED = -1
+PREFIX_SPACE = 0
+
+
+def call_space(call_id: int) -> int:
+    return 1 + 2 * call_id
+
+
+def exec_space(request_id: int) -> int:
+    return 2 + 2 * request_id
+
+
+class Extent:
+    __slots__ = ("space", "lo", "hi", "holders", "free", "owner")
+
+    def __init__(self, space: int, lo: int, hi: int, owner=None):
+        self.space = space
+        self.lo = lo
+        self.hi = hi
+        self.holders = []     # requests holding these blocks (the ref count is its length)
+        self.free = False     # in the free queue (ref == 0, still hashed)
+        self.owner = owner    # request that is still filling the top block, if any
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __repr__(self) -> str:
+        return f"Extent(space={self.space}, [{self.lo},{self.hi}), ref={len(self.holders)}, free={self.free})"
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_free = num_blocks
+        first = Extent(UNHASHED, 0, num_blocks)
+        first.free = True
+        self.free_queue: deque[Extent] = deque([first])
+        self.cached: dict[int, list[Extent]] = {}   # space -> extents holding hashed blocks
+        self.evicted = 0                            # hashed blocks evicted (for tests and stats)
+
+    # ------------------------------------------------------------------ usage
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    def _index(self, e: Extent) -> None:
+        if e.space >= 0 and e.hi > e.lo:
+            self.cached.setdefault(e.space, []).append(e)
+
+    def _unindex(self, e: Extent) -> None:
+        lst = self.cached.get(e.space)
+        if lst is not None:
+            try:
+                lst.remove(e)
+            except ValueError:
+                pass
+            if not lst:
+                del self.cached[e.space]
+
+    # ------------------------------------------------------------- allocation
+    def take_free(self, n: int) -> None:
+        """Remove n blocks from the front of the free queue (evicting their
+        hashes); the caller owns them now. Caller checks n <= num_free."""
+        if n <= 0:
+            return
+        assert n <= self.num_free, (n, self.num_free)
+        self.num_free -= n
+        q = self.free_queue
+        while n:
+            e = q[0]
+            size = e.hi - e.lo
+            if not e.free or size == 0:
+                q.popleft()
+                continue
+            k = size if size < n else n
+            e.hi -= k
+            n -= k
+            if e.space >= 0:
+                self.evicted += k
+            if e.hi == e.lo:
+                e.free = False
+                q.popleft()
+                if e.space >= 0:
+                    self._unindex(e)
+
+    def new_extent(self, space: int, lo: int, hi: int, owner) -> Extent:
+        """A fresh extent of hi-lo newly allocated blocks, held by `owner`."""
+        self.take_free(hi - lo)
+        e = Extent(space, lo, hi, owner)
+        e.holders.append(owner)
+        self._index(e)
+        return e
+
+    def grow(self, e: Extent, hi: int) -> None:
+        """Extend an extent its owner is filling to `hi` blocks."""
+        self.take_free(hi - e.hi)
+        e.hi = hi
+
+    # ---------------------------------------------------------------- lookup
+    def lookup(self, space: int, start: int, end: int, full_blocks) -> list[tuple[Extent, int, int]]:
+        """Longest cached chain of blocks [start, x) of `space`, x <= end.
+        `full_blocks(e)` is the hashed top of an extent whose owner is still
+        filling it. Returns pieces (extent, lo, hi)."""
+        pieces = []
+        cur = start
+        lst = self.cached.get(space)
+        if not lst:
+            return pieces
+        while cur < end:
+            best = None
+            best_hi = cur
+            for e in lst:
+                if e.lo <= cur:
+                    top = e.hi if e.owner is None else min(e.hi, full_blocks(e))
+                    if top > best_hi:
+                        best, best_hi = e, top
+            if best is None:
+                break
+            hi = min(best_hi, end)
+            pieces.append((best, cur, hi))
+            cur = hi
+        return pieces
+
+    def acquire(self, e: Extent, lo: int, hi: int, req) -> Extent:
+        """Take blocks [lo, hi) of a cached extent for request `req` (a prefix
+        cache hit); returns the extent (possibly split off) it now holds. A
+        split of a held extent is mirrored in every holder's block table."""
+        if e.free:
+            n = hi - lo
+            self.num_free -= n
+            piece = Extent(e.space, lo, hi)
+            piece.holders.append(req)
+            self._index(piece)
+            if lo == e.lo and hi == e.hi:
+                e.free = False
+                e.hi = e.lo
+                self._unindex(e)
+            elif lo == e.lo:
+                e.lo = hi
+            elif hi == e.hi:
+                e.hi = lo
+            else:  # middle: the part above stays queued in e's place
+                upper = Extent(e.space, hi, e.hi)
+                upper.free = True
+                e.hi = lo
+                self._index(upper)
+                q = self.free_queue
+                q.insert(q.index(e), upper)   # upper blocks are evicted before lower ones
+            return piece
+        # held by others: share, splitting so that ref counts stay uniform
+        if hi < e.hi:
+            self._split(e, hi)
+        if lo > e.lo:
+            e = self._split(e, lo)
+        e.holders.append(req)
+        return e
+
+    def _split(self, e: Extent, at: int) -> Extent:
+        """Split a held extent at block `at`; returns the upper part, inserted
+        after `e` in every holder's table."""
+        upper = Extent(e.space, at, e.hi, e.owner)
+        upper.holders = list(e.holders)
+        e.hi = at
+        e.owner = None
+        self._index(upper)
+        for req in e.holders:
+            t = req.blocks
+            t.insert(t.index(e) + 1, upper)
+        return upper
+
+    # ----------------------------------------------------------------- free
+    def release(self, req, full_blocks: int) -> None:
+        """A request gives back its blocks (finish, abort or preemption).
+        `full_blocks` is the number of its leading blocks that are full; a
+        partial last block loses its hash. Blocks whose ref count drops to
+        zero join the free queue, tail first."""
+        q = self.free_queue
+        table = req.blocks
+        for e in reversed(table):
+            e.holders.remove(req)
+            if e.owner is req:
+                e.owner = None
+                if e.hi > full_blocks:          # the partial top block: no hash
+                    k = e.hi - max(full_blocks, e.lo)
+                    e.hi -= k
+                    plain = Extent(UNHASHED, 0, k)
+                    plain.free = True
+                    q.append(plain)
+                    self.num_free += k
+                    if e.hi == e.lo:
+                        self._unindex(e)
+                        continue
+            if not e.holders:
+                e.free = True
+                q.append(e)
+                self.num_free += e.hi - e.lo
+        table.clear()

@@ -1,0 +1,261 @@
+"""The engine's step loop in simulated time (vLLM's EngineCore with a batch
+queue of `depth` steps: 2 under async scheduling on GPU, 1 on CPU).
+
+At every step boundary, in this order: the finished step's output is
+processed (tokens streamed, finished requests freed), then the arrivals and
+aborts that came in during the step are applied, then steps are scheduled
+until `depth` are in flight. So an abort that arrives during step k is applied
+when step k ends; step k and (at depth 2) step k+1 still run with the request
+in them — their prompt tokens are "in flight" — and it is gone from step k+2.
+
+One SimPy event per plan. A run of identical decode-only steps with nothing
+able to change them (no request finishing, no block shortage, admission
+blocked or nothing waiting, no input due before the last of them would be
+scheduled) is one plan, its duration in closed form.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from .request import Request, WAITING, RUNNING, FINISHED, ABORTED
+from .scheduler import Scheduler, SchedulerConfig, StepPlan
+from .step_time import StepTimeModel
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    scheduler: SchedulerConfig
+    depth: int = 2                   # steps in flight (async scheduling on GPU: 2; CPU: 1)
+    max_queued: int | None = None    # engine cap Q (vLLM --max-num-queued-reqs): refuse beyond it
+
+
+class EngineCore:
+    def __init__(self, env, config: EngineConfig, step_model: StepTimeModel,
+                 on_first_token: Callable[[Request, float], None] = None,
+                 on_finished: Callable[[Request, float], None] = None,
+                 next_input_time: Callable[[], float] = None,
+                 fast_forward: bool = True):
+        if config.depth < 1:
+            raise ValueError("depth must be at least 1")
+        self.env = env
+        self.config = config
+        self.depth = config.depth
+        self.step_model = step_model
+        self.scheduler = Scheduler(config.scheduler, step_model)
+        self.on_first_token = on_first_token or (lambda r, t: None)
+        self.on_finished = on_finished or (lambda r, t: None)
+        self.next_input_time = next_input_time or (lambda: INF)
+        self.fast_forward = fast_forward
+        self.pending: deque[StepPlan] = deque()
+        self.inbox: list[tuple[str, Request]] = []
+        self.processed = -1          # index of the last step whose output was processed
+        self.now = 0.0               # the engine's own clock: end of the last processed step
+        self._wake = None
+        self.gauge_log: list[tuple[float, int, int]] = []   # (t, waiting, running) at changes
+        self.aborted_before_scheduled = 0
+        self.busy_s = 0.0
+        self.process = env.process(self._run())
+
+    # ------------------------------------------------------------- inputs
+    def num_in_engine(self) -> int:
+        s = self.scheduler
+        return s.num_waiting + len(s.running) + sum(1 for k, _ in self.inbox if k == "add")
+
+    def add_request(self, r: Request) -> bool:
+        """An execution arrives; False if the engine cap refuses it (503)."""
+        q = self.config.max_queued
+        if q is not None and self.num_in_engine() + 1 > q:
+            return False
+        mx = self.config.scheduler.max_model_len
+        if r.prompt_len + r.max_tokens > mx:
+            raise ValueError(f"request of {r.prompt_len}+{r.max_tokens} tokens exceeds max_model_len {mx}")
+        self.inbox.append(("add", r))
+        self._poke()
+        return True
+
+    def abort_request(self, r: Request) -> None:
+        self.inbox.append(("abort", r))
+        self._poke()
+
+    def _poke(self) -> None:
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    # ---------------------------------------------------------------- loop
+    def _run(self):
+        env = self.env
+        while True:
+            if not self.pending:
+                self.now = env.now
+                self._apply_inbox()
+                self._fill()
+                self._log_gauges()
+                if not self.pending:
+                    self._wake = env.event()
+                    yield self._wake
+                    self._wake = None
+                    continue
+            plan = self.pending[0]
+            yield env.timeout(max(0.0, plan.end - env.now))
+            self.pending.popleft()
+            self.now = plan.end
+            self._process(plan)
+            self._apply_inbox()
+            self._fill()
+            self._log_gauges()
+
+    def _fill(self) -> None:
+        sched = self.scheduler
+        while len(self.pending) < self.depth:
+            limit = self._macro_limit() if self.fast_forward else None
+            plan = sched.schedule(limit, tail=self.depth - 1)
+            if plan is None:
+                return
+            self._launch(plan)
+            if plan.count > 1:
+                # the last depth-1 steps of the run stay single plans, so the
+                # plan after the run is scheduled at the boundary it would be
+                # when stepping one step at a time
+                for _ in range(self.depth - 1):
+                    self._launch(sched.schedule(None))
+
+    def _launch(self, plan: StepPlan) -> None:
+        sched = self.scheduler
+        start = self.pending[-1].end if self.pending else self.now
+        ctx0 = sched.dec_base + plan.n_decode * (plan.index + 1)
+        if plan.count == 1:
+            dur = self.step_model.duration(plan.num_reqs, plan.num_tokens, self._pairs(plan), ctx0)
+        else:
+            dur = self.step_model.decode_run(plan.n_decode, ctx0, plan.count)
+        plan.start = start
+        plan.end = start + dur
+        self.busy_s += dur
+        for r, q, ctx in plan.prefill:
+            rec = r.record
+            if rec is not None and rec.first_scheduled_at != rec.first_scheduled_at:
+                rec.first_scheduled_at = start
+        self.pending.append(plan)
+
+    @staticmethod
+    def _pairs(plan: StepPlan) -> float:
+        return sum(q * (ctx + (q + 1) / 2.0) for _, q, ctx in plan.prefill)
+
+    def _macro_limit(self):
+        """How many identical decode steps, from the step S being scheduled,
+        may be decided now. When stepping one at a time, step S+i is scheduled
+        at the end of step S+i-depth with every input that arrived before then
+        applied, so m steps may be decided now iff no input is due before the
+        end of step S+m-1-depth."""
+        if self.inbox or any(p.count > 1 for p in self.pending):
+            return None
+        sched = self.scheduler
+        if sched.num_waiting and any(p.finishing for p in self.pending):
+            return None     # freed blocks may admit the head before the run ends
+        t_in = self.next_input_time()
+        d = self.depth
+        model = self.step_model
+        P = self.processed
+        pending = list(self.pending)
+        start = pending[-1].end if pending else self.now
+
+        def limit(plan: StepPlan, ctx0: float) -> int:
+            if t_in == INF:
+                return 1 << 30
+            S = plan.index
+            n = plan.n_decode
+
+            def boundary(j: int) -> float:     # end time of step j
+                if j <= P:
+                    return -INF
+                if j < S:
+                    return pending[j - P - 1].end
+                return start + model.decode_run(n, ctx0, j - S + 1)
+
+            a = model.fixed_s + (model.per_request_s + model.per_token_s) * n + model.per_decode_ctx_s * ctx0
+            b = model.per_decode_ctx_s * n
+            room = t_in - start
+            # k: how many steps from S end before t_in (largest k, cum(k) < room)
+            if room <= 0:
+                k = 0
+            elif b > 0:
+                k = int((-(a - b / 2) + math.sqrt((a - b / 2) ** 2 + 2 * b * room)) / b)
+            elif a > 0:
+                k = int(room / a)
+            else:
+                return 1 << 30
+            k = min(k, 1 << 30)
+            while k > 0 and boundary(S + k - 1) >= t_in:
+                k -= 1
+            while boundary(S + k) < t_in:
+                k += 1
+            if k > 0:
+                return k + d                  # S+m-1-d = S+k-1
+            m = d
+            while m > 1 and boundary(S + m - 1 - d) >= t_in:
+                m -= 1
+            return m
+        return limit
+
+    # -------------------------------------------------------------- output
+    def _process(self, plan: StepPlan) -> None:
+        sched = self.scheduler
+        t = plan.end
+        self.processed = plan.last
+        for r in plan.first_outputs:
+            if r.status == ABORTED or r.status == FINISHED:
+                continue
+            r.outputs_done += 1
+            if not r.first_output_done:
+                r.first_output_done = True
+                sched.counters["prompt_tokens_total"] += r.prompt_len
+                if r.record is not None:
+                    r.record.first_token_at = t
+                self.on_first_token(r, t)
+        for r in plan.finishing:
+            if r.status != RUNNING:
+                continue
+            sched.finish(r, plan.last)
+            if r.record is not None:
+                r.record.tokens_generated = r.outputs_done
+                r.record.finished_at = t
+                r.record.fate = "completed"
+            self.on_finished(r, t)
+
+    def _apply_inbox(self) -> None:
+        if not self.inbox:
+            return
+        sched = self.scheduler
+        items, self.inbox = self.inbox, []
+        for kind, r in items:
+            if kind == "add":
+                if r.status == ABORTED:          # aborted before it was applied
+                    continue
+                sched.add_request(r)
+            else:
+                was_waiting = r.status == WAITING
+                if r.status == WAITING and r not in sched.waiting:
+                    # its add is still in this batch's past: never reached the queue
+                    r.status = ABORTED
+                    was_waiting = True
+                elif not sched.abort(r, self.processed):
+                    continue
+                rec = r.record
+                if rec is not None:
+                    rec.fate = "aborted"
+                    rec.finished_at = self.now
+                    rec.tokens_generated = r.outputs_done
+                    # prompt work of steps that finished after the abort arrived
+                    rec.prompt_in_flight = sum(q for s, q in r.chunks if s >= self.processed)
+                if was_waiting and not r.chunks:
+                    self.aborted_before_scheduled += 1
+
+    def _log_gauges(self) -> None:
+        s = self.scheduler
+        g = (s.num_waiting, len(s.running))
+        if not self.gauge_log or self.gauge_log[-1][1:] != g:
+            self.gauge_log.append((self.now, g[0], g[1]))

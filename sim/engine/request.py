@@ -1,0 +1,47 @@
+"""An engine request: one execution as vLLM's engine sees it."""
+from __future__ import annotations
+
+WAITING, RUNNING, FINISHED, ABORTED = "waiting", "running", "finished", "aborted"
+
+
+class Request:
+    """`num_computed_tokens` and `num_output_tokens` are the scheduler's view
+    (a step's tokens count once it is scheduled, as in vLLM). While a request
+    is in the scheduler's decode group they are kept implicitly — see
+    `Scheduler.sync` — so a decode step costs nothing per request."""
+
+    __slots__ = (
+        "request_id", "call_id", "prompt_len", "max_tokens", "shared_prefix",
+        "status", "num_computed_tokens", "num_output_tokens", "outputs_done",
+        "blocks", "ever_preempted", "first_output_done", "chunks", "record",
+        # decode group
+        "decoding", "stint", "dec_start", "dec_last", "c0", "out0", "phase",
+    )
+
+    def __init__(self, request_id: int, call_id: int, prompt_len: int, max_tokens: int,
+                 shared_prefix: int = 0, record=None):
+        self.request_id = request_id
+        self.call_id = call_id
+        self.prompt_len = int(prompt_len)
+        self.max_tokens = int(max_tokens)
+        self.shared_prefix = int(shared_prefix)
+        self.status = WAITING
+        self.num_computed_tokens = 0
+        self.num_output_tokens = 0      # outputs scheduled for (optimistic)
+        self.outputs_done = 0           # outputs produced by processed steps, outside the decode group
+        self.blocks = []                # block table: list of Extent, in sequence order
+        self.ever_preempted = False
+        self.first_output_done = False
+        self.chunks = []                # [step index, prompt-work tokens] per scheduled prefill chunk
+        self.record = record            # ExecutionRecord updated by the engine, or None
+        self.decoding = False           # member of the decode group
+        self.stint = False              # dec_* fields describe its current decode stint
+        self.dec_start = self.dec_last = self.c0 = self.out0 = self.phase = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.num_output_tokens
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, {self.status}, computed={self.num_computed_tokens}, "
+                f"out={self.num_output_tokens}/{self.max_tokens})")

@@ -1,0 +1,41 @@
+"""Step-time model (SPEC §6): a physically shaped linear function of a step's
+composition — fixed cost, per request, per token, prefill attention (query x
+key pairs) and decode attention (context tokens read)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict
+
+COEFFICIENTS = ("fixed_s", "per_request_s", "per_token_s", "per_prefill_pair_s", "per_decode_ctx_s")
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    fixed_s: float
+    per_request_s: float
+    per_token_s: float
+    per_prefill_pair_s: float
+    per_decode_ctx_s: float
+
+    def __post_init__(self):
+        for k in COEFFICIENTS:
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and v >= 0):
+                raise ValueError(f"step-time coefficient {k} must be a non-negative number, got {v!r}")
+
+    def duration(self, num_reqs: int, num_tokens: int, prefill_pairs: float, decode_ctx: float) -> float:
+        return (self.fixed_s + self.per_request_s * num_reqs + self.per_token_s * num_tokens
+                + self.per_prefill_pair_s * prefill_pairs + self.per_decode_ctx_s * decode_ctx)
+
+    def decode_run(self, n: int, ctx0: float, m: int) -> float:
+        """Total time of m decode-only steps of n requests whose context sum is
+        ctx0 in the first step and grows by n per step (closed form)."""
+        a = self.fixed_s + (self.per_request_s + self.per_token_s) * n + self.per_decode_ctx_s * ctx0
+        return m * a + self.per_decode_ctx_s * n * (m * (m - 1) / 2.0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def prefill_pairs(q: int, ctx_before: int) -> float:
+    """Query-key pairs of a causal prefill chunk of q tokens after ctx_before."""
+    return q * (ctx_before + (q + 1) / 2.0)

@@ -1,0 +1,223 @@
+"""The SimPy model: the workload's calls, each driven by the client policy,
+through the proxy policy, into the engine model — all in simulated time.
+`simulate()` returns a RunLog (plain records); `sim.measures` makes the
+result record from it."""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+
+import numpy as np
+import simpy
+
+from .conditions import Condition
+from .engine.core import EngineCore, EngineConfig
+from .engine.request import Request
+from .policy.client import RetryingClient, CallState, Retry, GiveUp, Delivered
+from .policy.proxy import Proxy, Attempt, Subscribe, Dispatch, Refuse, Cancel, Complete
+from .profile import Profile
+from .runlog import RunLog, CallRecord, AttemptRecord, ExecutionRecord, Series
+from .scenario import Scenario
+from .workload import Trace
+
+INF = float("inf")
+
+
+class Timers:
+    """Driver-side timers on the SimPy clock, cancellable, with the time of
+    the next live one (the engine may not advance past it in closed form)."""
+
+    def __init__(self, env: simpy.Environment):
+        self.env = env
+        self.heap: list[list] = []
+        self._seq = 0
+
+    def at(self, t: float, fn, *args) -> list:
+        entry = [t, self._seq, fn, args, True]
+        self._seq += 1
+        heapq.heappush(self.heap, entry)
+        ev = self.env.timeout(max(0.0, t - self.env.now))
+        ev.callbacks.append(lambda _e, entry=entry: self._fire(entry))
+        return entry
+
+    def _fire(self, entry: list) -> None:
+        if entry[4]:
+            entry[4] = False
+            entry[2](entry[0], *entry[3])
+
+    @staticmethod
+    def cancel(entry: list) -> None:
+        entry[4] = False
+
+    def next_time(self) -> float:
+        h = self.heap
+        while h and not h[0][4]:
+            heapq.heappop(h)
+        return h[0][0] if h else INF
+
+
+class Run:
+    def __init__(self, profile: Profile, trace: Trace, condition: Condition, scenario: Scenario,
+                 seed: int = 0, max_batched_tokens: int | None = None, fast_forward: bool = True,
+                 snapshot_times: tuple = ()):
+        self.env = env = simpy.Environment()
+        self.trace = trace
+        self.scenario = scenario
+        self.timers = Timers(env)
+        rng = np.random.default_rng([seed, 1])   # stream of client backoff draws
+        self.client = RetryingClient(condition.client_config(scenario), lambda a, b: float(rng.uniform(a, b)))
+        self.proxy = Proxy(condition.proxy)
+        self.engine = EngineCore(env, EngineConfig(profile.scheduler_config(max_batched_tokens), profile.depth,
+                                                   condition.engine_cap),
+                                 profile.step_time, on_finished=self._on_finished,
+                                 next_input_time=self.timers.next_time, fast_forward=fast_forward)
+        n = len(trace)
+        self.calls = [CallState(i, float(trace.arrival[i])) for i in range(n)]
+        self.call_records = [CallRecord(i, float(trace.arrival[i])) for i in range(n)]
+        self.attempts: list[AttemptRecord] = []
+        self.executions: list[ExecutionRecord] = []
+        self.requests: dict[int, Request] = {}
+        self.deadline_timer: dict[int, list] = {}       # id(attempt) -> timer
+        self.attempt_rec: dict[int, AttemptRecord] = {}
+        self.outstanding = n
+        self.done = env.event()
+        self.counters_at: dict[float, dict] = {}
+        for t in snapshot_times:
+            self.timers.at(t, self._snapshot)
+        for i in range(n):
+            self.timers.at(float(trace.arrival[i]), self._send, i)
+        if n == 0:
+            self.done.succeed()
+
+    # ------------------------------------------------------------ client side
+    def _send(self, t: float, call_id: int) -> None:
+        cs = self.calls[call_id]
+        number = self.client.send(cs, t)
+        att = Attempt(call_id, number)
+        rec = AttemptRecord(call=call_id, number=number, sent_at=t)
+        self.attempts.append(rec)
+        self.attempt_rec[id(att)] = rec
+        self.call_records[call_id].attempts = cs.attempts
+        self.deadline_timer[id(att)] = self.timers.at(cs.deadline, self._deadline, att)
+        self._do(t, self.proxy.on_attempt(t, att))
+
+    def _deadline(self, t: float, att: Attempt) -> None:
+        self.deadline_timer.pop(id(att), None)
+        if not att.open:
+            return
+        rec = self.attempt_rec.pop(id(att))
+        rec.ended_at, rec.outcome = t, "timeout"
+        self._do(t, self.proxy.on_attempt_left(t, att))
+        ex = att.execution
+        if ex is not None and ex.orphaned:
+            erec = self.executions[ex.id]
+            if erec.orphaned_at != erec.orphaned_at:
+                erec.orphaned_at = t
+        self._decide(t, att.call_id, self.client.on_deadline(self.calls[att.call_id], t))
+
+    def _decide(self, t: float, call_id: int, decision) -> None:
+        if isinstance(decision, Retry):
+            self.timers.at(decision.at, self._send, call_id)
+            return
+        crec = self.call_records[call_id]
+        if isinstance(decision, Delivered):
+            crec.delivered_at = decision.at
+            crec.outcome = "delivered"
+        else:
+            crec.outcome = "failed_" + decision.reason
+        self.outstanding -= 1
+        if self.outstanding == 0 and not self.done.triggered:
+            self.done.succeed()
+
+    def _close_attempt(self, att: Attempt) -> AttemptRecord:
+        timer = self.deadline_timer.pop(id(att), None)
+        if timer is not None:
+            Timers.cancel(timer)
+        return self.attempt_rec.pop(id(att))
+
+    # ------------------------------------------------------------- proxy side
+    def _do(self, t: float, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Subscribe):
+                rec = self.attempt_rec[id(a.attempt)]
+                rec.execution = a.execution.id
+                rec.attached = a.attempt.attached
+            elif isinstance(a, Dispatch):
+                self._dispatch(t, a.execution)
+            elif isinstance(a, Cancel):
+                self.executions[a.execution.id].cancel_requested_at = t
+                self.engine.abort_request(self.requests[a.execution.id])
+            elif isinstance(a, Refuse):
+                rec = self._close_attempt(a.attempt)
+                rec.ended_at = t
+                rec.outcome = {"budget": "refused_budget", "engine": "refused_engine"}.get(a.reason, "refused_proxy")
+                self._decide(t, a.attempt.call_id,
+                             self.client.on_refused(self.calls[a.attempt.call_id], t, a.status, a.retry_after))
+            elif isinstance(a, Complete):
+                rec = self._close_attempt(a.attempt)
+                rec.ended_at, rec.outcome = t, "complete"
+                self._decide(t, a.attempt.call_id, self.client.on_complete(self.calls[a.attempt.call_id], t))
+            else:  # pragma: no cover
+                raise TypeError(f"unknown proxy action {a!r}")
+
+    def _dispatch(self, t: float, ex) -> None:
+        i = ex.call_id
+        tr = self.trace
+        erec = ExecutionRecord(id=ex.id, call=i, attempt=ex.subscribers[0].number if ex.subscribers else -1,
+                               prompt_len=int(tr.prompt_len[i]), max_tokens=int(tr.max_tokens[i]),
+                               created_at=ex.created_at, dispatched_at=t)
+        assert ex.id == len(self.executions)
+        self.executions.append(erec)
+        req = Request(ex.id, i, erec.prompt_len, erec.max_tokens, tr.shared_prefix, record=erec)
+        if self.engine.add_request(req):
+            erec.accepted = True
+            self.requests[ex.id] = req
+            self.proxy.on_dispatched(t, ex)
+        else:
+            erec.fate, erec.finished_at = "refused", t
+            self._do(t, self.proxy.on_engine_refused(t, ex))
+
+    def _on_finished(self, req: Request, t: float) -> None:
+        self.requests.pop(req.request_id, None)
+        ex = self.proxy.executions.get(req.request_id)
+        if ex is not None:
+            self._do(t, self.proxy.on_finished(t, ex))
+
+    def _snapshot(self, t: float) -> None:
+        self.counters_at[t] = dict(self.engine.scheduler.counters)
+
+    # ------------------------------------------------------------------- run
+    def run(self, until: float | None = None) -> RunLog:
+        t0 = time.perf_counter()
+        if until is None:
+            last = float(self.trace.arrival[-1]) if len(self.trace) else 0.0
+            until = last + self.scenario.delivery_horizon_s
+        self.env.run(until=simpy.AnyOf(self.env, [self.done, self.env.timeout(until)]))
+        end = self.env.now
+        wall = time.perf_counter() - t0
+        return self._log(end, wall)
+
+    def _log(self, end: float, wall: float) -> RunLog:
+        eng = self.engine
+        g = np.array(eng.gauge_log, dtype=float) if eng.gauge_log else np.zeros((1, 3))
+        ts = np.arange(0.0, math.floor(end) + 1.0)
+        idx = np.searchsorted(g[:, 0], ts, side="right") - 1
+        valid = idx >= 0
+        idx = np.maximum(idx, 0)
+        waiting = np.where(valid, g[idx, 1], 0).astype(np.int64)
+        running = np.where(valid, g[idx, 2], 0).astype(np.int64)
+        series = Series(t=ts, waiting=waiting, running=running, proxy_queue=np.zeros_like(waiting))
+        s = eng.scheduler
+        return RunLog(calls=self.call_records, attempts=self.attempts, executions=self.executions,
+                      series=series, counters=dict(s.counters), counters_at=dict(self.counters_at),
+                      engine={"steps": s.num_steps, "preemptions": s.num_preemptions,
+                              "aborted_before_scheduled": eng.aborted_before_scheduled},
+                      end_time=end, wall_s=wall, extra={"busy_s": eng.busy_s})
+
+
+def simulate(profile: Profile, trace: Trace, condition: Condition, scenario: Scenario, seed: int = 0,
+             max_batched_tokens: int | None = None, fast_forward: bool = True) -> RunLog:
+    run = Run(profile, trace, condition, scenario, seed, max_batched_tokens, fast_forward,
+              snapshot_times=(scenario.pulse_end, scenario.hold_end))
+    return run.run()

@@ -1,0 +1,9 @@
+"""The policy core: client retry logic and proxy controls as clock-free state
+machines. Inputs are events with timestamps, outputs are decisions; nothing
+here reads a clock, sleeps, does I/O or imports SimPy. The simulator
+(`sim.model`) and the live harness drive the very same objects."""
+from .client import ClientConfig, RetryingClient, CallState, Retry, GiveUp, Delivered
+from .proxy import ProxyConfig, Proxy, Execution, Attempt
+
+__all__ = ["ClientConfig", "RetryingClient", "CallState", "Retry", "GiveUp", "Delivered",
+           "ProxyConfig", "Proxy", "Execution", "Attempt"]
