@@ -59,6 +59,7 @@ class EngineCore:
         self.gauge_log: list[tuple[float, int, int]] = []   # (t, waiting, running) at changes
         self.aborted_before_scheduled = 0
         self.busy_s = 0.0
+        self.num_plans = 0           # SimPy-level step events (a closed-form run counts once)
         self.process = env.process(self._run())
 
     # ------------------------------------------------------------- inputs
@@ -135,6 +136,7 @@ class EngineCore:
         plan.start = start
         plan.end = start + dur
         self.busy_s += dur
+        self.num_plans += 1
         for r, q, ctx in plan.prefill:
             rec = r.record
             if rec is not None and rec.first_scheduled_at != rec.first_scheduled_at:

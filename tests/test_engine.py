@@ -1,0 +1,175 @@
+"""Engine semantics on hand-built tiny scenarios with exact expected numbers.
+Unless said otherwise every step takes 1 s, blocks hold 4 tokens, the token
+budget is 8 and one step is in flight (depth 1)."""
+import math
+
+import pytest
+
+from engine_harness import Harness
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_chunked_prefill_splits_prompt_under_budget(depth):
+    h = Harness(depth=depth)
+    a = h.add(0.0, 0, prompt=20, max_tokens=3)
+    h.run()
+    assert h.requests[0].chunks == [[0, 8], [1, 8], [2, 4]]
+    assert a.prompt_computed == 20
+    assert a.first_scheduled_at == 0.0
+    assert a.first_token_at == 3.0          # end of the step that completes the prefill
+    assert a.finished_at == 5.0             # then one token per step
+    assert a.tokens_generated == 3 and a.fate == "completed"
+    assert h.sched.num_steps == 5
+
+
+def test_running_requests_are_served_before_waiting_ones():
+    h = Harness()
+    a = h.add(0.0, 0, prompt=6, max_tokens=2)
+    b = h.add(0.0, 1, prompt=10, max_tokens=2)
+    h.run()
+    # step 0: A 6 + B 2 (budget left); step 1: A decodes 1, B takes the other 7
+    assert h.requests[1].chunks == [[0, 2], [1, 7], [2, 1]]
+    assert (a.first_token_at, a.finished_at) == (1.0, 2.0)
+    assert (b.first_token_at, b.finished_at) == (3.0, 4.0)
+
+
+def test_head_of_line_blocking_when_whole_prompt_does_not_fit():
+    h = Harness(num_gpu_blocks=10, budget=64)
+    h.add(0.0, 0, prompt=30, max_tokens=10)     # 8 blocks, grows to 10 while decoding
+    b = h.add(0.5, 1, prompt=12, max_tokens=1)  # needs 3 blocks: only 2 free
+    c = h.add(0.6, 2, prompt=4, max_tokens=1)   # needs 1 block and 1 is free, but B is ahead
+    h.run()
+    assert h.requests[0].record.finished_at == 10.0
+    assert b.first_scheduled_at == 10.0
+    assert c.first_scheduled_at == 10.0
+
+
+def test_preemption_takes_most_recent_and_returns_it_to_the_front():
+    h = Harness(num_gpu_blocks=6, budget=64)
+    a = h.add(0.0, 0, prompt=8, max_tokens=10)
+    b = h.add(0.0, 1, prompt=8, max_tokens=10)
+    c = h.add(5.5, 2, prompt=4, max_tokens=1)   # arrives after the preemption, queues behind B
+    h.run()
+    assert h.sched.num_preemptions == 1
+    assert (a.preemptions, b.preemptions) == (0, 1)
+    assert a.finished_at == 10.0
+    # B left with 5 outputs (13 tokens); at step 9 A evicted the top block of
+    # B's cached prompt, so B's readmission at step 10 hits one block
+    assert b.prefix_hit_tokens == 4
+    assert b.prompt_computed == 8 + (13 - 4)
+    assert b.first_scheduled_at == 0.0
+    assert b.finished_at == 15.0 and b.tokens_generated == 10
+    assert c.first_scheduled_at == 10.0       # behind B at the head of the queue
+    # queries count each request once, at its first admission
+    assert h.sched.counters["prefix_cache_queries_total"] == 8 + 8 + 4
+    assert h.sched.counters["prefix_cache_hits_total"] == 0
+
+
+def test_prefix_cache_hit_on_shared_prefix():
+    h = Harness(budget=64)
+    h.add(0.0, 0, prompt=12, max_tokens=1, prefix=8)
+    b = h.add(2.0, 1, prompt=12, max_tokens=1, prefix=8)
+    h.run()
+    assert b.prefix_hit_tokens == 8
+    assert b.prompt_computed == 4
+    assert h.sched.counters["prefix_cache_hits_total"] == 8
+    assert h.sched.counters["prefix_cache_queries_total"] == 24
+
+
+def test_retry_hits_its_aborted_predecessors_blocks():
+    h = Harness(budget=64)
+    a = h.add(0.0, 0, prompt=16, max_tokens=5, call=7)
+    h.abort(1.5, 0)
+    b = h.add(3.0, 1, prompt=16, max_tokens=1, call=7)   # same call: same prompt
+    c = h.add(3.0, 2, prompt=16, max_tokens=1, call=8)   # another call
+    h.run()
+    assert a.fate == "aborted" and a.finished_at == 2.0
+    assert b.prefix_hit_tokens == 12        # all but the last token, in whole blocks
+    assert b.prompt_computed == 4
+    assert c.prefix_hit_tokens == 0
+
+
+def test_freed_blocks_are_evicted_tail_first():
+    h = Harness(num_gpu_blocks=8, budget=64)
+    h.add(0.0, 0, prompt=17, max_tokens=1, call=1)   # 5 blocks: 4 full prompt blocks + a partial one
+    h.add(2.0, 1, prompt=20, max_tokens=1, call=2)   # 5 blocks: evicts 3 never-used, the partial, and A's block 3
+    b = h.add(4.0, 2, prompt=17, max_tokens=1, call=1)
+    h.run()
+    assert b.prefix_hit_tokens == 12        # blocks 0-2 survived, block 3 went first
+    assert h.sched.pool.evicted >= 1
+
+
+def test_abort_while_waiting_computes_nothing():
+    h = Harness()
+    h.add(0.0, 0, prompt=64, max_tokens=1)           # takes the whole budget for 8 steps
+    b = h.add(0.5, 1, prompt=8, max_tokens=1)
+    h.abort(2.5, 1)
+    h.run()
+    assert b.fate == "aborted" and b.finished_at == 3.0
+    assert b.prompt_computed == 0
+    assert math.isnan(b.first_scheduled_at)
+    assert h.engine.aborted_before_scheduled == 1
+
+
+@pytest.mark.parametrize("depth,computed,in_flight", [(1, 24, 8), (2, 32, 16)])
+def test_abort_counts_steps_in_flight(depth, computed, in_flight):
+    # the abort arrives during step 2: steps 0-1 finished before it (body);
+    # step 2 and, at depth 2, step 3 were issued before it and finish after
+    h = Harness(depth=depth)
+    a = h.add(0.0, 0, prompt=40, max_tokens=1)
+    h.abort(2.5, 0)
+    h.run()
+    assert a.fate == "aborted" and a.finished_at == 3.0
+    assert a.prompt_computed == computed
+    assert a.prompt_in_flight == in_flight
+
+
+def test_prompt_tokens_total_misses_prompt_aborted_before_first_output():
+    h = Harness()
+    h.add(0.0, 0, prompt=40, max_tokens=1)
+    h.abort(2.5, 0)
+    h.add(4.0, 1, prompt=8, max_tokens=1)
+    h.run()
+    c = h.sched.counters
+    assert c["prompt_tokens_total"] == 8
+    assert c["prefix_cache_queries_total"] == 48
+
+
+def test_abort_at_depth_two_leaves_after_next_step():
+    # a decoding request aborted during step k still runs in steps k and k+1
+    h = Harness(depth=2)
+    a = h.add(0.0, 0, prompt=8, max_tokens=50)
+    h.abort(5.5, 0)
+    h.run()
+    assert a.finished_at == 6.0
+    assert a.tokens_generated == 6       # outputs of steps 0-5; step 6's is discarded
+    assert h.sched.num_steps == 7        # steps 0..6 ran
+
+
+def test_engine_cap_refuses_beyond_q():
+    h = Harness(max_queued=2)
+    h.add(0.0, 0, prompt=64, max_tokens=1)
+    h.add(0.1, 1, prompt=8, max_tokens=1)
+    h.add(0.2, 2, prompt=8, max_tokens=1)
+    h.run()
+    assert h.refused == [2]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_decode_runs_in_closed_form_match_single_steps(depth):
+    from sim.engine.step_time import StepTimeModel
+    model = StepTimeModel(0.01, 0.001, 0.0001, 1e-7, 1e-6)
+    out, plans = [], []
+    for ff in (True, False):
+        h = Harness(num_gpu_blocks=60, budget=32, depth=depth, model=model, fast_forward=ff)
+        recs = [h.add(0.05 * i, i, prompt=20 + 3 * i, max_tokens=30 + 7 * i) for i in range(8)]
+        h.abort(0.7, 3)
+        h.run()
+        out.append([(r.first_token_at, r.finished_at, r.tokens_generated, r.prompt_computed, r.preemptions)
+                    for r in recs] + [h.sched.num_steps, h.sched.num_preemptions])
+        plans.append(h.engine.num_plans)
+    assert out[0][-2:] == out[1][-2:]
+    assert plans[1] == out[1][-2] and plans[0] < plans[1] / 2   # runs of decode steps were collapsed
+    for x, y in zip(out[0][:-2], out[1][:-2]):
+        assert x[2:] == y[2:]
+        assert x[0] == pytest.approx(y[0], rel=1e-12) and x[1] == pytest.approx(y[1], rel=1e-12)
