@@ -1,0 +1,231 @@
+"""`llmsim` command line (SPEC §9). Every command exits non-zero with a
+one-line reason on bad input."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+from . import measures
+from .capacity import capacity_protocol
+from .conditions import CONDITIONS, DIAGNOSTIC, get_condition
+from .latency import latency
+from .model import simulate
+from .profile import ProfileError, load_profile, embedded_names
+from .scenario import PAPER
+from .workload import make_trace
+
+DEFAULT_MODEL = "qwen2.5-7b"
+
+
+class UsageError(Exception):
+    pass
+
+
+def _profile(name: str):
+    try:
+        return load_profile(name)
+    except ProfileError as e:
+        raise UsageError(str(e)) from None
+
+
+def _positive(kind=float, allow_zero=False):
+    def parse(s: str):
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {'number' if kind is float else 'whole number'}, got {s!r}")
+        if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"must be {'non-negative' if allow_zero else 'positive'}, got {s}")
+        return v
+    return parse
+
+
+def _write_json(path: str | None, obj) -> None:
+    if not path:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        raise UsageError(f"cannot write {path}: directory {d} does not exist")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, allow_nan=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _scenario(args):
+    return PAPER.with_(pulse=args.pulse)
+
+
+def run_one(profile, condition: str, pulse: float, seed: int, max_batched_tokens=None, mixed_prompts=False,
+            trace=None, fast_forward=True) -> dict:
+    cond = get_condition(condition)
+    sc = PAPER.with_(pulse=pulse)
+    if trace is None:
+        trace = make_trace(profile.capacity, sc, seed, mixed_prompts=mixed_prompts)
+    log = simulate(profile, trace, cond, sc, seed, max_batched_tokens=max_batched_tokens, fast_forward=fast_forward)
+    inputs = {"model": profile.name, "condition": condition, "pulse": pulse, "seed": seed,
+              "max_batched_tokens": max_batched_tokens or profile.engine["max_num_batched_tokens"],
+              "mixed_prompts": mixed_prompts, "condition_settings": cond.settings(),
+              "profile_provenance": profile.provenance.get("kind")}
+    return measures.record(log, sc, profile.capacity, inputs)
+
+
+# ------------------------------------------------------------------ commands
+def cmd_run(a) -> int:
+    prof = _profile(a.model)
+    rec = run_one(prof, a.condition, a.pulse, a.seed, a.max_batched_tokens, a.mixed_prompts)
+    print(measures.summary(rec))
+    _write_json(a.json, rec)
+    return 0
+
+
+def cmd_capacity(a) -> int:
+    prof = _profile(a.model)
+    sc = PAPER
+
+    def progress(st):
+        print(f"  stage {st['stage']}: {st['rate']:.3f} calls/s (realised {st['realised_rate']:.3f}), "
+              f"waiting queue growth {st['queue_growth']:+.3f}/s", file=sys.stderr, flush=True)
+    res = capacity_protocol(prof, sc, seed=a.seed, start_rate=a.start_rate, max_batched_tokens=a.max_batched_tokens,
+                            progress=progress)
+    res["model"] = prof.name
+    res["profile_capacity"] = prof.capacity
+    print(f"{prof.name}: capacity {res['capacity']:.3f} calls/s "
+          f"(saturated at stage {res['saturated_stage']}; profile says {prof.capacity:.3f})")
+    _write_json(a.json, res)
+    return 0
+
+
+def cmd_latency(a) -> int:
+    prof = _profile(a.model)
+    res = latency(prof, a.rate, a.duration, seed=a.seed, max_batched_tokens=a.max_batched_tokens)
+    print(f"{prof.name} at {a.rate:g} calls/s for {a.duration:g} s ({res['calls']} calls after warm-up): "
+          f"TTFT p50 {res['ttft_p50']:.3f} s, p90 {res['ttft_p90']:.3f} s; "
+          f"E2E p50 {res['e2e_p50']:.3f} s, p90 {res['e2e_p90']:.3f} s")
+    _write_json(a.json, res)
+    return 0
+
+
+def _pct(c: dict, k: str) -> str:
+    return f"{100.0 * c[k] / c['offered']:.1f}%" if c["offered"] else "-"
+
+
+def diagnose_table(recs: list[dict]) -> str:
+    head = ("condition", "hold deliv", "hold <=120s", "pulse deliv", "pulse <=120s", "primary deliv",
+            "primary <=120s", "recovered", "created/C", "accepted/C")
+    rows = [head]
+    for r in recs:
+        co = r["cohorts"]
+        rows.append((r["condition"], _pct(co["hold"], "delivered"), _pct(co["hold"], "within_deadline"),
+                     _pct(co["pulse"], "delivered"), _pct(co["pulse"], "within_deadline"),
+                     _pct(co["primary"], "delivered"), _pct(co["primary"], "within_deadline"),
+                     f"yes, {r['recovery_time_s']:.0f} s" if r["recovered"] else "no",
+                     f"{r['rates_xC']['created']:.2f}", f"{r['rates_xC']['accepted']:.2f}"))
+    w = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(row)) for row in rows)
+
+
+def cmd_diagnose(a) -> int:
+    prof = _profile(a.model)
+    sc = PAPER.with_(pulse=a.pulse)
+    trace = make_trace(prof.capacity, sc, a.seed)
+    print(f"{prof.name}: capacity {prof.capacity:.3f} calls/s ({prof.provenance.get('kind')}); pulse {a.pulse:g} x C "
+          f"for {sc.pulse_s:g} s, hold {sc.hold_load:g} x C; {len(trace)} calls, seed {a.seed}", flush=True)
+    recs = []
+    for c in DIAGNOSTIC:
+        t0 = time.perf_counter()
+        recs.append(run_one(prof, c, a.pulse, a.seed, trace=trace))
+        print(f"  ran {c} in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+    print(diagnose_table(recs))
+    print("recovered: two consecutive 60 s hold windows each delivering >= 98% within 120 s with an empty queue; "
+          "time counted from the pulse end")
+    _write_json(a.json, {"model": prof.name, "pulse": a.pulse, "seed": a.seed, "capacity": prof.capacity,
+                         "runs": recs})
+    return 0
+
+
+def cmd_conditions(a) -> int:
+    for name, c in CONDITIONS.items():
+        s = c.settings()
+        print(f"{name:24s} retries {s['retries']:3s}  cancellation {s['cancellation']:4s}  "
+              f"engine cap {s['engine_cap'] if s['engine_cap'] else '-'}")
+    return 0
+
+
+# -------------------------------------------------------------------- parser
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _model_arg(p):
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"embedded profile ({', '.join(embedded_names())}) or a profile JSON path "
+                        f"(default {DEFAULT_MODEL})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="llmsim", description="Simulate a vLLM engine behind retrying clients and an "
+                                           "overload-control proxy: does service come back after a burst?")
+    sub = ap.add_subparsers(dest="command", parser_class=_Parser, required=True)
+
+    p = sub.add_parser("run", help="one run of one condition; prints a summary, writes the result record")
+    _model_arg(p)
+    p.add_argument("--condition", required=True, help=f"one of: {', '.join(CONDITIONS)}")
+    p.add_argument("--pulse", type=_positive(), default=PAPER.pulse, help="pulse rate in multiples of capacity")
+    p.add_argument("--seed", type=_positive(int, allow_zero=True), default=0)
+    p.add_argument("--max-batched-tokens", type=_positive(int), default=None)
+    p.add_argument("--mixed-prompts", action="store_true", help="half the calls get 3,000-token prompts")
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("capacity", help="the capacity protocol (SPEC §6) on the simulator")
+    _model_arg(p)
+    p.add_argument("--seed", type=_positive(int, allow_zero=True), default=0)
+    p.add_argument("--start-rate", type=_positive(), default=1.0)
+    p.add_argument("--max-batched-tokens", type=_positive(int), default=None)
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(fn=cmd_capacity)
+
+    p = sub.add_parser("latency", help="steady Poisson load straight to the engine: TTFT and E2E percentiles")
+    _model_arg(p)
+    p.add_argument("--rate", type=_positive(), required=True, help="calls/s")
+    p.add_argument("--duration", type=_positive(), default=600.0, help="seconds of arrivals (default 600)")
+    p.add_argument("--seed", type=_positive(int, allow_zero=True), default=0)
+    p.add_argument("--max-batched-tokens", type=_positive(int), default=None)
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(fn=cmd_latency)
+
+    p = sub.add_parser("diagnose", help="the four diagnostic conditions on one trace, as a table")
+    _model_arg(p)
+    p.add_argument("--pulse", type=_positive(), default=PAPER.pulse)
+    p.add_argument("--seed", type=_positive(int, allow_zero=True), default=0)
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(fn=cmd_diagnose)
+
+    p = sub.add_parser("conditions", help="list the named conditions")
+    p.set_defaults(fn=cmd_conditions)
+    return ap
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if getattr(args, "condition", None) is not None and args.condition not in CONDITIONS:
+            raise UsageError(f"unknown condition {args.condition!r}; valid: {', '.join(CONDITIONS)}")
+        return args.fn(args)
+    except UsageError as e:
+        print(f"llmsim: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("llmsim: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

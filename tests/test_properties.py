@@ -1,0 +1,416 @@
+"""Property tests of whole simulated runs on random small engines and scenarios.
+
+Each example builds a small profile (a few hundred to a few thousand KV
+blocks, steps of ~5-50 ms) and a short scenario (base / pulse / hold of tens
+of seconds, deadlines of seconds), runs `simulate()` under a named condition
+and checks what must hold of any run: every call ends once, the records of
+calls, attempts and executions are consistent with each other and with the
+engine's counters, a seed reproduces a run, the closed-form fast-forward gives
+the run that stepping one step at a time gives, and without retries a light
+hold after the pulse recovers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+
+from sim.capacity import capacity_protocol
+from sim.conditions import CONDITIONS, Condition
+from sim.measures import record
+from sim.model import simulate
+from sim.profile import Profile, from_dict
+from sim.runlog import RunLog
+from sim.scenario import Scenario
+from sim.workload import Trace, make_trace
+
+OUTCOMES = ("delivered", "failed_attempts", "failed_retry_after")
+FATES = ("", "completed", "aborted", "dropped", "refused")
+ATTEMPT_OUTCOMES = ("", "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy")
+MAX_CALLS = 1500        # keeps one run well under a tenth of a second
+
+
+# --------------------------------------------------------------------------
+# Small engines and scenarios
+# --------------------------------------------------------------------------
+
+def estimated_capacity(profile: Profile, s: Scenario) -> float:
+    """A rough closed-form Ĉ (calls/s) of a small profile under a scenario's
+    workload: the lower of the prefill-throughput bound and the bound from
+    the requests that fit at once (seats, KV) over their residence time.
+    Used only to scale the load; within ~30% of `capacity_protocol`."""
+    m, e = profile.step_time, profile.engine
+    B = e["max_num_batched_tokens"]
+    full = (m.fixed_s + m.per_token_s * B + m.per_request_s * 4
+            + m.per_prefill_pair_s * B * (s.prompt_mean / 2 + B / 2))
+    work = s.prompt_mean - s.shared_prefix + s.response_mean
+    prefill_bound = B / full / work
+    seats = min(e["max_num_seqs"], e["num_gpu_blocks"] * e["block_size"] / (s.prompt_mean + s.response_mean))
+    decode = (m.fixed_s + (m.per_request_s + m.per_token_s) * seats
+              + m.per_decode_ctx_s * seats * s.prompt_mean)
+    residence = s.response_mean * decode + (s.prompt_mean / B) * full
+    return min(prefill_bound, seats / residence)
+
+
+@st.composite
+def profiles(draw) -> Profile:
+    B = draw(st.sampled_from([512, 1024, 2048]))
+    d = {
+        "name": "small-test",
+        "step_time": {
+            "fixed_s": draw(st.floats(0.004, 0.03)),
+            "per_request_s": draw(st.floats(0.0, 3e-4)),
+            # a full token budget adds 2-30 ms
+            "per_token_s": draw(st.floats(0.002, 0.03)) / B,
+            "per_prefill_pair_s": draw(st.floats(0.0, 2e-9)),
+            "per_decode_ctx_s": draw(st.floats(0.0, 5e-8)),
+        },
+        "engine": {
+            "max_num_seqs": draw(st.integers(8, 64)),
+            "max_num_batched_tokens": B,
+            "block_size": 16,
+            "num_gpu_blocks": draw(st.integers(300, 3000)),
+            "depth": draw(st.sampled_from([1, 2])),
+            "max_model_len": 32768,
+        },
+        "capacity": 1.0,
+        "provenance": {"kind": "property test"},
+    }
+    return from_dict(d, "property test")
+
+
+@st.composite
+def scenarios(draw, hold_load=st.floats(0.2, 0.9), pulse=st.floats(1.2, 3.0), max_retries=st.integers(1, 3),
+              pulse_s=st.sampled_from([10.0, 15.0, 20.0])) -> Scenario:
+    prompt_mean = draw(st.floats(200.0, 1500.0))
+    shared = draw(st.sampled_from([64, 128, 256]))
+    median = draw(st.floats(10.0, 30.0))
+    deadline = draw(st.floats(5.0, 20.0))
+    window = draw(st.sampled_from([10.0, 15.0, 20.0]))
+    hold = draw(st.sampled_from([60.0, 90.0, 120.0]))
+    return Scenario(
+        base_s=draw(st.sampled_from([10.0, 20.0])), pulse_s=draw(pulse_s), hold_s=hold,
+        base_load=draw(st.floats(0.2, 0.8)), hold_load=draw(hold_load), pulse=draw(pulse),
+        prompt_mean=prompt_mean, prompt_sd=draw(st.floats(0.0, 0.2)) * prompt_mean,
+        shared_prefix=shared, mixed_prompt_len=shared + 100,
+        response_median=median, response_mean=median * draw(st.floats(1.1, 1.8)),
+        deadline_s=deadline, max_retries=draw(max_retries),
+        backoff_min_s=0.25, backoff_max_s=draw(st.sampled_from([1.0, 3.0])), max_retry_after_s=120.0,
+        delivery_horizon_s=deadline * draw(st.floats(2.0, 5.0)),
+        primary_skip_s=window, window_s=window,
+    )
+
+
+@st.composite
+def conditions(draw, names=tuple(CONDITIONS)) -> Condition:
+    cond = CONDITIONS[draw(st.sampled_from(sorted(names)))]
+    if cond.engine_cap is not None and draw(st.booleans()):
+        # a cap the small engine actually reaches
+        cond = dataclasses.replace(cond, name=cond.name + "-small", engine_cap=draw(st.integers(2, 40)))
+    return cond
+
+
+@dataclasses.dataclass
+class Case:
+    profile: Profile
+    scenario: Scenario
+    condition: Condition
+    trace: Trace
+    capacity: float
+    seed: int
+
+    def run(self, fast_forward: bool = True) -> RunLog:
+        return simulate(self.profile, self.trace, self.condition, self.scenario, seed=self.seed,
+                        fast_forward=fast_forward)
+
+    def record(self, log: RunLog) -> dict:
+        return record(log, self.scenario, self.capacity,
+                      {"model": self.profile.name, "condition": self.condition.name,
+                       "pulse": self.scenario.pulse, "seed": self.seed})
+
+    def __repr__(self) -> str:
+        return (f"Case(profile={self.profile.raw!r},\n     scenario={self.scenario!r},\n"
+                f"     condition={self.condition!r}, capacity={self.capacity!r}, seed={self.seed}, "
+                f"calls={len(self.trace)})")
+
+
+def _trace_fits(profile: Profile, trace: Trace) -> bool:
+    """Every request fits in the KV pool with room to spare (otherwise it can
+    never run, and max_model_len would refuse it)."""
+    if not len(trace):
+        return True
+    longest = int((trace.prompt_len + trace.max_tokens).max())
+    return longest <= min(profile.engine["max_model_len"], profile.kv_tokens // 2)
+
+
+@st.composite
+def cases(draw, names=tuple(CONDITIONS)) -> Case:
+    profile = draw(profiles())
+    scenario = draw(scenarios())
+    condition = draw(conditions(names))
+    seed = draw(st.integers(0, 2**16))
+    cap = estimated_capacity(profile, scenario)
+    s = scenario
+    expected = cap * (s.base_load * s.base_s + s.pulse * s.pulse_s + s.hold_load * s.hold_s)
+    if expected > MAX_CALLS:
+        # a fast engine: scale the whole load down rather than run thousands of
+        # calls; the pulse still overloads whenever pulse * scale > 1
+        scale = MAX_CALLS / expected
+        scenario = s.with_(base_load=s.base_load * scale, hold_load=s.hold_load * scale,
+                           pulse=max(s.pulse * scale, min(1.2, s.pulse)))
+    trace = make_trace(cap, scenario, seed, mixed_prompts=draw(st.booleans()))
+    assume(_trace_fits(profile, trace))
+    return Case(profile, scenario, condition, trace, cap, seed)
+
+
+# --------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------
+
+def _isnan(x: float) -> bool:
+    return x != x
+
+
+def hit_time_limit(case: Case, log: RunLog) -> bool:
+    last = float(case.trace.arrival[-1]) if len(case.trace) else 0.0
+    return log.end_time >= last + case.scenario.delivery_horizon_s - 1e-9
+
+
+def assert_close(a, b, path: str = "record", rel: float = 1e-9) -> None:
+    """Equal structure; floats within a relative tolerance, everything else exact."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict), path
+        assert a.keys() == b.keys(), f"{path}: keys {sorted(a.keys() ^ b.keys())}"
+        for k in a:
+            assert_close(a[k], b[k], f"{path}.{k}", rel)
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{path}: {len(a)} vs {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_close(x, y, f"{path}[{i}]", rel)
+    elif isinstance(a, float) and not isinstance(a, bool):
+        assert isinstance(b, float), f"{path}: {a!r} vs {b!r}"
+        if math.isnan(a) or math.isnan(b):
+            assert math.isnan(a) and math.isnan(b), f"{path}: {a!r} vs {b!r}"
+        else:
+            assert math.isclose(a, b, rel_tol=rel, abs_tol=1e-12), f"{path}: {a!r} vs {b!r}"
+    else:
+        assert type(a) is type(b) and a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def _without_wall(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if k != "wall_s"}
+
+
+# --------------------------------------------------------------------------
+# Properties
+# --------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_every_call_ends_in_one_outcome(case: Case):
+    log = case.run()
+    s = case.scenario
+    retries = s.max_retries if case.condition.retries else 0
+    limit = hit_time_limit(case, log)
+    assert len(log.calls) == len(case.trace)
+    for c in log.calls:
+        assert c.outcome in OUTCOMES or (c.outcome == "" and limit), (c, log.end_time)
+        assert (c.outcome == "delivered") == (not _isnan(c.delivered_at)), c
+        assert 1 <= c.attempts <= retries + 1, c
+        if c.outcome == "delivered":
+            assert c.planned_at <= c.delivered_at <= log.end_time + 1e-9, c
+        if c.outcome == "failed_attempts":
+            assert c.attempts == retries + 1, c
+    # each call's attempts are numbered 0..n-1, sent in order, and only its
+    # last one can still be open; a delivered call's last attempt completed
+    by_call: dict[int, list] = {}
+    for a in log.attempts:
+        by_call.setdefault(a.call, []).append(a)
+        assert a.outcome in ATTEMPT_OUTCOMES, a
+        assert (a.outcome == "") == _isnan(a.ended_at), a
+        if a.outcome:
+            assert a.sent_at <= a.ended_at, a
+        if a.outcome == "timeout":
+            assert math.isclose(a.ended_at - a.sent_at, s.deadline_s, rel_tol=1e-9, abs_tol=1e-9), a
+    for c in log.calls:
+        atts = by_call.get(c.id, [])
+        assert [a.number for a in atts] == list(range(c.attempts)), c
+        assert all(x.sent_at <= y.sent_at for x, y in zip(atts, atts[1:])), c
+        assert all(a.outcome for a in atts[:-1]), c
+        assert atts[0].sent_at == c.planned_at, c
+        last = atts[-1]
+        if c.outcome == "delivered":
+            assert last.outcome == "complete" and last.ended_at == c.delivered_at, (c, last)
+        elif c.outcome:
+            assert last.outcome not in ("", "complete"), (c, last)
+        else:
+            assert limit
+    if not limit:
+        assert all(c.outcome for c in log.calls)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_attempts_executions_and_counters_are_conserved(case: Case):
+    log = case.run()
+    rec = case.record(log)
+    calls, atts, exs = log.calls, log.attempts, log.executions
+
+    # attempts
+    assert len(atts) == sum(c.attempts for c in calls)
+    assert rec["attempts"]["sent"] == len(atts)
+    assert rec["attempts"]["first"] == len(calls)
+
+    # executions: ids 0..n-1; each created by exactly one (non-attached) attempt
+    assert [e.id for e in exs] == list(range(len(exs)))
+    creators = Counter()
+    for a in atts:
+        if a.execution >= 0:
+            assert a.execution < len(exs), a
+            e = exs[a.execution]
+            assert e.call == a.call, (a, e)
+            if not a.attached:
+                creators[a.execution] += 1
+                assert e.attempt == a.number, (a, e)
+                assert e.created_at == a.sent_at, (a, e)
+    for e in exs:
+        assert creators[e.id] == 1, e
+
+    # the engine's answer to every dispatched execution
+    dispatched = [e for e in exs if not _isnan(e.dispatched_at)]
+    accepted = sum(e.accepted for e in exs)
+    refused = sum(e.fate == "refused" for e in exs)
+    assert accepted + refused == len(dispatched)
+    for e in exs:
+        assert e.fate in FATES, e
+        assert (e.fate == "") == _isnan(e.finished_at), e
+        if e.accepted:
+            assert not _isnan(e.dispatched_at) and e.fate not in ("refused", "dropped"), e
+        else:
+            assert e.fate in ("refused", "dropped", "") and e.prompt_computed == 0, e
+            assert _isnan(e.first_scheduled_at) and e.tokens_generated == 0, e
+        if _isnan(e.dispatched_at):
+            assert e.fate in ("dropped", ""), e
+        if e.fate in ("completed", "aborted"):
+            assert e.accepted, e
+        if e.fate == "completed":
+            assert e.tokens_generated == e.max_tokens, e
+            assert not _isnan(e.first_token_at), e
+        assert 0 <= e.tokens_generated <= e.max_tokens, e
+        assert 0 <= e.prompt_in_flight <= e.prompt_computed, e
+        if e.fate != "aborted":
+            assert e.prompt_in_flight == 0, e
+        if not _isnan(e.first_token_at):
+            assert e.created_at <= e.dispatched_at <= e.first_scheduled_at <= e.first_token_at, e
+        if e.fate:
+            assert e.created_at <= e.finished_at, e
+        if e.fate == "refused":
+            assert e.finished_at == e.dispatched_at, e
+    if case.condition.engine_cap is None:
+        assert refused == 0
+
+    # fates partition the executions
+    ex = rec["executions"]
+    assert ex["created"] == len(exs)
+    assert ex["completed"] + ex["aborted"] + ex["dropped"] + ex["refused"] + ex["live_at_end"] == ex["created"]
+    assert ex["accepted"] == accepted
+    # an attempt that completed got its execution's output
+    for a in atts:
+        if a.outcome == "complete":
+            assert exs[a.execution].fate == "completed", a
+            assert exs[a.execution].finished_at == a.ended_at, a
+        if a.outcome == "refused_engine":
+            assert exs[a.execution].fate == "refused", a
+
+    # prompt work
+    pt = rec["prompt_tokens"]
+    assert pt["computed"] == sum(e.prompt_computed for e in exs)
+    assert pt["never_aborted"] + pt["aborted_body"] + pt["aborted_in_flight"] == pt["computed"]
+    assert min(pt.values()) >= 0
+    assert pt["missed_by_counter"] <= pt["aborted_body"] + pt["aborted_in_flight"]
+
+    # engine counters, as vLLM defines them
+    k = log.counters
+    assert 0 <= k["prefix_cache_hits_total"] <= k["prefix_cache_queries_total"]
+    # prompt_tokens_total: full prompt once, at the first output token
+    assert k["prompt_tokens_total"] == sum(e.prompt_len for e in exs if not _isnan(e.first_token_at))
+    # queries: full prompt once, at the first admission (which schedules a chunk)
+    assert k["prefix_cache_queries_total"] == sum(e.prompt_len for e in exs if not _isnan(e.first_scheduled_at))
+    assert k["prefix_cache_hits_total"] <= sum(e.prefix_hit_tokens for e in exs)
+    for e in exs:
+        assert e.prefix_hit_tokens <= (e.preemptions + 1) * (e.prompt_len + e.max_tokens), e
+    assert log.engine["preemptions"] == sum(e.preemptions for e in exs)
+    assert log.engine["aborted_before_scheduled"] <= ex["aborted"]
+    # snapshots are monotone
+    snaps = [log.counters_at[t] for t in sorted(log.counters_at)] + [k]
+    for a, b in zip(snaps, snaps[1:]):
+        for key in a:
+            assert a[key] <= b[key], key
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_a_seed_reproduces_the_run(case: Case):
+    a, b = case.run(), case.run()
+    assert _nan_equal(a.calls, b.calls)
+    assert _nan_equal(a.attempts, b.attempts)
+    assert _nan_equal(a.executions, b.executions)
+    assert a.end_time == b.end_time and a.counters == b.counters and a.engine == b.engine
+    ra, rb = _without_wall(case.record(a)), _without_wall(case.record(b))
+    assert ra == rb
+
+
+def _nan_equal(xs: list, ys: list) -> bool:
+    """Record lists equal field by field, NaN equal to NaN."""
+    def norm(v):
+        return None if isinstance(v, float) and v != v else v
+    return len(xs) == len(ys) and all(
+        tuple(map(norm, dataclasses.astuple(x))) == tuple(map(norm, dataclasses.astuple(y)))
+        for x, y in zip(xs, ys))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_fast_forward_matches_stepping_one_step_at_a_time(case: Case):
+    fast, slow = case.run(fast_forward=True), case.run(fast_forward=False)
+    assert fast.engine["steps"] == slow.engine["steps"]
+    assert_close(_without_wall(case.record(fast)), _without_wall(case.record(slow)))
+
+
+def _recovery_case(profile: Profile, scenario: Scenario, condition: Condition, seed: int) -> Case:
+    est = estimated_capacity(profile, scenario)
+    cal = capacity_protocol(profile, scenario, seed=seed, start_rate=est / 3.0, factor=1.5,
+                            stage_s=20.0, max_stages=14)
+    return Case(profile, scenario, condition, make_trace(cal["capacity"], scenario, seed), cal["capacity"], seed)
+
+
+@st.composite
+def light_hold_cases(draw) -> Case:
+    profile = draw(profiles())
+    # a short pulse, then a hold well below capacity, long enough to drain the
+    # backlog and show two good windows
+    scenario = draw(scenarios(hold_load=st.floats(0.3, 0.5), pulse=st.floats(1.5, 2.7),
+                              max_retries=st.just(3), pulse_s=st.sampled_from([10.0, 15.0])))
+    scenario = scenario.with_(hold_s=120.0, base_load=min(scenario.base_load, 0.5))
+    est = estimated_capacity(profile, scenario)
+    s = scenario
+    assume(est * (s.base_load * s.base_s + s.pulse * s.pulse_s + s.hold_load * s.hold_s) <= 2 * MAX_CALLS)
+    condition = CONDITIONS[draw(st.sampled_from(["no-retry", "no-retry+cancel"]))]
+    case = _recovery_case(profile, scenario, condition, draw(st.integers(0, 2**16)))
+    assume(_trace_fits(profile, case.trace))
+    return case
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(light_hold_cases())
+def test_without_retries_a_light_hold_recovers(case: Case):
+    log = case.run()
+    rec = case.record(log)
+    assert rec["calls_failed"]["outstanding"] == 0
+    assert rec["attempts"]["retries"] == 0
+    assert rec["recovered"] is True, (rec["windows"], rec["cohorts"])
+    assert rec["recovery_time_s"] <= case.scenario.hold_s
