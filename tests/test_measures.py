@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import numpy as np
 import pytest
@@ -392,15 +391,11 @@ def big_log(n_calls=6000, seed=0) -> RunLog:
     return RunLog(calls, attempts, ex, Series(t, w, w, w), {}, {}, {}, 1800.0)
 
 
-def test_record_is_fast_on_10k_executions():
+def test_record_on_10k_executions_counts_every_one():
     log = big_log()
     assert len(log.executions) >= 9000
-    record(log, S, 2.8, INPUTS)                      # warm up
-    best = min(_timed(lambda: record(log, S, 2.8, INPUTS)) for _ in range(5))
-    assert best < 0.1, best                          # typically ~10 ms
-
-
-def _timed(f):
-    t0 = time.perf_counter()
-    f()
-    return time.perf_counter() - t0
+    rec = record(log, S, 2.8, INPUTS)
+    ex = rec["executions"]
+    assert ex["created"] == len(log.executions)
+    assert ex["completed"] + ex["aborted"] == sum(e.fate in ("completed", "aborted") for e in log.executions)
+    assert rec["prompt_tokens"]["computed"] == sum(e.prompt_computed for e in log.executions)
