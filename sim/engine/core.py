@@ -235,16 +235,10 @@ class EngineCore:
         items, self.inbox = self.inbox, []
         for kind, r in items:
             if kind == "add":
-                if r.status == ABORTED:          # aborted before it was applied
-                    continue
                 sched.add_request(r)
             else:
                 was_waiting = r.status == WAITING
-                if r.status == WAITING and r not in sched.waiting:
-                    # its add is still in this batch's past: never reached the queue
-                    r.status = ABORTED
-                    was_waiting = True
-                elif not sched.abort(r, self.processed):
+                if not sched.abort(r, self.processed):
                     continue
                 rec = r.record
                 if rec is not None:
