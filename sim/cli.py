@@ -44,12 +44,21 @@ def _positive(kind=float, allow_zero=False):
     return parse
 
 
-def _write_json(path: str | None, obj) -> None:
+def _check_output(path: str | None) -> None:
+    """Refuse an unwritable --json path before any work is done."""
     if not path:
         return
     d = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(d):
         raise UsageError(f"cannot write {path}: directory {d} does not exist")
+    if os.path.isdir(path):
+        raise UsageError(f"cannot write {path}: it is a directory")
+
+
+def _write_json(path: str | None, obj) -> None:
+    if not path:
+        return
+    _check_output(path)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=2, allow_nan=False)
@@ -218,6 +227,7 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         if getattr(args, "condition", None) is not None and args.condition not in CONDITIONS:
             raise UsageError(f"unknown condition {args.condition!r}; valid: {', '.join(CONDITIONS)}")
+        _check_output(getattr(args, "json", None))
         return args.fn(args)
     except UsageError as e:
         print(f"llmsim: {e}", file=sys.stderr)

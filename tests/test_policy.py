@@ -1,0 +1,109 @@
+"""The policy core's decisions on hand-written event sequences."""
+import sys
+
+import pytest
+
+from sim.policy import ClientConfig, RetryingClient, CallState, Retry, GiveUp, Delivered
+from sim.policy.proxy import Proxy, ProxyConfig, Attempt, Subscribe, Dispatch, Cancel, Complete, Refuse
+
+
+def client(retries=3, wait=1.0):
+    return RetryingClient(ClientConfig(max_retries=retries), lambda a, b: wait)
+
+
+def test_policy_core_imports_no_simpy():
+    import subprocess
+    code = "import sim.policy, sys; assert 'simpy' not in sys.modules, 'simpy imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_deadline_then_retry_after_backoff():
+    c = client(wait=2.5)
+    call = CallState(0, 10.0)
+    assert c.send(call, 10.0) == 0
+    assert call.deadline == 130.0
+    assert c.on_deadline(call, 130.0) == Retry(132.5)
+    assert c.send(call, 132.5) == 1
+
+
+def test_call_fails_after_four_failed_attempts():
+    c = client()
+    call = CallState(0, 0.0)
+    t = 0.0
+    for n in range(4):
+        assert c.send(call, t) == n
+        d = c.on_deadline(call, t + 120)
+        t = t + 121
+    assert d == GiveUp("attempts")
+    assert call.done and call.outcome == "failed_attempts" and call.attempts == 4
+
+
+def test_retries_off_gives_up_after_first_attempt():
+    c = client(retries=0)
+    call = CallState(0, 0.0)
+    c.send(call, 0.0)
+    assert c.on_deadline(call, 120.0) == GiveUp("attempts")
+
+
+def test_refused_attempt_counts_and_429_waits_retry_after():
+    c = client(wait=1.0)
+    call = CallState(0, 0.0)
+    c.send(call, 0.0)
+    assert c.on_refused(call, 0.0, 429, retry_after=30.0) == Retry(30.0)
+    c.send(call, 30.0)
+    assert c.on_refused(call, 30.0, 503) == Retry(31.0)     # usual wait
+    c.send(call, 31.0)
+    assert c.on_refused(call, 31.0, 429, retry_after=121.0) == GiveUp("retry_after")
+    assert call.attempts == 3
+
+
+def test_complete_delivers():
+    c = client()
+    call = CallState(0, 0.0)
+    c.send(call, 0.0)
+    assert c.on_complete(call, 5.0) == Delivered(5.0)
+    assert call.done and call.outcome == "delivered"
+
+
+@pytest.mark.parametrize("cancellation,expect_cancel", [("off", False), ("now", True)])
+def test_last_subscriber_leaving(cancellation, expect_cancel):
+    p = Proxy(ProxyConfig(cancellation=cancellation))
+    a = Attempt(7, 0)
+    acts = p.on_attempt(0.0, a)
+    assert isinstance(acts[0], Subscribe) and isinstance(acts[1], Dispatch)
+    ex = acts[1].execution
+    p.on_dispatched(0.0, ex)
+    out = p.on_attempt_left(120.0, a)
+    if expect_cancel:
+        assert out == [Cancel(ex)] and ex.state == "cancelled"
+    else:
+        assert out == [] and ex.orphaned and ex.live
+        assert p.on_finished(200.0, ex) == []       # nobody left to deliver to
+
+
+def test_retry_without_coalescing_creates_new_execution():
+    p = Proxy(ProxyConfig(cancellation="off"))
+    a0, a1 = Attempt(7, 0), Attempt(7, 1)
+    e0 = p.on_attempt(0.0, a0)[1].execution
+    p.on_attempt_left(120.0, a0)
+    e1 = p.on_attempt(122.0, a1)[1].execution
+    assert e0 is not e1 and e0.live and e1.live
+
+
+def test_engine_refusal_refuses_subscribers_with_503():
+    p = Proxy(ProxyConfig())
+    a = Attempt(1, 0)
+    ex = p.on_attempt(0.0, a)[1].execution
+    assert p.on_engine_refused(0.0, ex) == [Refuse(a, 503, None, "engine")]
+
+
+def test_completion_reaches_subscriber():
+    p = Proxy(ProxyConfig())
+    a = Attempt(1, 0)
+    ex = p.on_attempt(0.0, a)[1].execution
+    assert p.on_finished(5.0, ex) == [Complete(a)]
+
+
+def test_bad_cancellation_is_refused():
+    with pytest.raises(ValueError, match="cancellation must be one of"):
+        ProxyConfig(cancellation="later")
