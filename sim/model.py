@@ -209,11 +209,12 @@ class Run:
         running = np.where(valid, g[idx, 2], 0).astype(np.int64)
         series = Series(t=ts, waiting=waiting, running=running, proxy_queue=np.zeros_like(waiting))
         s = eng.scheduler
+        steps, busy = eng.work_by(end)
         return RunLog(calls=self.call_records, attempts=self.attempts, executions=self.executions,
                       series=series, counters=dict(s.counters), counters_at=dict(self.counters_at),
-                      engine={"steps": s.num_steps, "preemptions": s.num_preemptions,
+                      engine={"steps": steps, "preemptions": s.num_preemptions,
                               "aborted_before_scheduled": eng.aborted_before_scheduled},
-                      end_time=end, wall_s=wall, extra={"busy_s": eng.busy_s})
+                      end_time=end, wall_s=wall, extra={"busy_s": busy, "step_events": eng.num_plans})
 
 
 def simulate(profile: Profile, trace: Trace, condition: Condition, scenario: Scenario, seed: int = 0,

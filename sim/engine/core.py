@@ -58,7 +58,9 @@ class EngineCore:
         self._wake = None
         self.gauge_log: list[tuple[float, int, int]] = []   # (t, waiting, running) at changes
         self.aborted_before_scheduled = 0
-        self.busy_s = 0.0
+        self.busy_s = 0.0            # duration of every step scheduled so far
+        self.steps_done = 0          # steps whose output has been processed
+        self.busy_done = 0.0         # and their duration
         self.num_plans = 0           # SimPy-level step events (a closed-form run counts once)
         self.process = env.process(self._run())
 
@@ -134,6 +136,7 @@ class EngineCore:
         else:
             dur = self.step_model.decode_run(plan.n_decode, ctx0, plan.count)
         plan.start = start
+        plan.ctx0 = ctx0
         plan.end = start + dur
         self.busy_s += dur
         self.num_plans += 1
@@ -208,6 +211,8 @@ class EngineCore:
         sched = self.scheduler
         t = plan.end
         self.processed = plan.last
+        self.steps_done += plan.count
+        self.busy_done += plan.end - plan.start
         for r in plan.first_outputs:
             if r.status == ABORTED or r.status == FINISHED:
                 continue
@@ -219,14 +224,36 @@ class EngineCore:
                     r.record.first_token_at = t
                 self.on_first_token(r, t)
         for r in plan.finishing:
-            if r.status != RUNNING:
-                continue
+            if r.status != RUNNING and r.status != WAITING:
+                continue        # aborted; a preempted one (waiting) still finishes with this output
             sched.finish(r, plan.last)
             if r.record is not None:
                 r.record.tokens_generated = r.outputs_done
                 r.record.finished_at = t
                 r.record.fate = "completed"
             self.on_finished(r, t)
+
+    def work_by(self, t: float) -> tuple[int, float]:
+        """Steps finished and busy time by time t, the step running at t
+        counted for its part (the same whether or not runs of decode steps
+        are taken in closed form)."""
+        steps, busy = self.steps_done, self.busy_done
+        t += 1e-9                       # a step ending at t, up to rounding, counts
+        for p in self.pending:
+            if p.start >= t:
+                break
+            if p.end <= t:
+                steps += p.count
+                busy += p.end - p.start
+                continue
+            busy += t - p.start
+            if p.count > 1:             # whole decode steps of the run done by t
+                k = 0
+                while k + 1 < p.count and p.start + self.step_model.decode_run(p.n_decode, p.ctx0, k + 1) <= t:
+                    k += 1
+                steps += k
+            break
+        return steps, busy
 
     def _apply_inbox(self) -> None:
         if not self.inbox:

@@ -40,13 +40,14 @@ class SchedulerConfig:
 class StepPlan:
     """What one scheduler decision sends to the forward pass. A plan with
     count > 1 is a run of identical decode-only steps advanced in closed form."""
-    __slots__ = ("index", "count", "start", "end", "num_reqs", "num_tokens", "n_decode",
+    __slots__ = ("index", "count", "start", "end", "ctx0", "num_reqs", "num_tokens", "n_decode",
                  "prefill", "first_outputs", "finishing")
 
     def __init__(self, index: int):
         self.index = index          # index of the (first) step
         self.count = 1
         self.start = self.end = 0.0
+        self.ctx0 = 0.0             # decode context sum of the (first) step
         self.num_reqs = 0
         self.num_tokens = 0
         self.n_decode = 0
@@ -203,14 +204,19 @@ class Scheduler:
         self.num_waiting += 1
 
     def finish(self, r: Request, through: int) -> None:
-        """r produced its last token in step `through` (output processed)."""
+        """r produced its last token in step `through` (output processed).
+        A request preempted after that step was scheduled has already given
+        back its blocks and waits to be recomputed: it finishes all the same."""
         if r.decoding:
             self._leave(r, through)
         r.outputs_done = self.outputs_through(r, through)
         r.stint = False
+        if r.status == WAITING:
+            self.num_waiting -= 1           # leaves the waiting queue lazily
+        else:
+            self.running.remove(r)
+            self._free(r)
         r.status = FINISHED
-        self.running.remove(r)
-        self._free(r)
 
     def abort(self, r: Request, processed: int) -> bool:
         """Abort r at a step boundary; steps up to `processed` have had their
