@@ -238,18 +238,18 @@ class EngineCore:
         counted for its part (the same whether or not runs of decode steps
         are taken in closed form)."""
         steps, busy = self.steps_done, self.busy_done
-        t += 1e-9                       # a step ending at t, up to rounding, counts
+        te = t + 1e-9                   # a step ending at t, up to rounding, counts
         for p in self.pending:
             if p.start >= t:
                 break
-            if p.end <= t:
+            if p.end <= te:
                 steps += p.count
                 busy += p.end - p.start
                 continue
             busy += t - p.start
             if p.count > 1:             # whole decode steps of the run done by t
                 k = 0
-                while k + 1 < p.count and p.start + self.step_model.decode_run(p.n_decode, p.ctx0, k + 1) <= t:
+                while k + 1 < p.count and p.start + self.step_model.decode_run(p.n_decode, p.ctx0, k + 1) <= te:
                     k += 1
                 steps += k
             break
