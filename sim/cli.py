@@ -235,6 +235,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("llmsim: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:             # output piped into a reader that stopped (e.g. head)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
