@@ -62,6 +62,7 @@ class BlockPool:
         self.free_queue: deque[Extent] = deque([first])
         self.cached: dict[int, list[Extent]] = {}   # space -> extents holding hashed blocks
         self.evicted = 0                            # hashed blocks evicted (for tests and stats)
+        self.releases = 0                           # calls of release(): free blocks can only grow there
 
     # ------------------------------------------------------------------ usage
     def usage(self) -> float:
@@ -198,6 +199,7 @@ class BlockPool:
         `full_blocks` is the number of its leading blocks that are full; a
         partial last block loses its hash. Blocks whose ref count drops to
         zero join the free queue, tail first."""
+        self.releases += 1
         q = self.free_queue
         table = req.blocks
         for e in reversed(table):

@@ -115,8 +115,7 @@ class EngineCore:
     def _fill(self) -> None:
         sched = self.scheduler
         while len(self.pending) < self.depth:
-            limit = self._macro_limit() if self.fast_forward else None
-            plan = sched.schedule(limit, tail=self.depth - 1)
+            plan = sched.schedule(self._macro_limit if self.fast_forward else None, tail=self.depth - 1)
             if plan is None:
                 return
             self._launch(plan)
@@ -150,61 +149,57 @@ class EngineCore:
     def _pairs(plan: StepPlan) -> float:
         return sum(q * (ctx + (q + 1) / 2.0) for _, q, ctx in plan.prefill)
 
-    def _macro_limit(self):
-        """How many identical decode steps, from the step S being scheduled,
-        may be decided now. When stepping one at a time, step S+i is scheduled
-        at the end of step S+i-depth with every input that arrived before then
-        applied, so m steps may be decided now iff no input is due before the
-        end of step S+m-1-depth."""
-        if self.inbox or any(p.count > 1 for p in self.pending):
-            return None
-        sched = self.scheduler
-        if sched.num_waiting and any(p.finishing for p in self.pending):
-            return None     # freed blocks may admit the head before the run ends
+    def _macro_limit(self, plan: StepPlan, ctx0: float) -> int:
+        """How many identical decode steps, from the step S being scheduled
+        (its first one described by `plan`), may be decided now. When stepping
+        one at a time, step S+i is scheduled at the end of step S+i-depth with
+        every input that arrived before then applied, so m steps may be
+        decided now iff no input is due before the end of step S+m-1-depth."""
+        pending = self.pending
+        if self.inbox or any(p.count > 1 for p in pending):
+            return 1
+        if self.scheduler.num_waiting and any(p.finishing for p in pending):
+            return 1        # freed blocks may admit the head before the run ends
         t_in = self.next_input_time()
+        if t_in == INF:
+            return 1 << 30
         d = self.depth
         model = self.step_model
         P = self.processed
-        pending = list(self.pending)
         start = pending[-1].end if pending else self.now
+        S = plan.index
+        n = plan.n_decode
 
-        def limit(plan: StepPlan, ctx0: float) -> int:
-            if t_in == INF:
-                return 1 << 30
-            S = plan.index
-            n = plan.n_decode
+        def boundary(j: int) -> float:     # end time of step j
+            if j <= P:
+                return -INF
+            if j < S:
+                return pending[j - P - 1].end
+            return start + model.decode_run(n, ctx0, j - S + 1)
 
-            def boundary(j: int) -> float:     # end time of step j
-                if j <= P:
-                    return -INF
-                if j < S:
-                    return pending[j - P - 1].end
-                return start + model.decode_run(n, ctx0, j - S + 1)
-
-            a = model.fixed_s + (model.per_request_s + model.per_token_s) * n + model.per_decode_ctx_s * ctx0
-            b = model.per_decode_ctx_s * n
-            room = t_in - start
-            # k: how many steps from S end before t_in (largest k, cum(k) < room)
-            if room <= 0:
-                k = 0
-            elif b > 0:
-                k = int((-(a - b / 2) + math.sqrt((a - b / 2) ** 2 + 2 * b * room)) / b)
-            elif a > 0:
-                k = int(room / a)
-            else:
-                return 1 << 30
-            k = min(k, 1 << 30)
-            while k > 0 and boundary(S + k - 1) >= t_in:
-                k -= 1
-            while boundary(S + k) < t_in:
-                k += 1
-            if k > 0:
-                return k + d                  # S+m-1-d = S+k-1
-            m = d
-            while m > 1 and boundary(S + m - 1 - d) >= t_in:
-                m -= 1
-            return m
-        return limit
+        a = model.fixed_s + (model.per_request_s + model.per_token_s) * n + model.per_decode_ctx_s * ctx0
+        b = model.per_decode_ctx_s * n
+        room = t_in - start
+        # k: how many steps from S end before t_in (largest k, cum(k) < room)
+        if room <= 0:
+            k = 0
+        elif b > 0:
+            k = int((-(a - b / 2) + math.sqrt((a - b / 2) ** 2 + 2 * b * room)) / b)
+        elif a > 0:
+            k = int(room / a)
+        else:
+            return 1 << 30
+        k = min(k, 1 << 30)
+        while k > 0 and boundary(S + k - 1) >= t_in:
+            k -= 1
+        while boundary(S + k) < t_in:
+            k += 1
+        if k > 0:
+            return k + d                  # S+m-1-d = S+k-1
+        m = d
+        while m > 1 and boundary(S + m - 1 - d) >= t_in:
+            m -= 1
+        return m
 
     # -------------------------------------------------------------- output
     def _process(self, plan: StepPlan) -> None:

@@ -82,6 +82,8 @@ class Scheduler:
                          "prefix_cache_hits_total": 0}
         self.num_preemptions = 0
         self.num_steps = 0
+        self._blocked = None            # (head, pool.releases, chunks) when the head last did not fit
+        self._num_chunks = 0            # prefill chunks scheduled so far
 
     # ----------------------------------------------------------- decode group
     def _join(self, r: Request, start: int) -> None:
@@ -317,11 +319,18 @@ class Scheduler:
                 if r.status != WAITING:
                     self.waiting.popleft()
                     continue
+                if self._blocked == (r, pool.releases, self._num_chunks):
+                    # since this head last did not fit, no block came back and no
+                    # prompt block was computed that it could hit; allocations and
+                    # evictions only shrink what it could get
+                    blocked = True
+                    break
                 pieces, hit_blocks = self._find_hit(r)
                 total = -(-r.num_tokens // bs)
                 hit_free = sum(p[2] - p[1] for p in pieces if p[0].free)
                 if total - hit_blocks + hit_free > pool.num_free:
                     blocked = True
+                    self._blocked = (r, pool.releases, self._num_chunks)
                     break
                 self.waiting.popleft()
                 self.num_waiting -= 1
@@ -421,6 +430,7 @@ class Scheduler:
     def _schedule_chunk(self, plan: StepPlan, r: Request, q: int, S: int) -> None:
         r.num_computed_tokens += q
         r.chunks.append([S, q])
+        self._num_chunks += 1
         if r.record is not None:
             r.record.prompt_computed += q
         plan.prefill.append((r, q, r.num_computed_tokens - q))
