@@ -57,28 +57,28 @@ def embedded_names() -> list[str]:
     return sorted(p.name[:-5] for p in d.iterdir() if p.name.endswith(".json"))
 
 
+def _section(d: dict, name: str, keys, source: str) -> dict:
+    sec = d[name]
+    if not isinstance(sec, dict):
+        raise ProfileError(f"{source}: {name} must be an object with {', '.join(keys)}")
+    miss = [k for k in keys if k not in sec]
+    if miss:
+        raise ProfileError(f"{source}: {name} lacks {', '.join(miss)}")
+    return sec
+
+
 def from_dict(d: dict, source: str = "profile") -> Profile:
     if not isinstance(d, dict):
         raise ProfileError(f"{source}: a profile is a JSON object")
     missing = [k for k in ("name", "step_time", "engine", "capacity", "provenance") if k not in d]
     if missing:
         raise ProfileError(f"{source}: missing key(s) {', '.join(missing)}")
-    st = d["step_time"]
-    if not isinstance(st, dict):
-        raise ProfileError(f"{source}: step_time must be an object with {', '.join(COEFFICIENTS)}")
-    miss = [k for k in COEFFICIENTS if k not in st]
-    if miss:
-        raise ProfileError(f"{source}: step_time lacks {', '.join(miss)}")
+    st = _section(d, "step_time", COEFFICIENTS, source)
     try:
         model = StepTimeModel(**{k: st[k] for k in COEFFICIENTS})
     except (TypeError, ValueError) as e:
         raise ProfileError(f"{source}: {e}") from None
-    eng = d["engine"]
-    if not isinstance(eng, dict):
-        raise ProfileError(f"{source}: engine must be an object with {', '.join(ENGINE_KEYS)}")
-    miss = [k for k in ENGINE_KEYS if k not in eng]
-    if miss:
-        raise ProfileError(f"{source}: engine lacks {', '.join(miss)}")
+    eng = _section(d, "engine", ENGINE_KEYS, source)
     for k in ENGINE_KEYS:
         v = eng[k]
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
