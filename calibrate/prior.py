@@ -72,6 +72,12 @@ MODELS = {
     # Qwen/Qwen2.5-7B-Instruct config.json
     "qwen2.5-7b": ModelShape("Qwen2.5-7B-Instruct", layers=28, hidden=3584, heads=28, kv_heads=4, head_dim=128,
                              intermediate=18944, vocab=152064, params=7_615_616_512),
+    # Qwen/Qwen3-14B config.json
+    "qwen3-14b": ModelShape("Qwen3-14B", layers=40, hidden=5120, heads=40, kv_heads=8, head_dim=128,
+                            intermediate=17408, vocab=151936, params=14_768_307_200),
+    # meta-llama/Llama-3.1-8B-Instruct config.json
+    "llama-3.1-8b": ModelShape("Llama-3.1-8B-Instruct", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
+                               intermediate=14336, vocab=128256, params=8_030_261_248),
 }
 
 

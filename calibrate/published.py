@@ -15,10 +15,10 @@ import sys
 import numpy as np
 from scipy.optimize import least_squares
 
-from calibrate.prior import prior_profile, MODELS
+from calibrate.prior import prior_profile, MODELS, GPUS
 from sim.capacity import capacity_protocol
 from sim.latency import latency
-from sim.profile import from_dict
+from sim.profile import from_dict, load_profile, ProfileError
 
 # SPEC §6: vLLM on one H100 80 GB SXM, chunked prefill at 8,192 tokens, prefix
 # caching on, max 256 running, 32,768-token context, 0.9 memory utilization.
@@ -59,7 +59,11 @@ def fit(model: str, gpu: str = "h100", x0=(0.65, 0.9, 0.001), log=print) -> dict
         return r
 
     lo, hi = [0.2, 0.3, 0.0], [1.0, 1.0, 0.02]
-    if len(keys) == 1:      # one figure: fit the compute efficiency alone
+    if len(keys) == 1:
+        # one figure: fit the compute efficiency alone; the memory efficiency
+        # and per-step overhead of this GPU and engine build come from the
+        # model whose latencies were published on it
+        x0 = _reference_factors(gpu, x0)
         def resid1(m):
             return resid([m[0], x0[1], x0[2]])
         sol = least_squares(resid1, [x0[0]], bounds=([lo[0]], [hi[0]]), diff_step=0.02, xtol=1e-3)
@@ -81,6 +85,22 @@ def fit(model: str, gpu: str = "h100", x0=(0.65, 0.9, 0.001), log=print) -> dict
         "tool": "python -m calibrate.published " + model,
     }
     return d
+
+
+def _reference_factors(gpu: str, default):
+    """Fitted (mfu, bw_eff, step_overhead_s) of the embedded profile fitted to
+    published latencies on the same GPU, else `default`."""
+    for name, target in PUBLISHED.items():
+        if "latency" not in target:
+            continue
+        try:
+            prof = load_profile(name)
+        except ProfileError:
+            continue
+        fitted = prof.provenance.get("fitted")
+        if fitted and prof.raw.get("hardware", {}).get("name") == GPUS[gpu].name:
+            return (fitted["mfu"], fitted["bw_eff"], fitted["step_overhead_s"])
+    return default
 
 
 def main(argv=None) -> int:
