@@ -1,7 +1,9 @@
 """Named conditions of SPEC §3: a client configuration, a proxy
-configuration and an engine cap."""
+configuration and an engine cap — and their composition from flags
+(`compose`)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -24,12 +26,55 @@ class Condition:
                             max_retry_after_s=scenario.max_retry_after_s)
 
     def settings(self) -> dict:
-        return {"retries": "on" if self.retries else "off", "cancellation": self.proxy.cancellation,
+        p = self.proxy
+        return {"retries": "on" if self.retries else "off",
+                "cancellation": cancel_spec(p),
+                "coalesce": p.coalesce,
+                "budget": p.budget,
+                "order": p.order if p.budget is not None and p.coalesce else None,
+                "proxy_cap": p.proxy_cap,
+                "queue": p.queue if p.proxy_cap is not None else None,
                 "engine_cap": self.engine_cap}
 
+    def describe(self) -> str:
+        """The settings in one line, as the flags that give them."""
+        s = self.settings()
+        parts = [f"retries {s['retries']}", f"cancel {s['cancellation']}"]
+        if s["coalesce"]:
+            parts.append("coalesce")
+        if s["budget"] is not None:
+            parts.append(f"budget {s['budget']:g}" + (f" {s['order']}" if s["order"] else ""))
+        if s["proxy_cap"] is not None:
+            parts.append(f"proxy cap {s['proxy_cap']} {s['queue']}")
+        if s["engine_cap"] is not None:
+            parts.append(f"engine cap {s['engine_cap']}")
+        return ", ".join(parts)
 
-def _c(name, retries, cancellation="off", engine_cap=None) -> Condition:
-    return Condition(name, retries, ProxyConfig(cancellation=cancellation), engine_cap)
+
+def cancel_spec(p: ProxyConfig) -> str:
+    return f"deferred:{p.defer_s:g}" if p.cancellation == "deferred" else p.cancellation
+
+
+def parse_cancel(spec: str) -> dict:
+    """`off`, `now`, `deferred` (10 s) or `deferred:W` -> ProxyConfig fields."""
+    s = spec.strip()
+    if s in ("off", "now"):
+        return {"cancellation": s}
+    if s == "deferred":
+        return {"cancellation": "deferred", "defer_s": 10.0}
+    if s.startswith("deferred:"):
+        try:
+            w = float(s.split(":", 1)[1])
+        except ValueError:
+            w = float("nan")
+        if not (math.isfinite(w) and w >= 0):
+            raise ValueError(f"deferred cancellation needs a wait W >= 0 seconds (deferred:W), got {spec!r}")
+        return {"cancellation": "deferred", "defer_s": w}
+    raise ValueError(f"cancellation must be off, now, deferred or deferred:W; got {spec!r}")
+
+
+def _c(name, retries, cancellation="off", engine_cap=None, **proxy) -> Condition:
+    return Condition(name, retries, ProxyConfig(**parse_cancel(cancellation), **proxy), engine_cap)
 
 
 CONDITIONS: dict[str, Condition] = {c.name: c for c in [
@@ -37,9 +82,19 @@ CONDITIONS: dict[str, Condition] = {c.name: c for c in [
     _c("no-retry+cancel", False, "now"),
     _c("no-control", True),
     _c("cancel", True, "now"),
+    _c("budget", True, budget=0.1),
+    _c("coalesce", True, coalesce=True),
+    _c("budget-first", True, budget=0.1, coalesce=True, order="budget-first"),
+    _c("lookup-first", True, budget=0.1, coalesce=True, order="lookup-first"),
+    _c("proxy-cap", True, "now", proxy_cap=100, queue="fifo"),
+    _c("deadline-check", True, "now", proxy_cap=100, queue="deadline"),
+    _c("lifo", True, "now", proxy_cap=100, queue="lifo"),
     _c("engine-cap-338", True, engine_cap=338),
     _c("engine-cap-338+cancel", True, "now", engine_cap=338),
     _c("engine-cap-100", True, engine_cap=100),
+    _c("coalesce+cancel", True, "now", coalesce=True),
+    _c("deferred", True, "deferred:10", coalesce=True),
+    _c("budget+cancel", True, "now", budget=0.1),
 ]}
 
 DIAGNOSTIC = ("no-control", "cancel", "no-retry+cancel", "no-retry")
@@ -55,3 +110,44 @@ def get_condition(name: str) -> Condition:
         return CONDITIONS[name]
     except KeyError:
         raise ValueError(f"unknown condition {name!r}; valid: {', '.join(CONDITIONS)}") from None
+
+
+def compose(base: Condition | str | None = None, *, retries: bool | None = None, cancel: str | None = None,
+            coalesce: bool | None = None, budget: float | None = None, order: str | None = None,
+            proxy_cap: int | None = None, queue: str | None = None, engine_cap: int | None = None,
+            name: str | None = None) -> Condition:
+    """A condition from a base (a named one; default `no-control`) with the
+    given settings changed. A budget of 0 turns the budget off; a cap of 0
+    turns that cap off. The name is the base's followed by the changes."""
+    if base is None:
+        base = "no-control"
+    if isinstance(base, str):
+        base = get_condition(base)
+    p: dict = {}
+    tags = []
+    if cancel is not None:
+        p.update(parse_cancel(cancel))
+        tags.append(f"cancel={cancel}")
+    if coalesce is not None:
+        p["coalesce"] = coalesce
+        tags.append("coalesce" if coalesce else "no-coalesce")
+    if budget is not None:
+        p["budget"] = budget if budget > 0 else None
+        tags.append(f"budget={budget:g}")
+    if order is not None:
+        p["order"] = order
+        tags.append(order)
+    if proxy_cap is not None:
+        p["proxy_cap"] = proxy_cap if proxy_cap > 0 else None
+        tags.append(f"proxy-cap={proxy_cap}")
+    if queue is not None:
+        p["queue"] = queue
+        tags.append(f"queue={queue}")
+    cond = dataclasses.replace(base, proxy=dataclasses.replace(base.proxy, **p))
+    if retries is not None:
+        cond = dataclasses.replace(cond, retries=retries)
+        tags.append("retries" if retries else "no-retry")
+    if engine_cap is not None:
+        cond = dataclasses.replace(cond, engine_cap=engine_cap if engine_cap > 0 else None)
+        tags.append(f"engine-cap={engine_cap}")
+    return dataclasses.replace(cond, name=name or "+".join([base.name] + tags))

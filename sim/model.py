@@ -15,7 +15,9 @@ from .conditions import Condition
 from .engine.core import EngineCore, EngineConfig
 from .engine.request import Request
 from .policy.client import RetryingClient, CallState, Retry, GiveUp, Delivered
-from .policy.proxy import Proxy, Attempt, Subscribe, Dispatch, Refuse, Cancel, Complete
+from .engine.request import WAITING
+from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel, Complete,
+                           Drop, Wake)
 from .profile import Profile
 from .runlog import RunLog, CallRecord, AttemptRecord, ExecutionRecord, Series
 from .scenario import Scenario
@@ -67,10 +69,17 @@ class Run:
         self.timers = Timers(env)
         rng = np.random.default_rng([seed, 1])   # stream of client backoff draws
         self.client = RetryingClient(condition.client_config(scenario), lambda a, b: float(rng.uniform(a, b)))
-        self.proxy = Proxy(condition.proxy)
+        # the proxy's prompt-throughput estimate: computed prompt tokens of the
+        # executions that got their first token over the last 60 s; before
+        # any, the profile's (capacity x computed prompt tokens per call)
+        self.prompt_rate = PromptRate(60.0)
+        self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
+                           prompt_throughput=profile.capacity * max(1.0, scenario.prompt_mean - scenario.shared_prefix))
+        self.proxy_queue_log: list[tuple[float, int]] = [(0.0, 0)]   # (t, proxy queue length) at changes
         self.engine = EngineCore(env, EngineConfig(profile.scheduler_config(max_batched_tokens), profile.depth,
                                                    condition.engine_cap),
                                  profile.step_time, on_finished=self._on_finished,
+                                 on_first_token=self._on_first_token,
                                  next_input_time=self.timers.next_time, fast_forward=fast_forward)
         n = len(trace)
         self.calls = [CallState(i, float(trace.arrival[i])) for i in range(n)]
@@ -94,13 +103,14 @@ class Run:
     def _send(self, t: float, call_id: int) -> None:
         cs = self.calls[call_id]
         number = self.client.send(cs, t)
-        att = Attempt(call_id, number)
+        att = Attempt(call_id, number, cs.deadline)
         rec = AttemptRecord(call=call_id, number=number, sent_at=t)
         self.attempts.append(rec)
         self.attempt_rec[id(att)] = rec
         self.call_records[call_id].attempts = cs.attempts
         self.deadline_timer[id(att)] = self.timers.at(cs.deadline, self._deadline, att)
-        self._do(t, self.proxy.on_attempt(t, att))
+        self._do(t, self.proxy.on_attempt(t, att, (int(self.trace.max_tokens[call_id]),),
+                                          int(self.trace.prompt_len[call_id])))
 
     def _deadline(self, t: float, att: Attempt) -> None:
         self.deadline_timer.pop(id(att), None)
@@ -141,8 +151,14 @@ class Run:
         for a in actions:
             if isinstance(a, Subscribe):
                 rec = self.attempt_rec[id(a.attempt)]
-                rec.execution = a.execution.id
+                ex = a.execution
+                rec.execution = ex.id
                 rec.attached = a.attempt.attached
+                if ex.id == len(self.executions):        # created for this attempt
+                    i = ex.call_id
+                    self.executions.append(ExecutionRecord(
+                        id=ex.id, call=i, attempt=a.attempt.number, prompt_len=int(self.trace.prompt_len[i]),
+                        max_tokens=int(self.trace.max_tokens[i]), created_at=ex.created_at))
             elif isinstance(a, Dispatch):
                 self._dispatch(t, a.execution)
             elif isinstance(a, Cancel):
@@ -158,18 +174,24 @@ class Run:
                 rec = self._close_attempt(a.attempt)
                 rec.ended_at, rec.outcome = t, "complete"
                 self._decide(t, a.attempt.call_id, self.client.on_complete(self.calls[a.attempt.call_id], t))
+            elif isinstance(a, Drop):
+                erec = self.executions[a.execution.id]
+                erec.fate, erec.finished_at = "dropped", t
+            elif isinstance(a, Wake):
+                self.timers.at(a.at, self._wake, a.execution)
             else:  # pragma: no cover
                 raise TypeError(f"unknown proxy action {a!r}")
+        q = self.proxy.queued
+        if q != self.proxy_queue_log[-1][1]:
+            self.proxy_queue_log.append((t, q))
+
+    def _wake(self, t: float, ex) -> None:
+        self._do(t, self.proxy.on_wake(t, ex))
 
     def _dispatch(self, t: float, ex) -> None:
-        i = ex.call_id
-        tr = self.trace
-        erec = ExecutionRecord(id=ex.id, call=i, attempt=ex.subscribers[0].number if ex.subscribers else -1,
-                               prompt_len=int(tr.prompt_len[i]), max_tokens=int(tr.max_tokens[i]),
-                               created_at=ex.created_at, dispatched_at=t)
-        assert ex.id == len(self.executions)
-        self.executions.append(erec)
-        req = Request(ex.id, i, erec.prompt_len, erec.max_tokens, tr.shared_prefix, record=erec)
+        erec = self.executions[ex.id]
+        erec.dispatched_at = t
+        req = Request(ex.id, ex.call_id, erec.prompt_len, erec.max_tokens, self.trace.shared_prefix, record=erec)
         if self.engine.add_request(req):
             erec.accepted = True
             self.requests[ex.id] = req
@@ -177,6 +199,26 @@ class Run:
         else:
             erec.fate, erec.finished_at = "refused", t
             self._do(t, self.proxy.on_engine_refused(t, ex))
+
+    def _engine_view(self, t: float) -> EngineView:
+        """Uncomputed prompt tokens of the executions waiting or running in
+        the engine (or on their way in), and the recent prompt throughput."""
+        eng = self.engine
+        s = eng.scheduler
+        tok = 0
+        for r in s.waiting:
+            if r.status == WAITING:
+                tok += r.prompt_len - min(r.prompt_len, r.num_computed_tokens)
+        for r in s.prefilling:
+            tok += max(0, r.prompt_len - r.num_computed_tokens)
+        for kind, r in eng.inbox:
+            if kind == "add":
+                tok += r.prompt_len
+        return EngineView(float(tok), self.prompt_rate.rate(t))
+
+    def _on_first_token(self, req: Request, t: float) -> None:
+        rec = req.record
+        self.prompt_rate.add(t, rec.prompt_computed if rec is not None else req.prompt_len)
 
     def _on_finished(self, req: Request, t: float) -> None:
         self.requests.pop(req.request_id, None)
@@ -207,7 +249,10 @@ class Run:
         idx = np.maximum(idx, 0)
         waiting = np.where(valid, g[idx, 1], 0).astype(np.int64)
         running = np.where(valid, g[idx, 2], 0).astype(np.int64)
-        series = Series(t=ts, waiting=waiting, running=running, proxy_queue=np.zeros_like(waiting))
+        pq = np.array(self.proxy_queue_log, dtype=float)
+        pidx = np.searchsorted(pq[:, 0], ts, side="right") - 1
+        proxy_queue = pq[np.maximum(pidx, 0), 1].astype(np.int64)
+        series = Series(t=ts, waiting=waiting, running=running, proxy_queue=proxy_queue)
         s = eng.scheduler
         steps, busy = eng.work_by(end)
         return RunLog(calls=self.call_records, attempts=self.attempts, executions=self.executions,

@@ -2,53 +2,174 @@
 
 Every attempt goes through `on_attempt`; the proxy answers with actions for
 its driver: subscribe the attempt to an execution, dispatch an execution to
-the engine, refuse an attempt, cancel an execution at the engine. The driver
-reports back what happens (`on_engine_refused`, `on_attempt_left`,
-`on_finished`) and carries out the actions returned. Checks and controls are
-policies on this one object.
+the engine, refuse an attempt, cancel an execution at the engine, drop a
+queued execution, wake the proxy at a later time. The driver reports back
+what happens (`on_engine_refused`, `on_attempt_left`, `on_finished`,
+`on_wake`) and carries out the actions returned. Nothing here reads a clock:
+every event carries its time, and what the proxy knows of the engine comes
+from an `EngineView` the driver supplies on request.
+
+Order of checks for one attempt (SPEC §3): the call's key; then the retry
+budget and the lookup of a live execution in the configured order
+(`budget-first` or `lookup-first`); unless refused or attached, a new
+execution, held in the proxy's own queue while the proxy cap is reached;
+dispatch to the engine, which may refuse it (engine cap, 503).
+
+Estimate of the wait to first token (`Proxy.estimate_wait`), used for the
+429's Retry-After and the `deadline` dequeue check:
+
+    wait = (uncomputed prompt tokens of the executions queued in the proxy
+            + uncomputed prompt tokens of the executions waiting or running
+              in the engine
+            + the attempt's own prompt tokens) / prompt throughput
+
+where the prompt throughput is the engine's computed prompt tokens per
+second over the recent past (`PromptRate`, a sliding 60 s window), or the
+profile's figure when there is no history yet. The engine-side figures come
+from the driver's `EngineView`. The numerator counts whole prompts, the
+denominator computed tokens (prefix-cache hits excluded), so with a shared
+cached prefix the estimate errs long by about the cached share; an
+execution preempted and recomputed is counted from its current progress.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
 
-CANCELLATIONS = ("off", "now")
+INF = float("inf")
+CANCELLATIONS = ("off", "now", "deferred")
+ORDERS = ("budget-first", "lookup-first")
+QUEUES = ("fifo", "deadline", "lifo")
 
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    cancellation: str = "off"     # off: orphaned executions run on; now: close the engine connection
+    cancellation: str = "off"     # off: orphaned executions run on; now: close the engine connection;
+    #                               deferred: close it defer_s after the last subscriber left, unless one attached
+    defer_s: float = 10.0
+    coalesce: bool = False        # a retry attaches to its call's live execution
+    budget: float | None = None   # retry budget: retries admitted <= budget x first attempts over the window
+    budget_window_s: float = 60.0
+    order: str = "budget-first"   # budget-first | lookup-first
+    proxy_cap: int | None = None  # N: most executions outstanding in the engine; more wait in the proxy
+    queue: str = "fifo"           # dequeue order: fifo | deadline | lifo
+    lifo_after: int = 50          # lifo takes the newest once more than this many are queued
 
     def __post_init__(self):
         if self.cancellation not in CANCELLATIONS:
             raise ValueError(f"cancellation must be one of {', '.join(CANCELLATIONS)}; got {self.cancellation!r}")
+        if not self.defer_s >= 0:
+            raise ValueError(f"defer_s must be >= 0; got {self.defer_s!r}")
+        if self.budget is not None and not self.budget >= 0:
+            raise ValueError(f"budget must be >= 0; got {self.budget!r}")
+        if not self.budget_window_s > 0:
+            raise ValueError("budget_window_s must be positive")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}; got {self.order!r}")
+        if self.queue not in QUEUES:
+            raise ValueError(f"queue must be one of {', '.join(QUEUES)}; got {self.queue!r}")
+        if self.proxy_cap is not None and self.proxy_cap < 1:
+            raise ValueError(f"proxy_cap must be >= 1; got {self.proxy_cap!r}")
+        if self.lifo_after < 0:
+            raise ValueError("lifo_after must be >= 0")
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What the proxy knows of the engine at one moment (from the driver)."""
+    uncomputed_prompt_tokens: float = 0.0       # of executions waiting or running in the engine
+    prompt_throughput: float | None = None      # computed prompt tokens/s over the recent past; None: no history
+
+
+class PromptRate:
+    """Computed prompt tokens per second over a sliding window, fed with
+    (time, tokens) events; None while there is no history."""
+
+    def __init__(self, window_s: float = 60.0):
+        self.window_s = window_s
+        self.events: deque = deque()
+        self.total = 0.0
+
+    def add(self, t: float, tokens: float) -> None:
+        self.events.append((t, tokens))
+        self.total += tokens
+
+    def rate(self, t: float) -> float | None:
+        ev = self.events
+        while ev and ev[0][0] <= t - self.window_s:
+            self.total -= ev.popleft()[1]
+        if not ev or self.total <= 0:
+            return None
+        return self.total / self.window_s
+
+
+class RetryBudget:
+    """Sliding-window retry budget: a retry at t is admitted if the retries
+    admitted in (t - window, t], this one included, stay within
+    `ratio` x the first attempts in the same window. No minimum: with fewer
+    than 1/ratio first attempts in the window no retry is admitted."""
+
+    def __init__(self, ratio: float, window_s: float = 60.0):
+        self.ratio = ratio
+        self.window_s = window_s
+        self.firsts: deque = deque()
+        self.retries: deque = deque()
+
+    def _trim(self, t: float) -> None:
+        lo = t - self.window_s
+        for q in (self.firsts, self.retries):
+            while q and q[0] <= lo:
+                q.popleft()
+
+    def first(self, t: float) -> None:
+        self.firsts.append(t)
+
+    def admit(self, t: float) -> bool:
+        self._trim(t)
+        if len(self.retries) + 1 <= self.ratio * len(self.firsts) + 1e-9:
+            self.retries.append(t)
+            return True
+        return False
 
 
 class Execution:
-    __slots__ = ("id", "call_id", "key", "created_at", "state", "subscribers", "orphaned")
+    __slots__ = ("id", "call_id", "key", "created_at", "prompt_len", "state", "subscribers", "orphaned",
+                 "wake_at")
 
-    def __init__(self, id: int, call_id: int, key, created_at: float):
+    def __init__(self, id: int, call_id: int, key, created_at: float, prompt_len: int = 0):
         self.id = id
         self.call_id = call_id
         self.key = key
         self.created_at = created_at
-        self.state = "created"        # created | dispatched | completed | cancelled | refused
+        self.prompt_len = prompt_len
+        # created | queued | dispatched | completed | cancelled | refused | dropped
+        self.state = "created"
         self.subscribers: list[Attempt] = []
         self.orphaned = False         # every subscriber left and it runs on
+        self.wake_at = INF            # deferred cancellation due at this time
 
     @property
     def live(self) -> bool:
-        return self.state in ("created", "dispatched")
+        return self.state in ("created", "queued", "dispatched")
+
+    def __repr__(self) -> str:
+        return f"Execution({self.id}, call {self.call_id}, {self.state})"
 
 
 class Attempt:
-    __slots__ = ("call_id", "number", "execution", "attached", "open")
+    __slots__ = ("call_id", "number", "execution", "attached", "open", "deadline")
 
-    def __init__(self, call_id: int, number: int):
+    def __init__(self, call_id: int, number: int, deadline: float = INF):
         self.call_id = call_id
         self.number = number
         self.execution: Execution | None = None
         self.attached = False
         self.open = True
+        self.deadline = deadline      # the client gives the attempt up at this time
+
+    def __repr__(self) -> str:
+        return f"Attempt(call {self.call_id}, #{self.number})"
 
 
 # actions
@@ -81,6 +202,19 @@ class Complete:
     attempt: Attempt
 
 
+@dataclass(frozen=True)
+class Drop:
+    """A queued execution leaves the proxy's queue without reaching the engine."""
+    execution: Execution
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Call `on_wake(at, execution)` at time `at`."""
+    at: float
+    execution: Execution
+
+
 def call_key(call_id: int, params: tuple = ()) -> tuple:
     """The key a call's attempts share: the call id plus the full generation
     parameters (a retry resends both unchanged)."""
@@ -88,33 +222,141 @@ def call_key(call_id: int, params: tuple = ()) -> tuple:
 
 
 class Proxy:
-    def __init__(self, config: ProxyConfig):
+    """`engine_view(t)` returns the driver's `EngineView` at t (None: the
+    proxy assumes an empty engine); `prompt_throughput` (tokens/s) is the
+    profile's figure, used while the view has no history."""
+
+    def __init__(self, config: ProxyConfig, engine_view: Callable[[float], EngineView] | None = None,
+                 prompt_throughput: float | None = None):
         self.config = config
+        self.engine_view = engine_view
+        self.prompt_throughput = prompt_throughput
         self.executions: dict[int, Execution] = {}
+        self.live: dict[tuple, Execution] = {}      # key -> live execution (coalescing)
+        self.budget = RetryBudget(config.budget, config.budget_window_s) if config.budget is not None else None
+        self.queue: deque[Execution] = deque()      # may hold dropped entries, skipped when met
+        self.queued = 0                             # live executions in the queue
+        self.queued_tokens = 0                      # their prompt tokens
+        self.outstanding = 0                        # dispatched executions not yet finished
         self._next_id = 0
 
+    # ----------------------------------------------------------- estimator
+    def estimate_wait(self, t: float, prompt_len: float, queued_tokens: float | None = None,
+                      extra_tokens: float = 0.0) -> float:
+        """Seconds until an attempt of `prompt_len` prompt tokens would get
+        its first token (see the module docstring). `queued_tokens` is the
+        proxy-queue work ahead of it (default: the whole queue)."""
+        view = self.engine_view(t) if self.engine_view is not None else None
+        engine_tokens = view.uncomputed_prompt_tokens if view is not None else 0.0
+        rate = view.prompt_throughput if view is not None else None
+        if not rate or rate <= 0:
+            rate = self.prompt_throughput
+        if not rate or rate <= 0:
+            return INF
+        ahead = self.queued_tokens if queued_tokens is None else queued_tokens
+        return (ahead + engine_tokens + extra_tokens + prompt_len) / rate
+
     # ------------------------------------------------------------ attempts
-    def on_attempt(self, t: float, attempt: Attempt, params: tuple = ()) -> list:
-        ex = Execution(self._next_id, attempt.call_id, call_key(attempt.call_id, params), t)
+    def on_attempt(self, t: float, attempt: Attempt, params: tuple = (), prompt_len: int = 0) -> list:
+        cfg = self.config
+        key = call_key(attempt.call_id, params)
+        retry = attempt.number > 0
+        if not retry and self.budget is not None:
+            self.budget.first(t)
+        found = self.live.get(key) if cfg.coalesce else None
+        if found is not None and not found.live:      # pragma: no cover - unlinked when it ends
+            found = None
+        if retry and self.budget is not None and (cfg.order == "budget-first" or found is None):
+            if not self.budget.admit(t):
+                attempt.open = False
+                return [Refuse(attempt, 429, self.estimate_wait(t, prompt_len), "budget")]
+        if found is not None:
+            found.subscribers.append(attempt)
+            found.orphaned = False
+            found.wake_at = INF
+            attempt.execution = found
+            attempt.attached = True
+            return [Subscribe(attempt, found)]
+        ex = Execution(self._next_id, attempt.call_id, key, t, prompt_len)
         self._next_id += 1
         self.executions[ex.id] = ex
+        if cfg.coalesce:
+            self.live[key] = ex
         ex.subscribers.append(attempt)
         attempt.execution = ex
-        return [Subscribe(attempt, ex), Dispatch(ex)]
+        out = [Subscribe(attempt, ex)]
+        if cfg.proxy_cap is None or self.outstanding < cfg.proxy_cap:
+            self._dispatch(ex, out)
+        else:
+            ex.state = "queued"
+            self.queue.append(ex)
+            self.queued += 1
+            self.queued_tokens += ex.prompt_len
+        return out
+
+    def _dispatch(self, ex: Execution, out: list) -> None:
+        ex.state = "dispatched"
+        self.outstanding += 1
+        out.append(Dispatch(ex))
+
+    def _end(self, ex: Execution, state: str) -> None:
+        """The execution stops being live."""
+        if ex.state == "dispatched":
+            self.outstanding -= 1
+        elif ex.state == "queued":
+            self.queued -= 1
+            self.queued_tokens -= ex.prompt_len
+        ex.state = state
+        self.executions.pop(ex.id, None)
+        if self.live.get(ex.key) is ex:
+            del self.live[ex.key]
+
+    def _pop(self) -> Execution | None:
+        q = self.queue
+        lifo = self.config.queue == "lifo" and self.queued > self.config.lifo_after
+        while q:
+            ex = q.pop() if lifo else q.popleft()
+            if ex.state == "queued":
+                return ex
+        return None
+
+    def _pump(self, t: float, out: list) -> list:
+        """Dispatch queued executions while the proxy cap allows."""
+        cap = self.config.proxy_cap
+        if cap is None:
+            return out
+        extra = 0.0                   # prompts dispatched in this call, not yet in the engine view
+        while self.outstanding < cap and self.queued:
+            ex = self._pop()
+            if self.config.queue == "deadline":
+                deadline = max(a.deadline for a in ex.subscribers)
+                wait = self.estimate_wait(t, ex.prompt_len, queued_tokens=0.0, extra_tokens=extra)
+                if t + wait > deadline:
+                    subs, ex.subscribers = ex.subscribers, []
+                    self._end(ex, "dropped")
+                    out.append(Drop(ex))
+                    for a in subs:
+                        a.open = False
+                        out.append(Refuse(a, 503, None, "proxy"))
+                    continue
+                extra += ex.prompt_len
+            self.queued -= 1
+            self.queued_tokens -= ex.prompt_len
+            self._dispatch(ex, out)
+        return out
 
     def on_dispatched(self, t: float, ex: Execution) -> None:
-        ex.state = "dispatched"
+        """The engine took the execution (kept for drivers that report it)."""
 
     def on_engine_refused(self, t: float, ex: Execution) -> list:
         """The engine answered 503 (engine cap): every subscriber is refused."""
-        ex.state = "refused"
         subs, ex.subscribers = ex.subscribers, []
+        self._end(ex, "refused")
         out = []
         for a in subs:
             a.open = False
             out.append(Refuse(a, 503, None, "engine"))
-        self.executions.pop(ex.id, None)
-        return out
+        return self._pump(t, out)
 
     def on_attempt_left(self, t: float, attempt: Attempt) -> list:
         """The client gave up the attempt and closed its connection."""
@@ -125,18 +367,30 @@ class Proxy:
         ex.subscribers.remove(attempt)
         if ex.subscribers:
             return []
-        if self.config.cancellation == "now":
-            ex.state = "cancelled"
-            self.executions.pop(ex.id, None)
-            return [Cancel(ex)]
+        if ex.state == "queued":
+            self._end(ex, "dropped")
+            return [Drop(ex)]
+        c = self.config.cancellation
+        if c == "now":
+            self._end(ex, "cancelled")
+            return self._pump(t, [Cancel(ex)])
         ex.orphaned = True
+        if c == "deferred":
+            ex.wake_at = t + self.config.defer_s
+            return [Wake(ex.wake_at, ex)]
         return []
+
+    def on_wake(self, t: float, ex: Execution) -> list:
+        """A `Wake` came due: cancel the execution if nobody attached since."""
+        if ex.state != "dispatched" or ex.subscribers or t < ex.wake_at:
+            return []
+        self._end(ex, "cancelled")
+        return self._pump(t, [Cancel(ex)])
 
     def on_finished(self, t: float, ex: Execution) -> list:
         """The engine streamed the execution's last token."""
-        ex.state = "completed"
-        self.executions.pop(ex.id, None)
         subs, ex.subscribers = ex.subscribers, []
+        self._end(ex, "completed")
         for a in subs:
             a.open = False
-        return [Complete(a) for a in subs]
+        return self._pump(t, [Complete(a) for a in subs])
