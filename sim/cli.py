@@ -11,7 +11,7 @@ import time
 
 from . import measures
 from .capacity import capacity_protocol
-from .conditions import CONDITIONS, DIAGNOSTIC, get_condition
+from .conditions import CONDITIONS, DIAGNOSTIC, Condition, compose, get_condition, parse_cancel
 from .latency import latency
 from .model import simulate
 from .profile import ProfileError, load_profile, embedded_names
@@ -44,6 +44,14 @@ def _positive(kind=float, allow_zero=False):
     return parse
 
 
+def _cancel(s: str) -> str:
+    try:
+        parse_cancel(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
 def _check_output(path: str | None) -> None:
     """Refuse an unwritable --json path before any work is done."""
     if not path:
@@ -70,14 +78,14 @@ def _scenario(args):
     return PAPER.with_(pulse=args.pulse)
 
 
-def run_one(profile, condition: str, pulse: float, seed: int, max_batched_tokens=None, mixed_prompts=False,
-            trace=None, fast_forward=True) -> dict:
-    cond = get_condition(condition)
+def run_one(profile, condition: str | Condition, pulse: float, seed: int, max_batched_tokens=None,
+            mixed_prompts=False, trace=None, fast_forward=True) -> dict:
+    cond = condition if isinstance(condition, Condition) else get_condition(condition)
     sc = PAPER.with_(pulse=pulse)
     if trace is None:
         trace = make_trace(profile.capacity, sc, seed, mixed_prompts=mixed_prompts)
     log = simulate(profile, trace, cond, sc, seed, max_batched_tokens=max_batched_tokens, fast_forward=fast_forward)
-    inputs = {"model": profile.name, "condition": condition, "pulse": pulse, "seed": seed,
+    inputs = {"model": profile.name, "condition": cond.name, "pulse": pulse, "seed": seed,
               "max_batched_tokens": max_batched_tokens or profile.engine["max_num_batched_tokens"],
               "mixed_prompts": mixed_prompts, "condition_settings": cond.settings(),
               "profile_provenance": profile.provenance.get("kind")}
@@ -85,9 +93,28 @@ def run_one(profile, condition: str, pulse: float, seed: int, max_batched_tokens
 
 
 # ------------------------------------------------------------------ commands
+_CONTROL_FLAGS = ("retries", "cancel", "coalesce", "budget", "order", "proxy_cap", "queue", "engine_cap")
+
+
+def _condition(a) -> Condition:
+    """The named condition (default no-control) with any control flags applied."""
+    changes = {k: getattr(a, k) for k in _CONTROL_FLAGS if getattr(a, k) is not None}
+    if a.condition is None and not changes:
+        raise UsageError("run: give --condition NAME or control flags (--cancel, --coalesce, --budget, "
+                         f"--order, --proxy-cap, --queue, --engine-cap, --retries); names: {', '.join(CONDITIONS)}")
+    if "retries" in changes:
+        changes["retries"] = changes["retries"] == "on"
+    if not changes:
+        return get_condition(a.condition)
+    try:
+        return compose(a.condition, **changes)
+    except ValueError as e:
+        raise UsageError(f"run: {e}") from None
+
+
 def cmd_run(a) -> int:
     prof = _profile(a.model)
-    rec = run_one(prof, a.condition, a.pulse, a.seed, a.max_batched_tokens, a.mixed_prompts)
+    rec = run_one(prof, _condition(a), a.pulse, a.seed, a.max_batched_tokens, a.mixed_prompts)
     print(measures.summary(rec))
     _write_json(a.json, rec)
     return 0
@@ -160,9 +187,7 @@ def cmd_diagnose(a) -> int:
 
 def cmd_conditions(a) -> int:
     for name, c in CONDITIONS.items():
-        s = c.settings()
-        print(f"{name:24s} retries {s['retries']:3s}  cancellation {s['cancellation']:4s}  "
-              f"engine cap {s['engine_cap'] if s['engine_cap'] else '-'}")
+        print(f"{name:22s} {c.describe()}")
     return 0
 
 
@@ -185,12 +210,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="one run of one condition; prints a summary, writes the result record")
     _model_arg(p)
-    p.add_argument("--condition", required=True, help=f"one of: {', '.join(CONDITIONS)}")
+    p.add_argument("--condition", help=f"one of: {', '.join(CONDITIONS)} (default no-control when control "
+                                      "flags are given; the flags change its settings)")
     p.add_argument("--pulse", type=_positive(), default=PAPER.pulse, help="pulse rate in multiples of capacity")
     p.add_argument("--seed", type=_positive(int, allow_zero=True), default=0)
     p.add_argument("--max-batched-tokens", type=_positive(int), default=None)
     p.add_argument("--mixed-prompts", action="store_true", help="half the calls get 3,000-token prompts")
     p.add_argument("--json", metavar="PATH")
+    g = p.add_argument_group("controls (each changes the condition's setting)")
+    g.add_argument("--retries", choices=("on", "off"), default=None, help="client retries (R = 3) on or off")
+    g.add_argument("--cancel", type=_cancel, default=None, metavar="off|now|deferred[:W]",
+                   help="cancellation: off, now, or deferred W seconds (default 10)")
+    g.add_argument("--coalesce", action="store_true", default=None,
+                   help="a retry attaches to its call's live execution")
+    g.add_argument("--budget", type=_positive(allow_zero=True), default=None, metavar="RATIO",
+                   help="retry budget: retries <= RATIO x first attempts over 60 s (0: off)")
+    g.add_argument("--order", choices=("budget-first", "lookup-first"), default=None,
+                   help="which check comes first: the retry budget or the lookup of a live execution")
+    g.add_argument("--proxy-cap", type=_positive(int, allow_zero=True), default=None, metavar="N",
+                   help="at most N executions outstanding in the engine; more wait in the proxy (0: off)")
+    g.add_argument("--queue", choices=("fifo", "deadline", "lifo"), default=None,
+                   help="dequeue order of the proxy queue")
+    g.add_argument("--engine-cap", type=_positive(int, allow_zero=True), default=None, metavar="Q",
+                   help="the engine refuses (503) beyond Q executions waiting or running (0: off)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("capacity", help="the capacity protocol (SPEC §6) on the simulator")

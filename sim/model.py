@@ -80,7 +80,7 @@ class Run:
                                                    condition.engine_cap),
                                  profile.step_time, on_finished=self._on_finished,
                                  on_first_token=self._on_first_token,
-                                 next_input_time=self.timers.next_time, fast_forward=fast_forward)
+                                 next_input_time=self._next_input_time, fast_forward=fast_forward)
         n = len(trace)
         self.calls = [CallState(i, float(trace.arrival[i])) for i in range(n)]
         self.call_records = [CallRecord(i, float(trace.arrival[i])) for i in range(n)]
@@ -184,6 +184,18 @@ class Run:
         q = self.proxy.queued
         if q != self.proxy_queue_log[-1][1]:
             self.proxy_queue_log.append((t, q))
+
+    def _next_input_time(self) -> float:
+        """When the engine may next get input: the next timer, or — while
+        the proxy holds executions in its queue — the end of the first step
+        in flight that finishes a request (its completion frees a seat under
+        the proxy cap, and a queued execution is dispatched then)."""
+        t = self.timers.next_time()
+        if self.proxy.queued:
+            for plan in self.engine.pending:
+                if plan.finishing:
+                    return min(t, plan.end)
+        return t
 
     def _wake(self, t: float, ex) -> None:
         self._do(t, self.proxy.on_wake(t, ex))

@@ -20,7 +20,7 @@ import numpy as np
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from sim.capacity import capacity_protocol
-from sim.conditions import CONDITIONS, Condition
+from sim.conditions import CONDITIONS, Condition, compose
 from sim.measures import record
 from sim.model import simulate
 from sim.profile import Profile, from_dict
@@ -117,11 +117,29 @@ def scenarios(draw, hold_load=st.floats(0.2, 0.9), pulse=st.floats(1.2, 3.0), ma
 
 @st.composite
 def conditions(draw, names=tuple(CONDITIONS)) -> Condition:
+    """A named condition, sometimes with caps the small engine reaches, or
+    one composed from random control settings."""
+    if tuple(names) == tuple(CONDITIONS) and draw(st.integers(0, 4)) == 0:
+        return composed(draw)
     cond = CONDITIONS[draw(st.sampled_from(sorted(names)))]
     if cond.engine_cap is not None and draw(st.booleans()):
         # a cap the small engine actually reaches
         cond = dataclasses.replace(cond, name=cond.name + "-small", engine_cap=draw(st.integers(2, 40)))
+    if cond.proxy.proxy_cap is not None and draw(st.booleans()):
+        cond = dataclasses.replace(cond, name=cond.name + "-small",
+                                   proxy=dataclasses.replace(cond.proxy, proxy_cap=draw(st.integers(1, 30)),
+                                                             lifo_after=draw(st.sampled_from([0, 5, 50]))))
     return cond
+
+
+def composed(draw) -> Condition:
+    cond = compose(draw(st.sampled_from(["no-control", "no-retry"])),
+                   cancel=draw(st.sampled_from(["off", "now", "deferred:0", "deferred:2", "deferred:10"])),
+                   coalesce=draw(st.booleans()), budget=draw(st.sampled_from([0, 0.1, 0.5])),
+                   order=draw(st.sampled_from(["budget-first", "lookup-first"])),
+                   proxy_cap=draw(st.sampled_from([0, 1, 4, 20])), queue=draw(st.sampled_from(["fifo", "deadline", "lifo"])),
+                   engine_cap=draw(st.sampled_from([0, 3, 30])))
+    return dataclasses.replace(cond, proxy=dataclasses.replace(cond.proxy, lifo_after=draw(st.sampled_from([0, 5]))))
 
 
 class Case:
@@ -326,6 +344,9 @@ def test_attempts_executions_and_counters_are_conserved(case: Case):
             assert e.created_at <= e.finished_at, e
         if e.fate == "refused":
             assert e.finished_at == e.dispatched_at, e
+        if e.fate == "dropped":     # left the proxy queue: never reached the engine
+            assert _isnan(e.dispatched_at) and not e.accepted and e.prompt_computed == 0, e
+            assert e.created_at <= e.finished_at, e
     if case.condition.engine_cap is None:
         assert refused == 0
 
@@ -341,6 +362,28 @@ def test_attempts_executions_and_counters_are_conserved(case: Case):
             assert exs[a.execution].finished_at == a.ended_at, a
         if a.outcome == "refused_engine":
             assert exs[a.execution].fate == "refused", a
+        if a.outcome == "refused_proxy":     # the deadline check refused it at dequeue
+            assert exs[a.execution].fate == "dropped", a
+        if a.outcome == "refused_budget":
+            assert a.execution == -1 and a.number > 0 and a.ended_at == a.sent_at, a
+        if a.attached:
+            assert a.number > 0 and case.condition.proxy.coalesce, a
+    if case.condition.proxy.proxy_cap is None:
+        assert ex["dropped"] == 0 and not log.series.proxy_queue.any()
+    else:
+        # the proxy never has more than N executions in the engine
+        cap = case.condition.proxy.proxy_cap
+        ends = sorted([(e.dispatched_at, 1) for e in exs if e.accepted]
+                      + [(min(e.finished_at, e.cancel_requested_at) if not _isnan(e.cancel_requested_at)
+                          else e.finished_at, -1) for e in exs if e.accepted and e.fate])
+        level = 0
+        for _, d in ends:
+            level += d
+            assert level <= cap
+    assert rec["retries"]["refused_budget"] == sum(a.outcome == "refused_budget" for a in atts)
+    if case.condition.proxy.budget is None:
+        assert rec["retries"]["refused_budget"] == 0
+    assert (log.series.proxy_queue >= 0).all()
 
     # prompt work
     pt = rec["prompt_tokens"]
@@ -497,3 +540,67 @@ def test_without_retries_a_light_hold_recovers(case: Case):
     assert rec["attempts"]["retries"] == 0
     assert rec["recovered"] is True, (rec["windows"], rec["cohorts"])
     assert rec["recovery_time_s"] <= case.scenario.hold_s
+
+
+# --------------------------------------------------------------------------
+# Controls in whole runs
+# --------------------------------------------------------------------------
+
+def _live_until(e) -> float:
+    """When the proxy stopped counting the execution as live."""
+    end = e.finished_at if e.fate else math.inf
+    return min(end, e.cancel_requested_at) if not _isnan(e.cancel_requested_at) else end
+
+
+@examples(15)
+@given(cases(names=("coalesce", "coalesce+cancel", "deferred", "budget-first", "lookup-first")))
+def test_with_coalescing_a_call_never_has_two_live_executions(case: Case):
+    log = case.run()
+    by_call: dict[int, list] = {}
+    for e in log.executions:
+        by_call.setdefault(e.call, []).append(e)
+    for exs in by_call.values():
+        exs.sort(key=lambda e: (e.created_at, e.id))
+        for a, b in zip(exs, exs[1:]):
+            assert b.created_at >= _live_until(a), (a, b)
+
+
+@st.composite
+def deferred_cases(draw) -> Case:
+    case = draw(cases(names=("no-control",)))
+    # W above the client's longest wait between an attempt leaving and its retry
+    w = case.scenario.backoff_max_s + draw(st.floats(0.01, 5.0))
+    case.condition = compose("no-control", cancel=f"deferred:{w!r}", coalesce=True,
+                             engine_cap=draw(st.sampled_from([0, 0, 20])))
+    return case
+
+
+@examples(15)
+@given(deferred_cases())
+def test_deferred_cancellation_longer_than_the_backoff_never_cancels_a_retried_call(case: Case):
+    log = case.run()
+    w = case.condition.proxy.defer_s
+    sent: dict[int, list] = {}
+    for a in log.attempts:
+        sent.setdefault(a.call, []).append(a.sent_at)
+    cancelled = [e for e in log.executions if not _isnan(e.cancel_requested_at)]
+    for e in cancelled:
+        left = e.cancel_requested_at - w          # its last subscriber left here
+        assert not any(t > left for t in sent[e.call]), (e, sent[e.call])
+    if case.condition.retries and cancelled:
+        # a cancelled execution's call made its last attempt
+        for e in cancelled:
+            assert len(sent[e.call]) == case.scenario.max_retries + 1 or log.calls[e.call].outcome != "", e
+
+
+@examples(15)
+@given(cases(names=("budget", "budget+cancel", "budget-first")))
+def test_the_budget_admits_no_more_retries_than_its_share_in_a_run(case: Case):
+    log = case.run()
+    ratio, win = case.condition.proxy.budget, case.condition.proxy.budget_window_s
+    firsts = np.sort([a.sent_at for a in log.attempts if a.number == 0])
+    admitted = np.sort([a.sent_at for a in log.attempts if a.number > 0 and a.outcome != "refused_budget"])
+    for t in admitted:
+        n_r = np.count_nonzero((admitted > t - win) & (admitted <= t))
+        n_f = np.count_nonzero((firsts > t - win) & (firsts <= t))
+        assert n_r <= ratio * n_f + 1e-9, (t, n_r, n_f)

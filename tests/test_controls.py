@@ -1,0 +1,405 @@
+"""The proxy's overload controls (SPEC §3) on hand-written event sequences,
+with the exact actions expected, and hypothesis properties of the policy
+core driven by random event sequences."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from sim.conditions import CONDITIONS, compose, parse_cancel
+from sim.policy.proxy import (Attempt, Cancel, Complete, Dispatch, Drop, EngineView, PromptRate, Proxy, ProxyConfig,
+                              Refuse, RetryBudget, Subscribe, Wake)
+
+DEADLINE = 120.0
+
+
+def proxy(view=EngineView(0.0, 1000.0), **cfg) -> Proxy:
+    return Proxy(ProxyConfig(**cfg), engine_view=lambda t: view, prompt_throughput=500.0)
+
+
+def send(p: Proxy, t: float, call: int, number: int, prompt: int = 1000) -> tuple[Attempt, list]:
+    a = Attempt(call, number, t + DEADLINE)
+    return a, p.on_attempt(t, a, (64,), prompt)
+
+
+# ------------------------------------------------------- cancellation + coalescing
+
+def _first_then_retry_2s_after_deadline(**cfg):
+    p = proxy(**cfg)
+    a0, out = send(p, 0.0, 7, 0)
+    ex = out[0].execution
+    assert out == [Subscribe(a0, ex), Dispatch(ex)]
+    left = p.on_attempt_left(DEADLINE, a0)
+    a1, out = send(p, DEADLINE + 2.0, 7, 1)
+    return p, ex, left, a1, out
+
+
+def test_retry_after_deadline_attaches_under_deferred_10():
+    p, ex, left, a1, out = _first_then_retry_2s_after_deadline(cancellation="deferred", defer_s=10.0, coalesce=True)
+    assert left == [Wake(130.0, ex)]
+    assert out == [Subscribe(a1, ex)] and a1.attached and ex.live
+    assert p.on_wake(130.0, ex) == []               # a subscriber attached within W
+    assert p.on_finished(140.0, ex) == [Complete(a1)]
+
+
+def test_retry_after_deadline_attaches_under_cancellation_off_with_coalescing():
+    p, ex, left, a1, out = _first_then_retry_2s_after_deadline(cancellation="off", coalesce=True)
+    assert left == [] and out == [Subscribe(a1, ex)] and a1.attached
+
+
+def test_retry_after_deadline_finds_nothing_under_now():
+    p, ex, left, a1, out = _first_then_retry_2s_after_deadline(cancellation="now", coalesce=True)
+    assert left == [Cancel(ex)] and not ex.live
+    new = out[0].execution
+    assert out == [Subscribe(a1, new), Dispatch(new)] and new is not ex and not a1.attached
+
+
+def test_retry_without_coalescing_gets_its_own_execution_even_if_one_runs():
+    p, ex, left, a1, out = _first_then_retry_2s_after_deadline(cancellation="off")
+    assert ex.live and ex.orphaned and out[0].execution is not ex and len(out) == 2
+
+
+def test_deferred_cancels_after_w_when_nobody_attached():
+    p = proxy(cancellation="deferred", defer_s=10.0, coalesce=True)
+    a0, out = send(p, 0.0, 1, 0)
+    ex = out[0].execution
+    assert p.on_attempt_left(120.0, a0) == [Wake(130.0, ex)]
+    assert p.on_wake(130.0, ex) == [Cancel(ex)] and ex.state == "cancelled"
+    a1, out = send(p, 131.0, 1, 1)
+    assert out[0].execution is not ex and not a1.attached
+
+
+def test_deferred_counts_w_from_the_last_subscriber_leaving():
+    p = proxy(cancellation="deferred", defer_s=10.0, coalesce=True)
+    a0, out = send(p, 0.0, 1, 0)
+    ex = out[0].execution
+    p.on_attempt_left(120.0, a0)                    # wake due at 130
+    a1, out = send(p, 125.0, 1, 1)
+    assert out == [Subscribe(a1, ex)]
+    assert p.on_attempt_left(127.0, a1) == [Wake(137.0, ex)]
+    assert p.on_wake(130.0, ex) == []               # the earlier wake is stale
+    assert p.on_wake(137.0, ex) == [Cancel(ex)]
+
+
+def test_coalescing_needs_the_same_key():
+    p = proxy(cancellation="off", coalesce=True)
+    a0, out = send(p, 0.0, 1, 0)
+    p.on_attempt_left(120.0, a0)
+    other = Attempt(1, 1, 242.0)
+    out = p.on_attempt(122.0, other, (128,), 1000)  # different generation parameters
+    assert out[0].execution is not a0.execution and not other.attached
+    b = Attempt(2, 1, 242.0)                        # another call
+    assert len(p.on_attempt(122.0, b, (64,), 1000)) == 2 and not b.attached
+
+
+# -------------------------------------------------------------- retry budget
+
+def test_budget_admits_a_tenth_of_first_attempts_over_60s():
+    b = RetryBudget(0.1, 60.0)
+    for i in range(20):
+        b.first(float(i))
+    assert [b.admit(30.0), b.admit(31.0), b.admit(32.0)] == [True, True, False]
+    # at 75 the first attempts of 0..15 s have left the window: 4 remain, 2 retries in it
+    assert not b.admit(75.0)
+    # at 92 both retries have left; 0 first attempts: nothing admitted (no minimum)
+    assert not b.admit(92.0)
+
+
+def _exhausted_budget(order: str) -> tuple[Proxy, Attempt]:
+    """Call 0's first attempt has left; its execution runs on (cancellation
+    off); one first attempt in the window, so the budget admits no retry."""
+    p = proxy(view=EngineView(5000.0, 1000.0), cancellation="off", coalesce=True, budget=0.1, order=order)
+    a0, _ = send(p, 100.0, 0, 0)
+    p.on_attempt_left(130.0, a0)
+    return p, a0
+
+
+def test_lookup_first_attaches_a_retry_whose_call_has_a_live_execution():
+    p, a0 = _exhausted_budget("lookup-first")
+    a1, out = send(p, 132.0, 0, 1)
+    assert out == [Subscribe(a1, a0.execution)] and a1.attached
+
+
+def test_lookup_first_checks_the_budget_for_a_retry_that_found_nothing():
+    p, a0 = _exhausted_budget("lookup-first")
+    b1, out = send(p, 132.0, 5, 1, prompt=2000)
+    # Retry-After: (nothing queued in the proxy + 5000 in the engine + own 2000) / 1000 tokens/s
+    assert out == [Refuse(b1, 429, 7.0, "budget")]
+
+
+def test_budget_first_refuses_a_retry_whose_call_has_a_live_execution():
+    p, a0 = _exhausted_budget("budget-first")
+    a1, out = send(p, 132.0, 0, 1)
+    assert out == [Refuse(a1, 429, 6.0, "budget")] and a0.execution.live and not a0.execution.subscribers
+
+
+def test_budget_first_counts_a_retry_that_attaches():
+    p = proxy(cancellation="off", coalesce=True, budget=0.1, order="budget-first")
+    for c in range(1, 11):
+        send(p, 0.0, c, 0)                          # 10 first attempts: one retry admitted
+    a0, _ = send(p, 0.0, 0, 0)
+    p.on_attempt_left(1.0, a0)
+    a1, out = send(p, 2.0, 0, 1)
+    assert out == [Subscribe(a1, a0.execution)]
+    b1, out = send(p, 3.0, 50, 1)
+    assert out[0] == Refuse(b1, 429, 1.0, "budget")   # the attached retry used the budget
+    q = proxy(cancellation="off", coalesce=True, budget=0.1, order="lookup-first")
+    for c in range(1, 11):
+        send(q, 0.0, c, 0)
+    a0, _ = send(q, 0.0, 0, 0)
+    q.on_attempt_left(1.0, a0)
+    send(q, 2.0, 0, 1)
+    b1, out = send(q, 3.0, 50, 1)
+    assert isinstance(out[0], Subscribe) and len(out) == 2       # lookup-first: the attach was free
+
+
+def test_retry_after_counts_the_proxy_queue():
+    p = proxy(view=EngineView(1000.0, 1000.0), budget=0.1, proxy_cap=1, cancellation="now")
+    send(p, 0.0, 1, 0, prompt=3000)                 # dispatched
+    send(p, 0.0, 2, 0, prompt=4000)                 # queued
+    a, out = send(p, 1.0, 3, 1, prompt=500)
+    assert out == [Refuse(a, 429, (4000 + 1000 + 500) / 1000.0, "budget")]
+
+
+def test_retry_after_uses_the_profile_throughput_without_history():
+    p = Proxy(ProxyConfig(budget=0.1), engine_view=lambda t: EngineView(1000.0, None), prompt_throughput=500.0)
+    a, out = send(p, 0.0, 1, 1, prompt=1500)
+    assert out == [Refuse(a, 429, 5.0, "budget")]
+
+
+def test_prompt_rate_is_over_a_sliding_window():
+    r = PromptRate(60.0)
+    assert r.rate(0.0) is None
+    r.add(10.0, 6000)
+    r.add(50.0, 12000)
+    assert r.rate(60.0) == 300.0
+    assert r.rate(70.0) == 200.0                    # the first left the window
+    assert r.rate(200.0) is None
+
+
+# ------------------------------------------------------------------ proxy cap
+
+def test_proxy_cap_queues_and_dispatches_fifo():
+    p = proxy(proxy_cap=2, cancellation="now")
+    outs = [send(p, float(i), i, 0) for i in range(4)]
+    exs = [o[1][0].execution for o in outs]
+    assert [len(o[1]) for o in outs] == [2, 2, 1, 1] and p.queued == 2
+    assert p.on_finished(10.0, exs[0]) == [Complete(outs[0][0]), Dispatch(exs[2])]
+    assert p.on_attempt_left(11.0, outs[1][0]) == [Cancel(exs[1]), Dispatch(exs[3])]
+    assert p.queued == 0 and p.outstanding == 2
+
+
+def test_lifo_dequeues_the_newest_once_more_than_50_are_queued():
+    p = proxy(proxy_cap=1, queue="lifo", cancellation="now")
+    outs = [send(p, float(i), i, 0) for i in range(53)]          # 1 dispatched, 52 queued
+    exs = [o[1][0].execution for o in outs]
+    assert p.queued == 52
+    assert p.on_finished(60.0, exs[0])[-1] == Dispatch(exs[52])  # 52 > 50: newest
+    assert p.on_finished(61.0, exs[52])[-1] == Dispatch(exs[51])  # 51 > 50: newest
+    assert p.on_finished(62.0, exs[51])[-1] == Dispatch(exs[1])   # 50: oldest
+    assert p.on_finished(63.0, exs[1])[-1] == Dispatch(exs[2])
+
+
+def test_fifo_under_more_than_50_queued_stays_oldest_first():
+    p = proxy(proxy_cap=1, queue="fifo", cancellation="now")
+    exs = [send(p, float(i), i, 0)[1][0].execution for i in range(60)]
+    assert p.on_finished(60.0, exs[0])[-1] == Dispatch(exs[1])
+
+
+def test_a_queued_execution_whose_subscribers_left_is_dropped_and_never_dispatched():
+    p = proxy(proxy_cap=1, cancellation="off", coalesce=True)
+    a, out = send(p, 0.0, 1, 0)
+    b, outb = send(p, 1.0, 2, 0)
+    exb = outb[0].execution
+    assert outb == [Subscribe(b, exb)] and exb.state == "queued"
+    assert p.on_attempt_left(121.0, b) == [Drop(exb)] and exb.state == "dropped" and p.queued == 0
+    b1, out1 = send(p, 123.0, 2, 1)                 # a dropped execution cannot be attached to
+    assert out1 == [Subscribe(b1, out1[0].execution)] and out1[0].execution is not exb
+    assert p.on_finished(130.0, a.execution) == [Complete(a), Dispatch(out1[0].execution)]
+
+
+def test_a_queued_execution_is_dropped_only_when_its_last_subscriber_leaves():
+    p = proxy(proxy_cap=1, cancellation="now", coalesce=True)
+    send(p, 0.0, 1, 0)
+    b0, outb = send(p, 1.0, 2, 0)
+    exb = outb[0].execution
+    b1, out1 = send(p, 2.0, 2, 1)
+    assert out1 == [Subscribe(b1, exb)] and b1.attached
+    assert p.on_attempt_left(50.0, b0) == [] and exb.state == "queued"
+    assert p.on_attempt_left(60.0, b1) == [Drop(exb)] and p.queued == 0
+
+
+def test_deadline_queue_refuses_an_attempt_estimated_to_miss_its_deadline():
+    # 100 prompt tokens/s, nothing in the engine: a 1000-token prompt waits 10 s
+    p = proxy(view=EngineView(0.0, 100.0), proxy_cap=1, queue="deadline", cancellation="now")
+    a, outa = send(p, 0.0, 0, 0)
+    b = Attempt(1, 0, 5.0)                          # deadline 5: would get its first token at 11
+    outb = p.on_attempt(0.5, b, (64,), 1000)
+    c = Attempt(2, 0, 100.0)
+    outc = p.on_attempt(0.6, c, (64,), 1000)
+    d = Attempt(3, 0, 15.0)                         # behind c: 1 + (1000 + 1000) / 100 = 21 > 15
+    outd = p.on_attempt(0.7, d, (64,), 1000)
+    exb, exc, exd = outb[0].execution, outc[0].execution, outd[0].execution
+    assert p.on_finished(1.0, outa[0].execution) == [Complete(a), Drop(exb), Refuse(b, 503, None, "proxy"),
+                                                     Dispatch(exc)]
+    assert p.queued == 1
+
+
+def test_deadline_queue_counts_the_engine_backlog():
+    # 100 prompt tokens/s, 1000 uncomputed in the engine: a 1000-token prompt waits 20 s
+    p = proxy(view=EngineView(1000.0, 100.0), proxy_cap=1, queue="deadline", cancellation="now")
+    a, outa = send(p, 0.0, 0, 0)
+    b = Attempt(1, 0, 20.0)                         # first token estimated at 21
+    c = Attempt(2, 0, 21.0)                         # ... just in time
+    outb, outc = p.on_attempt(0.5, b, (64,), 1000), p.on_attempt(0.6, c, (64,), 1000)
+    assert p.on_finished(1.0, outa[0].execution) == [Complete(a), Drop(outb[0].execution),
+                                                     Refuse(b, 503, None, "proxy"), Dispatch(outc[0].execution)]
+
+
+def test_engine_refusal_frees_the_seat_for_the_queue():
+    p = proxy(proxy_cap=1, cancellation="now")
+    a, outa = send(p, 0.0, 0, 0)
+    b, outb = send(p, 0.0, 1, 0)
+    assert p.on_engine_refused(0.0, outa[0].execution) == [Refuse(a, 503, None, "engine"),
+                                                            Dispatch(outb[0].execution)]
+
+
+# ------------------------------------------------------- conditions and flags
+
+def test_named_conditions_have_the_spec_settings():
+    assert len(CONDITIONS) == 17
+    s = {n: c.settings() for n, c in CONDITIONS.items()}
+    assert s["deferred"]["cancellation"] == "deferred:10" and s["deferred"]["coalesce"]
+    assert s["lookup-first"]["order"] == "lookup-first" and s["lookup-first"]["budget"] == 0.1
+    assert s["budget-first"]["order"] == "budget-first" and s["budget-first"]["coalesce"]
+    assert (s["lifo"]["proxy_cap"], s["lifo"]["queue"], s["lifo"]["cancellation"]) == (100, "lifo", "now")
+    assert s["deadline-check"]["queue"] == "deadline" and s["proxy-cap"]["queue"] == "fifo"
+    assert s["engine-cap-338+cancel"]["engine_cap"] == 338 and s["budget+cancel"]["cancellation"] == "now"
+    assert not CONDITIONS["no-retry"].retries and CONDITIONS["coalesce+cancel"].proxy.coalesce
+
+
+def test_compose_from_flags():
+    c = compose("cancel", coalesce=True, budget=0.1, order="lookup-first", proxy_cap=100, queue="lifo",
+                engine_cap=338)
+    p = c.proxy
+    assert (p.cancellation, p.coalesce, p.budget, p.order, p.proxy_cap, p.queue, c.engine_cap) == \
+        ("now", True, 0.1, "lookup-first", 100, "lifo", 338)
+    assert compose(cancel="deferred:4").proxy.defer_s == 4.0
+    assert compose("budget", budget=0).proxy.budget is None
+    assert compose("deferred", cancel="now").settings() == {**CONDITIONS["coalesce+cancel"].settings()}
+
+
+@pytest.mark.parametrize("bad", ["later", "deferred:", "deferred:-1", "deferred:x"])
+def test_bad_cancel_spec(bad):
+    with pytest.raises(ValueError, match="deferred"):
+        parse_cancel(bad)
+
+
+# ---------------------------------------------------------------- properties
+
+@st.composite
+def event_sequences(draw):
+    """Random attempts of a few calls (first attempts, then retries), leaves,
+    engine completions and wake-ups, in time order."""
+    n = draw(st.integers(5, 60))
+    return [(draw(st.sampled_from(["attempt", "attempt", "leave", "finish", "wake", "refuse"])),
+             draw(st.integers(0, 5)), draw(st.floats(0.0, 20.0))) for _ in range(n)]
+
+
+def _drive(p: Proxy, events) -> tuple[list, dict]:
+    """Feed the events; returns per-step snapshots and the attempts' answers."""
+    t = 0.0
+    number = {}
+    open_atts: dict[int, list[Attempt]] = {}
+    wakes = []
+    answered = {}
+    dispatched = set()
+    snapshots = []
+
+    def act(out):
+        for a in out:
+            if isinstance(a, Wake):
+                wakes.append(a)
+            elif isinstance(a, Dispatch):
+                assert a.execution.id not in dispatched
+                assert a.execution.state == "dispatched"
+                dispatched.add(a.execution.id)
+            elif isinstance(a, (Subscribe, Refuse)):
+                answered.setdefault(a.attempt, []).append(type(a).__name__)
+            elif isinstance(a, Drop):
+                assert a.execution.id not in dispatched
+    for kind, call, dt in events:
+        t += dt
+        if kind == "attempt" and not open_atts.get(call):
+            k = number.get(call, 0)
+            number[call] = k + 1
+            att = Attempt(call, k, t + 30.0)
+            out = p.on_attempt(t, att, (64,), 1000)
+            act(out)
+            if att.open:
+                open_atts.setdefault(call, []).append(att)
+        elif kind == "leave" and open_atts.get(call):
+            att = open_atts[call].pop()
+            act(p.on_attempt_left(t, att))
+        elif kind in ("finish", "refuse"):        # the engine completes or refuses one in it
+            live = [e for e in p.executions.values() if e.state == "dispatched"]
+            if live:
+                ex = live[call % len(live)]
+                for a in ex.subscribers:
+                    open_atts[a.call_id].remove(a)
+                act((p.on_finished if kind == "finish" else p.on_engine_refused)(t, ex))
+        elif kind == "wake":
+            due = [w for w in wakes if w.at <= t]
+            wakes[:] = [w for w in wakes if w.at > t]
+            for w in due:
+                act(p.on_wake(w.at, w.execution))
+        for atts in open_atts.values():
+            for a in list(atts):
+                if not a.open:
+                    atts.remove(a)
+        snapshots.append(list(p.executions.values()))
+    return snapshots, answered
+
+
+configs = st.builds(
+    ProxyConfig,
+    cancellation=st.sampled_from(["off", "now", "deferred"]), defer_s=st.sampled_from([0.0, 5.0, 10.0]),
+    coalesce=st.just(True), budget=st.sampled_from([None, 0.1, 0.5]),
+    order=st.sampled_from(["budget-first", "lookup-first"]), proxy_cap=st.sampled_from([None, 1, 2, 3]),
+    queue=st.sampled_from(["fifo", "deadline", "lifo"]), lifo_after=st.sampled_from([0, 1, 50]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(configs, event_sequences())
+def test_with_coalescing_never_more_than_one_live_execution_per_key(cfg, events):
+    p = Proxy(cfg, engine_view=lambda t: EngineView(500.0, 100.0), prompt_throughput=100.0)
+    snapshots, answered = _drive(p, events)
+    for live in snapshots:
+        keys = [e.key for e in live if e.live]
+        assert len(keys) == len(set(keys))
+        assert p.outstanding == sum(e.state == "dispatched" for e in p.executions.values())
+    # every attempt got exactly one answer: a subscription or a refusal
+    assert all(len(v) == 1 or v == ["Subscribe", "Refuse"] for v in answered.values())
+    if cfg.proxy_cap is not None:
+        assert p.outstanding <= cfg.proxy_cap
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([0.05, 0.1, 0.3]),
+       st.lists(st.tuples(st.booleans(), st.floats(0.0, 10.0)), min_size=1, max_size=300))
+def test_budget_never_admits_retries_above_its_share_over_60s(ratio, events):
+    b = RetryBudget(ratio, 60.0)
+    t = 0.0
+    firsts, admitted = [], []
+    for is_first, dt in events:
+        t += dt
+        if is_first:
+            b.first(t)
+            firsts.append(t)
+        elif b.admit(t):
+            admitted.append(t)
+    # in every window ending at an admission: retries admitted <= ratio x first attempts
+    for x in admitted:
+        n_r = sum(x - 60.0 < y <= x for y in admitted)
+        n_f = sum(x - 60.0 < y <= x for y in firsts)
+        assert n_r <= ratio * n_f + 1e-9
