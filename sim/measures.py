@@ -381,9 +381,15 @@ def record(log: RunLog, scenario: Scenario, capacity: float, inputs: dict) -> di
 
     # extras
     outc = c.call_outcome
+    # a failed call's last attempt refused (429 or 503) rather than timed out
+    n_att = np.array([cr.attempts for cr in log.calls], dtype=np.int64)
+    failed = np.array([o.startswith("failed") for o in outc], dtype=bool)
+    is_last = c.a_number == n_att[c.a_call] - 1 if len(c.a_call) else np.zeros(0, dtype=bool)
+    refused_calls = c.a_call[is_last & np.isin(c.a_outcome, (_O_BUDGET, _O_ENGINE, _O_PROXY))]
     rec["calls_failed"] = {"attempts": outc.count("failed_attempts"),
                            "retry_after": outc.count("failed_retry_after"),
-                           "outstanding": outc.count("")}
+                           "outstanding": outc.count(""),
+                           "by_refusal": int(failed[refused_calls].sum())}
     rec["attempts"] = {
         "sent": len(c.a_number), "first": int((~retry).sum()), "retries": n_retry,
         "complete": int((c.a_outcome == _O_COMPLETE).sum()),
@@ -414,6 +420,14 @@ def record(log: RunLog, scenario: Scenario, capacity: float, inputs: dict) -> di
                                          minlength=nbins),
         "delivered_bin_s": s.window_s,
     }
+    pq = np.asarray(ser.proxy_queue, dtype=float)
+    pt = np.asarray(ser.t, dtype=float)
+
+    def _mean(a, b):
+        m = (pt >= a) & (pt < b)
+        return float(pq[m].mean()) if m.any() else None
+    rec["proxy_queue"] = {"max": int(pq.max()) if len(pq) else 0, "mean_pulse": _mean(s.pulse_start, s.pulse_end),
+                          "mean_hold": _mean(s.pulse_end, s.hold_end), "mean_primary": _mean(s.primary_start, s.hold_end)}
     rec["windows"] = win
     rec["end_time"] = float(log.end_time)
     rec["scenario"] = s.to_dict()

@@ -403,3 +403,73 @@ def test_budget_never_admits_retries_above_its_share_over_60s(ratio, events):
         n_r = sum(x - 60.0 < y <= x for y in admitted)
         n_f = sum(x - 60.0 < y <= x for y in firsts)
         assert n_r <= ratio * n_f + 1e-9
+
+
+# ------------------------------------------------------------ in the driver
+
+def _tiny_run(condition, arrivals, max_tokens, deadline=1.0, retries=0):
+    import numpy as np
+    from sim.model import simulate
+    from sim.profile import from_dict
+    from sim.scenario import Scenario
+    from sim.workload import Trace
+    profile = from_dict({
+        "name": "tiny", "capacity": 1.0, "provenance": {"kind": "test"},
+        "step_time": {"fixed_s": 0.01, "per_request_s": 0.0, "per_token_s": 0.0,
+                      "per_prefill_pair_s": 0.0, "per_decode_ctx_s": 0.0},
+        "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 512, "block_size": 16,
+                   "num_gpu_blocks": 300, "depth": 1, "max_model_len": 4096}})
+    n = len(arrivals)
+    trace = Trace(arrival=np.array(arrivals, dtype=float), prompt_len=np.full(n, 100),
+                  max_tokens=np.array(max_tokens), shared_prefix=0)
+    return simulate(profile, trace, condition,
+                    Scenario(deadline_s=deadline, delivery_horizon_s=20.0, max_retries=retries))
+
+
+def test_driver_drops_a_queued_execution_that_was_given_up_without_sending_it():
+    # proxy cap 1: call 0 (1000 tokens of 10 ms steps) holds the seat, runs on
+    # orphaned after its 5 s deadline; call 1 waits in the proxy queue, gives
+    # up at 5.1 s and is dropped; call 2 arrives after call 0 finished and runs
+    cond = compose("no-retry", proxy_cap=1, cancel="off")
+    log = _tiny_run(cond, [0.0, 0.1, 11.0], [1000, 5, 5], deadline=5.0)
+    e0, e1, e2 = log.executions
+    assert e1.fate == "dropped" and e1.dispatched_at != e1.dispatched_at and not e1.accepted
+    assert e1.finished_at == 5.1 and e1.prompt_computed == 0
+    assert e0.fate == "completed" and e2.fate == "completed" and e2.dispatched_at == 11.0
+    assert [c.outcome for c in log.calls] == ["failed_attempts", "failed_attempts", "delivered"]
+    # the queue series: one queued from 0.1 s to 5.1 s
+    assert list(log.series.proxy_queue[:7]) == [0, 1, 1, 1, 1, 1, 0]
+    # the engine saw two executions' prompts
+    assert log.counters["prompt_tokens_total"] == 200
+
+
+def test_record_counts_refusals_and_proxy_queue():
+    from sim.measures import record
+    from sim.scenario import Scenario
+    cond = compose("no-retry", proxy_cap=1, cancel="off")
+    log = _tiny_run(cond, [0.0, 0.1, 11.0], [1000, 5, 5], deadline=5.0)
+    rec = record(log, Scenario(deadline_s=5.0, delivery_horizon_s=20.0, max_retries=0), 1.0, {})
+    assert rec["executions"]["dropped"] == 1 and rec["proxy_queue"]["max"] == 1
+    cond = compose("no-control", engine_cap=1)
+    log = _tiny_run(cond, [0.0, 0.1], [1000, 5], deadline=20.0, retries=1)
+    rec = record(log, Scenario(deadline_s=20.0, delivery_horizon_s=20.0, max_retries=1), 1.0, {})
+    # call 1 is refused twice by the engine while call 0 runs for 10 s
+    assert rec["retries"]["refused_engine"] == 2 and rec["calls_failed"]["by_refusal"] == 1
+    assert rec["retries"]["sent"] == 1
+
+
+def test_cli_composes_a_condition_from_flags(tmp_path, capsys):
+    import json
+    from sim.cli import main
+    out = tmp_path / "r.json"
+    assert main(["run", "--condition", "cancel", "--coalesce", "--cancel", "deferred:5", "--budget", "0.1",
+                 "--order", "lookup-first", "--proxy-cap", "100", "--queue", "lifo", "--engine-cap", "338",
+                 "--pulse", "1.2", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["condition_settings"] == {"retries": "on", "cancellation": "deferred:5", "coalesce": True,
+                                         "budget": 0.1, "order": "lookup-first", "proxy_cap": 100,
+                                         "queue": "lifo", "engine_cap": 338}
+    assert main(["conditions"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    listed = [ln.split()[0] for ln in lines if ln.split() and ln.split()[0] in CONDITIONS]
+    assert listed == list(CONDITIONS) and any("deferred:10" in ln for ln in lines)
