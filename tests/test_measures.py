@@ -293,7 +293,7 @@ def test_record_waste_engine_extras(rec):
     assert w["useful_token_ratio"] == pytest.approx(111 / 171)
     assert rec["engine"] == {"aborted_before_scheduled": 0, "preemptions": 2, "steps": 1234}
     assert rec["wall_s"] == 0.25
-    assert rec["calls_failed"] == {"attempts": 1, "retry_after": 0, "outstanding": 0}
+    assert rec["calls_failed"] == {"attempts": 1, "retry_after": 0, "outstanding": 0, "by_refusal": 1}
     assert rec["executions"] == {"created": 13, "accepted": 11, "dropped": 1, "refused": 1,
                                  "aborted": 3, "completed": 8, "orphaned": 1, "live_at_end": 0}
     per60 = rec["series"]["delivered_per_60s"]
