@@ -25,6 +25,7 @@ from .scheduler import Scheduler, SchedulerConfig, StepPlan
 from .step_time import StepTimeModel
 
 INF = float("inf")
+ABORT_LATENCIES = ("v1", "v0")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,14 @@ class EngineConfig:
     scheduler: SchedulerConfig
     depth: int = 2                   # steps in flight (async scheduling on GPU: 2; CPU: 1)
     max_queued: int | None = None    # engine cap Q (vLLM --max-num-queued-reqs): refuse beyond it
+    # when an abort takes effect: "v1" at the next step boundary; "v0" (the
+    # V0 engine's RequestTracker) one full iteration later, so the request
+    # still takes a seat in one more forward pass
+    abort_latency: str = "v1"
+
+    def __post_init__(self):
+        if self.abort_latency not in ABORT_LATENCIES:
+            raise ValueError(f"abort_latency must be one of {', '.join(ABORT_LATENCIES)}, got {self.abort_latency!r}")
 
 
 class EngineCore:
@@ -62,6 +71,12 @@ class EngineCore:
         self.steps_done = 0          # steps whose output has been processed
         self.busy_done = 0.0         # and their duration
         self.num_plans = 0           # SimPy-level step events (a closed-form run counts once)
+        self._deferred: list[Request] = []   # v0: aborts that wait one more iteration
+        self.gap_log: list[tuple[float, int]] = []   # reserve policy: (t, reserved - used blocks) at changes
+        if config.abort_latency == "v0":
+            self._apply_inbox = self._apply_inbox_v0
+        if config.scheduler.kv_policy == "reserve":
+            self._log_gauges = self._log_gauges_gap
         self.process = env.process(self._run())
 
     # ------------------------------------------------------------- inputs
@@ -82,6 +97,8 @@ class EngineCore:
         return True
 
     def abort_request(self, r: Request) -> None:
+        if r.abort_seen < 0:     # last step whose output was streamed when the abort came
+            r.abort_seen = self.work_by(self.env.now)[0] - 1
         self.inbox.append(("abort", r))
         self._poke()
 
@@ -95,7 +112,7 @@ class EngineCore:
         while True:
             if not self.pending:
                 self.now = env.now
-                self._apply_inbox()
+                self._apply_inbox(idle=True)
                 self._fill()
                 self._log_gauges()
                 if not self.pending:
@@ -156,7 +173,7 @@ class EngineCore:
         every input that arrived before then applied, so m steps may be
         decided now iff no input is due before the end of step S+m-1-depth."""
         pending = self.pending
-        if self.inbox or any(p.count > 1 for p in pending):
+        if self.inbox or self._deferred or any(p.count > 1 for p in pending):
             return 1
         if self.scheduler.num_waiting and any(p.finishing for p in pending):
             return 1        # freed blocks may admit the head before the run ends
@@ -250,7 +267,21 @@ class EngineCore:
             break
         return steps, busy
 
-    def _apply_inbox(self) -> None:
+    def _apply_inbox_v0(self, idle: bool = False) -> None:
+        """V0 abort latency: an abort that came in during this iteration is
+        applied at the end of the next one; with no step running (idle) there
+        is no iteration to wait for."""
+        late, self._deferred = self._deferred, []
+        fresh = []
+        for item in self.inbox:
+            if item[0] == "abort" and not idle:
+                self._deferred.append(item[1])
+            else:
+                fresh.append(item)
+        self.inbox = [("abort", r) for r in late] + fresh
+        EngineCore._apply_inbox(self)
+
+    def _apply_inbox(self, idle: bool = False) -> None:
         if not self.inbox:
             return
         sched = self.scheduler
@@ -260,6 +291,7 @@ class EngineCore:
                 sched.add_request(r)
             else:
                 was_waiting = r.status == WAITING
+                r.outputs_seen = sched.outputs_through(r, r.abort_seen)
                 if not sched.abort(r, self.processed):
                     continue
                 rec = r.record
@@ -268,9 +300,16 @@ class EngineCore:
                     rec.finished_at = self.now
                     rec.tokens_generated = r.outputs_done
                     # prompt work of steps that finished after the abort arrived
-                    rec.prompt_in_flight = sum(q for s, q in r.chunks if s >= self.processed)
+                    first = self.processed if self.config.abort_latency == "v1" else r.abort_seen + 1
+                    rec.prompt_in_flight = sum(q for s, q in r.chunks if s >= first)
                 if was_waiting and not r.chunks:
                     self.aborted_before_scheduled += 1
+
+    def _log_gauges_gap(self) -> None:
+        EngineCore._log_gauges(self)
+        g = self.scheduler.reservation_gap(self.scheduler.next_step - 1)
+        if not self.gap_log or self.gap_log[-1][1] != g:
+            self.gap_log.append((self.now, g))
 
     def _log_gauges(self) -> None:
         s = self.scheduler

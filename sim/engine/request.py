@@ -16,10 +16,12 @@ class Request:
         "blocks", "ever_preempted", "first_output_done", "chunks", "record",
         # decode group
         "decoding", "stint", "dec_start", "dec_last", "c0", "out0", "phase",
+        # early termination and waste accounting
+        "stop_at", "out_limit", "reserve_top", "abort_seen", "outputs_seen",
     )
 
     def __init__(self, request_id: int, call_id: int, prompt_len: int, max_tokens: int,
-                 shared_prefix: int = 0, record=None):
+                 shared_prefix: int = 0, record=None, stop_at: int | None = None):
         self.request_id = request_id
         self.call_id = call_id
         self.prompt_len = int(prompt_len)
@@ -37,6 +39,16 @@ class Request:
         self.decoding = False           # member of the decode group
         self.stint = False              # dec_* fields describe its current decode stint
         self.dec_start = self.dec_last = self.c0 = self.out0 = self.phase = 0
+        # a stop sequence (or end of sequence) ends the response after `stop_at`
+        # outputs; the engine learns it only then, so KV reservations and the
+        # completion ratio still go by max_tokens
+        if stop_at is not None and int(stop_at) < 1:
+            raise ValueError(f"stop_at must be at least 1, got {stop_at}")
+        self.stop_at = None if stop_at is None else int(stop_at)
+        self.out_limit = self.max_tokens if stop_at is None else min(self.max_tokens, int(stop_at))
+        self.reserve_top = 0            # reserve policy: blocks set aside up to this block position
+        self.abort_seen = -1            # last processed step when its abort arrived
+        self.outputs_seen = 0           # outputs streamed before its abort arrived
 
     @property
     def num_tokens(self) -> int:

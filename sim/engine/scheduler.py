@@ -28,6 +28,9 @@ from .request import Request, WAITING, RUNNING, FINISHED, ABORTED
 from .step_time import StepTimeModel, prefill_pairs
 
 
+KV_POLICIES = ("on-demand", "reserve")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -35,6 +38,14 @@ class SchedulerConfig:
     num_gpu_blocks: int = 60_000
     block_size: int = 16
     max_model_len: int = 32_768
+    # KV allocation: "on-demand" (vLLM V1: blocks as tokens are scheduled) or
+    # "reserve" (blocks for prompt + max_tokens set aside at admission; the
+    # whole reservation must fit; what is unused goes back at finish or abort)
+    kv_policy: str = "on-demand"
+
+    def __post_init__(self):
+        if self.kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
 
 
 class StepPlan:
@@ -84,6 +95,7 @@ class Scheduler:
         self.num_steps = 0
         self._blocked = None            # (head, pool.releases, chunks) when the head last did not fit
         self._num_chunks = 0            # prefill chunks scheduled so far
+        self.reserve = config.kv_policy == "reserve"
 
     # ----------------------------------------------------------- decode group
     def _join(self, r: Request, start: int) -> None:
@@ -93,7 +105,7 @@ class Scheduler:
         r.dec_start = start
         r.c0 = r.num_computed_tokens
         r.out0 = r.num_output_tokens
-        r.dec_last = start + (r.max_tokens - r.out0) - 1
+        r.dec_last = start + (r.out_limit - r.out0) - 1
         r.phase = (start - r.c0) % self.block_size
         self.n_dec += 1
         self.dec_base += r.c0 - start
@@ -326,14 +338,20 @@ class Scheduler:
                     blocked = True
                     break
                 pieces, hit_blocks = self._find_hit(r)
-                total = -(-r.num_tokens // bs)
                 hit_free = sum(p[2] - p[1] for p in pieces if p[0].free)
-                if total - hit_blocks + hit_free > pool.num_free:
+                if self.reserve:
+                    total = -(-(r.prompt_len + r.max_tokens) // bs)
+                    free = pool.num_free - self.reservation_gap(S)
+                else:
+                    total = -(-r.num_tokens // bs)
+                    free = pool.num_free
+                if total - hit_blocks + hit_free > free:
                     blocked = True
                     self._blocked = (r, pool.releases, self._num_chunks)
                     break
                 self.waiting.popleft()
                 self.num_waiting -= 1
+                r.reserve_top = total
                 for e, lo, hi in pieces:
                     r.blocks.append(pool.acquire(e, lo, hi, r))
                 hit = hit_blocks * bs
@@ -379,6 +397,22 @@ class Scheduler:
         self.next_step = S + plan.count
         self.num_steps += plan.count
         return plan
+
+    def reservation_gap(self, through: int) -> int:
+        """Reserve policy: blocks set aside for running requests and not yet
+        holding a token, once steps up to `through` are scheduled (a member of
+        the decode group is counted from its step index, not synced)."""
+        bs = self.block_size
+        gap = 0
+        for r in self.running:
+            if r.decoding:
+                k = min(through, r.dec_last) - r.dec_start + 1
+                held = -(-(r.c0 + (k if k > 0 else 0)) // bs)
+            else:
+                held = r.blocks[-1].hi if r.blocks else 0
+            if r.reserve_top > held:
+                gap += r.reserve_top - held
+        return gap
 
     def _phase_blocks(self, start: int, m: int) -> int:
         """New blocks the decode group needs over steps [start, start + m)."""
@@ -438,7 +472,7 @@ class Scheduler:
             r.num_output_tokens += 1
             plan.first_outputs.append(r)
             self.prefilling.remove(r)
-            if r.num_output_tokens >= r.max_tokens:
+            if r.num_output_tokens >= r.out_limit:
                 plan.finishing.append(r)
             else:
                 self._join(r, S + 1)
