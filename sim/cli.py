@@ -191,6 +191,35 @@ def cmd_conditions(a) -> int:
     return 0
 
 
+def _rates(s: str) -> list[float]:
+    try:
+        v = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+    if not v or any(not (0.0 <= x <= 1.0) for x in v):
+        raise argparse.ArgumentTypeError(f"rates must lie in [0, 1], got {s!r}")
+    return v
+
+
+def cmd_waste(a) -> int:
+    from .waste import waste_study, table, plot
+    prof = _profile(a.model)
+    if a.stop_rate is not None and len(a.stop_rate) != 1:
+        raise UsageError("waste: --stop-rate takes one rate")
+    if a.plot:
+        _check_output(a.plot)
+    try:
+        res = waste_study(prof, a.cancel_rate, stop_rate=a.stop_rate[0] if a.stop_rate else 0.2, rate=a.rate,
+                          duration_s=a.duration, max_tokens=a.max_tokens, seed=a.seed)
+    except ValueError as e:
+        raise UsageError(f"waste: {e}") from None
+    print(table(res))
+    _write_json(a.json, res)
+    if a.plot:
+        plot(res, a.plot)
+    return 0
+
+
 # -------------------------------------------------------------------- parser
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
@@ -261,6 +290,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("conditions", help="list the named conditions")
     p.set_defaults(fn=cmd_conditions)
+
+    p = sub.add_parser("waste", help="steady-load cancellation waste (SPEC §10): KV policies x abort latencies")
+    _model_arg(p)
+    p.add_argument("--cancel-rate", type=_rates, default=[0.0, 0.1, 0.3], help="comma-separated, e.g. 0,0.1,0.3")
+    p.add_argument("--stop-rate", type=_rates, default=None, help="share of responses ended by a stop sequence (0.2)")
+    p.add_argument("--rate", type=_positive(), default=None, help="calls/s (default: 90%% of the decode capacity)")
+    p.add_argument("--duration", type=_positive(), default=600.0, help="seconds of arrivals (default 600)")
+    p.add_argument("--max-tokens", type=_positive(int), default=2048)
+    p.add_argument("--seed", type=_positive(int, allow_zero=True), default=0)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH", help="PNG of throughput and waste against cancellation rate")
+    p.set_defaults(fn=cmd_waste)
     return ap
 
 

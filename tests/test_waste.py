@@ -157,3 +157,65 @@ def test_reserve_never_preempts_and_frees_everything(policy):
     assert h.sched.pool.num_free == 12
     if policy == "reserve":
         assert h.sched.num_preemptions == 0
+
+
+# ------------------------------------------------------------- the study
+from sim import waste as W
+from sim.profile import load_profile
+
+
+def test_sharegpt_fit_matches_stated_means():
+    calls = W.make_calls(200.0, 100.0, max_tokens=100_000, stop_rate=0.0, tpot_s=0.01, seed=3)
+    assert abs(calls["prompt"].mean() / W.SHAREGPT["prompt_mean"] - 1) < 0.05
+    assert abs(calls["length"].mean() / W.SHAREGPT["response_mean"] - 1) < 0.05
+    assert calls["ended"].all()
+    cut = W.make_calls(200.0, 100.0, max_tokens=200, stop_rate=0.5, tpot_s=0.01, seed=3)
+    assert 0.4 < cut["stopped"].mean() < 0.6
+    assert ((cut["length"] >= 200) == ~cut["ended"]).all()
+
+
+@pytest.fixture(scope="module")
+def small_study():
+    prof = load_profile("llama-3.1-8b")
+    return W.waste_study(prof, [0.0, 0.3], rate=8.0, duration_s=60.0, warmup_s=10.0, max_tokens=512, seed=1)
+
+
+def test_study_reports_every_setting_and_the_waste_metrics(small_study):
+    rows = small_study["results"]
+    assert {(r["kv_policy"], r["abort_latency"]) for r in rows} == set(W.SETTINGS)
+    for r in rows:
+        for k in ("abort_rate", "completion_ratio", "useful_token_ratio", "useful_tokens_per_s",
+                  "discarded_busy_share", "queueing_delay_mean_s", "throughput_loss", "busy_fraction"):
+            assert r[k] is not None and r[k] >= 0 or k == "throughput_loss"
+        assert r["useful_token_ratio"] <= r["completion_ratio"] <= 1
+        assert r["unfinished"] == 0
+        if r["cancel_rate"] == 0:
+            assert r["abort_rate"] == 0 and r["discarded_busy_share"] == 0 and r["throughput_loss"] == 0
+        else:
+            assert 0 < r["abort_rate"] <= 0.4 and r["discarded_busy_share"] > 0
+        if r["kv_policy"] == "on-demand":
+            assert r["reservation_gap_mean_blocks"] == 0
+        else:
+            assert r["reservation_gap_mean_blocks"] > 0
+    by = {(r["kv_policy"], r["abort_latency"], r["cancel_rate"]): r for r in rows}
+    for kv in W.KV_POLICIES:
+        # v0 keeps aborted requests one more step: at least as much discarded work
+        assert by[(kv, "v0", 0.3)]["discarded_busy_share"] >= by[(kv, "v1", 0.3)]["discarded_busy_share"]
+        # without cancellations the abort latency changes nothing
+        assert by[(kv, "v0", 0.0)]["useful_tokens_per_s"] == by[(kv, "v1", 0.0)]["useful_tokens_per_s"]
+
+
+def test_table_and_plot_come_from_the_record(small_study, tmp_path):
+    import json
+    rec = json.loads(json.dumps(small_study))
+    text = W.table(rec)
+    assert text.count("\n") == 2 + len(rec["results"])
+    out = tmp_path / "w.png"
+    W.plot(rec, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_waste_refuses_bad_rates(capsys):
+    from sim.cli import main
+    assert main(["waste", "--model", "llama-3.1-8b", "--cancel-rate", "0,1.5"]) == 2
+    assert "rates must lie in [0, 1]" in capsys.readouterr().err
