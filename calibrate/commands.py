@@ -161,6 +161,61 @@ def cmd_calibrate_prior(a) -> int:
     return 0
 
 
+def cmd_calibrate_capacity(a) -> int:
+    """SPEC §6 capacity protocol, time-scaled, live and on the simulator; both go into the profile."""
+    from validate import engine as E
+    from calibrate import live_capacity as L
+    from sim.profile import from_dict, ProfileError
+    out = a.out or a.profile
+    _check_dir(out)
+    try:
+        with open(a.profile) as f:
+            prof = json.load(f)
+        profile = from_dict(prof, a.profile)
+    except (OSError, json.JSONDecodeError, ProfileError) as e:
+        raise _err(f"calibrate capacity: {e}") from None
+    if a.engine != "cpu" and not a.engine.startswith(("http://", "https://")):
+        raise _err(f"calibrate capacity: --engine must be cpu or a URL, got {a.engine!r}")
+    sc = L.live_scenario()
+    params = L.plan(profile.capacity, start_fraction=a.start_fraction, stage_s=a.stage_s, max_stages=a.max_stages,
+                    seed=a.seed, deadline_s=a.deadline)
+
+    def progress(tag):
+        def f(st):
+            _say(f"  {tag} stage {st['stage']}: planned {st['rate']:.2f} calls/s, sent {st['realised_rate']:.2f}/s, "
+                 f"waiting queue growth {st['queue_growth']:+.3f}/s (ends at {st['queue_end']:.0f})")
+        return f
+    _say(f"simulator: {params['stage_s']:.0f} s stages from {params['start_rate']:.2f} calls/s …")
+    try:
+        sim_res = L.simulated_capacity_protocol(profile, sc, progress=progress("simulated"), **params)
+    except RuntimeError as e:
+        raise _err(f"calibrate capacity (simulator): {e}") from None
+    started = None
+    try:
+        if a.engine == "cpu":
+            _say("starting the CPU engine …")
+            eng = started = E.start_cpu(a.port)
+        else:
+            eng = E.connect(a.engine)
+        desc = {"url": eng.url, "kind": eng.kind, "version": eng.version(), "model": eng.served_model()}
+        _say(f"live ({desc['kind']} vLLM {desc['version']} at {eng.url}): {params['stage_s']:.0f} s stages from "
+             f"{params['start_rate']:.2f} calls/s …")
+        live = L.live_capacity_protocol(eng.url, desc["model"], sc, progress=progress("live"), **params)
+    except E.EngineError as e:
+        raise _err(f"calibrate capacity: {e}") from None
+    except RuntimeError as e:
+        raise _err(f"calibrate capacity (live): {e}") from None
+    finally:
+        if started is not None:
+            started.stop()
+    prof = L.store(prof, live, sim_res, sc, params, desc)
+    from_dict(prof, out)
+    _write(out, prof)
+    print(f"capacity live {live['capacity']:.3f} calls/s ({live['wall_s']:.0f} s), simulated "
+          f"{sim_res['capacity']:.3f} calls/s; live/simulated = {live['capacity'] / sim_res['capacity']:.2f} -> {out}")
+    return 0
+
+
 def _check_dir(path):
     from sim.cli import _check_output
     _check_output(path)
@@ -201,6 +256,19 @@ def add_subcommands(sub) -> None:
     q.add_argument("--name", default="vllm-cpu-tiny-qwen2")
     q.add_argument("--window", type=int, default=10, help="steps per window for the window-sum error")
     q.set_defaults(fn=cmd_calibrate_fit)
+    q = cs.add_parser("capacity", help="SPEC §6 capacity protocol (time-scaled) on a live engine and the "
+                                       "simulator; stores both in the profile")
+    q.add_argument("--engine", default="cpu", help="cpu (start the CPU engine, stop it after) or an engine URL")
+    q.add_argument("--profile", required=True, help="the engine's fitted profile (JSON)")
+    q.add_argument("--stage-s", type=float, default=20.0)
+    q.add_argument("--start-fraction", type=float, default=0.25,
+                   help="first stage's rate as a fraction of the profile's capacity")
+    q.add_argument("--max-stages", type=int, default=7)
+    q.add_argument("--deadline", type=float, default=60.0, help="per-call deadline (s)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--port", type=int, default=None)
+    q.add_argument("-o", "--out", default=None, help="output profile (default: overwrite --profile)")
+    q.set_defaults(fn=cmd_calibrate_capacity)
     q = cs.add_parser("prior", help="roofline prior profile from a HF config.json and a GPU")
     q.add_argument("--config", required=True)
     q.add_argument("--gpu", choices=sorted(GPUS), default="h100")

@@ -1,0 +1,99 @@
+"""The capacity protocol of SPEC §6 against a live engine, time-scaled for the
+tiny CPU engine, beside the same protocol on the simulator.
+
+Both drivers share `sim.capacity.CapacityProtocol` (stage schedule, growth
+from 1 s queue samples, stop rule, Ĉ) and the same trace (`make_trace` with
+the protocol's stages as phases, the same seed). The live driver replays it
+with `validate.loadgen.LoadGen` (open loop, no retries, one task per call, a
+per-call deadline) and samples `vllm:num_requests_waiting` every second.
+
+Time scaling: the workload is calibrate.fit's scaled scenario (prompts and
+responses a tenth of SPEC's), stages of `stage_s` (20 s) instead of 300 s, and
+the first stage at `start_fraction` (1/4) of the profile's simulated Ĉ, so
+that with factor 1.5 the engine saturates within about five stages
+(1/4 x 1.5^4 = 1.27): a run of ~2 minutes.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from sim.capacity import CapacityProtocol, capacity_protocol
+from sim.workload import make_trace
+from validate.loadgen import LoadGen, TracePrompts
+
+SCENARIO_KEYS = ("prompt_mean", "prompt_sd", "shared_prefix", "response_median", "response_mean")
+
+
+def live_scenario():
+    from calibrate.fit import scaled_scenario
+    return scaled_scenario()
+
+
+def plan(profile_capacity: float, start_fraction: float = 0.25, stage_s: float = 20.0, factor: float = 1.5,
+         threshold: float = 0.1, max_stages: int = 7, seed: int = 0, deadline_s: float = 60.0) -> dict:
+    """The time-scaled protocol's parameters for an engine whose profile
+    predicts `profile_capacity` calls/s on the scaled scenario."""
+    if not profile_capacity > 0:
+        raise ValueError(f"the profile's capacity must be positive, got {profile_capacity}")
+    return {"start_rate": start_fraction * profile_capacity, "factor": factor, "stage_s": stage_s,
+            "threshold": threshold, "max_stages": max_stages, "seed": seed, "deadline_s": deadline_s,
+            "start_fraction": start_fraction}
+
+
+def live_capacity_protocol(url: str, model: str, scenario, start_rate: float, factor: float = 1.5,
+                           stage_s: float = 20.0, threshold: float = 0.1, max_stages: int = 7, seed: int = 0,
+                           deadline_s: float = 60.0, progress=None, **_) -> dict:
+    """Run the protocol against the engine at `url` serving `model`."""
+    proto = CapacityProtocol(start_rate, factor, stage_s, threshold, max_stages, seed, progress)
+    trace = make_trace(1.0, scenario, seed, phases=proto.phases())
+    gen = LoadGen(url.rstrip("/"), model, trace.arrival, TracePrompts(trace.prompt_len, trace.shared_prefix, seed),
+                  trace.max_tokens, deadline_s=deadline_s)
+
+    async def stages(g: LoadGen) -> bool:
+        for k, a, b, _r in proto.schedule():
+            await asyncio.sleep(max(0.0, b - g.now()) + 0.2)      # the sample taken at b-1 has landed
+            t, q = g.queue_between(a, b)
+            recs = [r for r in g.records if r.sent is not None and a <= r.planned < b]
+            lag = max((r.sent - r.planned for r in recs), default=0.0)
+            if proto.observe(k, g.sent_between(a, b), t, q, samples=len(t), max_send_lag_s=lag):
+                return True
+        return True
+
+    t0 = time.monotonic()
+    asyncio.run(gen.run(stage_hook=stages))
+    res = proto.result()
+    res["wall_s"] = time.monotonic() - t0
+    res["calls"] = gen.outcomes()
+    res["protocol"]["deadline_s"] = deadline_s
+    return res
+
+
+def simulated_capacity_protocol(profile, scenario, start_rate: float, factor: float = 1.5, stage_s: float = 20.0,
+                                threshold: float = 0.1, max_stages: int = 7, seed: int = 0, progress=None,
+                                **_) -> dict:
+    t0 = time.monotonic()
+    res = capacity_protocol(profile, scenario, seed=seed, start_rate=start_rate, factor=factor, stage_s=stage_s,
+                            threshold=threshold, max_stages=max_stages, progress=progress)
+    res["wall_s"] = time.monotonic() - t0
+    return res
+
+
+def store(prof: dict, live: dict, simulated: dict, scenario, params: dict, engine_desc: dict) -> dict:
+    """`capacity` = the live Ĉ; both runs under `capacity_protocol`."""
+    prof = dict(prof)
+    before = prof.get("capacity")
+    prof["capacity"] = live["capacity"]
+    prof["capacity_protocol"] = {
+        "note": "SPEC §6 protocol, time-scaled: stages of stage_s, first at start_fraction of the profile's "
+                "simulated capacity; the same trace (seed) live and on the simulator",
+        "scenario": {k: getattr(scenario, k) for k in SCENARIO_KEYS},
+        "params": params, "engine": engine_desc, "profile_capacity_before": before,
+        "live": live, "simulated": simulated,
+        "ratio_live_to_simulated": live["capacity"] / simulated["capacity"],
+    }
+    prof.setdefault("provenance", {})["capacity"] = ("live capacity protocol (SPEC §6, time-scaled) against "
+                                                     f"{engine_desc.get('url')}")
+    return prof

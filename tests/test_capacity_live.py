@@ -1,0 +1,148 @@
+"""The capacity protocol shared by the simulator and live drivers, and the
+open-loop load generator against a stub streaming server (a stand-in for
+vLLM's HTTP surface, not an engine)."""
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import asyncio
+import numpy as np
+import pytest
+
+from sim.capacity import CapacityProtocol, capacity_protocol
+from sim.profile import load_profile
+from validate.loadgen import LoadGen, TracePrompts
+
+
+def test_protocol_on_synthetic_queue_samples_gives_exact_capacity():
+    seen = []
+    p = CapacityProtocol(start_rate=2.0, factor=2.0, stage_s=10.0, threshold=0.1, max_stages=5, progress=seen.append)
+    assert [r for *_, r in p.schedule()] == [2.0, 4.0, 8.0, 16.0, 32.0]
+    t = np.arange(0.0, 10.0)
+    assert not p.observe(0, 20, t, np.zeros(10))
+    assert not p.observe(1, 41, t + 10, np.full(10, 3.0) + 0.05 * t)     # growth 0.05 < 0.1
+    assert p.observe(2, 83, t + 20, 7.0 + 0.75 * t)                       # growth 0.75
+    r = p.result()
+    assert r["saturated_stage"] == 2 and len(seen) == 3
+    assert r["stages"][1]["queue_growth"] == pytest.approx(0.05, abs=1e-12)
+    assert r["capacity"] == pytest.approx(8.3 - 0.75, abs=1e-12)
+    # irregular (live) sample times: the slope is over the times given
+    p2 = CapacityProtocol(start_rate=1.0, stage_s=20.0)
+    ts = np.array([0.1, 1.3, 2.2, 3.9, 5.0, 19.5])
+    assert p2.observe(0, 30, ts, 2.0 * ts)
+    assert p2.result()["capacity"] == pytest.approx(1.5 - 2.0, abs=1e-12)
+
+
+def test_protocol_never_saturating_is_refused():
+    p = CapacityProtocol(start_rate=1.0, stage_s=5.0, max_stages=2)
+    for k, a, b, r in p.schedule():
+        assert not p.observe(k, 5, np.arange(a, b), np.zeros(5))
+    with pytest.raises(RuntimeError, match="never grew"):
+        p.result()
+
+
+def test_simulator_driver_unchanged_by_the_refactor():
+    r = capacity_protocol(load_profile("qwen2.5-7b"), seed=0)
+    assert r["capacity"] == 2.771488090608414 and r["saturated_stage"] == 3
+
+
+class _Stub(BaseHTTPRequestHandler):
+    """Streams one SSE chunk per token every `tok_s` seconds, like
+    /v1/completions with stream=true; /metrics reports calls in flight as
+    vllm:num_requests_waiting. Records arrivals and client disconnects."""
+    protocol_version = "HTTP/1.1"
+    tok_s = 0.02
+    log: dict = {}
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        body = (f"# HELP x\nvllm:num_requests_waiting{{model_name=\"m\"}} {len(self.log['active'])}\n"
+                f"vllm:num_requests_running{{model_name=\"m\"}} 0\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        t = time.monotonic()
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        key = (req["prompt"][-1], t)
+        self.log["arrivals"].append((t, req))
+        self.log["active"].add(key)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        try:
+            for k in range(req["max_tokens"]):
+                time.sleep(self.tok_s)
+                self.wfile.write(b"data: " + json.dumps({"choices": [{"text": "x"}]}).encode() + b"\n\n")
+                self.wfile.flush()
+            self.wfile.write(b"data: " + json.dumps({"choices": [], "usage": {"completion_tokens": req["max_tokens"]}})
+                             .encode() + b"\n\ndata: [DONE]\n\n")
+            self.wfile.flush()
+            self.log["completed"].append(time.monotonic())
+        except (BrokenPipeError, ConnectionResetError):
+            self.log["disconnects"].append(time.monotonic())
+        finally:
+            self.log["active"].discard(key)
+
+
+@pytest.fixture
+def stub():
+    _Stub.log = {"arrivals": [], "active": set(), "completed": [], "disconnects": []}
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
+    srv.daemon_threads = True
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}", _Stub.log
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_loadgen_is_open_loop_and_closes_at_the_deadline(stub):
+    url, log = stub
+    # 12 calls over 1.2 s; each streams max_tokens tokens at 20 ms a token.
+    # Calls 3 and 7 want 200 tokens (4 s), far beyond the 0.5 s deadline.
+    arrival = np.linspace(0.0, 1.1, 12)
+    max_tokens = np.full(12, 5)
+    max_tokens[[3, 7]] = 200
+    prompts = TracePrompts(np.full(12, 40), 10, seed=3)
+    gen = LoadGen(url, "stub-model", arrival, prompts, max_tokens, deadline_s=0.5)
+    t0 = time.monotonic()
+    asyncio.run(gen.run(until=5.0))
+    wall = time.monotonic() - t0
+    assert wall < 2.5                                   # long calls did not hold the run to 4 s
+    out = {r.index: r for r in gen.records}
+    assert sorted(out) == list(range(12))
+    # open loop: every call sent at its planned time even while slow calls stream
+    lags = [r.sent - r.planned for r in gen.records]
+    assert max(lags) < 0.1 and min(lags) > -1e-3
+    assert len(log["arrivals"]) == 12
+    sent_at = sorted(t for t, _ in log["arrivals"])
+    assert sent_at[-1] - sent_at[0] == pytest.approx(1.1, abs=0.1)
+    # the request body is what vLLM takes
+    req = log["arrivals"][0][1]
+    assert req["model"] == "stub-model" and req["stream"] and req["ignore_eos"]
+    assert req["stream_options"] == {"include_usage": True} and len(req["prompt"]) == 40
+    assert all(r["prompt"][:10] == req["prompt"][:10] for _, r in log["arrivals"])     # shared prefix
+    assert prompts[0] == prompts[0] and prompts[0][10:] != prompts[1][10:]
+    # deadline: the two long calls given up at ~0.5 s and their connections closed
+    for i in range(12):
+        r = out[i]
+        if i in (3, 7):
+            assert r.outcome == "deadline" and r.end - r.sent == pytest.approx(0.5, abs=0.1)
+            assert 0 < r.tokens < 200
+        else:
+            assert r.outcome == "ok" and r.tokens == 5 and r.first_token > r.sent
+    time.sleep(0.3)                                     # the stub notices on its next write
+    assert len(log["disconnects"]) == 2 and len(log["completed"]) == 10
+    # the 1 s sampler read the stub's gauge
+    assert len(gen.samples) >= 2 and all(s[1] >= 0 for s in gen.samples)
+    t, q = gen.queue_between(0.0, 5.0)
+    assert t[0] == pytest.approx(0.0, abs=0.1) and np.all(np.diff(t) == pytest.approx(1.0, abs=0.15))

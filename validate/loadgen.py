@@ -1,0 +1,185 @@
+"""Open-loop load generator for a vLLM OpenAI server (asyncio + aiohttp).
+
+Each call of a trace is sent at its planned time (relative to the run's start)
+as its own task, whatever happened to earlier calls: no retries, no
+concurrency limit. A call is a streamed `/v1/completions` request whose prompt
+is a list of token ids (the shared prefix, then the call's own random ids),
+with `max_tokens` and `ignore_eos` fixing the response length. The client
+gives a call up `deadline_s` after sending it and closes its connection (vLLM
+then aborts the request). A sampler reads the engine's `/metrics` every
+second (`vllm:num_requests_waiting`, `vllm:num_requests_running`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+
+from .engine import parse_metrics
+
+VOCAB_LO, VOCAB_HI = 3, 8000     # the tiny model's vocabulary is 8192 ids; 0-2 are specials
+
+
+class TracePrompts:
+    """Token-id prompts for a trace, made when a call is sent (a trace of
+    thousands of 1,000-token prompts would not be held in memory): the same
+    `shared_prefix` ids first (generator seeded with `seed`), then call i's
+    own ids (generator seeded with (seed, i)), so every call's prompt is fixed
+    by the seed whatever order calls are made in."""
+
+    def __init__(self, prompt_len: np.ndarray, shared_prefix: int, seed: int):
+        self.prompt_len, self.seed = np.asarray(prompt_len), seed
+        self.prefix = np.random.default_rng(seed).integers(VOCAB_LO, VOCAB_HI, shared_prefix).tolist()
+
+    def __len__(self) -> int:
+        return len(self.prompt_len)
+
+    def __getitem__(self, i: int) -> list[int]:
+        n = max(0, int(self.prompt_len[i]) - len(self.prefix))
+        return self.prefix + np.random.default_rng((self.seed, i)).integers(VOCAB_LO, VOCAB_HI, n).tolist()
+
+
+@dataclass
+class CallRecord:
+    index: int
+    planned: float                     # planned send time (s from the run's start)
+    sent: float | None = None          # actual send time
+    first_token: float | None = None
+    end: float | None = None
+    tokens: int = 0                    # streamed tokens (usage when given)
+    status: int | None = None
+    outcome: str = "pending"           # ok | deadline | http_error | error | cancelled
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class LoadGen:
+    """Replays `arrival` (s) with `prompts` and `max_tokens` against `url`."""
+    url: str
+    model: str
+    arrival: np.ndarray
+    prompts: list
+    max_tokens: np.ndarray
+    deadline_s: float = 120.0
+    sample_every_s: float = 1.0
+    records: list[CallRecord] = field(default_factory=list)
+    samples: list[tuple[float, float, float]] = field(default_factory=list)   # (t, waiting, running)
+    t0: float = 0.0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def _call(self, session: aiohttp.ClientSession, rec: CallRecord) -> None:
+        body = {"model": self.model, "prompt": self.prompts[rec.index], "max_tokens": int(self.max_tokens[rec.index]),
+                "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        rec.sent = self.now()
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                async with session.post(self.url + "/v1/completions", json=body) as resp:
+                    rec.status = resp.status
+                    if resp.status != 200:
+                        await resp.read()
+                        rec.outcome = "http_error"
+                        return
+                    async for line in resp.content:
+                        if not line.startswith(b"data: "):
+                            continue
+                        data = line[6:].strip()
+                        if data == b"[DONE]":
+                            break
+                        d = json.loads(data)
+                        if d.get("choices"):
+                            if rec.first_token is None:
+                                rec.first_token = self.now()
+                            rec.tokens += 1
+                        if d.get("usage"):
+                            rec.tokens = d["usage"].get("completion_tokens", rec.tokens)
+                    rec.outcome = "ok"
+        except TimeoutError:
+            rec.outcome = "deadline"
+        except asyncio.CancelledError:
+            rec.outcome = "cancelled"
+            raise
+        except (aiohttp.ClientError, ValueError) as e:
+            rec.outcome = f"error: {type(e).__name__}"
+        finally:
+            rec.end = self.now()
+
+    async def _sampler(self, session: aiohttp.ClientSession) -> None:
+        k = 0
+        while True:
+            await asyncio.sleep(max(0.0, k * self.sample_every_s - self.now()))
+            t = self.now()
+            try:
+                async with session.get(self.url + "/metrics") as r:
+                    m = parse_metrics(await r.text())
+                self.samples.append((t, m.get("vllm:num_requests_waiting", 0.0),
+                                     m.get("vllm:num_requests_running", 0.0)))
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            k += 1
+
+    async def _dispatch(self, session: aiohttp.ClientSession, tasks: list) -> None:
+        for i, t in enumerate(self.arrival):
+            delay = float(t) - self.now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            rec = CallRecord(i, float(t))
+            self.records.append(rec)
+            tasks.append(asyncio.create_task(self._call(session, rec)))
+
+    async def run(self, until=None, stage_hook=None) -> None:
+        """Send the trace. `stage_hook` (async, optional) is awaited
+        concurrently; when it returns True (or at `until` s, or when every
+        call has ended) the run stops: unsent calls are never sent and calls
+        in flight are cancelled, closing their connections."""
+        conn = aiohttp.TCPConnector(limit=0, force_close=True)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+            self.t0 = time.monotonic()
+            tasks: list[asyncio.Task] = []
+            sampler = asyncio.create_task(self._sampler(session))
+            dispatcher = asyncio.create_task(self._dispatch(session, tasks))
+            waiters = [dispatcher]
+            if stage_hook is not None:
+                waiters.append(asyncio.create_task(stage_hook(self)))
+            try:
+                deadline = None if until is None else max(0.0, until - self.now())
+                done, _ = await asyncio.wait(waiters, timeout=deadline, return_when=asyncio.FIRST_COMPLETED)
+                if dispatcher in done and len(waiters) == 1:
+                    rest = [t for t in tasks if not t.done()]
+                    if rest:
+                        left = None if until is None else max(0.0, until - self.now())
+                        await asyncio.wait(rest, timeout=left)
+                elif dispatcher in done:              # trace sent: wait for the hook
+                    left = None if until is None else max(0.0, until - self.now())
+                    await asyncio.wait(waiters[1:], timeout=left)
+                for w in waiters:
+                    if not w.done():
+                        w.cancel()
+                    else:
+                        w.result()
+            finally:
+                for t in [sampler, dispatcher, *waiters, *tasks]:
+                    if not t.done():
+                        t.cancel()
+                await asyncio.gather(sampler, dispatcher, *waiters, *tasks, return_exceptions=True)
+
+    def sent_between(self, a: float, b: float) -> int:
+        return sum(1 for r in self.records if r.sent is not None and a <= r.sent < b)
+
+    def queue_between(self, a: float, b: float) -> tuple[np.ndarray, np.ndarray]:
+        s = [(t, w) for t, w, _ in self.samples if a <= t < b]
+        return np.array([t for t, _ in s], dtype=float), np.array([w for _, w in s], dtype=float)
+
+    def outcomes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.records:
+            out[r.outcome] = out.get(r.outcome, 0) + 1
+        return out
