@@ -22,7 +22,7 @@ from typing import Callable
 
 from .request import Request, WAITING, RUNNING, FINISHED, ABORTED
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
-from .step_time import StepTimeModel
+from .step_time import StepTimeModel, prefill_pairs
 
 INF = float("inf")
 ABORT_LATENCIES = ("v1", "v0")
@@ -164,7 +164,7 @@ class EngineCore:
 
     @staticmethod
     def _pairs(plan: StepPlan) -> float:
-        return sum(q * (ctx + (q + 1) / 2.0) for _, q, ctx in plan.prefill)
+        return sum(prefill_pairs(q, ctx) for _, q, ctx in plan.prefill)
 
     def _macro_limit(self, plan: StepPlan, ctx0: float) -> int:
         """How many identical decode steps, from the step S being scheduled

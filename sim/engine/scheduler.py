@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from .block_pool import BlockPool, Extent, PREFIX_SPACE, call_space, exec_space
 from .request import Request, WAITING, RUNNING, FINISHED, ABORTED
-from .step_time import StepTimeModel, prefill_pairs
+from .step_time import StepTimeModel
 
 
 KV_POLICIES = ("on-demand", "reserve")
@@ -292,7 +292,6 @@ class Scheduler:
         plan = StepPlan(S)
         budget = cfg.max_num_batched_tokens
         preempted = False
-        pairs = 0.0
         ntok = 0
 
         # 1. running requests: the decode group, then those still in prefill
@@ -321,7 +320,6 @@ class Scheduler:
             self._schedule_chunk(plan, r, q, S)
             budget -= q
             ntok += q
-            pairs += prefill_pairs(q, r.num_computed_tokens - q)
 
         # 2. admission from the waiting queue
         blocked = False
@@ -370,7 +368,6 @@ class Scheduler:
                 self._schedule_chunk(plan, r, q, S)
                 budget -= q
                 ntok += q
-                pairs += prefill_pairs(q, hit)
 
         nreq = n + len(plan.prefill)
         if nreq == 0:
