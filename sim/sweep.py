@@ -1,0 +1,300 @@
+"""Sweeps: a grid of runs (models x conditions x pulses x seeds x step budgets
+[x mixed prompts]) executed on local processes or a Ray cluster, with the
+results kept in ONE Parquet file that grows as cells finish.
+
+Cell identity is (model, condition, pulse, seed, max_batched_tokens,
+mixed_prompts); `max_batched_tokens` is resolved to the profile's value when
+not given, `model` is the profile's name. All conditions of one (model, pulse,
+seed, budget, mixed) group run on the same trace: the trace is a pure function
+of (capacity, scenario, seed, mixed) and each worker caches it per group, and
+the cells are handed out group by group.
+
+Table layout (one row per cell): the §8 record flattened with `_` between
+keys, the `cohorts.` prefix dropped (cohorts.hold.delivered -> hold_delivered,
+rates_xC.created -> rates_xC_created, condition_settings.cancellation ->
+condition_settings_cancellation, ...). Arrays stay in the row as list columns:
+the 1 s time series `series_t`, `series_waiting`, `series_running`,
+`series_proxy_queue`, the per-60 s `series_delivered_per_60s`, and the hold
+windows `windows_*`.
+
+Resuming: at start the file's cells are read and skipped. The file is
+rewritten whole (temp file + os.replace, so it is never half-written) after
+finished cells, at most as often as keeps the rewriting under ~10% of the
+sweep's time, and always when the sweep stops (finished, error or Ctrl-C): a
+sweep killed outright loses at most the cells of the last few seconds.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Iterator, Sequence
+
+KEY = ("model", "condition", "pulse", "seed", "max_batched_tokens", "mixed_prompts")
+GROUP = ("model", "pulse", "seed", "max_batched_tokens", "mixed_prompts")
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    model: str                  # profile name (the identity)
+    pulse: float
+    seed: int
+    max_batched_tokens: int
+    mixed_prompts: bool
+    condition: str
+    source: str = ""            # how to load the profile (name or path); not part of the identity
+
+    @property
+    def key(self) -> tuple:
+        return tuple(getattr(self, k) for k in KEY)
+
+
+def cell_key(row: dict) -> tuple:
+    """The identity of a table row or record."""
+    return (str(row["model"]), str(row["condition"]), float(row["pulse"]), int(row["seed"]),
+            int(row["max_batched_tokens"]), bool(row["mixed_prompts"]))
+
+
+# ------------------------------------------------------------------ the grid
+def parse_seeds(spec: str) -> list[int]:
+    """`0-4`, `0,2,7` or a mix (`0-2,9`)."""
+    out: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            a, b = part.split("-", 1)
+            lo, hi = int(a), int(b)
+            if hi < lo:
+                raise ValueError(f"seed range {part!r} runs backwards")
+            out.extend(range(lo, hi + 1))
+        else:
+            out.append(int(part))
+    if not out or any(s < 0 for s in out):
+        raise ValueError(f"expected seeds like 0-4 or 0,1,2 (non-negative), got {spec!r}")
+    return sorted(set(out))
+
+
+def grid(models: Sequence[str], conditions: Sequence[str], pulses: Sequence[float], seeds: Iterable[int],
+         max_batched_tokens: Sequence[int | None] = (None,), mixed_prompts: Sequence[bool] = (False,)) -> list[Cell]:
+    """The cells of the grid, grouped so that a group's conditions are adjacent."""
+    from .conditions import get_condition
+    from .profile import load_profile
+    for c in conditions:
+        get_condition(c)                                    # ValueError on an unknown name
+    cells = []
+    for spec in models:
+        prof = load_profile(spec)
+        default_mbt = int(prof.engine["max_num_batched_tokens"])
+        for pulse in pulses:
+            for seed in seeds:
+                for mbt in max_batched_tokens:
+                    for mixed in mixed_prompts:
+                        for c in conditions:
+                            cells.append(Cell(prof.name, float(pulse), int(seed),
+                                              int(mbt) if mbt else default_mbt, bool(mixed), c, spec))
+    seen, out = set(), []
+    for c in cells:                                         # repeated inputs give one cell
+        if c.key not in seen:
+            seen.add(c.key)
+            out.append(c)
+    return out
+
+
+# ------------------------------------------------------------------ one cell
+@functools.lru_cache(maxsize=8)
+def _profile(source: str):
+    from .profile import load_profile
+    return load_profile(source)
+
+
+@functools.lru_cache(maxsize=16)
+def _trace(source: str, pulse: float, seed: int, mixed: bool):
+    from .scenario import PAPER
+    from .workload import make_trace
+    return make_trace(_profile(source).capacity, PAPER.with_(pulse=pulse), seed, mixed_prompts=mixed)
+
+
+def run_cell(cell: Cell) -> dict:
+    """Run one cell (sharing its group's trace) and return its flattened row."""
+    from .cli import run_one
+    prof = _profile(cell.source or cell.model)
+    rec = run_one(prof, cell.condition, cell.pulse, cell.seed, cell.max_batched_tokens, cell.mixed_prompts,
+                  trace=_trace(cell.source or cell.model, cell.pulse, cell.seed, cell.mixed_prompts))
+    return flatten(rec)
+
+
+def flatten(rec: dict) -> dict:
+    """A §8 record as one flat row (see the module docstring)."""
+    row: dict = {}
+
+    def walk(prefix: str, v) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}_{k}" if prefix else str(k), x)
+        elif isinstance(v, tuple):
+            row[prefix] = list(v)
+        else:
+            row[prefix] = v
+    for k, v in rec.items():
+        walk("" if k == "cohorts" else k, v)
+    return row
+
+
+# ------------------------------------------------------------------ storage
+def read_table(path: str):
+    """The results file as a pyarrow Table (None if there is none yet)."""
+    import pyarrow.parquet as pq
+    if not os.path.exists(path):
+        return None
+    return pq.read_table(path)
+
+
+def read_rows(path: str) -> list[dict]:
+    t = read_table(path)
+    return [] if t is None else t.to_pylist()
+
+
+class _Store:
+    """The rows of one Parquet file; rewritten atomically on flush."""
+
+    def __init__(self, path: str):
+        import pyarrow as pa
+        self.pa = pa
+        self.path = path
+        self.tables = []
+        t = read_table(path)
+        self.done: set[tuple] = set()
+        if t is not None and t.num_rows:
+            self.tables.append(t)
+            self.done = {cell_key(r) for r in t.select(list(KEY)).to_pylist()}
+        self.pending: list[dict] = []
+        self.write_s = 0.0
+        self.last_flush = time.monotonic()
+
+    def add(self, row: dict) -> None:
+        self.pending.append(row)
+        self.done.add(cell_key(row))
+
+    def due(self) -> bool:
+        return bool(self.pending) and time.monotonic() - self.last_flush >= 10.0 * self.write_s
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        import pyarrow.parquet as pq
+        t0 = time.perf_counter()
+        new = self.pa.Table.from_pylist(self.pending)
+        table = self.pa.concat_tables(self.tables + [new], promote_options="permissive") if self.tables else new
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        pq.write_table(table, tmp)
+        os.replace(tmp, self.path)
+        self.tables = [table]
+        self.pending = []
+        self.write_s = time.perf_counter() - t0
+        self.last_flush = time.monotonic()
+
+
+# ------------------------------------------------------------------ executors
+def _local(cells: list[Cell], workers: int) -> Iterator[dict]:
+    if workers <= 1:
+        for c in cells:
+            yield run_cell(c)
+        return
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
+        todo = iter(cells)
+        live = set()
+        try:
+            # keep a couple of cells per worker in flight so they run in grid (group) order
+            for c in todo:
+                live.add(ex.submit(run_cell, c))
+                if len(live) >= 2 * workers:
+                    break
+            while live:
+                done, live = wait(live, return_when=FIRST_COMPLETED)
+                for f in done:
+                    yield f.result()
+                    nxt = next(todo, None)
+                    if nxt is not None:
+                        live.add(ex.submit(run_cell, nxt))
+        finally:
+            for f in live:
+                f.cancel()
+
+
+def _ray(cells: list[Cell], address: str | None) -> Iterator[dict]:
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("the Ray executor needs ray: pip install 'llmsim[ray]'") from None
+    if not ray.is_initialized():
+        ray.init(address=None if address in (None, "", "local") else address, log_to_driver=False)
+    remote = ray.remote(num_cpus=1)(run_cell)
+    refs = [remote.remote(c) for c in cells]
+    try:
+        while refs:
+            done, refs = ray.wait(refs, num_returns=1)
+            for r in done:
+                yield ray.get(r)
+    finally:
+        for r in refs:
+            ray.cancel(r)
+
+
+def _progress_line(total: int) -> Callable[[dict, int], None]:
+    t0 = time.perf_counter()
+
+    def show(row: dict, n: int) -> None:
+        el = time.perf_counter() - t0
+        eta = el / n * (total - n)
+        print(f"[{n}/{total}] {row['model']} {row['condition']} pulse {row['pulse']:g} seed {row['seed']} "
+              f"mbt {row['max_batched_tokens']}{' mixed' if row['mixed_prompts'] else ''}: "
+              f"{row['wall_s']:.2f} s  (elapsed {el:.0f} s, eta {eta:.0f} s)", file=sys.stderr, flush=True)
+    return show
+
+
+def sweep(cells: Sequence[Cell], out: str, workers: int | None = None, ray_address: str | None = None,
+          progress: bool | Callable[[dict, int], None] = True) -> dict:
+    """Run the cells not yet in `out`, appending their rows as they finish.
+    Returns {"total", "skipped", "ran", "wall_s"}."""
+    t0 = time.perf_counter()
+    d = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(d):
+        raise ValueError(f"cannot write {out}: directory {d} does not exist")
+    store = _Store(out)
+    todo = [c for c in cells if c.key not in store.done]
+    show = progress if callable(progress) else (_progress_line(len(todo)) if progress else None)
+    if ray_address is not None:
+        rows = _ray(todo, ray_address)
+    else:
+        rows = _local(todo, workers if workers else (os.cpu_count() or 1))
+    ran = 0
+    try:
+        for row in rows:
+            store.add(row)
+            ran += 1
+            if show:
+                show(row, ran)
+            if store.due():
+                store.flush()
+    finally:
+        store.flush()
+        close = getattr(rows, "close", None)
+        if close:
+            close()
+    return {"total": len(cells), "skipped": len(cells) - len(todo), "ran": ran,
+            "wall_s": time.perf_counter() - t0}
+
+
+def cells_of(rows: Iterable[dict]) -> list[tuple]:
+    return sorted(cell_key(r) for r in rows)
+
+
+__all__ = ["Cell", "KEY", "GROUP", "grid", "parse_seeds", "run_cell", "flatten", "sweep", "read_table",
+           "read_rows", "cells_of", "asdict"]
