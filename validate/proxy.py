@@ -1,0 +1,477 @@
+"""The live proxy of SPEC §3: an aiohttp server in front of a vLLM OpenAI
+server, driven by the same policy core as the simulator
+(`sim.policy.proxy.Proxy`).
+
+It serves `POST /v1/completions` (streaming SSE and non-streaming). Every
+request is an attempt: its call is named by the `X-Call-Id` header (a request
+without it is a call of its own) and its number by `X-Attempt` (otherwise
+counted per call id, 0 first). The key is the call id plus the request body
+(the full generation parameters). The proxy's actions are carried out as
+`sim.model.Run._do` carries them out in simulated time:
+
+- `Subscribe`: the attempt's handler streams the execution's chunks: first
+  every chunk streamed so far (replay), then the rest as they arrive.
+- `Dispatch`: one upstream streaming request to the engine; its chunks are
+  fanned out to every subscriber. An upstream 503 (engine cap) is
+  `on_engine_refused`; the end of the stream is `on_finished`.
+- `Cancel`: the upstream connection is closed (vLLM aborts the request).
+  Under cancellation `off` an execution with no subscriber left keeps being
+  read to its end (orphaned).
+- `Refuse`: 429 with `Retry-After` (whole seconds, rounded up) or 503.
+- `Complete`: the subscriber's response ends.
+- `Drop`: a queued execution never reaches the engine.
+- `Wake(at)`: `on_wake` is scheduled with `loop.call_at`.
+
+A client closing its connection is `on_attempt_left`. The estimator's
+`EngineView`: the uncomputed prompt tokens are those of the executions
+dispatched by this proxy that have not had their first token yet (every
+engine request passes through the proxy, SPEC §3); the prompt throughput is
+the prompt tokens of executions that got their first token over the last
+60 s (`PromptRate`, as in the simulator), or the given profile figure before
+any. The engine's `/metrics` is scraped every second for its waiting and
+running gauges, exported again by the proxy.
+
+The proxy's own `/metrics` (prometheus-client) counts attempts and
+executions created / attached / refused / cancelled / orphaned / dropped,
+the proxy queue depth, and the waste gauges of SPEC §5 over the executions
+the engine accepted so far.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, CONTENT_TYPE_LATEST
+
+from sim.conditions import Condition
+from sim.policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel,
+                              Complete, Drop, Wake)
+
+from .engine import parse_metrics
+
+DEFAULT_MAX_TOKENS = 16      # the OpenAI completions default
+
+
+def prompt_tokens(prompt) -> int:
+    """Prompt length in tokens: a token-id list counts exactly; text is
+    estimated at 4 characters a token."""
+    if isinstance(prompt, list):
+        if prompt and isinstance(prompt[0], list):
+            return sum(len(p) for p in prompt)
+        if prompt and isinstance(prompt[0], str):
+            return sum(max(1, len(p) // 4) for p in prompt)
+        return len(prompt)
+    if isinstance(prompt, str):
+        return max(1, len(prompt) // 4)
+    return 0
+
+
+class Stream:
+    """One execution's upstream stream: its chunks so far, fanned out."""
+
+    def __init__(self, body: dict, prompt_len: int, max_tokens: int):
+        self.body = body
+        self.prompt_len = prompt_len
+        self.max_tokens = max_tokens
+        self.chunks: list[bytes] = []     # SSE events, b"data: ...\n\n"
+        self.changed = asyncio.Event()
+        self.done = False
+        self.error: tuple[int, bytes] | None = None    # non-200 upstream answer passed to subscribers
+        self.task: asyncio.Task | None = None
+        self.first_token = False
+        self.tokens = 0
+        self.accepted = False
+        self.fate = ""                    # completed | cancelled | refused | dropped
+
+    def notify(self) -> None:
+        ev, self.changed = self.changed, asyncio.Event()
+        ev.set()
+
+
+class Waiter:
+    """The handler side of one attempt: how it ends."""
+
+    def __init__(self):
+        self.refused: Refuse | None = None
+        self.completed = False
+        self.stream: Stream | None = None
+        self.new_stream: Stream | None = None     # the stream if the attempt creates an execution
+        self.changed = asyncio.Event()
+
+    def notify(self) -> None:
+        ev, self.changed = self.changed, asyncio.Event()
+        ev.set()
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.attempts = Counter("llmsim_proxy_attempts", "attempts received", ["kind"], registry=r)
+        ex = lambda n, h: Counter(f"llmsim_proxy_executions_{n}", h, registry=r)   # noqa: E731
+        self.created = ex("created", "executions created")
+        self.attached = ex("attached", "attempts attached to a live execution")
+        self.refused = Counter("llmsim_proxy_refused", "attempts refused", ["reason", "status"], registry=r)
+        self.cancelled = ex("cancelled", "executions cancelled at the engine")
+        self.orphaned = ex("orphaned", "executions left with no subscriber and read on")
+        self.dropped = ex("dropped", "queued executions dropped before the engine")
+        self.completed = ex("completed", "executions the engine finished")
+        self.engine_refused = ex("engine_refused", "executions the engine refused (503)")
+        self.queue = Gauge("llmsim_proxy_queue_depth", "executions waiting in the proxy queue", registry=r)
+        self.outstanding = Gauge("llmsim_proxy_outstanding", "executions dispatched and not finished", registry=r)
+        self.engine_waiting = Gauge("llmsim_engine_waiting", "engine's vllm:num_requests_waiting (scraped)",
+                                    registry=r)
+        self.engine_running = Gauge("llmsim_engine_running", "engine's vllm:num_requests_running (scraped)",
+                                    registry=r)
+        self.abort_rate = Gauge("abort_rate", "accepted executions finished by abort / accepted", registry=r)
+        self.completion_ratio = Gauge("completion_ratio", "tokens generated / max tokens (accepted)", registry=r)
+        self.useful_token_ratio = Gauge("useful_token_ratio",
+                                        "tokens of completed executions / max tokens (accepted)", registry=r)
+
+
+class LiveProxy:
+    """The policy core on the asyncio clock, in front of `upstream`."""
+
+    def __init__(self, upstream: str, condition: Condition, prompt_throughput: float | None = None,
+                 scrape_every_s: float = 1.0):
+        self.upstream = upstream.rstrip("/")
+        self.condition = condition
+        self.scrape_every_s = scrape_every_s
+        self.prompt_rate = PromptRate(60.0)
+        self.proxy = Proxy(condition.proxy, engine_view=self._engine_view, prompt_throughput=prompt_throughput)
+        self.streams: dict[int, Stream] = {}       # execution id -> stream
+        self.waiters: dict[int, Waiter] = {}       # id(attempt) -> waiter
+        self.attempt_counts: dict[str, int] = {}
+        self.accepted: list[Stream] = []           # executions the engine accepted (waste gauges)
+        self.awaiting_tokens = 0                   # prompt tokens dispatched, no first token yet
+        self.metrics = Metrics()
+        self.session: aiohttp.ClientSession | None = None
+        self._scraper: asyncio.Task | None = None
+        self._anon = 0
+        self._t0 = time.monotonic()
+
+    # ------------------------------------------------------------ plumbing
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle_completion)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, _app) -> None:
+        conn = aiohttp.TCPConnector(limit=0, force_close=True)
+        self.session = aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None,
+                                                                                            sock_connect=10))
+        self._scraper = asyncio.create_task(self._scrape())
+
+    async def _cleanup(self, _app) -> None:
+        tasks = [s.task for s in self.streams.values() if s.task is not None and not s.task.done()]
+        if self._scraper is not None:
+            tasks.append(self._scraper)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.session.close()
+
+    async def _scrape(self) -> None:
+        while True:
+            try:
+                async with self.session.get(self.upstream + "/metrics",
+                                            timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    m = parse_metrics(await r.text())
+                self.metrics.engine_waiting.set(m.get("vllm:num_requests_waiting", 0.0))
+                self.metrics.engine_running.set(m.get("vllm:num_requests_running", 0.0))
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                pass
+            await asyncio.sleep(self.scrape_every_s)
+
+    def _engine_view(self, t: float) -> EngineView:
+        return EngineView(float(self.awaiting_tokens), self.prompt_rate.rate(t))
+
+    # ------------------------------------------------------------- actions
+    def _do(self, t: float, actions: list) -> None:
+        """Carry out the proxy's actions (mirrors sim.model.Run._do)."""
+        m = self.metrics
+        for a in actions:
+            if isinstance(a, Subscribe):
+                w = self.waiters[id(a.attempt)]
+                if a.attempt.attached:
+                    m.attached.inc()
+                else:
+                    self.streams[a.execution.id] = w.new_stream
+                    m.created.inc()
+                w.stream = self.streams[a.execution.id]
+            elif isinstance(a, Dispatch):
+                st = self.streams[a.execution.id]
+                st.task = asyncio.create_task(self._upstream(a.execution, st))
+                self.awaiting_tokens += st.prompt_len
+            elif isinstance(a, Cancel):
+                st = self.streams.pop(a.execution.id)
+                st.fate = "cancelled"
+                m.cancelled.inc()
+                if st.task is not None:
+                    st.task.cancel()
+            elif isinstance(a, Refuse):
+                w = self.waiters[id(a.attempt)]
+                w.refused = a
+                m.refused.labels(a.reason, str(a.status)).inc()
+                w.notify()
+            elif isinstance(a, Complete):
+                w = self.waiters[id(a.attempt)]
+                w.completed = True
+                w.notify()
+            elif isinstance(a, Drop):
+                st = self.streams.pop(a.execution.id)
+                st.fate = "dropped"
+                m.dropped.inc()
+            elif isinstance(a, Wake):
+                loop = asyncio.get_running_loop()
+                when = loop.time() + max(0.0, a.at - self.now())
+                loop.call_at(when, self._wake, a.execution)
+            else:  # pragma: no cover
+                raise TypeError(f"unknown proxy action {a!r}")
+        m.queue.set(self.proxy.queued)
+        m.outstanding.set(self.proxy.outstanding)
+
+    def _wake(self, ex) -> None:
+        t = self.now()
+        self._do(t, self.proxy.on_wake(t, ex))
+
+    def _first_token(self, st: Stream) -> None:
+        if not st.first_token:
+            st.first_token = True
+            self.awaiting_tokens -= st.prompt_len
+            self.prompt_rate.add(self.now(), st.prompt_len)
+
+    def _update_waste(self) -> None:
+        acc = self.accepted
+        mx = sum(s.max_tokens for s in acc)
+        m = self.metrics
+        m.abort_rate.set(sum(s.fate == "cancelled" for s in acc) / len(acc) if acc else 0.0)
+        m.completion_ratio.set(sum(s.tokens for s in acc) / mx if mx else 0.0)
+        m.useful_token_ratio.set(sum(s.tokens for s in acc if s.fate == "completed") / mx if mx else 0.0)
+
+    async def _upstream(self, ex, st: Stream) -> None:
+        """One execution at the engine: stream it, fan it out, report its end."""
+        body = dict(st.body, stream=True)
+        body["stream_options"] = dict(body.get("stream_options") or {}, include_usage=True)
+        resp = None
+        try:
+            async with self.session.post(self.upstream + "/v1/completions", json=body) as resp:
+                if resp.status == 503:
+                    await resp.read()
+                    self._engine_refused(ex, st)
+                    return
+                if resp.status != 200:       # passed to the subscribers as it came
+                    st.error = (resp.status, await resp.read())
+                    self._finished(ex, st, "failed")
+                    return
+                st.accepted = True
+                self.accepted.append(st)
+                async for line in resp.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    data = line[6:].strip()
+                    if data != b"[DONE]":
+                        try:
+                            d = json.loads(data)
+                        except ValueError:
+                            d = {}
+                        if d.get("choices"):
+                            self._first_token(st)
+                            st.tokens += 1
+                        if d.get("usage"):
+                            st.tokens = d["usage"].get("completion_tokens", st.tokens)
+                    st.chunks.append(b"data: " + data + b"\n\n")
+                    st.notify()
+                self._finished(ex, st, "completed")
+        except asyncio.CancelledError:
+            if resp is not None:
+                resp.close()                 # the engine sees the disconnect and aborts
+            self._first_token_forget(st)
+            st.done = True
+            st.notify()
+            self._update_waste()
+            raise
+        except (aiohttp.ClientError, TimeoutError):
+            if st.accepted:
+                self._finished(ex, st, "failed")
+            else:
+                self._engine_refused(ex, st)
+
+    def _first_token_forget(self, st: Stream) -> None:
+        if not st.first_token:
+            st.first_token = True            # no longer awaited
+            self.awaiting_tokens -= st.prompt_len
+
+    def _engine_refused(self, ex, st: Stream) -> None:
+        self._first_token_forget(st)
+        st.fate = "refused"
+        self.metrics.engine_refused.inc()
+        st.done = True
+        self.streams.pop(ex.id, None)
+        t = self.now()
+        self._do(t, self.proxy.on_engine_refused(t, ex))
+
+    def _finished(self, ex, st: Stream, fate: str) -> None:
+        self._first_token_forget(st)
+        st.fate = fate
+        st.done = True
+        self.metrics.completed.inc()
+        self._update_waste()
+        self.streams.pop(ex.id, None)
+        t = self.now()
+        actions = self.proxy.on_finished(t, ex)
+        st.notify()
+        self._do(t, actions)
+
+    # ------------------------------------------------------------ handlers
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        self._update_waste()
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def _attempt(self, request: web.Request) -> Attempt:
+        call = request.headers.get("X-Call-Id")
+        if call is None:
+            self._anon += 1
+            call = f"anon-{self._anon}"
+        n = request.headers.get("X-Attempt")
+        if n is not None:
+            try:
+                number = int(n)
+            except ValueError:
+                raise web.HTTPBadRequest(text=f"X-Attempt must be a whole number, got {n!r}") from None
+            self.attempt_counts[call] = max(self.attempt_counts.get(call, 0), number + 1)
+        else:
+            number = self.attempt_counts.get(call, 0)
+            self.attempt_counts[call] = number + 1
+        return Attempt(call, number)
+
+    async def handle_completion(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError
+        except ValueError:
+            raise web.HTTPBadRequest(text="body must be a JSON object") from None
+        att = self._attempt(request)
+        self.metrics.attempts.labels("retry" if att.number > 0 else "first").inc()
+        params = (json.dumps(body, sort_keys=True, separators=(",", ":")),)
+        plen = prompt_tokens(body.get("prompt"))
+        w = self.waiters[id(att)] = Waiter()
+        t = self.now()
+        w.new_stream = Stream(body, plen, int(body.get("max_tokens") or DEFAULT_MAX_TOKENS))
+        try:
+            self._do(t, self.proxy.on_attempt(t, att, params, plen))
+            return await self._serve(request, att, w, bool(body.get("stream")))
+        except (asyncio.CancelledError, ConnectionResetError):
+            if att.open:
+                t = self.now()
+                ex = att.execution
+                actions = self.proxy.on_attempt_left(t, att)
+                if ex is not None and ex.orphaned and ex.state == "dispatched":
+                    self.metrics.orphaned.inc()
+                self._do(t, actions)
+            raise
+        finally:
+            self.waiters.pop(id(att), None)
+
+    async def _serve(self, request, att: Attempt, w: Waiter, streaming: bool) -> web.StreamResponse:
+        # wait until the attempt is refused, completes, or its stream has output
+        while w.refused is None and not w.completed and not (w.stream is not None and w.stream.chunks):
+            waits = [w.changed.wait()] + ([w.stream.changed.wait()] if w.stream is not None else [])
+            tasks = [asyncio.ensure_future(x) for x in waits]
+            try:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for x in tasks:
+                    x.cancel()
+        if w.refused is not None:
+            r = w.refused
+            headers = {}
+            if r.status == 429 and r.retry_after is not None:
+                headers["Retry-After"] = str(max(0, math.ceil(r.retry_after))) if math.isfinite(r.retry_after) \
+                    else "3600"
+            return web.json_response({"error": {"message": f"refused ({r.reason})", "code": r.status}},
+                                     status=r.status, headers=headers)
+        st = w.stream
+        if st.error is not None and not st.chunks:
+            att.open = False
+            return web.Response(status=st.error[0], body=st.error[1], content_type="application/json")
+        if not streaming:
+            while not w.completed:
+                await w.changed.wait()
+            return web.json_response(_aggregate(st.chunks))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        i = 0
+        while True:
+            while i < len(st.chunks):
+                await resp.write(st.chunks[i])
+                i += 1
+            if w.completed:
+                break
+            await st.changed.wait()
+        await resp.write_eof()
+        return resp
+
+
+def _aggregate(chunks: list[bytes]) -> dict:
+    """The non-streaming completion from the streamed chunks."""
+    out: dict = {}
+    texts: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    for c in chunks:
+        data = c[6:].strip()
+        if data == b"[DONE]":
+            continue
+        d = json.loads(data)
+        for k in ("id", "created", "model"):
+            if k in d:
+                out.setdefault(k, d[k])
+        for ch in d.get("choices") or []:
+            i = ch.get("index", 0)
+            texts[i] = texts.get(i, "") + (ch.get("text") or "")
+            if ch.get("finish_reason") is not None:
+                finish[i] = ch["finish_reason"]
+        if d.get("usage"):
+            out["usage"] = d["usage"]
+    out["object"] = "text_completion"
+    out["choices"] = [{"index": i, "text": texts[i], "finish_reason": finish.get(i), "logprobs": None}
+                      for i in sorted(texts)]
+    return out
+
+
+async def serve(upstream: str, condition: Condition, port: int, host: str = "127.0.0.1",
+                prompt_throughput: float | None = None, ready=None) -> None:
+    """Run the proxy until cancelled."""
+    lp = LiveProxy(upstream, condition, prompt_throughput)
+    runner = web.AppRunner(lp.app(), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    if ready is not None:
+        ready(lp, site)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(upstream: str, condition: Condition, host: str, port: int, prompt_throughput: float | None = None) -> int:
+    """`llmsim proxy`: serve until interrupted."""
+    import sys
+
+    def ready(lp, site):
+        print(f"llmsim proxy at http://{host}:{port} -> {upstream} ({condition.name}: {condition.describe()}); "
+              f"metrics at /metrics", file=sys.stderr, flush=True)
+    asyncio.run(serve(upstream, condition, port, host, prompt_throughput, ready))
+    return 0
