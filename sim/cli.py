@@ -225,6 +225,48 @@ def cmd_waste(a) -> int:
     return 0
 
 
+def _list(kind, what):
+    def parse(s: str):
+        try:
+            v = [kind(x) for x in s.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {s!r}") from None
+        if not v:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {s!r}")
+        return v
+    return parse
+
+
+def _seeds(s: str) -> list[int]:
+    from .sweep import parse_seeds
+    try:
+        return parse_seeds(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cmd_sweep(a) -> int:
+    from .sweep import grid, sweep
+    for c in a.conditions:
+        if c not in CONDITIONS:
+            raise UsageError(f"sweep: unknown condition {c!r}; valid: {', '.join(CONDITIONS)}")
+    if any(not (math.isfinite(x) and x > 0) for x in a.pulses):
+        raise UsageError("sweep: pulses must be positive")
+    if any(x <= 0 for x in a.max_batched_tokens or []):
+        raise UsageError("sweep: --max-batched-tokens must be positive")
+    if a.workers is not None and a.workers < 1:
+        raise UsageError("sweep: --workers must be at least 1")
+    for m in a.models:
+        _profile(m)
+    _check_output(a.out)
+    cells = grid(a.models, a.conditions, a.pulses, a.seeds, a.max_batched_tokens or [None],
+                 [True] if a.mixed_prompts else [False])
+    res = sweep(cells, a.out, workers=a.workers, ray_address=a.ray, progress=not a.quiet)
+    print(f"sweep: {res['total']} cells, {res['skipped']} already in {a.out}, ran {res['ran']} "
+          f"in {res['wall_s']:.1f} s")
+    return 0
+
+
 # -------------------------------------------------------------------- parser
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
@@ -312,6 +354,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH", help="PNG of throughput and waste against cancellation rate")
     p.set_defaults(fn=cmd_waste)
+
+    p = sub.add_parser("sweep", help="a grid of runs on local processes or Ray, appended to one Parquet file; "
+                                     "re-running skips finished cells")
+    p.add_argument("--models", type=_list(str, "profile names"), default=[DEFAULT_MODEL],
+                   help=f"comma-separated profiles (default {DEFAULT_MODEL})")
+    p.add_argument("--conditions", type=_list(str, "condition names"), required=True,
+                   help="comma-separated named conditions")
+    p.add_argument("--pulses", type=_list(float, "numbers"), default=[PAPER.pulse],
+                   help="comma-separated pulse rates in multiples of capacity")
+    p.add_argument("--seeds", type=_seeds, default=[0], help="e.g. 0-4 or 0,1,2 (default 0)")
+    p.add_argument("--max-batched-tokens", type=_list(int, "whole numbers"), default=None,
+                   help="comma-separated step budgets (default: the profile's)")
+    p.add_argument("--mixed-prompts", action="store_true", help="half the calls get 3,000-token prompts")
+    p.add_argument("--out", required=True, metavar="PATH", help="the Parquet file (created or extended)")
+    p.add_argument("--workers", type=int, default=None, help="local processes (default: all cores)")
+    p.add_argument("--ray", metavar="ADDRESS|auto", default=None,
+                   help="run on a Ray cluster instead (auto: the running one; local: start one here)")
+    p.add_argument("--quiet", action="store_true", help="no progress line per finished cell")
+    p.set_defaults(fn=cmd_sweep)
 
     p = sub.add_parser("proxy", help="the live proxy (SPEC §3) in front of a vLLM OpenAI server, "
                                      "with Prometheus metrics on /metrics")
