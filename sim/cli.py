@@ -100,7 +100,7 @@ def _condition(a) -> Condition:
     """The named condition (default no-control) with any control flags applied."""
     changes = {k: getattr(a, k) for k in _CONTROL_FLAGS if getattr(a, k) is not None}
     if a.condition is None and not changes:
-        raise UsageError("run: give --condition NAME or control flags (--cancel, --coalesce, --budget, "
+        raise UsageError(f"{a.command}: give --condition NAME or control flags (--cancel, --coalesce, --budget, "
                          f"--order, --proxy-cap, --queue, --engine-cap, --retries); names: {', '.join(CONDITIONS)}")
     if "retries" in changes:
         changes["retries"] = changes["retries"] == "on"
@@ -109,7 +109,7 @@ def _condition(a) -> Condition:
     try:
         return compose(a.condition, **changes)
     except ValueError as e:
-        raise UsageError(f"run: {e}") from None
+        raise UsageError(f"{a.command}: {e}") from None
 
 
 def cmd_run(a) -> int:
