@@ -267,6 +267,22 @@ def cmd_sweep(a) -> int:
     return 0
 
 
+def cmd_paper(a) -> int:
+    from .paper import DEFAULT_SEEDS, paper, write_report
+    seeds = a.seeds or DEFAULT_SEEDS
+    if a.report_only:
+        if not os.path.exists(os.path.join(a.out, "results.parquet")):
+            raise UsageError(f"paper: no {os.path.join(a.out, 'results.parquet')} to report from")
+        print(f"paper: wrote {write_report(a.out, seeds=seeds)}")
+        return 0
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise UsageError(f"paper: {a.out} exists and is not a directory")
+    res = paper(a.out, seeds=seeds, workers=a.workers, ray_address=a.ray, progress=not a.quiet)
+    print(f"paper: {res['total']} cells, {res['skipped']} already done, ran {res['ran']} in "
+          f"{res['wall_s']:.1f} s; wrote {res['report']}")
+    return 0
+
+
 # -------------------------------------------------------------------- parser
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
@@ -373,6 +389,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run on a Ray cluster instead (auto: the running one; local: start one here)")
     p.add_argument("--quiet", action="store_true", help="no progress line per finished cell")
     p.set_defaults(fn=cmd_sweep)
+
+    p = sub.add_parser("paper", help="every block of the reference design on the three embedded models, "
+                                     "then report.md and PNG figures from DIR/results.parquet")
+    p.add_argument("--out", default="paper", metavar="DIR", help="output directory (default ./paper)")
+    p.add_argument("--seeds", type=_positive(int), default=None, metavar="N",
+                   help="seeds 0..N-1 per cell (default 3; the published counts are not in the SPEC)")
+    p.add_argument("--workers", type=_positive(int), default=None, help="local processes (default: all cores)")
+    p.add_argument("--ray", metavar="ADDRESS|auto", default=None, help="run on a Ray cluster instead")
+    p.add_argument("--report-only", action="store_true", help="only rewrite the report from DIR/results.parquet")
+    p.add_argument("--quiet", action="store_true", help="no progress line per finished cell")
+    p.set_defaults(fn=cmd_paper)
 
     p = sub.add_parser("proxy", help="the live proxy (SPEC §3) in front of a vLLM OpenAI server, "
                                      "with Prometheus metrics on /metrics")

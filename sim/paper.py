@@ -1,0 +1,318 @@
+"""`llmsim paper`: every block of the reference design on the three embedded
+models, run through `sweep()` into DIR/results.parquet, then a report
+(DIR/report.md and PNG figures) computed from that Parquet file only.
+
+Blocks (all at the profile's step budget, uniform prompts, pulse 2.7 Ĉ
+unless said otherwise):
+
+  diagnostic      the 4 diagnostic conditions
+  trigger         the 4 diagnostic conditions at pulses 1.5, 2, 2.7
+  tracing         the 4 diagnostic conditions at step budgets 8192 and 2048
+  composition     coalesce, budget, budget-first, lookup-first, coalesce+cancel, budget+cancel
+  queue           proxy-cap, deadline-check, lifo
+  engine-cap      engine-cap-338, engine-cap-338+cancel, engine-cap-100
+  deferral        deferred vs coalesce+cancel
+  budget-cancel   budget+cancel against budget and cancel alone
+  mixed           the 4 diagnostic conditions with mixed prompts
+
+A cell shared by several blocks (same model, condition, pulse, seed, step
+budget, prompts) runs once and appears in each block's table.
+
+Seeds: the published design's number of seeds per block is NOT given in
+SPEC.md, so the default here is a small DEFAULT_SEEDS (3) for every block;
+change it with `--seeds N` (seeds 0..N-1). Re-running `paper` on the same DIR
+skips the cells already in results.parquet (a killed run resumes).
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from dataclasses import dataclass
+
+from .conditions import DIAGNOSTIC
+from .sweep import Cell, cell_key, grid, read_rows, sweep
+
+MODELS = ("qwen2.5-7b", "qwen3-14b", "llama-3.1-8b")
+DEFAULT_SEEDS = 3
+PULSE = 2.7
+COHORTS = ("pulse", "hold", "primary")
+
+
+@dataclass(frozen=True)
+class Block:
+    name: str
+    title: str
+    conditions: tuple[str, ...]
+    pulses: tuple[float, ...] = (PULSE,)
+    max_batched_tokens: tuple[int | None, ...] = (None,)
+    mixed_prompts: tuple[bool, ...] = (False,)
+
+    def cells(self, models=MODELS, seeds=range(DEFAULT_SEEDS)) -> list[Cell]:
+        return grid(list(models), self.conditions, self.pulses, list(seeds), self.max_batched_tokens,
+                    self.mixed_prompts)
+
+
+BLOCKS: tuple[Block, ...] = (
+    Block("diagnostic", "Diagnostic (pulse 2.7 Ĉ)", DIAGNOSTIC),
+    Block("trigger", "Trigger sweep (pulse 1.5, 2, 2.7 Ĉ)", DIAGNOSTIC, pulses=(1.5, 2.0, 2.7)),
+    Block("tracing", "Tracing at 8K / 2K step budget", DIAGNOSTIC, max_batched_tokens=(8192, 2048)),
+    Block("composition", "Composition of controls",
+          ("coalesce", "budget", "budget-first", "lookup-first", "coalesce+cancel", "budget+cancel")),
+    Block("queue", "Queue policy (proxy cap 100)", ("proxy-cap", "deadline-check", "lifo")),
+    Block("engine-cap", "Engine cap", ("engine-cap-338", "engine-cap-338+cancel", "engine-cap-100")),
+    Block("deferral", "Deferred cancellation", ("deferred", "coalesce+cancel")),
+    Block("budget-cancel", "Retry budget with cancellation", ("budget+cancel", "budget", "cancel")),
+    Block("mixed", "Mixed prompts (half at 3,000 tokens)", DIAGNOSTIC, mixed_prompts=(True,)),
+)
+BLOCK_NAMES = tuple(b.name for b in BLOCKS)
+FIGURES = ("diagnostic_series.png", "execution_rates.png", "prompt_work_shares.png",
+           "delivery_shares.png", "creation_vs_delivery.png")
+
+
+def get_blocks(names=None) -> list[Block]:
+    if names is None:
+        return list(BLOCKS)
+    by = {b.name: b for b in BLOCKS}
+    bad = [n for n in names if n not in by]
+    if bad:
+        raise ValueError(f"unknown block(s) {', '.join(bad)}; valid: {', '.join(BLOCK_NAMES)}")
+    return [by[n] for n in names]
+
+
+def paper_cells(blocks=None, models=MODELS, seeds=DEFAULT_SEEDS) -> list[Cell]:
+    """The union of the blocks' cells, each cell once."""
+    seen, out = set(), []
+    for b in get_blocks(blocks):
+        for c in b.cells(models, range(seeds)):
+            if c.key not in seen:
+                seen.add(c.key)
+                out.append(c)
+    return out
+
+
+def paper(out_dir: str, seeds: int = DEFAULT_SEEDS, workers: int | None = None, ray_address: str | None = None,
+          blocks=None, models=MODELS, progress=True) -> dict:
+    """Run the design's cells not yet in out_dir/results.parquet, then write the report.
+    Returns sweep()'s summary plus "report" (the report.md path)."""
+    if seeds < 1:
+        raise ValueError("seeds must be at least 1")
+    os.makedirs(out_dir, exist_ok=True)
+    cells = paper_cells(blocks, models, seeds)
+    res = sweep(cells, os.path.join(out_dir, "results.parquet"), workers=workers, ray_address=ray_address,
+                progress=progress)
+    res["report"] = write_report(out_dir, blocks=blocks, models=models, seeds=seeds)
+    return res
+
+
+# ------------------------------------------------------------------ report
+def _share(x, n):
+    return x / n if n else float("nan")
+
+
+def _fmt(vals, scale=1.0, digits=1, unit=""):
+    v = [x * scale for x in vals if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    if not v:
+        return "–"
+    m = statistics.fmean(v)
+    if len(v) == 1 or min(v) == max(v):
+        return f"{m:.{digits}f}{unit}"
+    return f"{m:.{digits}f}{unit} ({min(v):.{digits}f}–{max(v):.{digits}f})"
+
+
+def _block_rows(block: Block, rows: list[dict], models, seeds) -> dict[tuple, list[dict]]:
+    """The block's rows grouped by cell without the seed, in the block's order."""
+    by_key = {cell_key(r): r for r in rows}
+    groups: dict[tuple, list[dict]] = {}
+    for c in block.cells(models, range(seeds)):
+        r = by_key.get(c.key)
+        g = groups.setdefault((c.model, c.condition, c.pulse, c.max_batched_tokens, c.mixed_prompts), [])
+        if r is not None:
+            g.append(r)
+    return groups
+
+
+def _table(block: Block, groups) -> list[str]:
+    vary = []
+    if len(block.pulses) > 1:
+        vary.append(("pulse ×Ĉ", lambda k: f"{k[2]:g}"))
+    if len(block.max_batched_tokens) > 1:
+        vary.append(("step budget", lambda k: str(k[3])))
+    head = ["model", "condition"] + [v[0] for v in vary] + ["seeds"]
+    for c in COHORTS:
+        head += [f"{c} delivered %", f"{c} within deadline %"]
+    head += ["recovered", "recovery time s", "created ×Ĉ", "accepted ×Ĉ"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for k, rs in groups.items():
+        cells = [k[0], k[1]] + [f(k) for _, f in vary] + [str(len(rs))]
+        for c in COHORTS:
+            cells.append(_fmt([_share(r[f"{c}_delivered"], r[f"{c}_offered"]) for r in rs], 100))
+            cells.append(_fmt([_share(r[f"{c}_within_deadline"], r[f"{c}_offered"]) for r in rs], 100))
+        cells.append(f"{sum(bool(r['recovered']) for r in rs)}/{len(rs)}" if rs else "–")
+        cells.append(_fmt([r["recovery_time_s"] for r in rs], digits=0))
+        cells.append(_fmt([r["rates_xC_created"] for r in rs], digits=2))
+        cells.append(_fmt([r["rates_xC_accepted"] for r in rs], digits=2))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_report(out_dir: str, blocks=None, models=MODELS, seeds: int = DEFAULT_SEEDS) -> str:
+    """DIR/report.md and DIR/*.png from DIR/results.parquet (nothing else)."""
+    rows = read_rows(os.path.join(out_dir, "results.parquet"))
+    md = ["# llmsim paper: the reference design on the simulator", "",
+          f"{len(rows)} runs from `results.parquet`; models: {', '.join(models)}; seeds per cell: {seeds} "
+          "(the published seed counts are not in the SPEC). Cells: mean over seeds (min–max). "
+          "Shares are of the cohort's offered calls; delivered = by 840 s, within deadline = by 120 s; "
+          "rates over [347, 947) s in multiples of Ĉ.", ""]
+    for b in get_blocks(blocks):
+        md += [f"## {b.title}", f"<!-- block: {b.name} -->", ""]
+        md += _table(b, _block_rows(b, rows, models, seeds)) + [""]
+    md += ["## Figures", ""] + [f"![{f}]({f})" for f in FIGURES] + [""]
+    path = os.path.join(out_dir, "report.md")
+    with open(path, "w") as f:
+        f.write("\n".join(md))
+    _figures(out_dir, rows, models)
+    return path
+
+
+# ------------------------------------------------------------------ figures
+def _mean(xs):
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def _base(rows):
+    """Rows at the reference pulse, default step budget, uniform prompts."""
+    return [r for r in rows if r["pulse"] == PULSE and not r["mixed_prompts"] and r["max_batched_tokens"] == 8192]
+
+
+def _by(rows, *keys):
+    out: dict = {}
+    for r in rows:
+        out.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return out
+
+
+def _conditions(rows):
+    from .conditions import CONDITIONS
+    present = {r["condition"] for r in rows}
+    return [c for c in CONDITIONS if c in present]
+
+
+def _figures(out_dir, rows, models):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = [m for m in models if any(r["model"] == m for r in rows)] or list(models)
+    base = _base(rows)
+    conds = _conditions(base)
+    colors = {m: f"C{i}" for i, m in enumerate(models)}
+
+    # 1. diagnostic block: delivered per 60 s and waiting queue, one column per condition (seed 0 or lowest)
+    diag = [c for c in DIAGNOSTIC]
+    fig, ax = plt.subplots(2, len(diag), figsize=(4.2 * len(diag), 7), sharex=True, squeeze=False)
+    groups = _by(base, "model", "condition")
+    for j, c in enumerate(diag):
+        for m in models:
+            rs = sorted(groups.get((m, c), []), key=lambda r: r["seed"])
+            if not rs:
+                continue
+            r = rs[0]
+            binw = r.get("series_delivered_bin_s") or 60.0
+            d = r["series_delivered_per_60s"]
+            ax[0][j].step([binw * (i + 1) for i in range(len(d))], d, where="pre", color=colors[m], label=m)
+            q = [w + p for w, p in zip(r["series_waiting"], r["series_proxy_queue"])]
+            ax[1][j].plot(r["series_t"], q, color=colors[m], label=m, lw=1)
+        ax[0][j].set_title(c)
+        for a in (ax[0][j], ax[1][j]):
+            a.axvspan(120, 227, color="0.9", zorder=0)
+            a.grid(alpha=0.3)
+        ax[1][j].set_xlabel("time since run start (s)")
+    ax[0][0].set_ylabel("calls delivered per 60 s")
+    ax[1][0].set_ylabel("waiting executions (engine + proxy)")
+    ax[0][0].legend(fontsize=9, title="model (seed 0); grey = pulse")
+    fig.suptitle(f"Diagnostic block, pulse {PULSE} Ĉ")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, FIGURES[0]), dpi=90)
+    plt.close(fig)
+
+    def per_model_bars(fname, series, ylabel, title, stacked):
+        fig, ax = plt.subplots(len(models), 1, figsize=(max(8, 0.75 * len(conds) + 3), 3.2 * len(models)),
+                               squeeze=False)
+        for i, m in enumerate(models):
+            a = ax[i][0]
+            x = range(len(conds))
+            n = len(series)
+            bottom = [0.0] * len(conds)
+            for k, (label, fn) in enumerate(series):
+                vals = [_mean([fn(r) for r in groups.get((m, c), [])]) for c in conds]
+                vals = [0.0 if math.isnan(v) else v for v in vals]
+                if stacked:
+                    a.bar(x, vals, bottom=bottom, label=label, color=f"C{k}")
+                    bottom = [b + v for b, v in zip(bottom, vals)]
+                else:
+                    w = 0.8 / n
+                    a.bar([xi - 0.4 + w * (k + 0.5) for xi in x], vals, width=w, label=label, color=f"C{k}")
+            a.set_xticks(list(x))
+            a.set_xticklabels(conds, rotation=35, ha="right", fontsize=8)
+            a.set_ylabel(ylabel)
+            a.set_title(f"{m}, pulse {PULSE} Ĉ (mean over seeds)", fontsize=10)
+            a.grid(axis="y", alpha=0.3)
+        ax[0][0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, fname), dpi=90)
+        plt.close(fig)
+
+    # 2. execution rates per Ĉ
+    per_model_bars(FIGURES[1], [(k, (lambda r, k=k: r[f"rates_xC_{k}"]))
+                                for k in ("attempts", "created", "accepted", "completed")],
+                   "rate over [347, 947) s (× Ĉ)", "Execution rates per Ĉ by condition", stacked=False)
+    # 3. prompt-work shares
+    per_model_bars(FIGURES[2], [(k.replace("_", " "),
+                                 (lambda r, k=k: _share(r[f"prompt_tokens_{k}"], r["prompt_tokens_computed"])))
+                                for k in ("never_aborted", "aborted_body", "aborted_in_flight")],
+                   "share of computed prompt tokens", "Prompt work by fate of the execution", stacked=True)
+
+    # 4. delivery shares by cohort
+    nrow = len(models) * len(COHORTS)
+    fig, axs = plt.subplots(nrow, 1, figsize=(max(9, 0.6 * len(conds) + 3), 2.3 * nrow + 1.5), squeeze=False,
+                            sharex=True)
+    ax = [[axs[i * len(COHORTS) + j][0] for j in range(len(COHORTS))] for i in range(len(models))]
+    parts = (("within deadline", "within_deadline", "C2"), ("late", "late", "C1"),
+             ("undelivered", "undelivered", "C3"))
+    for i, m in enumerate(models):
+        for j, coh in enumerate(COHORTS):
+            a = ax[i][j]
+            bottom = [0.0] * len(conds)
+            for label, key, col in parts:
+                vals = [_mean([_share(r[f"{coh}_{key}"], r[f"{coh}_offered"]) for r in groups.get((m, c), [])])
+                        for c in conds]
+                vals = [0.0 if math.isnan(v) else 100 * v for v in vals]
+                a.bar(range(len(conds)), vals, bottom=bottom, color=col, label=label)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+            a.set_xticks(range(len(conds)))
+            a.set_xticklabels(conds, rotation=35, ha="right", fontsize=8)
+            a.set_title(f"{m}: {coh} cohort", fontsize=10)
+            a.set_ylabel("% of offered calls")
+    ax[0][0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(f"Delivery by cohort and condition, pulse {PULSE} Ĉ (mean over seeds)")
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / (2.3 * nrow + 1.5)))
+    fig.savefig(os.path.join(out_dir, FIGURES[3]), dpi=90)
+    plt.close(fig)
+
+    # 5. creation rate vs primary delivery, every run
+    fig, a = plt.subplots(figsize=(8, 5.5))
+    for m in models:
+        rs = [r for r in rows if r["model"] == m]
+        a.scatter([r["rates_xC_created"] for r in rs],
+                  [100 * _share(r["primary_delivered"], r["primary_offered"]) for r in rs],
+                  s=18, alpha=0.7, color=colors[m], label=f"{m} ({len(rs)} runs)")
+    a.set_xlabel("executions created over [347, 947) s (× Ĉ)")
+    a.set_ylabel("primary cohort delivered (% of offered)")
+    a.set_title("Execution creation rate vs primary delivery, every run")
+    a.grid(alpha=0.3)
+    a.legend(fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, FIGURES[4]), dpi=90)
+    plt.close(fig)
