@@ -17,6 +17,7 @@ import numpy as np
 from .conditions import get_condition
 from .model import Run
 from .profile import Profile
+from .runlog import sample_log
 from .scenario import Scenario, PAPER
 from .workload import make_trace
 
@@ -79,15 +80,6 @@ class CapacityProtocol:
                              "threshold": self.threshold, "seed": self.seed}}
 
 
-def sample_gauge(gauge_log: list, ts: np.ndarray) -> np.ndarray:
-    """The waiting queue at times `ts` from the engine's change log."""
-    g = np.array(gauge_log, dtype=float)
-    if len(g) == 0:
-        return np.zeros(len(ts))
-    idx = np.searchsorted(g[:, 0], ts, side="right") - 1
-    return np.where(idx >= 0, g[np.maximum(idx, 0), 1], 0.0)
-
-
 def capacity_protocol(profile: Profile, scenario: Scenario = PAPER, seed: int = 0, start_rate: float = 1.0,
                       factor: float = 1.5, stage_s: float = 300.0, threshold: float = 0.1,
                       max_stages: int = 12, max_batched_tokens: int | None = None, progress=None) -> dict:
@@ -98,7 +90,7 @@ def capacity_protocol(profile: Profile, scenario: Scenario = PAPER, seed: int = 
     for k, a, b, r in proto.schedule():
         run.env.run(until=b)
         ts = np.arange(a, b, 1.0)
-        q = sample_gauge(run.engine.gauge_log, ts)
+        q = sample_log(run.engine.gauge_log, ts)
         arrived = int(np.count_nonzero((trace.arrival >= a) & (trace.arrival < b)))
         if proto.observe(k, arrived, ts, q):
             break

@@ -19,7 +19,7 @@ from .engine.request import WAITING
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel, Complete,
                            Drop, Wake)
 from .profile import Profile
-from .runlog import RunLog, CallRecord, AttemptRecord, ExecutionRecord, Series
+from .runlog import RunLog, CallRecord, AttemptRecord, ExecutionRecord, Series, sample_log
 from .scenario import Scenario
 from .workload import Trace
 
@@ -254,16 +254,10 @@ class Run:
 
     def _log(self, end: float, wall: float) -> RunLog:
         eng = self.engine
-        g = np.array(eng.gauge_log, dtype=float) if eng.gauge_log else np.zeros((1, 3))
         ts = np.arange(0.0, math.floor(end) + 1.0)
-        idx = np.searchsorted(g[:, 0], ts, side="right") - 1
-        valid = idx >= 0
-        idx = np.maximum(idx, 0)
-        waiting = np.where(valid, g[idx, 1], 0).astype(np.int64)
-        running = np.where(valid, g[idx, 2], 0).astype(np.int64)
-        pq = np.array(self.proxy_queue_log, dtype=float)
-        pidx = np.searchsorted(pq[:, 0], ts, side="right") - 1
-        proxy_queue = pq[np.maximum(pidx, 0), 1].astype(np.int64)
+        waiting = sample_log(eng.gauge_log, ts, 1).astype(np.int64)
+        running = sample_log(eng.gauge_log, ts, 2).astype(np.int64)
+        proxy_queue = sample_log(self.proxy_queue_log, ts, 1).astype(np.int64)
         series = Series(t=ts, waiting=waiting, running=running, proxy_queue=proxy_queue)
         s = eng.scheduler
         steps, busy = eng.work_by(end)

@@ -10,6 +10,16 @@ import numpy as np
 NAN = float("nan")
 
 
+def sample_log(log, ts: np.ndarray, column: int = 1) -> np.ndarray:
+    """Value of a change log [(time, v1, v2, ...), ...] (sorted by time) at the
+    times `ts`: the last entry at or before each time, 0 before the first."""
+    g = np.asarray(log, dtype=float)
+    if len(g) == 0:
+        return np.zeros(len(ts))
+    idx = np.searchsorted(g[:, 0], ts, side="right") - 1
+    return np.where(idx >= 0, g[np.maximum(idx, 0), column], 0.0)
+
+
 @dataclass(slots=True)
 class AttemptRecord:
     call: int
