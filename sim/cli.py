@@ -414,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from calibrate.commands import add_subcommands     # engine …, calibrate …
     add_subcommands(sub)
+    from validate.commands import add_subcommands as add_validate
+    add_validate(sub)
     return ap
 
 

@@ -48,6 +48,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, CONTENT_TYPE_LATEST
 
 from sim.conditions import Condition
+from sim.runlog import ExecutionRecord
 from sim.policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel,
                               Complete, Drop, Wake)
 
@@ -86,6 +87,7 @@ class Stream:
         self.tokens = 0
         self.accepted = False
         self.fate = ""                    # completed | cancelled | refused | dropped
+        self.record: ExecutionRecord | None = None   # the execution's entry in LiveProxy.executions
 
     def notify(self) -> None:
         ev, self.changed = self.changed, asyncio.Event()
@@ -146,6 +148,7 @@ class LiveProxy:
         self.waiters: dict[int, Waiter] = {}       # id(attempt) -> waiter
         self.attempt_counts: dict[str, int] = {}
         self.accepted: list[Stream] = []           # executions the engine accepted (waste gauges)
+        self.executions: list[ExecutionRecord] = []   # one per execution created, as the simulator keeps them
         self.awaiting_tokens = 0                   # prompt tokens dispatched, no first token yet
         self.metrics = Metrics()
         self.session: aiohttp.ClientSession | None = None
@@ -205,16 +208,23 @@ class LiveProxy:
                 if a.attempt.attached:
                     m.attached.inc()
                 else:
-                    self.streams[a.execution.id] = w.new_stream
+                    st = self.streams[a.execution.id] = w.new_stream
                     m.created.inc()
+                    st.record = ExecutionRecord(id=a.execution.id, call=_call_number(a.attempt.call_id),
+                                                attempt=a.attempt.number, prompt_len=st.prompt_len,
+                                                max_tokens=st.max_tokens, created_at=t)
+                    self.executions.append(st.record)
                 w.stream = self.streams[a.execution.id]
             elif isinstance(a, Dispatch):
                 st = self.streams[a.execution.id]
                 st.task = asyncio.create_task(self._upstream(a.execution, st))
+                st.record.dispatched_at = t
                 self.awaiting_tokens += st.prompt_len
             elif isinstance(a, Cancel):
                 st = self.streams.pop(a.execution.id)
                 st.fate = "cancelled"
+                st.record.cancel_requested_at = st.record.finished_at = t
+                st.record.fate, st.record.tokens_generated = "aborted", st.tokens
                 m.cancelled.inc()
                 if st.task is not None:
                     st.task.cancel()
@@ -230,6 +240,7 @@ class LiveProxy:
             elif isinstance(a, Drop):
                 st = self.streams.pop(a.execution.id)
                 st.fate = "dropped"
+                st.record.fate, st.record.finished_at = "dropped", t
                 m.dropped.inc()
             elif isinstance(a, Wake):
                 loop = asyncio.get_running_loop()
@@ -248,7 +259,10 @@ class LiveProxy:
         if not st.first_token:
             st.first_token = True
             self.awaiting_tokens -= st.prompt_len
-            self.prompt_rate.add(self.now(), st.prompt_len)
+            t = self.now()
+            self.prompt_rate.add(t, st.prompt_len)
+            if st.record is not None:
+                st.record.first_token_at = t
 
     def _update_waste(self) -> None:
         acc = self.accepted
@@ -275,6 +289,8 @@ class LiveProxy:
                     return
                 st.accepted = True
                 self.accepted.append(st)
+                if st.record is not None:
+                    st.record.accepted = True
                 async for line in resp.content:
                     if not line.startswith(b"data: "):
                         continue
@@ -318,6 +334,8 @@ class LiveProxy:
         st.done = True
         self.streams.pop(ex.id, None)
         t = self.now()
+        if st.record is not None:
+            st.record.fate, st.record.finished_at = "refused", t
         self._do(t, self.proxy.on_engine_refused(t, ex))
 
     def _finished(self, ex, st: Stream, fate: str) -> None:
@@ -328,6 +346,9 @@ class LiveProxy:
         self._update_waste()
         self.streams.pop(ex.id, None)
         t = self.now()
+        if st.record is not None:
+            # "failed": the engine answered an error, or the connection broke mid-stream
+            st.record.fate, st.record.finished_at, st.record.tokens_generated = fate, t, st.tokens
         actions = self.proxy.on_finished(t, ex)
         st.notify()
         self._do(t, actions)
@@ -379,6 +400,9 @@ class LiveProxy:
                 actions = self.proxy.on_attempt_left(t, att)
                 if ex is not None and ex.orphaned and ex.state == "dispatched":
                     self.metrics.orphaned.inc()
+                    st = self.streams.get(ex.id)
+                    if st is not None and st.record is not None and st.record.orphaned_at != st.record.orphaned_at:
+                        st.record.orphaned_at = t
                 self._do(t, actions)
             raise
         finally:
@@ -396,21 +420,23 @@ class LiveProxy:
                     x.cancel()
         if w.refused is not None:
             r = w.refused
-            headers = {}
+            headers = {"X-Refused-Reason": r.reason}
             if r.status == 429 and r.retry_after is not None:
                 headers["Retry-After"] = str(max(0, math.ceil(r.retry_after))) if math.isfinite(r.retry_after) \
                     else "3600"
             return web.json_response({"error": {"message": f"refused ({r.reason})", "code": r.status}},
                                      status=r.status, headers=headers)
         st = w.stream
+        ids = {"X-Execution-Id": str(att.execution.id), "X-Attached": "1" if att.attached else "0"}
         if st.error is not None and not st.chunks:
             att.open = False
-            return web.Response(status=st.error[0], body=st.error[1], content_type="application/json")
+            return web.Response(status=st.error[0], body=st.error[1], content_type="application/json",
+                                headers=ids)
         if not streaming:
             while not w.completed:
                 await w.changed.wait()
-            return web.json_response(_aggregate(st.chunks))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            return web.json_response(_aggregate(st.chunks), headers=ids)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **ids})
         await resp.prepare(request)
         i = 0
         while True:
@@ -422,6 +448,15 @@ class LiveProxy:
             await st.changed.wait()
         await resp.write_eof()
         return resp
+
+
+def _call_number(call_id) -> int:
+    """The call's number for the records: the X-Call-Id when it is a whole
+    number (the load generator's calls), else -1."""
+    try:
+        return int(call_id)
+    except (TypeError, ValueError):
+        return -1
 
 
 def _aggregate(chunks: list[bytes]) -> dict:

@@ -1,0 +1,166 @@
+"""The live run's own logic (validate/live_run.py: the policy core's retrying
+client over HTTP through the live proxy, the RunLog and the §8 record) against
+an in-process stub standing in for a vLLM server (SlotStub: k requests at a
+time, FIFO, max_tokens chunks each; it is a stub, not vLLM). Loopback only;
+a few seconds of wall time."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from sim.conditions import get_condition
+from sim.scenario import PAPER
+from sim.workload import Trace
+from validate.live_run import LiveRun, live_record
+from validate.validation import agreement, table
+
+TOKEN_S = 0.01      # stub seconds per output token
+
+
+class SlotStub:
+    """A stub engine, not vLLM: `slots` requests run at once, the rest wait
+    in FIFO order; each streams max_tokens chunks TOKEN_S apart."""
+
+    def __init__(self, slots: int = 2):
+        self.sem = asyncio.Semaphore(slots)
+        self.waiting = self.running = 0
+        self.prompt_tokens = self.queries = 0
+        self.completed = self.aborted = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def metrics(self, request):
+        return web.Response(text=f"vllm:num_requests_waiting {self.waiting}\n"
+                                 f"vllm:num_requests_running {self.running}\n"
+                                 f"vllm:prompt_tokens_total {self.prompt_tokens}\n"
+                                 f"vllm:prefix_cache_queries_total {self.queries}\n"
+                                 f"vllm:prefix_cache_hits_total 0\n")
+
+    async def completions(self, request):
+        body = await request.json()
+        n = int(body["max_tokens"])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        self.waiting += 1
+        try:
+            async with self.sem:
+                self.waiting -= 1
+                self.running += 1
+                self.queries += len(body["prompt"])
+                try:
+                    for i in range(n):
+                        await asyncio.sleep(TOKEN_S)
+                        if i == 0:
+                            self.prompt_tokens += len(body["prompt"])
+                        d = {"choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]}
+                        await resp.write(b"data: " + json.dumps(d).encode() + b"\n\n")
+                    await resp.write(b"data: [DONE]\n\n")
+                    self.completed += 1
+                finally:
+                    self.running -= 1
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted += 1
+            raise
+        return resp
+
+
+def _scenario(deadline=1.0):
+    # 2 s base, 2 s pulse, 6 s hold; 1 s windows
+    return PAPER.with_(base_s=2.0, pulse_s=2.0, hold_s=6.0, deadline_s=deadline, max_retry_after_s=deadline,
+                       delivery_horizon_s=8.0, primary_skip_s=1.0, window_s=1.0, backoff_min_s=0.05,
+                       backoff_max_s=0.1)
+
+
+def _trace(sc, rate_base, rate_pulse, tokens=10, seed=0):
+    rng = np.random.default_rng(seed)
+    arr = []
+    for a, b, r in ((0, sc.base_s, rate_base), (sc.pulse_start, sc.pulse_end, rate_pulse),
+                    (sc.pulse_end, sc.hold_end, rate_base)):
+        t = a + np.cumsum(rng.exponential(1 / r, int(3 * r * (b - a)) + 5))
+        arr.append(t[t < b])
+    arr = np.concatenate(arr)
+    n = len(arr)
+    return Trace(arrival=arr, prompt_len=np.full(n, 40, dtype=np.int64),
+                 max_tokens=np.full(n, tokens, dtype=np.int64), shared_prefix=10)
+
+
+async def _live(cond_name, trace, sc, slots=2):
+    stub = SlotStub(slots)
+    server = TestServer(stub.app())
+    await server.start_server()
+    try:
+        url = str(server.make_url("")).rstrip("/")
+        run = LiveRun(url, "stub", trace, get_condition(cond_name), sc, seed=0)
+        end = await run._run(until=float(trace.arrival[-1]) + sc.delivery_horizon_s)
+        return run._log(end, 0.0), stub
+    finally:
+        await server.close()
+
+
+def test_light_load_every_call_delivered_and_records_join():
+    sc = _scenario()
+    tr = _trace(sc, 3.0, 3.0)        # 0.1 s of work per call, 2 slots: far below capacity
+    log, stub = asyncio.run(_live("no-retry", tr, sc))
+    assert all(c.outcome == "delivered" for c in log.calls)
+    assert len(log.attempts) == len(tr) == len(log.executions) == stub.completed
+    # each attempt names the execution it got; every execution completed with its tokens
+    assert sorted(a.execution for a in log.attempts) == list(range(len(tr)))
+    assert all(e.fate == "completed" and e.tokens_generated == 10 and e.accepted for e in log.executions)
+    assert all(e.first_token_at >= e.dispatched_at >= e.created_at for e in log.executions)
+    rec = live_record(log, sc, 3.0, {"model": "stub", "condition": "no-retry", "pulse": 1.0, "seed": 0})
+    assert rec["cohorts"]["hold"]["delivered"] == rec["cohorts"]["hold"]["offered"] > 0
+    assert rec["counters"]["prompt_tokens_total"] == 40 * len(tr)
+    assert rec["prompt_tokens"]["computed"] == 40 * len(tr)      # queries - hits
+    assert rec["retries"]["never_scheduled"] is None and "retries.never_scheduled" in rec["unmeasured"]
+    assert len(rec["series"]["t"]) >= int(tr.arrival[-1])
+
+
+def test_overload_with_coalescing_attaches_retries_to_live_executions():
+    sc = _scenario(deadline=0.6)
+    tr = _trace(sc, 2.0, 40.0, tokens=12)     # pulse far above the stub's 2 x 8 calls/s
+    log, stub = asyncio.run(_live("coalesce", tr, sc, slots=2))
+    att = [a for a in log.attempts if a.attached]
+    assert att, "some retry attached to its call's live execution"
+    ex_call = {e.id: e.call for e in log.executions}
+    assert all(ex_call[a.execution] == a.call and a.number > 0 for a in att)
+    # coalescing: never more than one live execution per call at a time, so
+    # executions created <= calls + those whose predecessor had ended
+    assert len(log.executions) < len(log.attempts)
+    assert any(a.outcome == "timeout" for a in log.attempts)
+    assert sum(c.outcome == "delivered" for c in log.calls) > 0
+
+
+def test_retry_budget_refusals_reach_the_client_as_429():
+    sc = _scenario(deadline=0.5)
+    tr = _trace(sc, 2.0, 40.0, tokens=12)
+    log, _ = asyncio.run(_live("budget", tr, sc, slots=1))
+    refused = [a for a in log.attempts if a.outcome == "refused_budget"]
+    assert refused and all(a.number > 0 and a.execution == -1 for a in refused)
+    rec = live_record(log, sc, 2.0, {"model": "stub", "condition": "budget", "pulse": 1.0, "seed": 0})
+    assert rec["retries"]["refused_budget"] == len(refused)
+
+
+def test_side_by_side_table_and_agreement_bar():
+    def r(recovered, pulse, hold):
+        return {"recovered": recovered, "recovery_time_s": 60.0 if recovered else None,
+                "cohorts": {"pulse": {"offered": 100, "delivered": pulse, "within_deadline": pulse},
+                            "hold": {"offered": 200, "delivered": hold, "within_deadline": hold}},
+                "rates_xC": {"created": 1.0, "accepted": 0.9},
+                "counters_hold": {"prefix_cache_queries": 1000, "prompt_tokens": 900},
+                "engine": {"steps": 5000}}
+    p = {"condition": "no-retry", "sim": r(True, 50, 150), "live": r(True, 60, 100)}
+    ag = agreement(p)
+    assert ag["recovered"] and ag["pulse"] and not ag["hold"] and not ag["all"]
+    assert ag["hold_delivered_diff"] == -25.0
+    out = table([p])
+    assert "hold delivered %" in out and "-25.0" in out and "counter gap" in out
+    p2 = {"condition": "x", "sim": r(True, 50, 150), "live": r(False, 50, 150)}
+    assert "DIFFER" in table([p2]) and not agreement(p2)["recovered"]

@@ -1,0 +1,284 @@
+"""One scenario point run live: the trace replayed open-loop by the retrying
+client of the policy core, through the live proxy (in this process), in front
+of a real vLLM engine; what the client saw, the proxy's execution records and
+the engine's `/metrics` sampled every second become a `sim.runlog.RunLog`, and
+`sim.measures.record` turns it into the same SPEC §8 record as a simulated run.
+
+The client is `sim.policy.client.RetryingClient` — the object the simulator
+drives — on the asyncio clock: every call is its own task, sent at its planned
+time whatever happened to earlier calls; each attempt is one streamed
+`/v1/completions` request carrying `X-Call-Id` (the call's number) and
+`X-Attempt`; the client closes the connection at the attempt's deadline; a 429
+is answered with its `Retry-After`, a 503 with the usual wait. The proxy names
+the execution an attempt subscribed to in `X-Execution-Id` / `X-Attached`, and
+a refusal's reason in `X-Refused-Reason`, so attempts and executions join as
+they do in the simulator.
+
+What a live run cannot see, and the record says so under `unmeasured`: the
+engine's per-request prompt work (so `prompt_tokens` holds only what the
+counters give: `computed` = prefix-cache queries minus hits), when a request
+was first scheduled (so the retry-timing medians and `never_scheduled`), and
+requests aborted before being scheduled. `engine.steps` is the step recorder's
+count when the engine was started by llmsim, else null.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+from sim import measures
+from sim.conditions import Condition
+from sim.policy.client import CallState, RetryingClient, Retry, Delivered
+from sim.runlog import AttemptRecord, CallRecord, RunLog, Series
+from sim.scenario import Scenario
+from sim.workload import Trace
+
+from .engine import parse_metrics, free_port
+from .loadgen import TracePrompts
+from .proxy import LiveProxy
+
+# engine counter -> record key (SPEC §8 `counters`); preemptions for `engine`
+COUNTERS = {"vllm:prompt_tokens_total": "prompt_tokens_total",
+            "vllm:prefix_cache_queries_total": "prefix_cache_queries_total",
+            "vllm:prefix_cache_hits_total": "prefix_cache_hits_total",
+            "vllm:num_preemptions_total": "preemptions"}
+UNMEASURED = ["prompt_tokens.never_aborted", "prompt_tokens.aborted_body", "prompt_tokens.aborted_in_flight",
+              "prompt_tokens.missed_by_counter", "retries.never_scheduled", "retries.median_abort_to_first_step_s",
+              "retries.median_left_at_first_step_s", "engine.aborted_before_scheduled"]
+
+
+@dataclass
+class Sample:
+    t: float
+    waiting: float
+    running: float
+    proxy_queue: int
+    counters: dict
+
+
+class LiveRun:
+    """Replays `trace` under `condition` through a `LiveProxy` in front of
+    the engine at `url` (serving `model`). `progress(dict)` is called about
+    every `progress_every_s` with the run's state."""
+
+    def __init__(self, url: str, model: str, trace: Trace, condition: Condition, scenario: Scenario,
+                 seed: int = 0, prompt_throughput: float | None = None, progress=None,
+                 progress_every_s: float = 10.0, step_count=None):
+        self.url = url.rstrip("/")
+        self.model = model
+        self.trace = trace
+        self.condition = condition
+        self.scenario = scenario
+        self.seed = seed
+        self.prompts = TracePrompts(trace.prompt_len, trace.shared_prefix, seed)
+        rng = np.random.default_rng([seed, 1])            # the client's backoff draws, as in the simulator
+        self.client = RetryingClient(condition.client_config(scenario), lambda a, b: float(rng.uniform(a, b)))
+        self.proxy = LiveProxy(self.url, condition, prompt_throughput)
+        self.progress = progress
+        self.progress_every_s = progress_every_s
+        self.step_count = step_count                      # callable -> engine steps so far, or None
+        n = len(trace)
+        self.calls = [CallState(i, float(trace.arrival[i])) for i in range(n)]
+        self.call_records = [CallRecord(i, float(trace.arrival[i])) for i in range(n)]
+        self.attempts: list[AttemptRecord] = []
+        self.samples: list[Sample] = []
+        self.t0 = 0.0
+        self.proxy_url = ""
+        self.errors: dict[str, int] = {}
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    # ------------------------------------------------------------- client
+    async def _attempt(self, session: aiohttp.ClientSession, i: int) -> object:
+        """Send one attempt of call i; returns the client's decision."""
+        cs = self.calls[i]
+        t = self.now()
+        number = self.client.send(cs, t)
+        rec = AttemptRecord(call=i, number=number, sent_at=t)
+        self.attempts.append(rec)
+        self.call_records[i].attempts = cs.attempts
+        body = {"model": self.model, "prompt": self.prompts[i], "max_tokens": int(self.trace.max_tokens[i]),
+                "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        headers = {"X-Call-Id": str(i), "X-Attempt": str(number)}
+        try:
+            async with asyncio.timeout(max(0.0, cs.deadline - self.now())):
+                async with session.post(self.proxy_url + "/v1/completions", json=body, headers=headers) as resp:
+                    rec.execution = int(resp.headers.get("X-Execution-Id", -1))
+                    rec.attached = resp.headers.get("X-Attached") == "1"
+                    if resp.status in (429, 503):
+                        await resp.read()
+                        reason = resp.headers.get("X-Refused-Reason", "engine")
+                        rec.ended_at = self.now()
+                        rec.outcome = {"budget": "refused_budget", "engine": "refused_engine"}.get(
+                            reason, "refused_proxy")
+                        ra = resp.headers.get("Retry-After")
+                        return self.client.on_refused(cs, rec.ended_at, resp.status,
+                                                      float(ra) if ra is not None else None)
+                    if resp.status != 200:
+                        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
+                                                          message=(await resp.text())[:200])
+                    complete = False
+                    async for line in resp.content:
+                        if line.startswith(b"data: [DONE]"):
+                            complete = True
+                            break
+                    if not complete:
+                        raise aiohttp.ClientPayloadError("stream ended without [DONE]")
+                    rec.ended_at = self.now()
+                    rec.outcome = "complete"
+                    return self.client.on_complete(cs, rec.ended_at)
+        except TimeoutError:
+            rec.ended_at = self.now()
+            rec.outcome = "timeout"
+            return self.client.on_deadline(cs, rec.ended_at)
+        except (aiohttp.ClientError, ValueError) as e:
+            # a broken attempt (connection error, engine error passed through):
+            # the client treats it as a refusal without Retry-After
+            key = type(e).__name__
+            self.errors[key] = self.errors.get(key, 0) + 1
+            rec.ended_at = self.now()
+            rec.outcome = "error"
+            return self.client.on_refused(cs, rec.ended_at, 503)
+
+    async def _call(self, session: aiohttp.ClientSession, i: int) -> None:
+        crec = self.call_records[i]
+        while True:
+            d = await self._attempt(session, i)
+            if isinstance(d, Retry):
+                await asyncio.sleep(max(0.0, d.at - self.now()))
+                continue
+            if isinstance(d, Delivered):
+                crec.delivered_at, crec.outcome = d.at, "delivered"
+            else:
+                crec.outcome = "failed_" + d.reason
+            return
+
+    # ------------------------------------------------------------ sampler
+    async def _sample(self, session: aiohttp.ClientSession) -> None:
+        k = 0
+        last_progress = -math.inf
+        while True:
+            await asyncio.sleep(max(0.0, k - self.now()))
+            t = self.now()
+            try:
+                async with session.get(self.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    m = parse_metrics(await r.text())
+                self.samples.append(Sample(t, m.get("vllm:num_requests_waiting", 0.0),
+                                           m.get("vllm:num_requests_running", 0.0), self.proxy.proxy.queued,
+                                           {v: m[c] for c, v in COUNTERS.items() if c in m}))
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                self.errors["metrics"] = self.errors.get("metrics", 0) + 1
+            if self.progress is not None and t - last_progress >= self.progress_every_s:
+                last_progress = t
+                self.progress(self.state(t))
+            k += 1
+
+    def state(self, t: float) -> dict:
+        s = self.samples[-1] if self.samples else None
+        return {"t": t, "sent": sum(c.attempts > 0 for c in self.calls), "calls": len(self.calls),
+                "delivered": sum(c.outcome == "delivered" for c in self.call_records),
+                "failed": sum(c.outcome.startswith("failed") for c in self.call_records),
+                "attempts": len(self.attempts), "executions": len(self.proxy.executions),
+                "waiting": s.waiting if s else None, "running": s.running if s else None,
+                "proxy_queue": self.proxy.proxy.queued}
+
+    # ---------------------------------------------------------------- run
+    async def _run(self, until: float) -> float:
+        runner = web.AppRunner(self.proxy.app(), handler_cancellation=True)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        self.proxy_url = f"http://127.0.0.1:{port}"
+        conn = aiohttp.TCPConnector(limit=0, force_close=True)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        tasks: list[asyncio.Task] = []
+        try:
+            async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+                self.t0 = time.monotonic()
+                self.proxy._t0 = self.t0                  # one clock for client, proxy and samples
+                sampler = asyncio.create_task(self._sample(session))
+                try:
+                    for i, at in enumerate(self.trace.arrival):
+                        delay = float(at) - self.now()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                        tasks.append(asyncio.create_task(self._call(session, i)))
+                    left = until - self.now()
+                    if tasks and left > 0:
+                        await asyncio.wait(tasks, timeout=left)
+                    await asyncio.sleep(max(0.0, math.ceil(self.now()) + 0.05 - self.now()))   # last sample
+                finally:
+                    end = self.now()
+                    for t in [sampler, *tasks]:
+                        t.cancel()
+                    await asyncio.gather(sampler, *tasks, return_exceptions=True)
+        finally:
+            await runner.cleanup()
+        return end
+
+    def run(self, until: float | None = None) -> RunLog:
+        """Run to the end (every call delivered or given up) or `until` s
+        (default: last planned arrival + the scenario's delivery horizon)."""
+        if until is None:
+            last = float(self.trace.arrival[-1]) if len(self.trace) else 0.0
+            until = last + self.scenario.delivery_horizon_s
+        w0 = time.monotonic()
+        end = asyncio.run(self._run(until))
+        return self._log(end, time.monotonic() - w0)
+
+    # ---------------------------------------------------------------- log
+    def _counters_at(self, t: float) -> dict | None:
+        before = [s for s in self.samples if s.t <= t + 0.5]
+        return dict(before[-1].counters) if before else None
+
+    def _log(self, end: float, wall: float) -> RunLog:
+        ts = np.arange(0.0, math.floor(end) + 1.0)
+        st = np.array([s.t for s in self.samples], dtype=float)
+
+        def at(col):
+            v = np.array([getattr(s, col) for s in self.samples], dtype=float)
+            if not len(v):
+                return np.zeros(len(ts), dtype=np.int64)
+            idx = np.clip(np.searchsorted(st, ts + 0.5, side="right") - 1, 0, len(v) - 1)
+            return np.rint(v[idx]).astype(np.int64)
+        series = Series(t=ts, waiting=at("waiting"), running=at("running"), proxy_queue=at("proxy_queue"))
+        last = dict(self.samples[-1].counters) if self.samples else {}
+        sc = self.scenario
+        counters_at = {t: c for t in (sc.pulse_end, sc.hold_end) if (c := self._counters_at(t)) is not None}
+        counters = {k: int(v) for k, v in last.items() if k != "preemptions"}
+        steps = self.step_count() if self.step_count is not None else None
+        engine = {"steps": steps, "preemptions": int(last["preemptions"]) if "preemptions" in last else None,
+                  "aborted_before_scheduled": None}
+        for r in self.proxy.executions:         # still live at the end: the tokens streamed so far
+            if not r.fate:
+                st_ = self.proxy.streams.get(r.id)
+                if st_ is not None:
+                    r.tokens_generated = st_.tokens
+        return RunLog(calls=self.call_records, attempts=self.attempts, executions=list(self.proxy.executions),
+                      series=series, counters=counters, counters_at=counters_at, engine=engine,
+                      end_time=end, wall_s=wall, extra={"errors": dict(self.errors)})
+
+
+def live_record(log: RunLog, scenario: Scenario, capacity: float, inputs: dict) -> dict:
+    """The §8 record of a live run: `sim.measures.record`, with what a live
+    run cannot see set to null and listed under `unmeasured`."""
+    rec = measures.record(log, scenario, capacity, inputs)
+    c = log.counters
+    q, h = c.get("prefix_cache_queries_total"), c.get("prefix_cache_hits_total")
+    rec["prompt_tokens"] = {"computed": (q - h) if q is not None and h is not None else None,
+                            "never_aborted": None, "aborted_body": None, "aborted_in_flight": None,
+                            "missed_by_counter": None}
+    for k in ("never_scheduled", "median_abort_to_first_step_s", "median_left_at_first_step_s",
+              "never_scheduled_share", "scheduled_created"):
+        rec["retries"][k] = None
+    rec["unmeasured"] = list(UNMEASURED)
+    rec["source"] = "live"
+    return json.loads(json.dumps(rec))

