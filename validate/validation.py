@@ -30,6 +30,9 @@ from . import engine as E
 from .live_run import LiveRun, live_record
 from .scenarios import ValidationScenario
 
+# SPEC §6 reference flags for a GPU engine (one H100 80 GB SXM in the reference)
+GPU_FLAGS = ["--max-num-batched-tokens", "8192", "--max-num-seqs", "256", "--max-model-len", "32768",
+             "--gpu-memory-utilization", "0.9", "--enable-prefix-caching", "--enable-chunked-prefill"]
 GPU_MODELS = {"qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct", "qwen3-14b": "Qwen/Qwen3-14B",
               "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct"}
 
@@ -55,7 +58,7 @@ class EngineSpec:
         if self.kind == "cpu":
             return E.start_cpu(extra_args=extra_args), True
         if self.kind == "gpu":
-            return E.start_gpu(self.model, extra_args=extra_args), True
+            return E.start_gpu(self.model, extra_args=GPU_FLAGS + extra_args), True
         return E.connect(self.url), False
 
 
