@@ -18,9 +18,11 @@ unless said otherwise):
 A cell shared by several blocks (same model, condition, pulse, seed, step
 budget, prompts) runs once and appears in each block's table.
 
-Seeds: the published design's number of seeds per block is NOT given in
-SPEC.md, so the default here is a small DEFAULT_SEEDS (3) for every block;
-change it with `--seeds N` (seeds 0..N-1). Re-running `paper` on the same DIR
+Seeds: the published design's number of seeds per block is unknown here:
+SPEC.md does not list it (issue 6 gives only the total, 137 runs), and no
+source for the per-block counts was found. So the default is a small
+DEFAULT_SEEDS (3) for every block, not the published counts; change it with
+`--seeds N` (seeds 0..N-1). Re-running `paper` on the same DIR
 skips the cells already in results.parquet (a killed run resumes).
 """
 from __future__ import annotations
@@ -68,6 +70,8 @@ BLOCKS: tuple[Block, ...] = (
 BLOCK_NAMES = tuple(b.name for b in BLOCKS)
 FIGURES = ("diagnostic_series.png", "execution_rates.png", "prompt_work_shares.png",
            "delivery_shares.png", "creation_vs_delivery.png")
+# per-block figures: hold delivery against the block's varied input; drawn when the block is reported
+BLOCK_FIGURES = {"trigger": "trigger_hold.png", "tracing": "tracing_hold.png", "mixed": "mixed_hold.png"}
 
 
 def get_blocks(names=None) -> list[Block]:
@@ -161,17 +165,21 @@ def write_report(out_dir: str, blocks=None, models=MODELS, seeds: int = DEFAULT_
     rows = read_rows(os.path.join(out_dir, "results.parquet"))
     md = ["# llmsim paper: the reference design on the simulator", "",
           f"{len(rows)} runs from `results.parquet`; models: {', '.join(models)}; seeds per cell: {seeds} "
-          "(the published seed counts are not in the SPEC). Cells: mean over seeds (min–max). "
+          "(the published design's seed counts per block are unknown here: the SPEC does not list them, "
+          "so these are not the published counts). Cells: mean over seeds (min–max). "
           "Shares are of the cohort's offered calls; delivered = by 840 s, within deadline = by 120 s; "
           "rates over [347, 947) s in multiples of Ĉ.", ""]
     for b in get_blocks(blocks):
         md += [f"## {b.title}", f"<!-- block: {b.name} -->", ""]
         md += _table(b, _block_rows(b, rows, models, seeds)) + [""]
+        if b.name in BLOCK_FIGURES:
+            md += [f"![{BLOCK_FIGURES[b.name]}]({BLOCK_FIGURES[b.name]})", ""]
     md += ["## Figures", ""] + [f"![{f}]({f})" for f in FIGURES] + [""]
     path = os.path.join(out_dir, "report.md")
     with open(path, "w") as f:
         f.write("\n".join(md))
     _figures(out_dir, rows, models)
+    _block_figures(out_dir, rows, models, seeds, [b.name for b in get_blocks(blocks)])
     return path
 
 
@@ -316,3 +324,91 @@ def _figures(out_dir, rows, models):
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, FIGURES[4]), dpi=90)
     plt.close(fig)
+
+
+# ------------------------------------------------------------------ per-block figures
+def _hold_pct(rs):
+    """Hold delivered by 840 s, % of offered: (mean, min, max) over the runs; NaNs when none."""
+    v = [100 * _share(r["hold_delivered"], r["hold_offered"]) for r in rs]
+    return (statistics.fmean(v), min(v), max(v)) if v else (float("nan"),) * 3
+
+
+def _block_figures(out_dir, rows, models, seeds, names):
+    """BLOCK_FIGURES for the reported blocks, from the block's own cells (the table's groups)."""
+    names = [n for n in names if n in BLOCK_FIGURES]
+    if not names:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    by = {b.name: b for b in BLOCKS}
+    models = list(models)
+    cond_color = {c: f"C{i}" for i, c in enumerate(DIAGNOSTIC)}
+    ylabel = "hold cohort delivered by 840 s\n(% of offered calls)"
+
+    def groups(name):
+        return _block_rows(by[name], rows, models, seeds)
+
+    def axes(title):
+        fig, ax = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.6), squeeze=False, sharey=True)
+        fig.suptitle(title)
+        ax = ax[0]
+        ax[0].set_ylabel(ylabel)
+        for a, m in zip(ax, models):
+            a.set_title(m, fontsize=10)
+            a.set_ylim(-3, 108)
+            a.grid(alpha=0.3)
+        return fig, ax
+
+    def save(fig, name, legend_ax):
+        handles, labels = legend_ax.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+        fig.tight_layout(rect=(0, 0.07, 1, 1))
+        fig.savefig(os.path.join(out_dir, BLOCK_FIGURES[name]), dpi=90)
+        plt.close(fig)
+
+    def bars(name, title, variants):
+        """One bar per (condition, variant): variants = [(label, groups, key of the group)]."""
+        fig, ax = axes(title)
+        w = 0.8 / len(variants)
+        for a, m in zip(ax, models):
+            for k, (label, g, key) in enumerate(variants):
+                stats = [_hold_pct(g.get(key(m, c), [])) for c in DIAGNOSTIC]
+                x = [i - 0.4 + w * (k + 0.5) for i in range(len(DIAGNOSTIC))]
+                mean = [0.0 if math.isnan(s[0]) else s[0] for s in stats]
+                err = [[0.0 if math.isnan(s[0]) else s[0] - s[1] for s in stats],
+                       [0.0 if math.isnan(s[0]) else s[2] - s[0] for s in stats]]
+                a.bar(x, mean, width=w, yerr=err, capsize=2, color=f"C{k}", label=label)
+                for xi, s in zip(x, stats):
+                    a.text(xi, 1 if math.isnan(s[0]) else s[2] + 1, "not run" if math.isnan(s[0]) else f"{s[0]:.0f}",
+                           rotation=90 if math.isnan(s[0]) else 0, ha="center", va="bottom", fontsize=7)
+            a.set_xticks(range(len(DIAGNOSTIC)))
+            a.set_xticklabels(DIAGNOSTIC, rotation=25, ha="right", fontsize=9)
+        save(fig, name, ax[0])
+
+    if "trigger" in names:
+        fig, ax = axes("Trigger sweep: hold delivery vs pulse size (mean over seeds, bars = min–max)")
+        g = groups("trigger")
+        for a, m in zip(ax, models):
+            for c in DIAGNOSTIC:
+                pts = sorted((k[2], _hold_pct(rs)) for k, rs in g.items() if k[0] == m and k[1] == c and rs)
+                if pts:
+                    a.errorbar([p for p, _ in pts], [s[0] for _, s in pts],
+                               yerr=[[s[0] - s[1] for _, s in pts], [s[2] - s[0] for _, s in pts]],
+                               marker="o", capsize=3, color=cond_color[c], label=c)
+            a.set_xticks(by["trigger"].pulses)
+            a.set_xlabel("pulse arrival rate (× Ĉ)")
+        save(fig, "trigger", ax[0])
+
+    if "tracing" in names:
+        g = groups("tracing")
+        bars("tracing", f"Tracing: hold delivery by step budget, pulse {PULSE} Ĉ (mean over seeds, bars = min–max)",
+             [(f"step budget {mbt} tokens", g, (lambda m, c, mbt=mbt: next(
+                 (k for k in g if k[0] == m and k[1] == c and k[3] == mbt), None)))
+              for mbt in by["tracing"].max_batched_tokens])
+
+    if "mixed" in names:
+        gm, gu = groups("mixed"), groups("diagnostic")
+        bars("mixed", f"Uniform vs mixed prompts: hold delivery, pulse {PULSE} Ĉ (mean over seeds, bars = min–max)",
+             [(label, g, (lambda m, c, g=g: next((k for k in g if k[0] == m and k[1] == c), None)))
+              for label, g in (("uniform prompts", gu), ("mixed prompts (half at 3,000 tokens)", gm))])

@@ -93,3 +93,32 @@ def test_cli_paper_report_only_and_errors(tiny, tmp_path, capsys):
     assert "report.md" in capsys.readouterr().out
     assert main(["paper", "--out", str(tmp_path / "empty"), "--report-only"]) == 2
     assert main(["paper", "--out", out, "--seeds", "0"]) == 2
+
+
+def test_block_figures_from_the_parquet_file(tiny, tmp_path):
+    """Trigger / tracing / mixed figures: drawn from the rows in results.parquet (here the diagnostic
+    rows relabelled as the other blocks' cells), embedded under their block; absent when not reported."""
+    out, _ = tiny
+    t = pq.read_table(os.path.join(out, "results.parquet"))
+    (tmp_path / "other").mkdir()
+    pq.write_table(t, str(tmp_path / "other" / "results.parquet"))
+    pp.write_report(str(tmp_path / "other"), blocks=["diagnostic", "deferral"], models=[MODEL], seeds=1)
+    assert not any((tmp_path / "other" / f).exists() for f in pp.BLOCK_FIGURES.values())
+    diag = [r for r in t.to_pylist() if r["condition"] in DIAGNOSTIC]
+    rows = list(diag)
+    for change in ({"pulse": 1.5}, {"pulse": 2.0}, {"max_batched_tokens": 2048}, {"mixed_prompts": True}):
+        rows += [{**r, **change} for r in diag]
+    d = str(tmp_path)
+    pq.write_table(pa.Table.from_pylist(rows, schema=t.schema), os.path.join(d, "results.parquet"))
+    pp.write_report(d, blocks=["diagnostic", "trigger", "tracing", "mixed"], models=[MODEL], seeds=1)
+    text = open(os.path.join(d, "report.md")).read()
+    for block, f in pp.BLOCK_FIGURES.items():
+        p = os.path.join(d, f)
+        assert os.path.getsize(p) > 5000, f
+        with open(p, "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+        section = text.split(f"<!-- block: {block} -->", 1)[1].split("\n## ", 1)[0]
+        assert f"![{f}]({f})" in section
+    # the trigger table has the relabelled pulses
+    trig = text.split("<!-- block: trigger -->", 1)[1].split("\n## ", 1)[0]
+    assert sum(l.startswith(f"| {MODEL} |") for l in trig.splitlines()) == 4 * 3
