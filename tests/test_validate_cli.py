@@ -1,0 +1,58 @@
+"""`llmsim validate` input checks and the validation scenarios (no engine)."""
+import json
+
+import pytest
+
+from sim.cli import main
+from sim.conditions import get_condition
+from sim.scenario import PAPER
+from validate.scenarios import SCENARIOS, get_scenario
+from validate.validation import EngineSpec, ValidationError, validate
+from sim.profile import load_profile
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--engine", "tpu", "--points", "no-control"], ["--engine must be cpu, gpu or an engine URL"]),
+    (["--engine", "cpu", "--points", "no-control,nope"], ["unknown condition 'nope'", "no-retry"]),
+    (["--engine", "cpu", "--points", "no-control", "--scenario", "huge"], ["unknown scenario 'huge'", "cpu-small"]),
+    (["--engine", "http://127.0.0.1:9", "--points", "no-control"], ["needs --profile"]),
+    (["--engine", "http://127.0.0.1:9", "--points", "no-control", "--profile", "qwen2.5-7b"],
+     ["cannot reach the engine at http://127.0.0.1:9"]),
+    (["--engine", "gpu", "--model", "some/model", "--points", "no-control"], ["no embedded profile", "--profile"]),
+    (["--engine", "cpu", "--points", "no-control", "--capacity", "-1"], ["must be positive"]),
+])
+def test_bad_input_exits_2_with_one_line_reason(args, words, capsys):
+    assert main(["validate", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("llmsim")
+    for w in words:
+        assert w in err
+
+
+def test_scaled_scenarios_scale_every_time_and_keep_the_ratios():
+    small = get_scenario("cpu-small")
+    k = small.time_scale
+    sc = small.scenario
+    assert k == 4.0
+    for f in ("base_s", "pulse_s", "hold_s", "deadline_s", "window_s", "delivery_horizon_s", "primary_skip_s",
+              "max_retry_after_s"):
+        assert getattr(sc, f) == pytest.approx(getattr(PAPER, f) / k), f
+    assert sc.recovery_queue_growth == pytest.approx(PAPER.recovery_queue_growth * k)
+    assert sc.pulse == PAPER.pulse and sc.base_load == PAPER.base_load and sc.max_retries == PAPER.max_retries
+    # the pulse's backlog, in seconds of work at capacity, exceeds one deadline
+    assert (sc.pulse - 1.0) * sc.pulse_s > sc.deadline_s
+    # the proxy's own times scale with the workload's
+    b = small.condition(get_condition("budget")).proxy
+    d = small.condition(get_condition("deferred")).proxy
+    assert b.budget_window_s == pytest.approx(60.0 / k) and d.defer_s == pytest.approx(10.0 / k)
+    assert SCENARIOS["paper"].condition(get_condition("deferred")) == get_condition("deferred")
+    json.dumps(small.to_dict())
+
+
+def test_resume_refuses_a_record_of_another_scenario(tmp_path):
+    p = tmp_path / "v.json"
+    p.write_text(json.dumps({"engine": {"kind": "cpu"}, "scenario": {"name": "other"}, "profile": "x",
+                             "points": []}))
+    with pytest.raises(ValidationError, match="another engine, scenario or profile"):
+        validate(EngineSpec("cpu"), load_profile("vllm-cpu-tiny"), get_scenario("cpu-tiny"), ["no-control"],
+                 str(p))
