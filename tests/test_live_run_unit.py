@@ -12,7 +12,7 @@ import numpy as np
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from sim.conditions import get_condition
+from sim.conditions import compose, get_condition
 from sim.scenario import PAPER
 from sim.workload import Trace
 from validate.live_run import LiveRun, live_record
@@ -92,13 +92,13 @@ def _trace(sc, rate_base, rate_pulse, tokens=10, seed=0):
                  max_tokens=np.full(n, tokens, dtype=np.int64), shared_prefix=10)
 
 
-async def _live(cond_name, trace, sc, slots=2):
+async def _live(cond, trace, sc, slots=2):
     stub = SlotStub(slots)
     server = TestServer(stub.app())
     await server.start_server()
     try:
         url = str(server.make_url("")).rstrip("/")
-        run = LiveRun(url, "stub", trace, get_condition(cond_name), sc, seed=0)
+        run = LiveRun(url, "stub", trace, get_condition(cond) if isinstance(cond, str) else cond, sc, seed=0)
         end = await run._run(until=float(trace.arrival[-1]) + sc.delivery_horizon_s)
         return run._log(end, 0.0), stub
     finally:
@@ -106,7 +106,7 @@ async def _live(cond_name, trace, sc, slots=2):
 
 
 def test_light_load_every_call_delivered_and_records_join():
-    sc = _scenario()
+    sc = _scenario(deadline=3.0)
     tr = _trace(sc, 3.0, 3.0)        # 0.1 s of work per call, 2 slots: far below capacity
     log, stub = asyncio.run(_live("no-retry", tr, sc))
     assert all(c.outcome == "delivered" for c in log.calls)
@@ -164,3 +164,34 @@ def test_side_by_side_table_and_agreement_bar():
     assert "hold delivered %" in out and "-25.0" in out and "counter gap" in out
     p2 = {"condition": "x", "sim": r(True, 50, 150), "live": r(False, 50, 150)}
     assert "DIFFER" in table([p2]) and not agreement(p2)["recovered"]
+
+
+def test_proxy_cap_holds_executions_in_the_proxy_queue():
+    sc = _scenario(deadline=0.8)
+    tr = _trace(sc, 2.0, 30.0, tokens=10)
+    cond = compose("no-control", cancel="now", proxy_cap=2)
+    log, stub = asyncio.run(_live(cond, tr, sc, slots=2))
+    assert log.series.proxy_queue.max() > 0                  # sampled from the proxy's queue
+    assert log.series.waiting.max() == 0                     # never more than the cap reached the stub
+    queued = [e for e in log.executions if e.dispatched_at > e.created_at + 0.05]
+    assert queued, "some executions waited in the proxy before dispatch"
+    dropped = [e for e in log.executions if e.fate == "dropped"]
+    assert all(e.dispatched_at != e.dispatched_at for e in dropped)   # dropped ones never reached the engine
+    # every attempt that subscribed names its execution, also those that timed out while it was queued
+    assert all(a.execution >= 0 for a in log.attempts if a.outcome in ("timeout", "complete"))
+
+
+def test_deferred_cancellation_waits_before_closing_the_upstream():
+    sc = _scenario(deadline=0.3)
+    n = 3
+    tr = Trace(arrival=np.array([0.0, 0.01, 0.02]), prompt_len=np.full(n, 40, dtype=np.int64),
+               max_tokens=np.full(n, 200, dtype=np.int64), shared_prefix=10)   # 2 s of tokens each
+    cond = compose("no-retry", cancel="deferred:0.5")
+    log, stub = asyncio.run(_live(cond, tr, sc, slots=3))
+    assert all(a.outcome == "timeout" for a in log.attempts)
+    for e in log.executions:
+        assert e.fate == "aborted"
+        left = min(a.ended_at for a in log.attempts if a.execution == e.id)
+        # never before W; the upper bound allows for a loaded machine's event loop
+        assert 0.5 - 0.02 <= e.cancel_requested_at - left < 0.5 + 2.0
+    assert stub.aborted == n and stub.completed == 0

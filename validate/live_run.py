@@ -10,9 +10,10 @@ time whatever happened to earlier calls; each attempt is one streamed
 `/v1/completions` request carrying `X-Call-Id` (the call's number) and
 `X-Attempt`; the client closes the connection at the attempt's deadline; a 429
 is answered with its `Retry-After`, a 503 with the usual wait. The proxy names
-the execution an attempt subscribed to in `X-Execution-Id` / `X-Attached`, and
-a refusal's reason in `X-Refused-Reason`, so attempts and executions join as
-they do in the simulator.
+the execution an attempt subscribed to in `X-Execution-Id` / `X-Attached` (and,
+for attempts that end before the response starts, in its `subscriptions`
+table), and a refusal's reason in `X-Refused-Reason`, so attempts and
+executions join as they do in the simulator.
 
 What a live run cannot see, and the record says so under `unmeasured`: the
 engine's per-request prompt work (so `prompt_tokens` holds only what the
@@ -257,6 +258,10 @@ class LiveRun:
         steps = self.step_count() if self.step_count is not None else None
         engine = {"steps": steps, "preemptions": int(last["preemptions"]) if "preemptions" in last else None,
                   "aborted_before_scheduled": None}
+        subs = self.proxy.subscriptions
+        for a in self.attempts:                 # attempts that ended before the response headers came
+            if a.execution < 0 and (sub := subs.get((str(a.call), a.number))) is not None:
+                a.execution, a.attached = sub
         for r in self.proxy.executions:         # still live at the end: the tokens streamed so far
             if not r.fate:
                 st_ = self.proxy.streams.get(r.id)

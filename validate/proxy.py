@@ -149,6 +149,7 @@ class LiveProxy:
         self.attempt_counts: dict[str, int] = {}
         self.accepted: list[Stream] = []           # executions the engine accepted (waste gauges)
         self.executions: list[ExecutionRecord] = []   # one per execution created, as the simulator keeps them
+        self.subscriptions: dict[tuple[str, int], tuple[int, bool]] = {}   # (call, attempt) -> (execution, attached)
         self.awaiting_tokens = 0                   # prompt tokens dispatched, no first token yet
         self.metrics = Metrics()
         self.session: aiohttp.ClientSession | None = None
@@ -205,6 +206,7 @@ class LiveProxy:
         for a in actions:
             if isinstance(a, Subscribe):
                 w = self.waiters[id(a.attempt)]
+                self.subscriptions[(str(a.attempt.call_id), a.attempt.number)] = (a.execution.id, a.attempt.attached)
                 if a.attempt.attached:
                     m.attached.inc()
                 else:
