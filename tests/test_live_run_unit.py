@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import numpy as np
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -164,6 +165,13 @@ def test_side_by_side_table_and_agreement_bar():
     assert "hold delivered %" in out and "-25.0" in out and "counter gap" in out
     p2 = {"condition": "x", "sim": r(True, 50, 150), "live": r(False, 50, 150)}
     assert "DIFFER" in table([p2]) and not agreement(p2)["recovered"]
+    # with the step-adjusted prediction: two more columns
+    p3 = dict(p, sim_step_adjusted=r(True, 58, 110))
+    p3["live"] = dict(p["live"], step_time_vs_profile={"ratio": 1.2})
+    out = table([p3])
+    pulse_line = out.split("pulse delivered %")[1].split("\n")[0].split()
+    assert "sim x k" in out and "1.200 x the profile" in out
+    assert pulse_line == ["50.0", "60.0", "+10.0", "58.0", "+2.00"]
 
 
 def test_proxy_cap_holds_executions_in_the_proxy_queue():
@@ -195,3 +203,29 @@ def test_deferred_cancellation_waits_before_closing_the_upstream():
         # never before W; the upper bound allows for a loaded machine's event loop
         assert 0.5 - 0.02 <= e.cancel_requested_at - left < 0.5 + 2.0
     assert stub.aborted == n and stub.completed == 0
+
+
+def test_step_time_ratio_against_the_profile_and_scaled_prediction(tmp_path):
+    from sim.profile import load_profile
+    from validate.validation import scaled_profile, step_time_ratio
+    prof = load_profile("vllm-cpu-tiny")
+    st = prof.step_time
+    # recorded steps that took exactly 1.5 x what the profile predicts
+    lines = []
+    t = 0.0
+    for i, (chunks, dn, dctx) in enumerate([([[1024, 0]], 0, 0), ([[512, 1024]], 3, 900), ([], 8, 4000)]):
+        q = sum(c[0] for c in chunks)
+        from sim.engine.step_time import prefill_pairs
+        d = 1.5 * st.duration(len(chunks) + dn, q + dn, sum(prefill_pairs(a, b) for a, b in chunks), dctx)
+        lines.append(json.dumps({"i": i, "t_start": t, "t_end": t + d, "prefill": chunks, "decode_n": dn,
+                                 "decode_tokens": dn, "decode_ctx": dctx}))
+        t += d
+    p = tmp_path / "steps.raw.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    r = step_time_ratio(str(p), prof)
+    assert r["ratio"] == pytest.approx(1.5) and r["steps"] == 3
+    assert step_time_ratio(str(p), prof, skip=2)["steps"] == 1
+    assert step_time_ratio(str(tmp_path / "missing"), prof) is None
+    k = scaled_profile(prof, 1.5)
+    assert k.step_time.duration(3, 100, 1e4, 500) == pytest.approx(1.5 * st.duration(3, 100, 1e4, 500))
+    assert k.capacity == prof.capacity and k.engine == prof.engine

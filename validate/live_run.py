@@ -262,8 +262,16 @@ class LiveRun:
         for a in self.attempts:                 # attempts that ended before the response headers came
             if a.execution < 0 and (sub := subs.get((str(a.call), a.number))) is not None:
                 a.execution, a.attached = sub
-        for r in self.proxy.executions:         # still live at the end: the tokens streamed so far
-            if not r.fate:
+        nan = float("nan")
+        for r in self.proxy.executions:
+            # what the run's own end did (closing the attempts still open) is not part of the run
+            if r.orphaned_at > end:
+                r.orphaned_at = nan
+            if r.finished_at > end:
+                r.fate, r.finished_at = "", nan
+            if r.cancel_requested_at > end:
+                r.cancel_requested_at = nan
+            if not r.fate:                      # still live at the end: the tokens streamed so far
                 st_ = self.proxy.streams.get(r.id)
                 if st_ is not None:
                     r.tokens_generated = st_.tokens

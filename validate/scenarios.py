@@ -16,9 +16,9 @@ with, and the seed of the trace.
   that the load generator and proxy, sharing two cores with the engine, do not
   starve it. The client's backoff wait (0.25–3 s) is kept: it is a client
   constant, not a time scale of the engine. Sized with the simulator on the
-  measured `vllm-cpu-tiny` profile (Ĉ 4.08 calls/s under this workload), seed 0:
-  no-control does not recover (hold delivered 0%), no-retry recovers 150 s
-  after the pulse (70%), no-retry+cancel at 135 s (93%), coalesce at 150 s
+  measured `vllm-cpu-tiny` profile (Ĉ 4.29 calls/s under this workload), seed 0:
+  no-control does not recover (hold delivered 0%), no-retry recovers 165 s
+  after the pulse (62%), no-retry+cancel at 105 s (92%), coalesce at 165 s
   (100%) — the reference's ordering. At times / 6 the 10 s windows held too
   few calls (~25) for the recovery rule's 98% and queue-growth tests to be
   stable. The proxy's own times (deferral

@@ -13,11 +13,14 @@ scenario and profile keeps the points it holds (an interrupted run resumes).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 from sim import measures
 from sim.capacity import capacity_protocol
@@ -77,6 +80,32 @@ def _inputs(profile: Profile, cond, vs: ValidationScenario) -> dict:
             "profile_provenance": profile.provenance.get("kind")}
 
 
+def scaled_profile(profile: Profile, k: float) -> Profile:
+    """The profile with every step taking k times as long."""
+    st = profile.step_time
+    fields = {f.name: getattr(st, f.name) * k for f in dataclasses.fields(st)}
+    return dataclasses.replace(profile, name=f"{profile.name} x{k:.3f}", step_time=dataclasses.replace(st, **fields))
+
+
+def step_time_ratio(step_log, profile: Profile, skip: int = 0) -> dict | None:
+    """How the live engine's steps compared with the profile: the sum of the
+    recorded step durations over the sum the profile predicts for the same
+    compositions (llmsim's step recorder; engines llmsim started)."""
+    from calibrate.capture import steps_from_raw
+    from calibrate.fit import predict as predict_steps
+    if not step_log or not os.path.exists(step_log):
+        return None
+    with open(step_log) as f:
+        raw = [json.loads(line) for k, line in enumerate(f) if k >= skip and line.strip()]
+    if not raw:
+        return None
+    rows = steps_from_raw(raw, [])
+    actual = np.array([r["duration_s"] for r in rows])
+    pred = predict_steps(profile.step_time, rows)
+    return {"ratio": float(actual.sum() / pred.sum()), "median_step_ratio": float(np.median(actual / pred)),
+            "steps": len(rows), "actual_s": float(actual.sum()), "predicted_s": float(pred.sum())}
+
+
 def predict(profile: Profile, name: str, vs: ValidationScenario, capacity: float) -> dict:
     cond = vs.condition(get_condition(name))
     sc = vs.scenario
@@ -113,6 +142,7 @@ def run_live(spec: EngineSpec, profile: Profile, name: str, vs: ValidationScenar
                       progress=progress, step_count=step_count)
         rl = run.run()
         rec = live_record(rl, sc, capacity, _inputs(profile, cond, vs) | {"engine": desc})
+        rec["step_time_vs_profile"] = step_time_ratio(getattr(eng, "step_log", None), profile, steps0 or 0)
         return rec, desc
     finally:
         if started:
@@ -178,13 +208,22 @@ def _diff(a, b) -> str:
 
 
 def table(points: list[dict]) -> str:
+    """Per point: sim, live, live - sim; and, where the run's step times are
+    known, the simulation with the profile's steps stretched to them (sim x k)."""
     lines = []
     for p in points:
-        lines.append(f"{p['condition']}")
-        lines.append(f"  {'':26s} {'sim':>9s} {'live':>9s} {'live-sim':>9s}")
+        adj = p.get("sim_step_adjusted")
+        k = (p["live"].get("step_time_vs_profile") or {}).get("ratio")
+        lines.append(f"{p['condition']}" + (f"  (engine steps took {k:.3f} x the profile's)" if k else ""))
+        head = f"  {'':26s} {'sim':>9s} {'live':>9s} {'live-sim':>9s}"
+        lines.append(head + (f" {'sim x k':>9s} {'live-simk':>9s}" if adj else ""))
         for label, f in ROWS:
             a, b = f(p["sim"]), f(p["live"])
-            lines.append(f"  {label:26s} {_fmt(a):>9s} {_fmt(b):>9s} {_diff(a, b):>9s}")
+            line = f"  {label:26s} {_fmt(a):>9s} {_fmt(b):>9s} {_diff(a, b):>9s}"
+            if adj:
+                c = f(adj)
+                line += f" {_fmt(c):>9s} {_diff(c, b):>9s}"
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -255,6 +294,14 @@ def validate(spec: EngineSpec, profile: Profile, vs: ValidationScenario, points:
         doc["engine"].update({"version": desc["version"], "model": desc["model"]})
         p = {"condition": name, "sim": sim, "live": live}
         p["agreement"] = agreement(p)
+        st = live.get("step_time_vs_profile")
+        if st is not None:
+            # the same prediction with the profile's steps stretched to what the
+            # engine did during the run: separates step-time error from the rest
+            adj = predict(scaled_profile(profile, st["ratio"]), name, vs, cap)
+            p["sim_step_adjusted"] = adj
+            p["agreement_step_adjusted"] = agreement({"sim": adj, "live": live})
+            log(f"  the engine's steps took {st['ratio']:.3f} x the profile's over the run")
         doc["points"].append(p)
         _save(json_path, doc)
         log(f"point {k + 1}/{len(points)}: {name} done in {time.monotonic() - t0:.0f} s")
