@@ -395,7 +395,7 @@ class LiveProxy:
         try:
             self._do(t, self.proxy.on_attempt(t, att, params, plen))
             return await self._serve(request, att, w, bool(body.get("stream")))
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionResetError) as e:
             if att.open:
                 t = self.now()
                 ex = att.execution
@@ -406,6 +406,10 @@ class LiveProxy:
                     if st is not None and st.record is not None and st.record.orphaned_at != st.record.orphaned_at:
                         st.record.orphaned_at = t
                 self._do(t, actions)
+            if isinstance(e, ConnectionResetError):
+                # the client left while its stream was being written: the same
+                # as a disconnect noticed by the server (not a server error)
+                raise asyncio.CancelledError from None
             raise
         finally:
             self.waiters.pop(id(att), None)
