@@ -56,3 +56,11 @@ def test_resume_refuses_a_record_of_another_scenario(tmp_path):
     with pytest.raises(ValidationError, match="another engine, scenario or profile"):
         validate(EngineSpec("cpu"), load_profile("vllm-cpu-tiny"), get_scenario("cpu-tiny"), ["no-control"],
                  str(p))
+
+
+def test_gpu_engine_missing_is_refused_before_any_work(monkeypatch, capsys):
+    from validate import engine as E
+    monkeypatch.setattr(E, "gpu_problem", lambda: "no CUDA GPU found (nvidia-smi lists none)")
+    assert main(["validate", "--engine", "gpu", "--points", "no-control"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "llmsim: validate --engine gpu: no CUDA GPU found (nvidia-smi lists none)"

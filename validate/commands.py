@@ -47,6 +47,8 @@ def cmd_validate(a) -> int:
     prof = _profile_for(a, kind)
     if kind == "cpu" and E.cpu_installed() is None:
         raise _err("validate: the CPU engine is not installed: run `llmsim engine install --cpu` first")
+    if kind == "gpu" and (problem := E.gpu_problem()) is not None:
+        raise _err(f"validate --engine gpu: {problem}")
     spec = EngineSpec(kind, model=GPU_MODELS.get(a.model, a.model) if kind == "gpu" else None,
                       url=eng if kind == "url" else None)
     if kind == "url":

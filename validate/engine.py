@@ -335,19 +335,27 @@ def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[
     return eng
 
 
-def start_gpu(model: str, port: int | None = None, timeout: float = 900.0,
-              extra_args: list[str] | None = None) -> Engine:
-    """`vllm serve MODEL` on a CUDA machine."""
-    vllm = shutil.which("vllm")
-    if vllm is None:
-        raise EngineError("no `vllm` command on PATH: install vllm on a CUDA machine (pip install vllm)")
+def gpu_problem() -> str | None:
+    """Why `vllm serve` cannot run here, or None if it can."""
+    if shutil.which("vllm") is None:
+        return "no `vllm` command on PATH: install vllm on a CUDA machine (pip install vllm)"
     try:
         r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
         ok = r.returncode == 0 and "GPU" in r.stdout
     except (FileNotFoundError, subprocess.TimeoutExpired):
         ok = False
     if not ok:
-        raise EngineError("no CUDA GPU found (nvidia-smi lists none): use `--cpu` for the CPU engine")
+        return "no CUDA GPU found (nvidia-smi lists none): use the CPU engine instead"
+    return None
+
+
+def start_gpu(model: str, port: int | None = None, timeout: float = 900.0,
+              extra_args: list[str] | None = None) -> Engine:
+    """`vllm serve MODEL` on a CUDA machine."""
+    problem = gpu_problem()
+    if problem is not None:
+        raise EngineError(problem)
+    vllm = shutil.which("vllm")
     port = port or free_port()
     if not port_free(port):
         raise EngineError(f"port {port} is in use")
