@@ -19,7 +19,7 @@ from .engine.request import WAITING
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel, Complete,
                            Drop, Wake)
 from .profile import Profile
-from .runlog import RunLog, CallRecord, AttemptRecord, ExecutionRecord, Series, sample_log
+from .runlog import RunLog, CallRecord, AttemptRecord, ExecutionRecord, Series, sample_log, refusal_outcome
 from .scenario import Scenario
 from .workload import Trace
 
@@ -167,7 +167,7 @@ class Run:
             elif isinstance(a, Refuse):
                 rec = self._close_attempt(a.attempt)
                 rec.ended_at = t
-                rec.outcome = {"budget": "refused_budget", "engine": "refused_engine"}.get(a.reason, "refused_proxy")
+                rec.outcome = refusal_outcome(a.reason)
                 self._decide(t, a.attempt.call_id,
                              self.client.on_refused(self.calls[a.attempt.call_id], t, a.status, a.retry_after))
             elif isinstance(a, Complete):

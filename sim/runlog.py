@@ -20,6 +20,11 @@ def sample_log(log, ts: np.ndarray, column: int = 1) -> np.ndarray:
     return np.where(idx >= 0, g[np.maximum(idx, 0), column], 0.0)
 
 
+def refusal_outcome(reason: str) -> str:
+    """An attempt's outcome for a proxy refusal's reason (sim.policy.proxy.Refuse.reason)."""
+    return {"budget": "refused_budget", "engine": "refused_engine"}.get(reason, "refused_proxy")
+
+
 @dataclass(slots=True)
 class AttemptRecord:
     call: int

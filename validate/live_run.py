@@ -37,12 +37,12 @@ from aiohttp import web
 from sim import measures
 from sim.conditions import Condition
 from sim.policy.client import CallState, RetryingClient, Retry, Delivered
-from sim.runlog import AttemptRecord, CallRecord, RunLog, Series
+from sim.runlog import AttemptRecord, CallRecord, RunLog, Series, refusal_outcome
 from sim.scenario import Scenario
 from sim.workload import Trace
 
 from .engine import parse_metrics, free_port
-from .loadgen import TracePrompts
+from .loadgen import TracePrompts, request_body
 from .proxy import LiveProxy
 
 # engine counter -> record key (SPEC §8 `counters`); preemptions for `engine`
@@ -106,8 +106,7 @@ class LiveRun:
         rec = AttemptRecord(call=i, number=number, sent_at=t)
         self.attempts.append(rec)
         self.call_records[i].attempts = cs.attempts
-        body = {"model": self.model, "prompt": self.prompts[i], "max_tokens": int(self.trace.max_tokens[i]),
-                "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        body = request_body(self.model, self.prompts[i], self.trace.max_tokens[i])
         headers = {"X-Call-Id": str(i), "X-Attempt": str(number)}
         try:
             async with asyncio.timeout(max(0.0, cs.deadline - self.now())):
@@ -118,8 +117,7 @@ class LiveRun:
                         await resp.read()
                         reason = resp.headers.get("X-Refused-Reason", "engine")
                         rec.ended_at = self.now()
-                        rec.outcome = {"budget": "refused_budget", "engine": "refused_engine"}.get(
-                            reason, "refused_proxy")
+                        rec.outcome = refusal_outcome(reason)
                         ra = resp.headers.get("Retry-After")
                         return self.client.on_refused(cs, rec.ended_at, resp.status,
                                                       float(ra) if ra is not None else None)

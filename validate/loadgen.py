@@ -43,6 +43,13 @@ class TracePrompts:
         return self.prefix + np.random.default_rng((self.seed, i)).integers(VOCAB_LO, VOCAB_HI, n).tolist()
 
 
+def request_body(model: str, prompt: list[int], max_tokens: int) -> dict:
+    """A call's streamed /v1/completions request: token-id prompt, a fixed
+    response length (end-of-sequence ignored), greedy, usage in the stream."""
+    return {"model": model, "prompt": prompt, "max_tokens": int(max_tokens), "ignore_eos": True,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+
+
 @dataclass
 class CallRecord:
     index: int
@@ -76,8 +83,7 @@ class LoadGen:
         return time.monotonic() - self.t0
 
     async def _call(self, session: aiohttp.ClientSession, rec: CallRecord) -> None:
-        body = {"model": self.model, "prompt": self.prompts[rec.index], "max_tokens": int(self.max_tokens[rec.index]),
-                "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        body = request_body(self.model, self.prompts[rec.index], self.max_tokens[rec.index])
         rec.sent = self.now()
         try:
             async with asyncio.timeout(self.deadline_s):
