@@ -3,7 +3,6 @@ one-line reason on bad input."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -67,11 +66,7 @@ def _write_json(path: str | None, obj) -> None:
     if not path:
         return
     _check_output(path)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    measures.write_json(path, obj)
 
 
 def _scenario(args):

@@ -8,7 +8,9 @@ milliseconds.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 from operator import attrgetter
 from typing import Any, Sequence
 
@@ -434,6 +436,16 @@ def record(log: RunLog, scenario: Scenario, capacity: float, inputs: dict) -> di
     if log.extra:
         rec["extra"] = log.extra
     return _clean(rec)
+
+
+def write_json(path: str, obj) -> None:
+    """Write a result as JSON through a temporary file, so `path` is never
+    left half-written."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, allow_nan=False)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 def summary(rec: dict) -> str:

@@ -124,7 +124,7 @@ def run_live(spec: EngineSpec, profile: Profile, name: str, vs: ValidationScenar
         args += ["--max-num-queued-reqs", str(cond.engine_cap)]    # vLLM: 503 beyond Q waiting + running
     eng, started = spec.start(args)
     try:
-        desc = {"kind": spec.kind if spec.kind != "url" else "url", "version": eng.version(),
+        desc = {"kind": spec.kind, "version": eng.version(),
                 "model": eng.served_model(), "url": eng.url, "fresh": started, "flags": eng.flags or None}
         trace = make_trace(capacity, sc, vs.seed)
         steps0 = _steps(eng)
@@ -259,13 +259,8 @@ def _load(path: str | None, head: dict) -> list[dict]:
 
 
 def _save(path: str | None, doc: dict) -> None:
-    if not path:
-        return
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=2, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    if path:
+        measures.write_json(path, doc)
 
 
 def validate(spec: EngineSpec, profile: Profile, vs: ValidationScenario, points: list[str],
