@@ -151,38 +151,77 @@ def _pct(c: dict, k: str) -> str:
     return f"{100.0 * c[k] / c['offered']:.1f}%" if c["offered"] else "-"
 
 
+def _pct_cell(recs: list[dict], cohort: str, k: str) -> str:
+    """One cohort's share over the seeds: the mean, with the range when there
+    are several."""
+    v = [100.0 * r["cohorts"][cohort][k] / r["cohorts"][cohort]["offered"] for r in recs
+         if r["cohorts"][cohort]["offered"]]
+    if not v:
+        return "-"
+    mean = sum(v) / len(v)
+    return f"{mean:.1f}%" if min(v) == max(v) else f"{mean:.1f}% ({min(v):.1f}-{max(v):.1f})"
+
+
+def _recovered_cell(recs: list[dict]) -> str:
+    t = [r["recovery_time_s"] for r in recs if r["recovered"]]
+    if not t:
+        return "no"
+    span = f"{min(t):.0f} s" if min(t) == max(t) else f"{min(t):.0f}-{max(t):.0f} s"
+    return f"yes, {span}" if len(t) == len(recs) else f"{len(t)}/{len(recs)}, {span}"
+
+
 def diagnose_table(recs: list[dict]) -> str:
+    """The diagnostic table; records of several seeds are summarised per
+    condition (mean, with the range over seeds)."""
     head = ("condition", "hold deliv", "hold <=120s", "pulse deliv", "pulse <=120s", "primary deliv",
             "primary <=120s", "recovered", "created/C", "accepted/C")
     rows = [head]
+    by: dict[str, list[dict]] = {}
     for r in recs:
-        co = r["cohorts"]
-        rows.append((r["condition"], _pct(co["hold"], "delivered"), _pct(co["hold"], "within_deadline"),
-                     _pct(co["pulse"], "delivered"), _pct(co["pulse"], "within_deadline"),
-                     _pct(co["primary"], "delivered"), _pct(co["primary"], "within_deadline"),
-                     f"yes, {r['recovery_time_s']:.0f} s" if r["recovered"] else "no",
-                     f"{r['rates_xC']['created']:.2f}", f"{r['rates_xC']['accepted']:.2f}"))
+        by.setdefault(r["condition"], []).append(r)
+    for name, rs in by.items():
+        rate = lambda k: f"{sum(r['rates_xC'][k] for r in rs) / len(rs):.2f}"
+        rows.append((name, _pct_cell(rs, "hold", "delivered"), _pct_cell(rs, "hold", "within_deadline"),
+                     _pct_cell(rs, "pulse", "delivered"), _pct_cell(rs, "pulse", "within_deadline"),
+                     _pct_cell(rs, "primary", "delivered"), _pct_cell(rs, "primary", "within_deadline"),
+                     _recovered_cell(rs), rate("created"), rate("accepted")))
     w = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(row)) for row in rows)
 
 
 def cmd_diagnose(a) -> int:
+    from . import reference
     prof = _profile(a.model)
     sc = PAPER.with_(pulse=a.pulse)
-    trace = make_trace(prof.capacity, sc, a.seed)
-    print(f"{prof.name}: capacity {prof.capacity:.3f} calls/s ({prof.provenance.get('kind')}); pulse {a.pulse:g} x C "
-          f"for {sc.pulse_s:g} s, hold {sc.hold_load:g} x C; {len(trace)} calls, seed {a.seed}", flush=True)
+    seeds = a.seeds if a.seeds is not None else [a.seed]
     recs = []
-    for c in DIAGNOSTIC:
-        t0 = time.perf_counter()
-        recs.append(run_one(prof, c, a.pulse, a.seed, trace=trace))
-        print(f"  ran {c} in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+    for seed in seeds:
+        trace = make_trace(prof.capacity, sc, seed)
+        print(f"{prof.name}: capacity {prof.capacity:.3f} calls/s ({prof.provenance.get('kind')}); pulse {a.pulse:g} "
+              f"x C for {sc.pulse_s:g} s, hold {sc.hold_load:g} x C; {len(trace)} calls, seed {seed}", flush=True)
+        for c in DIAGNOSTIC:
+            t0 = time.perf_counter()
+            recs.append(run_one(prof, c, a.pulse, seed, trace=trace))
+            print(f"  ran {c} in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+    if len(seeds) > 1:
+        print(f"{len(seeds)} seeds ({_seed_list(seeds)}): mean (lowest-highest) per cell")
     print(diagnose_table(recs))
     print("recovered: two consecutive 60 s hold windows each delivering >= 98% within 120 s with an empty queue; "
           "time counted from the pulse end")
-    _write_json(a.json, {"model": prof.name, "pulse": a.pulse, "seed": a.seed, "capacity": prof.capacity,
-                         "runs": recs})
+    ref_rows = None
+    if reference.applies(prof.name, a.pulse, sc == PAPER.with_(pulse=reference.PULSE)):
+        ref_rows = reference.compare(recs)
+        print(f"\nSPEC §7 reference (Qwen2.5-7B-Instruct on one H100, pulse {reference.PULSE:g} x C); bar: hold "
+              f"delivery within {reference.BAR_POINTS:g} points, recovery within one {reference.BAR_WINDOW_S:g} s "
+              f"window; simulated figures are means over the seeds run")
+        print(reference.table(ref_rows))
+    _write_json(a.json, {"model": prof.name, "pulse": a.pulse, "seeds": seeds, "capacity": prof.capacity,
+                         "runs": recs, "reference": ref_rows})
     return 0
+
+
+def _seed_list(seeds: list[int]) -> str:
+    return f"{seeds[0]}-{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1)) else ",".join(map(str, seeds))
 
 
 def cmd_conditions(a) -> int:
@@ -344,10 +383,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(fn=cmd_latency)
 
-    p = sub.add_parser("diagnose", help="the four diagnostic conditions on one trace, as a table")
+    p = sub.add_parser("diagnose", help="the four diagnostic conditions on one trace, as a table; "
+                                        "qwen2.5-7b at pulse 2.7 is compared with SPEC §7")
     _model_arg(p)
     p.add_argument("--pulse", type=_positive(), default=PAPER.pulse)
-    p.add_argument("--seed", type=_positive(int, allow_zero=True), default=0)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--seed", type=_positive(int, allow_zero=True), default=0)
+    g.add_argument("--seeds", type=_seeds, default=None,
+                   help="several traces, e.g. 0-4: the table gives the mean and range over them")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(fn=cmd_diagnose)
 
