@@ -123,16 +123,30 @@ def cmd_proxy(a) -> int:
 def cmd_capacity(a) -> int:
     prof = _profile(a.model)
     sc = PAPER
+    seeds = a.seeds if a.seeds is not None else [a.seed]
 
     def progress(st):
         print(f"  stage {st['stage']}: {st['rate']:.3f} calls/s (realised {st['realised_rate']:.3f}), "
               f"waiting queue growth {st['queue_growth']:+.3f}/s", file=sys.stderr, flush=True)
-    res = capacity_protocol(prof, sc, seed=a.seed, start_rate=a.start_rate, max_batched_tokens=a.max_batched_tokens,
-                            progress=progress)
-    res["model"] = prof.name
-    res["profile_capacity"] = prof.capacity
-    print(f"{prof.name}: capacity {res['capacity']:.3f} calls/s "
-          f"(saturated at stage {res['saturated_stage']}; profile says {prof.capacity:.3f})")
+    runs = []
+    for seed in seeds:
+        if len(seeds) > 1:
+            print(f"seed {seed}:", file=sys.stderr, flush=True)
+        r = capacity_protocol(prof, sc, seed=seed, start_rate=a.start_rate, max_batched_tokens=a.max_batched_tokens,
+                              progress=progress)
+        runs.append(r)
+        print(f"{prof.name}: capacity {r['capacity']:.3f} calls/s, seed {seed} "
+              f"(saturated at stage {r['saturated_stage']}; profile says {prof.capacity:.3f})", flush=True)
+    if len(runs) == 1:
+        res = dict(runs[0], model=prof.name, profile_capacity=prof.capacity)
+    else:
+        caps = [r["capacity"] for r in runs]
+        mean = sum(caps) / len(caps)
+        sd = (sum((c - mean) ** 2 for c in caps) / (len(caps) - 1)) ** 0.5
+        print(f"{prof.name}: capacity over {len(caps)} seeds: mean {mean:.3f} calls/s, standard deviation "
+              f"{sd:.3f}, lowest {min(caps):.3f}, highest {max(caps):.3f}")
+        res = {"model": prof.name, "profile_capacity": prof.capacity, "seeds": seeds, "capacity_mean": mean,
+               "capacity_sd": sd, "runs": runs}
     _write_json(a.json, res)
     return 0
 
@@ -368,7 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("capacity", help="the capacity protocol (SPEC §6) on the simulator")
     _model_arg(p)
-    p.add_argument("--seed", type=_positive(int, allow_zero=True), default=0)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--seed", type=_positive(int, allow_zero=True), default=0)
+    g.add_argument("--seeds", type=_seeds, default=None,
+                   help="one protocol run per seed, e.g. 0-7: their mean and spread (one run's Ĉ is noisy)")
     p.add_argument("--start-rate", type=_positive(), default=1.0)
     p.add_argument("--max-batched-tokens", type=_positive(int), default=None)
     p.add_argument("--json", metavar="PATH")

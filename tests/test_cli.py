@@ -57,3 +57,16 @@ def test_run_writes_record(tmp_path, capsys):
 def test_json_to_missing_directory_fails_cleanly(tmp_path):
     r = run_cli("run", "--condition", "cancel", "--json", str(tmp_path / "no" / "r.json"))
     assert r.returncode != 0 and "does not exist" in r.stderr
+
+
+def test_capacity_over_several_seeds(tmp_path):
+    one = tmp_path / "one.json"
+    assert main(["capacity", "--seed", "1", "--json", str(one)]) == 0
+    several = tmp_path / "several.json"
+    assert main(["capacity", "--seeds", "0-1", "--json", str(several)]) == 0
+    a, b = json.loads(one.read_text()), json.loads(several.read_text())
+    assert a["profile_capacity"] == b["profile_capacity"]
+    caps = [r["capacity"] for r in b["runs"]]
+    assert b["seeds"] == [0, 1] and caps[1] == a["capacity"] and caps[0] != caps[1]
+    assert b["capacity_mean"] == pytest.approx(sum(caps) / 2)
+    assert b["capacity_sd"] == pytest.approx(abs(caps[0] - caps[1]) / 2 ** 0.5)
