@@ -32,6 +32,7 @@ import os
 import statistics
 from dataclasses import dataclass
 
+from . import reference
 from .conditions import DIAGNOSTIC
 from .sweep import Cell, cell_key, grid, read_rows, sweep
 
@@ -171,7 +172,10 @@ def write_report(out_dir: str, blocks=None, models=MODELS, seeds: int = DEFAULT_
           "rates over [347, 947) s in multiples of Ĉ.", ""]
     for b in get_blocks(blocks):
         md += [f"## {b.title}", f"<!-- block: {b.name} -->", ""]
-        md += _table(b, _block_rows(b, rows, models, seeds)) + [""]
+        groups = _block_rows(b, rows, models, seeds)
+        md += _table(b, groups) + [""]
+        if b.name == "diagnostic":
+            md += _against_reference(groups)
         if b.name in BLOCK_FIGURES:
             md += [f"![{BLOCK_FIGURES[b.name]}]({BLOCK_FIGURES[b.name]})", ""]
     md += ["## Figures", ""] + [f"![{f}]({f})" for f in FIGURES] + [""]
@@ -181,6 +185,18 @@ def write_report(out_dir: str, blocks=None, models=MODELS, seeds: int = DEFAULT_
     _figures(out_dir, rows, models)
     _block_figures(out_dir, rows, models, seeds, [b.name for b in get_blocks(blocks)])
     return path
+
+
+def _against_reference(groups) -> list[str]:
+    """The diagnostic block's default-model cells against SPEC §7."""
+    recs = [reference.from_flat(r) for k, rs in groups.items() for r in rs
+            if k[0] == reference.MODEL and k[2] == reference.PULSE and not k[4]]
+    if not recs:
+        return []
+    rows = reference.compare(recs)
+    return [f"Against SPEC §7 ({reference.MODEL}; bar: hold delivery within {reference.BAR_POINTS:g} points, "
+            f"recovery within one {reference.BAR_WINDOW_S:g} s window; mean over seeds, range in brackets):", "",
+            reference.table(rows, markdown=True), ""]
 
 
 # ------------------------------------------------------------------ figures

@@ -95,7 +95,8 @@ def _span(lo: float, hi: float, fmt: str, unit: str) -> str:
     return f"{lo:{fmt}}{unit}" if lo == hi else f"{lo:{fmt}}-{hi:{fmt}}{unit}"
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], markdown: bool = False) -> str:
+    """The comparison as aligned text, or as a Markdown table."""
     head = ("condition", "hold deliv", "reference", "gap", "recovered", "reference", "verdict")
     out = [head]
     for r in rows:
@@ -110,9 +111,18 @@ def table(rows: list[dict]) -> str:
         out.append((r["condition"], sim_h, _span(*r["reference_hold_delivered"], ".1f", "%"),
                     f"{r['hold_gap_points']:.1f}", sim_r, ref_r,
                     "within the bar" if r["within_bar"] else "OFF: " + "; ".join(r["problems"])))
+    if markdown:
+        return "\n".join(["| " + " | ".join(out[0]) + " |", "|" + "---|" * len(head)]
+                         + ["| " + " | ".join(row) + " |" for row in out[1:]])
     w = [max(len(row[i]) for row in out) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(row)).rstrip() for row in out]
-    return "\n".join(lines)
+    return "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(row)).rstrip() for row in out)
+
+
+def from_flat(row: dict) -> dict:
+    """The part of a result record `compare` reads, from a flattened sweep row."""
+    return {"condition": row["condition"], "seed": row["seed"], "recovered": bool(row["recovered"]),
+            "recovery_time_s": row["recovery_time_s"],
+            "cohorts": {"hold": {"offered": row["hold_offered"], "delivered": row["hold_delivered"]}}}
 
 
 def earlier_with_cancel(rows: list[dict]) -> bool | None:

@@ -55,6 +55,9 @@ def test_tiny_paper_writes_tables_and_figures(tiny):
     for c in DIAGNOSTIC + ("deferred", "coalesce+cancel"):
         assert any(l.startswith(f"| {MODEL} | {c} |") for l in lines), c
     assert "hold delivered %" in text and "recovery time s" in text and "created ×Ĉ" in text
+    assert "Against SPEC §7" in text
+    ref = [l for l in text.splitlines() if l.startswith("| no-retry |")]
+    assert len(ref) == 1 and "| 72.4-74.8% |" in ref[0] and "| 480-540 s |" in ref[0]
     for f in pp.FIGURES:
         p = os.path.join(out, f)
         assert os.path.getsize(p) > 5000, f
@@ -83,6 +86,9 @@ def test_report_is_computed_from_the_parquet_file(tiny, tmp_path):
                 if l.startswith(f"| {MODEL} | no-retry |"))
     cols = [c.strip() for c in line.strip("|").split("|")]
     assert cols[5] == "100.0" and "7.25" in cols
+    ref = next(l for l in open(os.path.join(d, "report.md")).read().splitlines() if l.startswith("| no-retry |"))
+    cols = [c.strip() for c in ref.strip("|").split("|")]
+    assert cols[1] == "100.0%" and cols[3] == "25.2" and cols[6].startswith("OFF: hold delivery 25.2 points above")
     for f in pp.FIGURES:
         assert os.path.getsize(os.path.join(d, f)) > 5000
 
