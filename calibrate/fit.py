@@ -114,9 +114,6 @@ def scaled_scenario():
 
 def build_profile(name: str, model: StepTimeModel, report: dict, meta: dict, capacity_stage_s: float = 300.0,
                   log=None) -> dict:
-    from sim.capacity import capacity_protocol
-    from sim.profile import from_dict
-
     eng_meta = meta.get("engine", {})
     flags = eng_meta.get("flags", {})
     block = int(flags.get("block-size", 128))       # CPU backend: 128
@@ -128,7 +125,6 @@ def build_profile(name: str, model: StepTimeModel, report: dict, meta: dict, cap
               "block_size": block, "num_gpu_blocks": int(kv_tokens) // block,
               "depth": 1 if eng_meta.get("kind") == "cpu" else 2,
               "max_model_len": int(flags.get("max-model-len", 32768))}
-    sc = scaled_scenario()
     prof = {"name": name, "step_time": model.to_dict(), "engine": engine, "capacity": 1.0,
             "kv_cache": {"kv_cache_tokens": int(kv_tokens), "block_size": block,
                          "num_gpu_blocks": int(kv_tokens) // block,
@@ -140,22 +136,33 @@ def build_profile(name: str, model: StepTimeModel, report: dict, meta: dict, cap
                            "fit_error": {k: report[k] for k in ("heldout_mape", "heldout_window_mape",
                                                                 "train_mape")},
                            "capture": {k: meta.get(k) for k in ("steps", "capture_wall_s", "seed")}}}
+    prof.update(scaled_capacity(prof, log=log, stage_s=capacity_stage_s))
+    return prof
+
+
+def scaled_capacity(prof: dict, log=None, stage_s: float = 300.0) -> dict:
+    """The simulator's capacity protocol on a measured profile under the
+    scaled scenario: `capacity` and the `capacity_protocol` record to store
+    in the profile."""
+    from sim.capacity import capacity_protocol
+    from sim.profile import from_dict
+
     p = from_dict(prof)
+    model, engine = p.step_time, p.engine
+    sc = scaled_scenario()
     # start well below capacity: a call's prefill alone at full chunks bounds it
     chunk = engine["max_num_batched_tokens"]
     t_chunk = model.duration(1, chunk, chunk * (chunk + 1) / 2.0, 0.0)
     bound = 1.0 / (sc.prompt_mean / chunk * t_chunk + sc.response_mean * model.duration(1, 1, 0, sc.prompt_mean)
                    / max(1, engine["max_num_seqs"] // 4))
-    start = 0.25 * bound
-    cap = capacity_protocol(p, sc, seed=0, start_rate=start, stage_s=capacity_stage_s, progress=log)
-    prof["capacity"] = cap["capacity"]
-    prof["capacity_protocol"] = {"scenario": {k: getattr(sc, k) for k in
-                                              ("prompt_mean", "prompt_sd", "shared_prefix", "response_median",
-                                               "response_mean")},
-                                 "note": "SPEC §6 protocol on the simulator with the fitted step-time model "
-                                         "and the scaled scenario above",
-                                 **{k: cap[k] for k in ("protocol", "saturated_stage", "stages")}}
-    return prof
+    cap = capacity_protocol(p, sc, seed=0, start_rate=0.25 * bound, stage_s=stage_s, progress=log)
+    return {"capacity": cap["capacity"],
+            "capacity_protocol": {"scenario": {k: getattr(sc, k) for k in
+                                               ("prompt_mean", "prompt_sd", "shared_prefix", "response_median",
+                                                "response_mean")},
+                                  "note": "SPEC §6 protocol on the simulator with the fitted step-time model "
+                                          "and the scaled scenario above",
+                                  **{k: cap[k] for k in ("protocol", "saturated_stage", "stages")}}}
 
 
 def today() -> str:

@@ -191,3 +191,12 @@ def test_engine_errors_are_one_line(tmp_path, monkeypatch, capsys):
     assert "llmsim engine install --cpu" in capsys.readouterr().err
     assert main(["calibrate", "capture", "--engine", "http://127.0.0.1:9", "-o", str(tmp_path / "s")]) == 2
     assert "unreachable" in capsys.readouterr().err
+
+
+def test_measured_profile_capacity_is_the_protocol_on_the_scaled_scenario():
+    from importlib import resources
+    from calibrate.fit import scaled_capacity
+    d = json.loads((resources.files("sim") / "profiles" / "vllm-cpu-tiny.json").read_text())
+    got = scaled_capacity(d)
+    assert got["capacity"] == pytest.approx(d["capacity"], rel=1e-9)
+    assert got["capacity_protocol"]["stages"] == d["capacity_protocol"]["stages"]

@@ -173,3 +173,38 @@ def test_decode_runs_in_closed_form_match_single_steps(depth):
     for x, y in zip(out[0][:-2], out[1][:-2]):
         assert x[2:] == y[2:]
         assert x[0] == pytest.approx(y[0], rel=1e-12) and x[1] == pytest.approx(y[1], rel=1e-12)
+
+
+class RecordingModel:
+    """A step-time model that notes each single step's composition."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls = []
+        for k in ("fixed_s", "per_request_s", "per_token_s", "per_prefill_pair_s", "per_decode_ctx_s"):
+            setattr(self, k, getattr(inner, k))
+
+    def duration(self, num_reqs, num_tokens, pairs, decode_ctx):
+        self.calls.append((num_reqs, num_tokens, decode_ctx))
+        return self.inner.duration(num_reqs, num_tokens, pairs, decode_ctx)
+
+    def decode_run(self, n, ctx0, m):
+        raise AssertionError("stepping one step at a time")
+
+
+def test_decode_context_counts_only_requests_decoding_in_the_step():
+    """A request whose prefill completes in step S decodes from S+1: step S's
+    decode context is that of the requests already decoding, however late in
+    the run S falls."""
+    from sim.engine.step_time import StepTimeModel
+    model = RecordingModel(StepTimeModel(0.1, 0.0, 0.0, 0.0, 1e-5))
+    h = Harness(num_gpu_blocks=200, block_size=4, budget=16, model=model, fast_forward=False)
+    h.add(0.0, 1, prompt=8, max_tokens=300)         # A: prefill in step 0, decodes in steps 1..299
+    h.add(20.05, 2, prompt=8, max_tokens=3)         # B: prefill in step k, decodes in k+1, k+2
+    h.run()
+    calls = model.calls
+    k = next(s for s, c in enumerate(calls) if s > 0 and c[1] == 9)    # A's decode + B's 8 prompt tokens
+    assert k > 100                                  # late enough for a wrong context to show
+    for s, (nreq, ntok, ctx) in enumerate(calls):
+        want = (8 + s if 1 <= s <= 299 else 0) + (s - k + 8 if k + 1 <= s <= k + 2 else 0)
+        assert ctx == want, (s, nreq, ntok, ctx, want)

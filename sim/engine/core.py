@@ -146,13 +146,12 @@ class EngineCore:
     def _launch(self, plan: StepPlan) -> None:
         sched = self.scheduler
         start = self.pending[-1].end if self.pending else self.now
-        ctx0 = sched.dec_base + plan.n_decode * (plan.index + 1)
+        ctx0 = plan.ctx0
         if plan.count == 1:
             dur = self.step_model.duration(plan.num_reqs, plan.num_tokens, self._pairs(plan), ctx0)
         else:
             dur = self.step_model.decode_run(plan.n_decode, ctx0, plan.count)
         plan.start = start
-        plan.ctx0 = ctx0
         plan.end = start + dur
         self.busy_s += dur
         self.num_plans += 1

@@ -301,6 +301,9 @@ class Scheduler:
         else:
             preempted = self._allocate_decodes_slow(S)
         n = self.n_dec
+        # the decode group as it enters this step: requests whose prefill
+        # completes below join it for the next step and add nothing here
+        base = self.dec_base
         budget -= n
         ntok += n
         for r in list(self.prefilling):
@@ -375,7 +378,7 @@ class Scheduler:
         plan.n_decode = n
         plan.num_reqs = nreq
         plan.num_tokens = ntok
-        ctx0 = self.dec_base + n * (S + 1)
+        plan.ctx0 = ctx0 = base + n * (S + 1)
         fin = self.finish_at.get(S)
         if (macro_limit is not None and not plan.prefill and not preempted and n
                 and not self.prefilling and (blocked or not self.num_waiting
