@@ -122,12 +122,14 @@ def cmd_calibrate_fit(a) -> int:
     def progress(st):
         _say(f"  capacity stage {st['stage']}: {st['rate']:.3f} calls/s, queue growth {st['queue_growth']:+.3f}/s")
     try:
-        prof = build_profile(a.name, model, rep, meta, log=progress)
+        prof = build_profile(a.name, model, rep, meta, log=progress,
+                             scenario=getattr(a, "capacity_scenario", None))
     except (ValueError, RuntimeError) as e:
         raise _err(f"calibrate fit: {e}") from None
     from_dict(prof, a.out)
     _write(a.out, prof)
-    print(f"capacity {prof['capacity']:.4f} calls/s (scaled scenario) -> {a.out}")
+    print(f"capacity {prof['capacity']:.4f} calls/s ({prof['capacity_protocol']['scenario_name']} scenario) "
+          f"-> {a.out}")
     return 0
 
 
@@ -255,6 +257,9 @@ def add_subcommands(sub) -> None:
     q.add_argument("-o", "--out", required=True)
     q.add_argument("--name", default="vllm-cpu-tiny-qwen2")
     q.add_argument("--window", type=int, default=10, help="steps per window for the window-sum error")
+    q.add_argument("--capacity-scenario", choices=("scaled", "paper"), default=None,
+                   help="workload of the capacity protocol: scaled (the small CPU engine's) or paper (SPEC's); "
+                        "default: paper for steps timed on a GPU, scaled otherwise")
     q.set_defaults(fn=cmd_calibrate_fit)
     q = cs.add_parser("capacity", help="SPEC §6 capacity protocol (time-scaled) on a live engine and the "
                                        "simulator; stores both in the profile")

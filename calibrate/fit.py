@@ -112,8 +112,25 @@ def scaled_scenario():
                        response_median=30.0, response_mean=40.0)
 
 
+def capacity_scenario(name: str):
+    """The workload the capacity protocol runs for a fitted profile: `scaled`
+    (the small CPU engine's, above) or `paper` (SPEC §1's, for a GPU)."""
+    from sim.scenario import PAPER
+    if name == "scaled":
+        return scaled_scenario()
+    if name == "paper":
+        return PAPER
+    raise ValueError(f"unknown capacity scenario {name!r}; valid: scaled, paper")
+
+
+def default_capacity_scenario(meta: dict) -> str:
+    """`paper` for steps timed on a GPU, `scaled` otherwise."""
+    gpu = meta.get("device") == "cuda" or meta.get("engine", {}).get("kind") == "gpu"
+    return "paper" if gpu else "scaled"
+
+
 def build_profile(name: str, model: StepTimeModel, report: dict, meta: dict, capacity_stage_s: float = 300.0,
-                  log=None) -> dict:
+                  log=None, scenario: str | None = None) -> dict:
     eng_meta = meta.get("engine", {})
     flags = eng_meta.get("flags", {})
     block = int(flags.get("block-size", 128))       # CPU backend: 128
@@ -136,20 +153,21 @@ def build_profile(name: str, model: StepTimeModel, report: dict, meta: dict, cap
                            "fit_error": {k: report[k] for k in ("heldout_mape", "heldout_window_mape",
                                                                 "train_mape")},
                            "capture": {k: meta.get(k) for k in ("steps", "capture_wall_s", "seed")}}}
-    prof.update(scaled_capacity(prof, log=log, stage_s=capacity_stage_s))
+    prof.update(protocol_capacity(prof, scenario or default_capacity_scenario(meta), log=log,
+                                  stage_s=capacity_stage_s))
     return prof
 
 
-def scaled_capacity(prof: dict, log=None, stage_s: float = 300.0) -> dict:
-    """The simulator's capacity protocol on a measured profile under the
-    scaled scenario: `capacity` and the `capacity_protocol` record to store
+def protocol_capacity(prof: dict, scenario: str = "scaled", log=None, stage_s: float = 300.0) -> dict:
+    """The simulator's capacity protocol on a measured profile under a
+    capacity scenario: `capacity` and the `capacity_protocol` record to store
     in the profile."""
     from sim.capacity import capacity_protocol
     from sim.profile import from_dict
 
     p = from_dict(prof)
     model, engine = p.step_time, p.engine
-    sc = scaled_scenario()
+    sc = capacity_scenario(scenario)
     # start well below capacity: a call's prefill alone at full chunks bounds it
     chunk = engine["max_num_batched_tokens"]
     t_chunk = model.duration(1, chunk, chunk * (chunk + 1) / 2.0, 0.0)
@@ -157,11 +175,12 @@ def scaled_capacity(prof: dict, log=None, stage_s: float = 300.0) -> dict:
                    / max(1, engine["max_num_seqs"] // 4))
     cap = capacity_protocol(p, sc, seed=0, start_rate=0.25 * bound, stage_s=stage_s, progress=log)
     return {"capacity": cap["capacity"],
-            "capacity_protocol": {"scenario": {k: getattr(sc, k) for k in
+            "capacity_protocol": {"scenario_name": scenario, "scenario": {k: getattr(sc, k) for k in
                                                ("prompt_mean", "prompt_sd", "shared_prefix", "response_median",
                                                 "response_mean")},
                                   "note": "SPEC §6 protocol on the simulator with the fitted step-time model "
-                                          "and the scaled scenario above",
+                                          + ("and the scaled scenario above" if scenario == "scaled"
+                                             else "and SPEC's workload"),
                                   **{k: cap[k] for k in ("protocol", "saturated_stage", "stages")}}}
 
 

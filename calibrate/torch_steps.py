@@ -54,8 +54,9 @@ then, on a machine with this project installed::
 
     llmsim calibrate fit h200-steps.jsonl --name qwen2.5-7b-h200-torch -o qwen2.5-7b-h200-torch.json
 
-(``calibrate fit`` runs SPEC §6's capacity protocol with its scaled-down
-scenario; the profile's capacity is of that scenario, not of SPEC's.)
+(``calibrate fit`` runs SPEC §6's capacity protocol on the simulator with
+SPEC's workload for steps timed on cuda, with the scaled-down CPU scenario
+otherwise; ``--capacity-scenario`` chooses.)
 
 Needs only torch, the standard library and ``calibrate.prior``.
 """

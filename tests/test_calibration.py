@@ -195,8 +195,20 @@ def test_engine_errors_are_one_line(tmp_path, monkeypatch, capsys):
 
 def test_measured_profile_capacity_is_the_protocol_on_the_scaled_scenario():
     from importlib import resources
-    from calibrate.fit import scaled_capacity
+    from calibrate.fit import protocol_capacity
     d = json.loads((resources.files("sim") / "profiles" / "vllm-cpu-tiny.json").read_text())
-    got = scaled_capacity(d)
+    got = protocol_capacity(d, d["capacity_protocol"]["scenario_name"])
     assert got["capacity"] == pytest.approx(d["capacity"], rel=1e-9)
-    assert got["capacity_protocol"]["stages"] == d["capacity_protocol"]["stages"]
+    assert got["capacity_protocol"] == d["capacity_protocol"]
+
+
+def test_capacity_scenario_follows_where_the_steps_were_timed():
+    from calibrate.fit import capacity_scenario, default_capacity_scenario
+    from sim.scenario import PAPER
+    assert default_capacity_scenario({"engine": {"kind": "cpu"}}) == "scaled"
+    assert default_capacity_scenario({"engine": {"kind": "torch"}, "device": "cpu"}) == "scaled"
+    assert default_capacity_scenario({"engine": {"kind": "torch"}, "device": "cuda"}) == "paper"
+    assert default_capacity_scenario({"engine": {"kind": "gpu"}}) == "paper"
+    assert capacity_scenario("paper") == PAPER and capacity_scenario("scaled").prompt_mean == 1200.0
+    with pytest.raises(ValueError, match="valid: scaled, paper"):
+        capacity_scenario("huge")

@@ -166,32 +166,27 @@ def test_step_time_grows_with_chunk_and_with_decode_batch(quick_steps):
 
 
 @pytest.mark.live
-def test_calibrate_fit_accepts_the_steps_file(quick_steps, tmp_path, monkeypatch, capsys):
-    """`llmsim calibrate fit`'s own code path (read, NNLS fit, build_profile,
-    validation, write). Its capacity protocol is stubbed: on fits of this fast
-    tiny shape with a positive decode-context term the simulator can form a
-    negative decode context (EngineCore._launch: ctx0 = dec_base + n_decode *
-    (index + 1) with n_decode = 0 and dec_base < 0), so the protocol may never
-    saturate; that is the simulator's, not this file's."""
+def test_calibrate_fit_accepts_the_steps_file(quick_steps, tmp_path, capsys):
+    """`llmsim calibrate fit`'s own code path on the file: read, NNLS fit,
+    build_profile with the simulator's capacity protocol, validation, write."""
     import argparse
-    import sim.capacity
     from calibrate.commands import cmd_calibrate_fit
     from sim.profile import load_profile
 
-    def protocol(profile, scenario, **kw):
-        assert profile.engine["block_size"] == 16 and profile.engine["depth"] == 2
-        return {"capacity": 1.25, "protocol": {"stub": True}, "saturated_stage": 0, "stages": []}
-    monkeypatch.setattr(sim.capacity, "capacity_protocol", protocol)
     out = tmp_path / "torch-tiny.json"
     assert cmd_calibrate_fit(argparse.Namespace(steps=str(quick_steps[0]), out=str(out), name="torch-tiny",
                                                 window=10)) == 0
     assert "held out" in capsys.readouterr().out
     prof = load_profile(str(out))
-    assert prof.capacity == 1.25 and prof.provenance["kind"] == "measured"
+    assert prof.provenance["kind"] == "measured"
     assert prof.provenance["engine_kind"] == "torch" and prof.engine["max_num_batched_tokens"] == 1024
+    assert prof.engine["block_size"] == 16 and prof.engine["depth"] == 2
     assert prof.raw["fit"]["steps"] == len(read_steps(quick_steps[0])[1])
     st = prof.step_time
     assert st.per_token_s > 0 and st.duration(1, 1024, prefill_pairs(1024, 0), 0) > st.duration(1, 1, 0, 0)
+    # the protocol saturated at a stage: Ĉ lies below that stage's rate
+    stages = prof.raw["capacity_protocol"]["stages"]
+    assert stages[-1]["queue_growth"] >= 0.1 and 0 < prof.capacity < stages[-1]["realised_rate"]
 
 
 @pytest.mark.live
