@@ -123,7 +123,7 @@ def cmd_calibrate_fit(a) -> int:
         _say(f"  capacity stage {st['stage']}: {st['rate']:.3f} calls/s, queue growth {st['queue_growth']:+.3f}/s")
     try:
         prof = build_profile(a.name, model, rep, meta, log=progress,
-                             scenario=getattr(a, "capacity_scenario", None))
+                             scenario=a.capacity_scenario)
     except (ValueError, RuntimeError) as e:
         raise _err(f"calibrate fit: {e}") from None
     from_dict(prof, a.out)

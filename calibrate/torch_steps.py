@@ -58,7 +58,8 @@ then, on a machine with this project installed::
 SPEC's workload for steps timed on cuda, with the scaled-down CPU scenario
 otherwise; ``--capacity-scenario`` chooses.)
 
-Needs only torch, the standard library and ``calibrate.prior``.
+Needs only torch, the standard library, ``calibrate.prior`` and
+``sim.engine.step_time`` (both standard-library only).
 """
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ import time
 from pathlib import Path
 
 from calibrate.prior import GPUS, MODELS, ModelShape, kv_cache, shape_from_config
+from sim.engine.step_time import prefill_pairs     # stdlib only, like calibrate.prior
 
 GiB = 1024 ** 3
 SPEC_PROMPT = 12000            # SPEC §1 prompt length
@@ -113,11 +115,6 @@ class Cell:
     @property
     def max_len(self) -> int:
         return max([q + c for q, c in self.prefill] + [ctx + 1 for _, ctx in self.decode] + [0])
-
-
-def prefill_pairs(q: int, ctx_before: int) -> float:
-    """Query-key pairs of a causal chunk (as sim.engine.step_time.prefill_pairs)."""
-    return q * (ctx_before + (q + 1) / 2.0)
 
 
 def _decode(n: int, ctx: int) -> Cell:

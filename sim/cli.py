@@ -161,10 +161,6 @@ def cmd_latency(a) -> int:
     return 0
 
 
-def _pct(c: dict, k: str) -> str:
-    return f"{100.0 * c[k] / c['offered']:.1f}%" if c["offered"] else "-"
-
-
 def _pct_cell(recs: list[dict], cohort: str, k: str) -> str:
     """One cohort's share over the seeds: the mean, with the range when there
     are several."""
@@ -223,7 +219,7 @@ def cmd_diagnose(a) -> int:
     print("recovered: two consecutive 60 s hold windows each delivering >= 98% within 120 s with an empty queue; "
           "time counted from the pulse end")
     ref_rows = None
-    if reference.applies(prof.name, a.pulse, sc == PAPER.with_(pulse=reference.PULSE)):
+    if reference.applies(prof.name, a.pulse):
         ref_rows = reference.compare(recs)
         print(f"\nSPEC §7 reference (Qwen2.5-7B-Instruct on one H100, pulse {reference.PULSE:g} x C); bar: hold "
               f"delivery within {reference.BAR_POINTS:g} points, recovery within one {reference.BAR_WINDOW_S:g} s "

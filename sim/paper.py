@@ -190,7 +190,7 @@ def write_report(out_dir: str, blocks=None, models=MODELS, seeds: int = DEFAULT_
 def _against_reference(groups) -> list[str]:
     """The diagnostic block's default-model cells against SPEC §7."""
     recs = [reference.from_flat(r) for k, rs in groups.items() for r in rs
-            if k[0] == reference.MODEL and k[2] == reference.PULSE and not k[4]]
+            if reference.applies(k[0], k[2]) and not k[4]]
     if not recs:
         return []
     rows = reference.compare(recs)

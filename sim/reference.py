@@ -31,14 +31,15 @@ REFERENCE = {
 }
 
 
-def applies(model: str, pulse: float, scenario_is_paper: bool) -> bool:
-    """Whether runs of this model, pulse and scenario are comparable with §7."""
-    return model == MODEL and abs(pulse - PULSE) < 1e-9 and scenario_is_paper
+def applies(model: str, pulse: float) -> bool:
+    """Whether runs of this model at this pulse (SPEC's workload) are
+    comparable with §7."""
+    return model == MODEL and abs(pulse - PULSE) < 1e-9
 
 
-def gap(values: tuple[float, float], ref: tuple[float, float]) -> float:
-    """Distance between two closed intervals (0 when they overlap)."""
-    return max(0.0, ref[0] - values[1], values[0] - ref[1])
+def distance(x: float, ref: tuple[float, float]) -> float:
+    """How far x lies outside the closed interval ref (0 inside it)."""
+    return max(0.0, ref[0] - x, x - ref[1])
 
 
 def hold_delivered_pct(rec: dict) -> float:
@@ -58,7 +59,7 @@ def compare(records: list[dict]) -> list[dict]:
             continue
         held = [hold_delivered_pct(r) for r in recs]
         mean = sum(held) / len(held)
-        d_gap = gap((mean, mean), ref.hold_delivered)
+        d_gap = distance(mean, ref.hold_delivered)
         recovered = [bool(r["recovered"]) for r in recs]
         times = [r["recovery_time_s"] for r in recs if r["recovered"]]
         row = {"condition": name, "seeds": [r["seed"] for r in recs],
@@ -81,7 +82,7 @@ def compare(records: list[dict]) -> list[dict]:
             row["recovery_gap_s"] = None
         else:
             mean_t = sum(times) / len(times)
-            row["recovery_gap_s"] = r_gap = gap((mean_t, mean_t), ref.recovery_s)
+            row["recovery_gap_s"] = r_gap = distance(mean_t, ref.recovery_s)
             if r_gap > BAR_WINDOW_S:
                 side = "later" if mean_t > ref.recovery_s[1] else "earlier"
                 problems.append(f"recovery {r_gap:.0f} s {side} than the reference")
@@ -123,13 +124,3 @@ def from_flat(row: dict) -> dict:
     return {"condition": row["condition"], "seed": row["seed"], "recovered": bool(row["recovered"]),
             "recovery_time_s": row["recovery_time_s"],
             "cohorts": {"hold": {"offered": row["hold_offered"], "delivered": row["hold_delivered"]}}}
-
-
-def earlier_with_cancel(rows: list[dict]) -> bool | None:
-    """SPEC §7's ordering: no-retry+cancel recovers before no-retry (None when
-    either did not recover in every run)."""
-    by = {r["condition"]: r for r in rows}
-    a, b = by.get("no-retry+cancel"), by.get("no-retry")
-    if not a or not b or a["recovery_gap_s"] is None or b["recovery_gap_s"] is None:
-        return None
-    return sum(a["recovery_s"]) < sum(b["recovery_s"])

@@ -30,8 +30,8 @@ ROW_KEYS = {"duration_s", "phase", "num_reqs", "num_tokens", "prefill_reqs", "pr
 # ------------------------------------------------------------------ without torch
 def test_module_imports_without_torch_numpy_or_the_simulator():
     code = ("import sys; import calibrate.torch_steps; "
-            "bad = [m for m in ('torch', 'numpy', 'scipy', 'simpy', 'sim') if m in sys.modules]; "
-            "print(','.join(bad))")
+            "bad = [m for m in ('torch', 'numpy', 'scipy', 'simpy', 'sim.model', 'sim.engine.core') "
+            "if m in sys.modules]; print(','.join(bad))")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert r.stdout.strip() == ""
 
@@ -175,7 +175,7 @@ def test_calibrate_fit_accepts_the_steps_file(quick_steps, tmp_path, capsys):
 
     out = tmp_path / "torch-tiny.json"
     assert cmd_calibrate_fit(argparse.Namespace(steps=str(quick_steps[0]), out=str(out), name="torch-tiny",
-                                                window=10)) == 0
+                                                window=10, capacity_scenario=None)) == 0
     assert "held out" in capsys.readouterr().out
     prof = load_profile(str(out))
     assert prof.provenance["kind"] == "measured"

@@ -144,7 +144,6 @@ class EngineCore:
                     self._launch(sched.schedule(None))
 
     def _launch(self, plan: StepPlan) -> None:
-        sched = self.scheduler
         start = self.pending[-1].end if self.pending else self.now
         ctx0 = plan.ctx0
         if plan.count == 1:
