@@ -14,8 +14,8 @@ import statistics
 import tempfile
 import time
 
-from sim import paper as pp
-from sim import sweep as sw
+from sim.experiments import paper as pp
+from sim.experiments import sweep as sw
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,7 @@ import statistics
 import tempfile
 import time
 
-from sim import sweep as sw
+from sim.experiments import sweep as sw
 from sim.conditions import CONDITIONS
 
 

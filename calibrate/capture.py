@@ -38,6 +38,7 @@ from pathlib import Path
 
 from sim.engine.step_time import prefill_pairs
 from validate.engine import Engine, EngineError
+from validate.step_log import steps_from_raw
 
 ITERATION_RE = re.compile(
     r"Iteration\((\d+)\): (\d+) context requests, (\d+) context tokens, (\d+) generation requests, "
@@ -143,28 +144,6 @@ def _one_pass(grid, rng, ph, batch, log):
         ph.run(f"mixed n={n} L={L} p={p}",
                lambda: batch(prompts, [3 * m] * n + [1], delays=[0] * n + [0.5]))
         log(f"  mixed n={n} L={L} p={p}: {time.time() - t0:.1f} s")
-
-
-def steps_from_raw(raw_lines: list[dict], iterations: list[dict], phases: _Phases | None = None) -> list[dict]:
-    """Join the plugin's rows with the iteration log by step index."""
-    by_i = {d["i"]: d for d in iterations}
-    rows = []
-    for r in raw_lines:
-        chunks = r["prefill"]
-        pt = sum(q for q, _ in chunks)
-        it = by_i.get(r["i"])
-        if it is not None and it["ctx_tokens"] + it["gen_tokens"] != pt + r["decode_tokens"]:
-            it = None                       # not the same step: do not pair them
-        rows.append({
-            "i": r["i"], "t_start": r["t_start"], "t_end": r["t_end"], "duration_s": r["t_end"] - r["t_start"],
-            "phase": phases.label(r["t_start"]) if phases else r.get("phase", "other"),
-            "num_reqs": len(chunks) + r["decode_n"], "num_tokens": pt + r["decode_tokens"],
-            "prefill_reqs": len(chunks), "prefill_tokens": pt, "prefill_ctx": sum(c for _, c in chunks),
-            "prefill_pairs": sum(prefill_pairs(q, c) for q, c in chunks), "prefill_chunks": chunks,
-            "decode_reqs": r["decode_n"], "decode_tokens": r["decode_tokens"], "decode_ctx": r["decode_ctx"],
-            "log_elapsed_ms": it["elapsed_ms"] if it else None,
-        })
-    return rows
 
 
 def _read_jsonl(path: Path) -> list[dict]:

@@ -19,16 +19,11 @@ import math
 import numpy as np
 from scipy.optimize import nnls
 
+from sim.scenario import get_scenario
 from sim.engine.step_time import COEFFICIENTS, StepTimeModel
+from sim.steps import FEATURES, design, predict
 
-FEATURES = ("const", "num_reqs", "num_tokens", "prefill_pairs", "decode_ctx")
-
-
-def design(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    X = np.array([[1.0, r["num_reqs"], r["num_tokens"], r["prefill_pairs"], r["decode_ctx"]] for r in rows],
-                 dtype=float)
-    y = np.array([r["duration_s"] for r in rows], dtype=float)
-    return X, y
+__all__ = ["FEATURES", "design", "predict", "nnls_fit", "fit_report", "build_profile"]
 
 
 def nnls_fit(rows: list[dict]) -> StepTimeModel:
@@ -43,12 +38,6 @@ def nnls_fit(rows: list[dict]) -> StepTimeModel:
     s[s == 0] = 1.0
     coef, _ = nnls((X / s) * w[:, None], y * w)
     return StepTimeModel(**dict(zip(COEFFICIENTS, (coef / s).tolist())))
-
-
-def predict(model: StepTimeModel, rows: list[dict]) -> np.ndarray:
-    X, _ = design(rows)
-    c = np.array([getattr(model, k) for k in COEFFICIENTS])
-    return X @ c
 
 
 def mape(pred: np.ndarray, y: np.ndarray) -> float:
@@ -103,24 +92,13 @@ def fit_report(rows: list[dict], holdout_every: int = 4, window: int = 10) -> tu
     return full, report
 
 
-def scaled_scenario():
-    """The SPEC workload shrunk to the tiny CPU engine: prompts and responses a
-    tenth as long (1,200 ± 120 prompt tokens with a 200-token shared prefix,
-    responses of median 30 / mean 40 tokens); everything else as SPEC."""
-    from sim.scenario import PAPER
-    return PAPER.with_(prompt_mean=1200.0, prompt_sd=120.0, shared_prefix=200, mixed_prompt_len=300,
-                       response_median=30.0, response_mean=40.0)
-
-
 def capacity_scenario(name: str):
     """The workload the capacity protocol runs for a fitted profile: `scaled`
-    (the small CPU engine's, above) or `paper` (SPEC §1's, for a GPU)."""
-    from sim.scenario import PAPER
-    if name == "scaled":
-        return scaled_scenario()
-    if name == "paper":
-        return PAPER
-    raise ValueError(f"unknown capacity scenario {name!r}; valid: scaled, paper")
+    (the small CPU engine's) or `paper` (the reference's, for a GPU), from the
+    scenario registry."""
+    if name not in ("scaled", "paper"):
+        raise ValueError(f"unknown capacity scenario {name!r}; valid: scaled, paper")
+    return get_scenario(name).scenario
 
 
 def default_capacity_scenario(meta: dict) -> str:

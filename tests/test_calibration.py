@@ -11,7 +11,7 @@ import pytest
 
 from calibrate.capture import parse_iteration_log, parse_kv_tokens, steps_from_raw, write_steps, read_steps
 from calibrate.fit import fit_report, nnls_fit, predict, build_profile, window_mape
-from sim.cli import main
+from llmsim.cli import main
 from sim.engine.step_time import StepTimeModel, prefill_pairs
 from sim.profile import from_dict, load_profile, ProfileError
 from validate.engine import parse_metrics, TINY_MODEL

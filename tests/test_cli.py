@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from sim.cli import main
+from llmsim.cli import main
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "sim.cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "llmsim", *args], capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -460,7 +460,7 @@ def test_record_counts_refusals_and_proxy_queue():
 
 def test_cli_composes_a_condition_from_flags(tmp_path, capsys):
     import json
-    from sim.cli import main
+    from llmsim.cli import main
     out = tmp_path / "r.json"
     assert main(["run", "--condition", "cancel", "--coalesce", "--cancel", "deferred:5", "--budget", "0.1",
                  "--order", "lookup-first", "--proxy-cap", "100", "--queue", "lifo", "--engine-cap", "338",

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from sim import reference
-from sim.cli import main
+from sim.experiments import reference
+from llmsim.cli import main
 
 
 def rec(condition, hold_delivered, offered=1000, recovered=False, t=None, seed=0):

@@ -37,7 +37,7 @@ CAPACITY_FACTOR = 2.0
 
 
 def test_live_cpu_engine_capture_and_fit(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "sim.cli", "engine", "install", "--cpu"], timeout=1500)
+    r = subprocess.run([sys.executable, "-m", "llmsim", "engine", "install", "--cpu"], timeout=1500)
     assert r.returncode == 0
     eng = E.start_cpu(timeout=600)
     try:

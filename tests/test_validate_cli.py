@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from sim.cli import main
+from llmsim.cli import main
 from sim.conditions import get_condition
 from sim.scenario import PAPER
-from validate.scenarios import SCENARIOS, get_scenario
+from sim.scenario import SCENARIOS, get_scenario
 from validate.validation import EngineSpec, ValidationError, validate
 from sim.profile import load_profile
 

@@ -160,7 +160,7 @@ def test_reserve_never_preempts_and_frees_everything(policy):
 
 
 # ------------------------------------------------------------- the study
-from sim import waste as W
+from sim.experiments import waste as W
 from sim.profile import load_profile
 
 
@@ -216,6 +216,6 @@ def test_table_and_plot_come_from_the_record(small_study, tmp_path):
 
 
 def test_cli_waste_refuses_bad_rates(capsys):
-    from sim.cli import main
+    from llmsim.cli import main
     assert main(["waste", "--model", "llama-3.1-8b", "--cancel-rate", "0,1.5"]) == 2
     assert "rates must lie in [0, 1]" in capsys.readouterr().err

@@ -27,11 +27,13 @@ from sim.capacity import capacity_protocol
 from sim.conditions import get_condition
 from sim.model import simulate
 from sim.profile import Profile
+from sim.scenario import NamedScenario
+from sim.steps import predict as predict_steps
 from sim.workload import make_trace
 
 from . import engine as E
+from .step_log import steps_from_raw
 from .live_run import LiveRun, live_record
-from .scenarios import ValidationScenario
 
 # SPEC §6 reference flags for a GPU engine (one H100 80 GB SXM in the reference)
 GPU_FLAGS = ["--max-num-batched-tokens", "8192", "--max-num-seqs", "256", "--max-model-len", "32768",
@@ -65,7 +67,7 @@ class EngineSpec:
         return E.connect(self.url), False
 
 
-def capacity_for(profile: Profile, vs: ValidationScenario, log=_say) -> float:
+def capacity_for(profile: Profile, vs: NamedScenario, log=_say) -> float:
     """Ĉ of the profile under the scenario's workload: the §6 protocol on
     the simulator (300 s stages; the protocol is not time-scaled — it
     measures a rate)."""
@@ -74,7 +76,7 @@ def capacity_for(profile: Profile, vs: ValidationScenario, log=_say) -> float:
     return float(res["capacity"])
 
 
-def _inputs(profile: Profile, cond, vs: ValidationScenario) -> dict:
+def _inputs(profile: Profile, cond, vs: NamedScenario) -> dict:
     return {"model": profile.name, "condition": cond.name, "pulse": vs.scenario.pulse, "seed": vs.seed,
             "scenario": vs.name, "condition_settings": cond.settings(),
             "profile_provenance": profile.provenance.get("kind")}
@@ -91,8 +93,6 @@ def step_time_ratio(step_log, profile: Profile, skip: int = 0) -> dict | None:
     """How the live engine's steps compared with the profile: the sum of the
     recorded step durations over the sum the profile predicts for the same
     compositions (llmsim's step recorder; engines llmsim started)."""
-    from calibrate.capture import steps_from_raw
-    from calibrate.fit import predict as predict_steps
     if not step_log or not os.path.exists(step_log):
         return None
     with open(step_log) as f:
@@ -106,7 +106,7 @@ def step_time_ratio(step_log, profile: Profile, skip: int = 0) -> dict | None:
             "steps": len(rows), "actual_s": float(actual.sum()), "predicted_s": float(pred.sum())}
 
 
-def predict(profile: Profile, name: str, vs: ValidationScenario, capacity: float) -> dict:
+def predict(profile: Profile, name: str, vs: NamedScenario, capacity: float) -> dict:
     cond = vs.condition(get_condition(name))
     sc = vs.scenario
     trace = make_trace(capacity, sc, vs.seed)
@@ -114,7 +114,7 @@ def predict(profile: Profile, name: str, vs: ValidationScenario, capacity: float
     return measures.record(log, sc, capacity, _inputs(profile, cond, vs))
 
 
-def run_live(spec: EngineSpec, profile: Profile, name: str, vs: ValidationScenario, capacity: float,
+def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, capacity: float,
              log=_say) -> tuple[dict, dict]:
     """One point on a live engine: (§8 record, engine description)."""
     cond = vs.condition(get_condition(name))
@@ -263,7 +263,7 @@ def _save(path: str | None, doc: dict) -> None:
         measures.write_json(path, doc)
 
 
-def validate(spec: EngineSpec, profile: Profile, vs: ValidationScenario, points: list[str],
+def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list[str],
              json_path: str | None = None, capacity: float | None = None, log=_say) -> dict:
     for name in points:
         get_condition(name)                      # unknown names fail before any work

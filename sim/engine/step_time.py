@@ -39,3 +39,4 @@ class StepTimeModel:
 def prefill_pairs(q: int, ctx_before: int) -> float:
     """Query-key pairs of a causal prefill chunk of q tokens after ctx_before."""
     return q * (ctx_before + (q + 1) / 2.0)
+

@@ -26,11 +26,22 @@ sweep killed outright loses at most the cells of the last few seconds.
 from __future__ import annotations
 
 import functools
+import multiprocessing as mp
 import os
 import sys
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Iterator, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..conditions import get_condition
+from ..profile import load_profile
+from ..run import run_one
+from ..scenario import PAPER
+from ..workload import make_trace
 
 KEY = ("model", "condition", "pulse", "seed", "max_batched_tokens", "mixed_prompts")
 GROUP = ("model", "pulse", "seed", "max_batched_tokens", "mixed_prompts")
@@ -81,8 +92,6 @@ def parse_seeds(spec: str) -> list[int]:
 def grid(models: Sequence[str], conditions: Sequence[str], pulses: Sequence[float], seeds: Iterable[int],
          max_batched_tokens: Sequence[int | None] = (None,), mixed_prompts: Sequence[bool] = (False,)) -> list[Cell]:
     """The cells of the grid, grouped so that a group's conditions are adjacent."""
-    from .conditions import get_condition
-    from .profile import load_profile
     for c in conditions:
         get_condition(c)                                    # ValueError on an unknown name
     cells = []
@@ -107,20 +116,16 @@ def grid(models: Sequence[str], conditions: Sequence[str], pulses: Sequence[floa
 # ------------------------------------------------------------------ one cell
 @functools.lru_cache(maxsize=8)
 def _profile(source: str):
-    from .profile import load_profile
     return load_profile(source)
 
 
 @functools.lru_cache(maxsize=16)
 def _trace(source: str, pulse: float, seed: int, mixed: bool):
-    from .scenario import PAPER
-    from .workload import make_trace
     return make_trace(_profile(source).capacity, PAPER.with_(pulse=pulse), seed, mixed_prompts=mixed)
 
 
 def run_cell(cell: Cell) -> dict:
     """Run one cell (sharing its group's trace) and return its flattened row."""
-    from .cli import run_one
     prof = _profile(cell.source or cell.model)
     rec = run_one(prof, cell.condition, cell.pulse, cell.seed, cell.max_batched_tokens, cell.mixed_prompts,
                   trace=_trace(cell.source or cell.model, cell.pulse, cell.seed, cell.mixed_prompts))
@@ -147,7 +152,6 @@ def flatten(rec: dict) -> dict:
 # ------------------------------------------------------------------ storage
 def read_table(path: str):
     """The results file as a pyarrow Table (None if there is none yet)."""
-    import pyarrow.parquet as pq
     if not os.path.exists(path):
         return None
     return pq.read_table(path)
@@ -162,7 +166,6 @@ class _Store:
     """The rows of one Parquet file; rewritten atomically on flush."""
 
     def __init__(self, path: str):
-        import pyarrow as pa
         self.pa = pa
         self.path = path
         self.tables = []
@@ -185,7 +188,6 @@ class _Store:
     def flush(self) -> None:
         if not self.pending:
             return
-        import pyarrow.parquet as pq
         t0 = time.perf_counter()
         new = self.pa.Table.from_pylist(self.pending)
         table = self.pa.concat_tables(self.tables + [new], promote_options="permissive") if self.tables else new
@@ -204,8 +206,6 @@ def _local(cells: list[Cell], workers: int) -> Iterator[dict]:
         for c in cells:
             yield run_cell(c)
         return
-    import multiprocessing as mp
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
         todo = iter(cells)
@@ -230,7 +230,7 @@ def _local(cells: list[Cell], workers: int) -> Iterator[dict]:
 
 def _ray(cells: list[Cell], address: str | None) -> Iterator[dict]:
     try:
-        import ray
+        import ray          # optional dependency (llmsim[ray]), loaded only for --ray
     except ImportError:
         raise RuntimeError("the Ray executor needs ray: pip install 'llmsim[ray]'") from None
     if not ray.is_initialized():

@@ -50,10 +50,10 @@ from dataclasses import replace
 import numpy as np
 import simpy
 
-from .engine.core import EngineCore, EngineConfig
-from .engine.request import Request
-from .profile import Profile
-from .runlog import ExecutionRecord
+from ..engine.core import EngineCore, EngineConfig
+from ..engine.request import Request
+from ..profile import Profile
+from ..runlog import ExecutionRecord
 
 SHAREGPT = {"prompt_mean": 161.3, "prompt_sigma": 1.0, "response_mean": 338.0, "response_sigma": 1.0,
             "source": "means: vLLM paper (Kwon et al., SOSP 2023) ShareGPT statistics; sigma: assumed"}

@@ -1,0 +1,113 @@
+"""`llmsim sweep`, `paper`, `waste`: experiments built on the model."""
+from __future__ import annotations
+
+import math
+import os
+
+from sim.conditions import CONDITIONS
+from sim.experiments.paper import DEFAULT_SEEDS, paper, write_report
+from sim.experiments.sweep import grid, sweep
+from sim.experiments.waste import plot, table, waste_study
+from sim.scenario import PAPER
+
+from . import args
+from .model_cmds import model_arg
+
+
+def cmd_waste(a) -> int:
+    prof = args.profile(a.model)
+    if a.stop_rate is not None and len(a.stop_rate) != 1:
+        raise args.UsageError("waste: --stop-rate takes one rate")
+    if a.plot:
+        args.check_output(a.plot)
+    try:
+        res = waste_study(prof, a.cancel_rate, stop_rate=a.stop_rate[0] if a.stop_rate else 0.2, rate=a.rate,
+                          duration_s=a.duration, max_tokens=a.max_tokens, seed=a.seed)
+    except ValueError as e:
+        raise args.UsageError(f"waste: {e}") from None
+    print(table(res))
+    args.write_json(a.json, res)
+    if a.plot:
+        plot(res, a.plot)
+    return 0
+
+
+def cmd_sweep(a) -> int:
+    for c in a.conditions:
+        if c not in CONDITIONS:
+            raise args.UsageError(f"sweep: unknown condition {c!r}; valid: {', '.join(CONDITIONS)}")
+    if any(not (math.isfinite(x) and x > 0) for x in a.pulses):
+        raise args.UsageError("sweep: pulses must be positive")
+    if any(x <= 0 for x in a.max_batched_tokens or []):
+        raise args.UsageError("sweep: --max-batched-tokens must be positive")
+    if a.workers is not None and a.workers < 1:
+        raise args.UsageError("sweep: --workers must be at least 1")
+    for m in a.models:
+        args.profile(m)
+    args.check_output(a.out)
+    cells = grid(a.models, a.conditions, a.pulses, a.seeds, a.max_batched_tokens or [None],
+                 [True] if a.mixed_prompts else [False])
+    res = sweep(cells, a.out, workers=a.workers, ray_address=a.ray, progress=not a.quiet)
+    print(f"sweep: {res['total']} cells, {res['skipped']} already in {a.out}, ran {res['ran']} "
+          f"in {res['wall_s']:.1f} s")
+    return 0
+
+
+def cmd_paper(a) -> int:
+    seeds = a.seeds or DEFAULT_SEEDS
+    if a.report_only:
+        if not os.path.exists(os.path.join(a.out, "results.parquet")):
+            raise args.UsageError(f"paper: no {os.path.join(a.out, 'results.parquet')} to report from")
+        print(f"paper: wrote {write_report(a.out, seeds=seeds)}")
+        return 0
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise args.UsageError(f"paper: {a.out} exists and is not a directory")
+    res = paper(a.out, seeds=seeds, workers=a.workers, ray_address=a.ray, progress=not a.quiet)
+    print(f"paper: {res['total']} cells, {res['skipped']} already done, ran {res['ran']} in "
+          f"{res['wall_s']:.1f} s; wrote {res['report']}")
+    return 0
+
+
+
+def add_subcommands(sub) -> None:
+    p = sub.add_parser("waste", help="steady-load cancellation waste (SPEC §10): KV policies x abort latencies")
+    model_arg(p)
+    p.add_argument("--cancel-rate", type=args.rates, default=[0.0, 0.1, 0.3], help="comma-separated, e.g. 0,0.1,0.3")
+    p.add_argument("--stop-rate", type=args.rates, default=None, help="share of responses ended by a stop sequence (0.2)")
+    p.add_argument("--rate", type=args.positive(), default=None, help="calls/s (default: 90%% of the decode capacity)")
+    p.add_argument("--duration", type=args.positive(), default=600.0, help="seconds of arrivals (default 600)")
+    p.add_argument("--max-tokens", type=args.positive(int), default=2048)
+    p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH", help="PNG of throughput and waste against cancellation rate")
+    p.set_defaults(fn=cmd_waste)
+
+    p = sub.add_parser("sweep", help="a grid of runs on local processes or Ray, appended to one Parquet file; "
+                                     "re-running skips finished cells")
+    p.add_argument("--models", type=args.comma_list(str, "profile names"), default=[args.DEFAULT_MODEL],
+                   help=f"comma-separated profiles (default {args.DEFAULT_MODEL})")
+    p.add_argument("--conditions", type=args.comma_list(str, "condition names"), required=True,
+                   help="comma-separated named conditions")
+    p.add_argument("--pulses", type=args.comma_list(float, "numbers"), default=[PAPER.pulse],
+                   help="comma-separated pulse rates in multiples of capacity")
+    p.add_argument("--seeds", type=args.seeds, default=[0], help="e.g. 0-4 or 0,1,2 (default 0)")
+    p.add_argument("--max-batched-tokens", type=args.comma_list(int, "whole numbers"), default=None,
+                   help="comma-separated step budgets (default: the profile's)")
+    p.add_argument("--mixed-prompts", action="store_true", help="half the calls get 3,000-token prompts")
+    p.add_argument("--out", required=True, metavar="PATH", help="the Parquet file (created or extended)")
+    p.add_argument("--workers", type=int, default=None, help="local processes (default: all cores)")
+    p.add_argument("--ray", metavar="ADDRESS|auto", default=None,
+                   help="run on a Ray cluster instead (auto: the running one; local: start one here)")
+    p.add_argument("--quiet", action="store_true", help="no progress line per finished cell")
+    p.set_defaults(fn=cmd_sweep)
+
+    p = sub.add_parser("paper", help="every block of the reference design on the three embedded models, "
+                                     "then report.md and PNG figures from DIR/results.parquet")
+    p.add_argument("--out", default="paper", metavar="DIR", help="output directory (default ./paper)")
+    p.add_argument("--seeds", type=args.positive(int), default=None, metavar="N",
+                   help="seeds 0..N-1 per cell (default 3; the published counts are not in the SPEC)")
+    p.add_argument("--workers", type=args.positive(int), default=None, help="local processes (default: all cores)")
+    p.add_argument("--ray", metavar="ADDRESS|auto", default=None, help="run on a Ray cluster instead")
+    p.add_argument("--report-only", action="store_true", help="only rewrite the report from DIR/results.parquet")
+    p.add_argument("--quiet", action="store_true", help="no progress line per finished cell")
+    p.set_defaults(fn=cmd_paper)
