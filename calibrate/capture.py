@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import random
 import re
@@ -214,7 +215,6 @@ def read_steps(path) -> tuple[dict, list[dict]]:
 
 
 def _cpus() -> int:
-    import os
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
 
 

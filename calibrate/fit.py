@@ -19,6 +19,8 @@ import math
 import numpy as np
 from scipy.optimize import nnls
 
+from sim.capacity import capacity_protocol
+from sim.profile import from_dict
 from sim.scenario import get_scenario
 from sim.engine.step_time import COEFFICIENTS, StepTimeModel
 from sim.steps import FEATURES, design, predict
@@ -140,8 +142,6 @@ def protocol_capacity(prof: dict, scenario: str = "scaled", log=None, stage_s: f
     """The simulator's capacity protocol on a measured profile under a
     capacity scenario: `capacity` and the `capacity_protocol` record to store
     in the profile."""
-    from sim.capacity import capacity_protocol
-    from sim.profile import from_dict
 
     p = from_dict(prof)
     model, engine = p.step_time, p.engine

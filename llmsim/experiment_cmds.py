@@ -7,7 +7,8 @@ import os
 from sim.conditions import CONDITIONS
 from sim.experiments.paper import DEFAULT_SEEDS, paper, write_report
 from sim.experiments.sweep import grid, sweep
-from sim.experiments.waste import plot, table, waste_study
+from sim.experiments.figures import waste_plot
+from sim.experiments.waste import table, waste_study
 from sim.scenario import PAPER
 
 from . import args
@@ -28,7 +29,7 @@ def cmd_waste(a) -> int:
     print(table(res))
     args.write_json(a.json, res)
     if a.plot:
-        plot(res, a.plot)
+        waste_plot(res, a.plot)
     return 0
 
 

@@ -4,6 +4,7 @@ refactors. `python -m tests.golden` rewrites tests/data/golden_records.json
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -21,6 +22,30 @@ def run_case(model: str, condition: str) -> dict:
     rec = run_one(load_profile(model), condition, pulse=2.7, seed=0)
     rec.pop("wall_s", None)
     return rec
+
+
+def differences(a, b, path="") -> list[str]:
+    """Where two records differ: exact for counts, decisions and strings,
+    floats within a relative 1e-9 (the same arithmetic on another CPU or BLAS
+    build may differ in the last bits)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = [f"{path}/{k}: missing on one side" for k in set(a) ^ set(b)]
+        for k in sorted(set(a) & set(b)):
+            out += differences(a[k], b[k], f"{path}/{k}")
+        return out
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{path}: length {len(a)} != {len(b)}"]
+        out = []
+        for i, (x, y) in enumerate(zip(a, b)):
+            out += differences(x, y, f"{path}[{i}]")
+        return out
+    if isinstance(a, float) or isinstance(b, float):
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
+                and not isinstance(b, bool) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12):
+            return []
+        return [f"{path}: {a!r} != {b!r}"]
+    return [] if a == b and type(a) is type(b) else [f"{path}: {a!r} != {b!r}"]
 
 
 def main() -> int:

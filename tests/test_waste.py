@@ -161,6 +161,7 @@ def test_reserve_never_preempts_and_frees_everything(policy):
 
 # ------------------------------------------------------------- the study
 from sim.experiments import waste as W
+from sim.experiments.figures import waste_plot
 from sim.profile import load_profile
 
 
@@ -211,7 +212,7 @@ def test_table_and_plot_come_from_the_record(small_study, tmp_path):
     text = W.table(rec)
     assert text.count("\n") == 2 + len(rec["results"])
     out = tmp_path / "w.png"
-    W.plot(rec, str(out))
+    waste_plot(rec, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 import time
 
 import aiohttp
@@ -509,7 +510,6 @@ async def serve(upstream: str, condition: Condition, port: int, host: str = "127
 
 def main(upstream: str, condition: Condition, host: str, port: int, prompt_throughput: float | None = None) -> int:
     """`llmsim proxy`: serve until interrupted."""
-    import sys
 
     def ready(lp, site):
         print(f"llmsim proxy at http://{host}:{port} -> {upstream} ({condition.name}: {condition.describe()}); "

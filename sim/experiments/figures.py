@@ -242,3 +242,33 @@ def _block_figures(out_dir, rows, models, seeds, names):
         bars("mixed", f"Uniform vs mixed prompts: hold delivery, pulse {PULSE} Ĉ (mean over seeds, bars = min–max)",
              [(label, g, (lambda m, c, g=g: next((k for k in g if k[0] == m and k[1] == c), None)))
               for label, g in (("uniform prompts", gu), ("mixed prompts (half at 3,000 tokens)", gm))])
+
+
+# ------------------------------------------------------------------ llmsim waste
+def waste_plot(res: dict, path: str) -> None:
+    """Throughput and waste against cancellation rate, one line per KV policy
+    and abort latency, from the result record alone."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    styles = {("on-demand", "v1"): ("C0", "-"), ("on-demand", "v0"): ("C0", "--"),
+              ("reserve", "v1"): ("C3", "-"), ("reserve", "v0"): ("C3", "--")}
+    panels = (("useful_tokens_per_s", "useful tokens/s"),
+              ("discarded_busy_share", "share of busy time on tokens no client received"),
+              ("useful_token_ratio", "useful_token_ratio"))
+    for (kv, lat), (color, ls) in styles.items():
+        rows = sorted((r for r in res["results"] if r["kv_policy"] == kv and r["abort_latency"] == lat),
+                      key=lambda r: r["cancel_rate"])
+        if not rows:
+            continue
+        x = [r["cancel_rate"] for r in rows]
+        for ax, (key, _) in zip(axes, panels):
+            ax.plot(x, [r[key] for r in rows], color=color, ls=ls, marker="o", label=f"{kv}, abort {lat}")
+    for ax, (_, label) in zip(axes, panels):
+        ax.set_xlabel("cancellation rate")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"{res['model']}: {res['rate']:.3g} calls/s, max_tokens {res['max_tokens']}, "
+                 f"stop rate {res['stop_rate']:g}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

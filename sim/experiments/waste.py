@@ -271,36 +271,3 @@ def table(res: dict) -> str:
                      f"{r['abort_rate']:>10.3f} {r['completion_ratio']:>6.3f} {r['useful_token_ratio']:>6.3f} "
                      f"{r['reservation_gap_mean_blocks']:>7.0f}")
     return "\n".join(lines)
-
-
-def plot(res: dict, path: str) -> None:
-    """Throughput and waste against cancellation rate, one line per KV policy
-    and abort latency, from the result record alone."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    styles = {("on-demand", "v1"): ("C0", "-"), ("on-demand", "v0"): ("C0", "--"),
-              ("reserve", "v1"): ("C3", "-"), ("reserve", "v0"): ("C3", "--")}
-    panels = (("useful_tokens_per_s", "useful tokens/s"),
-              ("discarded_busy_share", "share of busy time on tokens no client received"),
-              ("useful_token_ratio", "useful_token_ratio"))
-    for (kv, lat), (color, ls) in styles.items():
-        rows = sorted((r for r in res["results"] if r["kv_policy"] == kv and r["abort_latency"] == lat),
-                      key=lambda r: r["cancel_rate"])
-        if not rows:
-            continue
-        x = [r["cancel_rate"] for r in rows]
-        for ax, (key, _) in zip(axes, panels):
-            ax.plot(x, [r[key] for r in rows], color=color, ls=ls, marker="o", label=f"{kv}, abort {lat}")
-    for ax, (_, label) in zip(axes, panels):
-        ax.set_xlabel("cancellation rate")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(f"{res['model']}: {res['rate']:.3g} calls/s, max_tokens {res['max_tokens']}, "
-                 f"stop rate {res['stop_rate']:g}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
