@@ -145,7 +145,7 @@ def cmd_diagnose(a) -> int:
     ref_rows = None
     if reference.applies(prof.name, a.pulse):
         ref_rows = reference.compare(recs)
-        print(f"\nSPEC §7 reference (Qwen2.5-7B-Instruct on one H100, pulse {reference.PULSE:g} x C); bar: hold "
+        print(f"\nAgainst {reference.SOURCE}, pulse {reference.PULSE:g} x C; bar: hold "
               f"delivery within {reference.BAR_POINTS:g} points, recovery within one {reference.BAR_WINDOW_S:g} s "
               f"window; simulated figures are means over the seeds run")
         print(reference.table(ref_rows))

@@ -55,7 +55,8 @@ def test_tiny_paper_writes_tables_and_figures(tiny):
     for c in DIAGNOSTIC + ("deferred", "coalesce+cancel"):
         assert any(l.startswith(f"| {MODEL} | {c} |") for l in lines), c
     assert "hold delivered %" in text and "recovery time s" in text and "created ×Ĉ" in text
-    assert "Against SPEC §7" in text
+    assert "Against the published figures (vLLM on one H100, Qwen2.5-7B-Instruct)" in text
+    assert "SPEC" not in text
     ref = [l for l in text.splitlines() if l.startswith("| no-retry |")]
     assert len(ref) == 1 and "| 72.4-74.8% |" in ref[0] and "| 480-540 s |" in ref[0]
     for f in pp.FIGURES:

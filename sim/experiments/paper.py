@@ -93,8 +93,8 @@ def write_report(out_dir: str, blocks=None, models=MODELS, seeds: int = DEFAULT_
     rows = read_rows(os.path.join(out_dir, "results.parquet"))
     md = ["# llmsim paper: the reference design on the simulator", "",
           f"{len(rows)} runs from `results.parquet`; models: {', '.join(models)}; seeds per cell: {seeds} "
-          "(the published design's seed counts per block are unknown here: the SPEC does not list them, "
-          "so these are not the published counts). Cells: mean over seeds (min–max). "
+          "(the published design does not give its seed counts per block, so these are not the published "
+          "counts). Cells: mean over seeds (min–max). "
           "Shares are of the cohort's offered calls; delivered = by 840 s, within deadline = by 120 s; "
           "rates over [347, 947) s in multiples of Ĉ.", ""]
     for b in get_blocks(blocks):
@@ -114,12 +114,12 @@ def write_report(out_dir: str, blocks=None, models=MODELS, seeds: int = DEFAULT_
 
 
 def _against_reference(groups) -> list[str]:
-    """The diagnostic block's default-model cells against SPEC §7."""
+    """The diagnostic block's default-model cells against the published figures."""
     recs = [reference.from_flat(r) for k, rs in groups.items() for r in rs
             if reference.applies(k[0], k[2]) and not k[4]]
     if not recs:
         return []
     rows = reference.compare(recs)
-    return [f"Against SPEC §7 ({reference.MODEL}; bar: hold delivery within {reference.BAR_POINTS:g} points, "
+    return [f"Against {reference.SOURCE} ({reference.MODEL}; bar: hold delivery within {reference.BAR_POINTS:g} points, "
             f"recovery within one {reference.BAR_WINDOW_S:g} s window; mean over seeds, range in brackets):", "",
             reference.table(rows, markdown=True), ""]

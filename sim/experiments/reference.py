@@ -1,9 +1,10 @@
-"""SPEC §7: the reference outcomes of the diagnostic block, and how simulated
+"""The published reference outcomes of the diagnostic block, and how simulated
 runs compare with them.
 
-The reference is Qwen2.5-7B-Instruct at pulse 2.7 Ĉ: per condition, the share
-of the hold cohort delivered (a range over the reference's runs) and whether
-and when service recovered (seconds after the pulse end). The bar: hold
+The reference is the published figures for vLLM on one H100 80 GB SXM serving
+Qwen2.5-7B-Instruct at pulse 2.7 Ĉ (docs/model.md, "Calibration"): per
+condition, the share of the hold cohort delivered (a range over the published
+runs) and whether and when service recovered (seconds after the pulse end). The bar: hold
 delivery within 5 points of the reference range, the same recovered / not
 recovered, and a recovery time within one 60 s window of the reference's.
 """
@@ -23,6 +24,7 @@ class Reference:
 
 MODEL = "qwen2.5-7b"
 PULSE = 2.7
+SOURCE = "the published figures (vLLM on one H100, Qwen2.5-7B-Instruct)"
 REFERENCE = {
     "no-control": Reference((0.0, 0.0), None),
     "cancel": Reference((13.3, 15.2), None),
@@ -32,8 +34,8 @@ REFERENCE = {
 
 
 def applies(model: str, pulse: float) -> bool:
-    """Whether runs of this model at this pulse (SPEC's workload) are
-    comparable with §7."""
+    """Whether runs of this model at this pulse (the paper workload) are
+    comparable with the published figures."""
     return model == MODEL and abs(pulse - PULSE) < 1e-9
 
 
