@@ -1,4 +1,4 @@
-"""Fit the step-time model of SPEC §6 to captured steps and write a profile.
+"""Fit the step-time model (docs/model.md, "Calibration") to captured steps and write a profile.
 
     duration = fixed_s + per_request_s*num_reqs + per_token_s*num_tokens
                + per_prefill_pair_s*prefill_pairs + per_decode_ctx_s*decode_ctx
@@ -156,9 +156,9 @@ def protocol_capacity(prof: dict, scenario: str = "scaled", log=None, stage_s: f
             "capacity_protocol": {"scenario_name": scenario, "scenario": {k: getattr(sc, k) for k in
                                                ("prompt_mean", "prompt_sd", "shared_prefix", "response_median",
                                                 "response_mean")},
-                                  "note": "SPEC §6 protocol on the simulator with the fitted step-time model "
+                                  "note": "capacity protocol on the simulator with the fitted step-time model "
                                           + ("and the scaled scenario above" if scenario == "scaled"
-                                             else "and SPEC's workload"),
+                                             else "and the paper workload"),
                                   **{k: cap[k] for k in ("protocol", "saturated_stage", "stages")}}}
 
 

@@ -1,4 +1,4 @@
-"""The capacity protocol of SPEC §6 against a live engine, time-scaled for the
+"""The capacity protocol (docs/model.md, "Calibration") against a live engine, time-scaled for the
 tiny CPU engine, beside the same protocol on the simulator.
 
 Both drivers share `sim.capacity.CapacityProtocol` (stage schedule, growth
@@ -8,7 +8,7 @@ with `validate.loadgen.LoadGen` (open loop, no retries, one task per call, a
 per-call deadline) and samples `vllm:num_requests_waiting` every second.
 
 Time scaling: the workload is calibrate.fit's scaled scenario (prompts and
-responses a tenth of SPEC's), stages of `stage_s` (20 s) instead of 300 s, and
+responses a tenth of the paper workload's), stages of `stage_s` (20 s) instead of 300 s, and
 the first stage at `start_fraction` (1/4) of the profile's simulated Ĉ, so
 that with factor 1.5 the engine saturates within about five stages
 (1/4 x 1.5^4 = 1.27): a run of ~2 minutes.
@@ -88,13 +88,13 @@ def store(prof: dict, live: dict, simulated: dict, scenario, params: dict, engin
     before = prof.get("capacity")
     prof["capacity"] = live["capacity"]
     prof["capacity_protocol"] = {
-        "note": "SPEC §6 protocol, time-scaled: stages of stage_s, first at start_fraction of the profile's "
+        "note": "capacity protocol, time-scaled: stages of stage_s, first at start_fraction of the profile's "
                 "simulated capacity; the same trace (seed) live and on the simulator",
         "scenario": {k: getattr(scenario, k) for k in SCENARIO_KEYS},
         "params": params, "engine": engine_desc, "profile_capacity_before": before,
         "live": live, "simulated": simulated,
         "ratio_live_to_simulated": live["capacity"] / simulated["capacity"],
     }
-    prof.setdefault("provenance", {})["capacity"] = ("live capacity protocol (SPEC §6, time-scaled) against "
+    prof.setdefault("provenance", {})["capacity"] = ("live capacity protocol (time-scaled) against "
                                                      f"{engine_desc.get('url')}")
     return prof

@@ -1,7 +1,7 @@
 """A roofline prior for the step-time model and the KV capacity, from a
 model's shape and a GPU's published peak compute and memory bandwidth.
 
-Step time (SPEC §6 linear form):
+Step time (the linear form of `sim.engine.step_time`):
   fixed_s            = weight bytes / (bandwidth * bw_eff) + step_overhead_s
   per_request_s      = 2 * hidden * vocab / (peak * mfu)   (LM head, sampled token) + request_overhead_s
   per_token_s        = 2 * non-embedding params / (peak * mfu)

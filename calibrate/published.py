@@ -1,5 +1,5 @@
 """Fit a roofline prior's efficiency factors so that the simulator reproduces
-published figures (SPEC §6): the capacity protocol's Ĉ and, where given, the
+published figures (docs/model.md, "Calibration"): the capacity protocol's Ĉ and, where given, the
 median time to first token and to last token at a stated rate.
 
     python -m calibrate.published qwen2.5-7b -o sim/profiles/qwen2.5-7b.json
@@ -20,7 +20,7 @@ from sim.capacity import capacity_protocol
 from sim.latency import latency
 from sim.profile import from_dict, load_profile, ProfileError
 
-# SPEC §6: vLLM on one H100 80 GB SXM, chunked prefill at 8,192 tokens, prefix
+# The published figures: vLLM on one H100 80 GB SXM, chunked prefill at 8,192 tokens, prefix
 # caching on, max 256 running, 32,768-token context, 0.9 memory utilization.
 PUBLISHED = {
     "qwen2.5-7b": {"capacity": 2.78, "latency": {"rate": 1.52, "ttft_p50": 0.31, "e2e_p50": 4.5}},
@@ -77,7 +77,7 @@ def fit(model: str, gpu: str = "h100", x0=(0.65, 0.9, 0.001), log=print) -> dict
         "kind": "fitted to published figures",
         "note": ("no measured step profile of this GPU is public: roofline prior from the model's shape and "
                  "the GPU's published peak compute and bandwidth, with efficiency factors fitted so the "
-                 "simulator's own capacity protocol (and latency, where published) reproduces SPEC §6"),
+                 "simulator's own capacity protocol (and latency, where published) reproduces the published figures"),
         "published": target,
         "simulated": got,
         "fitted": {"mfu": x[0], "bw_eff": x[1], "step_overhead_s": x[2]},

@@ -27,7 +27,7 @@ async scheduling. The fit's fixed and per-request terms therefore describe
 this harness, not a served engine; the token, attention and decode-context
 terms are the physically grounded part.
 
-Grid (cells of SPEC §1's workload: 12,000-token prompts, an 8,192-token step
+Grid (cells of the paper workload: 12,000-token prompts, an 8,192-token step
 budget, up to ~100 running requests of ~12k context): decode-only batches of
 n requests at context L, prefill chunks of q tokens after c cached tokens,
 and mixed steps of n decodes plus one prefill chunk. Every length scales with
@@ -54,8 +54,8 @@ then, on a machine with this project installed::
 
     llmsim calibrate fit h200-steps.jsonl --name qwen2.5-7b-h200-torch -o qwen2.5-7b-h200-torch.json
 
-(``calibrate fit`` runs SPEC §6's capacity protocol on the simulator with
-SPEC's workload for steps timed on cuda, with the scaled-down CPU scenario
+(``calibrate fit`` runs the capacity protocol on the simulator with
+the paper workload for steps timed on cuda, with the scaled-down CPU scenario
 otherwise; ``--capacity-scenario`` chooses.)
 
 Needs only torch, the standard library, ``calibrate.prior`` and
@@ -79,8 +79,8 @@ from calibrate.prior import GPUS, MODELS, ModelShape, kv_cache, shape_from_confi
 from sim.engine.step_time import prefill_pairs     # stdlib only, like calibrate.prior
 
 GiB = 1024 ** 3
-SPEC_PROMPT = 12000            # SPEC §1 prompt length
-SPEC_BUDGET = 8192             # SPEC §6 chunked-prefill step budget
+PAPER_PROMPT = 12000            # the paper workload's mean prompt length
+PAPER_BUDGET = 8192             # the published figures' chunked-prefill step budget
 BLOCK_SIZE = 16
 CPU_KV_SPACE = 2 * GiB         # the CPU engine's VLLM_CPU_KVCACHE_SPACE (validate/engine.py)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -129,16 +129,16 @@ def _mixed(n: int, ctx: int, q: int, c: int) -> Cell:
     return Cell(f"mixed n={n} L={ctx} q={q} c={c}", prefill=((q, c),), decode=((n, ctx),))
 
 
-def make_grid(kind: str = "full", budget: int = SPEC_BUDGET, max_model_len: int = 32768,
+def make_grid(kind: str = "full", budget: int = PAPER_BUDGET, max_model_len: int = 32768,
               max_num_seqs: int = 256, kv_tokens: int | None = None) -> list[Cell]:
     """The grid's cells, lengths scaled by budget / 8192, in timing order
     (prefill, decode, mixed), without cells the engine could not form."""
-    s = budget / SPEC_BUDGET
+    s = budget / PAPER_BUDGET
 
     def L(x: float) -> int:
         return max(16, int(round(x * s)))
 
-    prompt = L(SPEC_PROMPT)
+    prompt = L(PAPER_PROMPT)
     rest = prompt - budget                         # the second chunk of a prompt after a full first one
     if kind == "full":
         pq = sorted({L(256), L(1024), L(2048), rest, budget})
@@ -466,7 +466,7 @@ def run(a) -> int:
     name, shape = resolve_shape(a.model, a.config)
     dtype_name = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     shape = dataclasses.replace(shape, dtype_bytes=DTYPE_BYTES[dtype_name])
-    budget = a.max_batched_tokens or (SPEC_BUDGET if a.device == "cuda" else 1024)
+    budget = a.max_batched_tokens or (PAPER_BUDGET if a.device == "cuda" else 1024)
     timed = max(1, min(a.layers, shape.layers))
     repeats = a.repeats or (3 if a.grid == "quick" else 5)
     if a.kv_tokens:

@@ -2,7 +2,7 @@
 client of the policy core, through the live proxy (in this process), in front
 of a real vLLM engine; what the client saw, the proxy's execution records and
 the engine's `/metrics` sampled every second become a `sim.runlog.RunLog`, and
-`sim.measures.record` turns it into the same SPEC §8 record as a simulated run.
+`sim.measures.record` turns it into the same result record as a simulated run.
 
 The client is `sim.policy.client.RetryingClient` — the object the simulator
 drives — on the asyncio clock: every call is its own task, sent at its planned
@@ -45,7 +45,7 @@ from .engine import parse_metrics, free_port
 from .loadgen import TracePrompts, request_body
 from .proxy import LiveProxy
 
-# engine counter -> record key (SPEC §8 `counters`); preemptions for `engine`
+# engine counter -> record key (`counters`); preemptions for `engine`
 COUNTERS = {"vllm:prompt_tokens_total": "prompt_tokens_total",
             "vllm:prefix_cache_queries_total": "prefix_cache_queries_total",
             "vllm:prefix_cache_hits_total": "prefix_cache_hits_total",
@@ -279,7 +279,7 @@ class LiveRun:
 
 
 def live_record(log: RunLog, scenario: Scenario, capacity: float, inputs: dict) -> dict:
-    """The §8 record of a live run: `sim.measures.record`, with what a live
+    """The result record of a live run: `sim.measures.record`, with what a live
     run cannot see set to null and listed under `unmeasured`."""
     rec = measures.record(log, scenario, capacity, inputs)
     c = log.counters

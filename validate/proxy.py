@@ -1,4 +1,4 @@
-"""The live proxy of SPEC §3: an aiohttp server in front of a vLLM OpenAI
+"""The live proxy (docs/model.md, "The proxy"): an aiohttp server in front of a vLLM OpenAI
 server, driven by the same policy core as the simulator
 (`sim.policy.proxy.Proxy`).
 
@@ -25,7 +25,7 @@ counted per call id, 0 first). The key is the call id plus the request body
 A client closing its connection is `on_attempt_left`. The estimator's
 `EngineView`: the uncomputed prompt tokens are those of the executions
 dispatched by this proxy that have not had their first token yet (every
-engine request passes through the proxy, SPEC §3); the prompt throughput is
+engine request passes through the proxy); the prompt throughput is
 the prompt tokens of executions that got their first token over the last
 60 s (`PromptRate`, as in the simulator), or the given profile figure before
 any. The engine's `/metrics` is scraped every second for its waiting and
@@ -33,7 +33,7 @@ running gauges, exported again by the proxy.
 
 The proxy's own `/metrics` (prometheus-client) counts attempts and
 executions created / attached / refused / cancelled / orphaned / dropped,
-the proxy queue depth, and the waste gauges of SPEC §5 over the executions
+the proxy queue depth, and the waste gauges (`abort_rate`, `completion_ratio`, `useful_token_ratio`) over the executions
 the engine accepted so far.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ For every point the same trace (the scenario's seed, arrival rates as
 multiples of Ĉ) is simulated with the engine's profile and replayed live by
 `validate.live_run.LiveRun` on a fresh engine (started for the point and
 stopped after; an engine given by URL is reused and said to be). Ĉ is the
-simulator's capacity protocol (SPEC §6) on the profile under the scenario's
+simulator's capacity protocol on the profile under the scenario's
 workload, unless given. The JSON record,
 `{engine: {kind, version, model}, scenario: {...}, capacity, profile, points: [{condition, sim, live}]}`,
 is rewritten after every point, and a rerun with the same engine kind,
@@ -35,7 +35,7 @@ from . import engine as E
 from .step_log import steps_from_raw
 from .live_run import LiveRun, live_record
 
-# SPEC §6 reference flags for a GPU engine (one H100 80 GB SXM in the reference)
+# the published figures' engine flags for a GPU engine (one H100 80 GB SXM there)
 GPU_FLAGS = ["--max-num-batched-tokens", "8192", "--max-num-seqs", "256", "--max-model-len", "32768",
              "--gpu-memory-utilization", "0.9", "--enable-prefix-caching", "--enable-chunked-prefill"]
 GPU_MODELS = {"qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct", "qwen3-14b": "Qwen/Qwen3-14B",
@@ -68,7 +68,7 @@ class EngineSpec:
 
 
 def capacity_for(profile: Profile, vs: NamedScenario, log=_say) -> float:
-    """Ĉ of the profile under the scenario's workload: the §6 protocol on
+    """Ĉ of the profile under the scenario's workload: the capacity protocol on
     the simulator (300 s stages; the protocol is not time-scaled — it
     measures a rate)."""
     res = capacity_protocol(profile, vs.scenario, seed=vs.seed)
@@ -116,7 +116,7 @@ def predict(profile: Profile, name: str, vs: NamedScenario, capacity: float) -> 
 
 def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, capacity: float,
              log=_say) -> tuple[dict, dict]:
-    """One point on a live engine: (§8 record, engine description)."""
+    """One point on a live engine: (result record, engine description)."""
     cond = vs.condition(get_condition(name))
     sc = vs.scenario
     args = list(vs.engine_args)
@@ -228,7 +228,7 @@ def table(points: list[dict]) -> str:
 
 
 def agreement(p: dict, points_bound: float = 15.0) -> dict:
-    """The issue's bar for one point: recovered agrees, pulse and hold
+    """The agreement bar for one point: recovered agrees, pulse and hold
     delivery within `points_bound` percentage points."""
     s, l = p["sim"], p["live"]
     out = {"recovered": s["recovered"] == l["recovered"]}

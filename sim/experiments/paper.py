@@ -18,11 +18,9 @@ unless said otherwise):
 A cell shared by several blocks (same model, condition, pulse, seed, step
 budget, prompts) runs once and appears in each block's table.
 
-Seeds: the published design's number of seeds per block is unknown here:
-SPEC.md does not list it (issue 6 gives only the total, 137 runs), and no
-source for the per-block counts was found. So the default is a small
-DEFAULT_SEEDS (3) for every block, not the published counts; change it with
-`--seeds N` (seeds 0..N-1). Re-running `paper` on the same DIR
+Seeds: the published design does not give its number of seeds per block, so
+every block runs DEFAULT_SEEDS (3) seeds, not the published counts; change it
+with `--seeds N` (seeds 0..N-1). Re-running `paper` on the same DIR
 skips the cells already in results.parquet (a killed run resumes).
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ seed, budget, mixed) group run on the same trace: the trace is a pure function
 of (capacity, scenario, seed, mixed) and each worker caches it per group, and
 the cells are handed out group by group.
 
-Table layout (one row per cell): the §8 record flattened with `_` between
+Table layout (one row per cell): the result record (docs/model.md) flattened with `_` between
 keys, the `cohorts.` prefix dropped (cohorts.hold.delivered -> hold_delivered,
 rates_xC.created -> rates_xC_created, condition_settings.cancellation ->
 condition_settings_cancellation, ...). Arrays stay in the row as list columns:
@@ -133,7 +133,7 @@ def run_cell(cell: Cell) -> dict:
 
 
 def flatten(rec: dict) -> dict:
-    """A §8 record as one flat row (see the module docstring)."""
+    """A result record as one flat row (see the module docstring)."""
     row: dict = {}
 
     def walk(prefix: str, v) -> None:

@@ -1,4 +1,4 @@
-"""Steady-load cancellation waste (SPEC §10): what client disconnects, stop
+"""Steady-load cancellation waste (docs/model.md): what client disconnects, stop
 sequences and max_tokens cutoffs cost a continuous-batching engine, under
 both KV allocation policies (on-demand, reserve) and both abort latencies
 (v1: next step boundary; v0: one iteration later).
@@ -30,7 +30,7 @@ Measures over calls planned in [warmup, duration) (tokens and busy time over
 the same window of engine time): useful tokens/s (outputs of completed
 calls), the engine's busy fraction, the share of busy time spent on tokens no
 client received, queueing delay (arrival to first scheduled step),
-`abort_rate`, `completion_ratio`, `useful_token_ratio` (SPEC §5), the
+`abort_rate`, `completion_ratio`, `useful_token_ratio` (as in every run's record), the
 reservation gap (reserved − used blocks, time-weighted mean and peak, reserve
 only), and the throughput loss against 0% cancellation.
 
