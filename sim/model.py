@@ -15,7 +15,7 @@ from .conditions import Condition
 from .engine.core import EngineCore, EngineConfig
 from .engine.request import Request
 from .policy.client import RetryingClient, CallState, Retry, GiveUp, Delivered
-from .engine.request import WAITING
+from .engine.request import WAITING_STATUSES
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel, Complete,
                            Drop, Wake)
 from .profile import Profile
@@ -219,18 +219,18 @@ class Run:
         s = eng.scheduler
         tok = 0
         for r in s.waiting:
-            if r.status == WAITING:
-                tok += r.prompt_len - min(r.prompt_len, r.num_computed_tokens)
+            if r.status in WAITING_STATUSES:
+                tok += r.num_prompt_tokens - min(r.num_prompt_tokens, r.num_computed_tokens)
         for r in s.prefilling:
-            tok += max(0, r.prompt_len - r.num_computed_tokens)
+            tok += max(0, r.num_prompt_tokens - r.num_computed_tokens)
         for kind, r in eng.inbox:
             if kind == "add":
-                tok += r.prompt_len
+                tok += r.num_prompt_tokens
         return EngineView(float(tok), self.prompt_rate.rate(t))
 
     def _on_first_token(self, req: Request, t: float) -> None:
         rec = req.record
-        self.prompt_rate.add(t, rec.prompt_computed if rec is not None else req.prompt_len)
+        self.prompt_rate.add(t, rec.prompt_computed if rec is not None else req.num_prompt_tokens)
 
     def _on_finished(self, req: Request, t: float) -> None:
         self.requests.pop(req.request_id, None)
@@ -265,7 +265,7 @@ class Run:
                       series=series, counters=dict(s.counters), counters_at=dict(self.counters_at),
                       engine={"steps": steps, "preemptions": s.num_preemptions,
                               "aborted_before_scheduled": eng.aborted_before_scheduled},
-                      end_time=end, wall_s=wall, extra={"busy_s": busy, "step_events": eng.num_plans})
+                      end_time=end, wall_s=wall, extra={"busy_s": busy, "step_events": eng.num_step_events})
 
 
 def simulate(profile: Profile, trace: Trace, condition: Condition, scenario: Scenario, seed: int = 0,

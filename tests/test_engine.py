@@ -96,7 +96,7 @@ def test_freed_blocks_are_evicted_tail_first():
     b = h.add(4.0, 2, prompt=17, max_tokens=1, call=1)
     h.run()
     assert b.prefix_hit_tokens == 12        # blocks 0-2 survived, block 3 went first
-    assert h.sched.pool.evicted >= 1
+    assert h.sched.block_pool.evicted >= 1
 
 
 def test_abort_while_waiting_computes_nothing():
@@ -167,7 +167,7 @@ def test_decode_runs_in_closed_form_match_single_steps(depth):
         h.run()
         out.append([(r.first_token_at, r.finished_at, r.tokens_generated, r.prompt_computed, r.preemptions)
                     for r in recs] + [h.sched.num_steps, h.sched.num_preemptions])
-        plans.append(h.engine.num_plans)
+        plans.append(h.engine.num_step_events)
     assert out[0][-2:] == out[1][-2:]
     assert plans[1] == out[1][-2] and plans[0] < plans[1] / 2   # runs of decode steps were collapsed
     for x, y in zip(out[0][:-2], out[1][:-2]):
@@ -188,7 +188,7 @@ class RecordingModel:
         self.calls.append((num_reqs, num_tokens, decode_ctx))
         return self.inner.duration(num_reqs, num_tokens, pairs, decode_ctx)
 
-    def decode_run(self, n, ctx0, m):
+    def fast_forward_duration(self, num_decode_reqs, decode_context, num_steps):
         raise AssertionError("stepping one step at a time")
 
 

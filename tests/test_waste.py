@@ -46,7 +46,7 @@ def test_early_stop_counts_as_completed():
     assert (a.fate, a.tokens_generated, a.finished_at) == ("completed", 3, 3.0)
     assert (b.fate, b.tokens_generated, b.finished_at) == ("completed", 2, 2.0)
     assert (c.fate, c.tokens_generated, c.finished_at) == ("completed", 1, 2.0)   # budget: step 1
-    assert h.sched.pool.num_free == 100
+    assert h.sched.block_pool.num_free == 100
 
 
 def test_stop_at_must_be_positive():
@@ -129,7 +129,7 @@ def _first_step_admitted(reqs, policy, blocks, budget):
         admitted.append(len(s.running))
         if policy == "reserve":     # every seat's whole reservation fits in the pool
             assert sum(r.reserve_top for r in s.running) <= blocks
-            assert s.reservation_gap(plan.last) <= s.pool.num_free
+            assert s.reservation_gap(plan.last) <= s.block_pool.num_free
         for r in plan.finishing:
             s.finish(r, plan.last)
     return admitted
@@ -154,7 +154,7 @@ def test_reserve_never_preempts_and_frees_everything(policy):
     h.run()
     recs = [h.requests[i].record for i in range(6)]
     assert all(r.fate == "completed" and r.tokens_generated == 4 + i for i, r in enumerate(recs))
-    assert h.sched.pool.num_free == 12
+    assert h.sched.block_pool.num_free == 12
     if policy == "reserve":
         assert h.sched.num_preemptions == 0
 

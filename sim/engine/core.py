@@ -8,10 +8,11 @@ until `depth` are in flight. So an abort that arrives during step k is applied
 when step k ends; step k and (at depth 2) step k+1 still run with the request
 in them — their prompt tokens are "in flight" — and it is gone from step k+2.
 
-One SimPy event per plan. A run of identical decode-only steps with nothing
-able to change them (no request finishing, no block shortage, admission
-blocked or nothing waiting, no input due before the last of them would be
-scheduled) is one plan, its duration in closed form.
+One SimPy event per scheduler output. A run of identical decode-only steps
+with nothing able to change them (no request finishing, no block shortage,
+admission blocked or nothing waiting, no input due before the last of them
+would be scheduled) is one output, a fast-forward, its duration in closed
+form.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from .request import Request, WAITING, RUNNING, FINISHED, ABORTED
-from .scheduler import Scheduler, SchedulerConfig, StepPlan
+from .request import Request, RUNNING, FINISHED, ABORTED, WAITING_STATUSES
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .step_time import StepTimeModel, prefill_pairs
 
 INF = float("inf")
@@ -60,7 +61,7 @@ class EngineCore:
         self.on_finished = on_finished or (lambda r, t: None)
         self.next_input_time = next_input_time or (lambda: INF)
         self.fast_forward = fast_forward
-        self.pending: deque[StepPlan] = deque()
+        self.pending: deque[SchedulerOutput] = deque()
         self.inbox: list[tuple[str, Request]] = []
         self.processed = -1          # index of the last step whose output was processed
         self.now = 0.0               # the engine's own clock: end of the last processed step
@@ -70,7 +71,7 @@ class EngineCore:
         self.busy_s = 0.0            # duration of every step scheduled so far
         self.steps_done = 0          # steps whose output has been processed
         self.busy_done = 0.0         # and their duration
-        self.num_plans = 0           # SimPy-level step events (a closed-form run counts once)
+        self.num_step_events = 0     # SimPy-level step events (a fast-forward counts once)
         self._deferred: list[Request] = []   # v0: aborts that wait one more iteration
         self.gap_log: list[tuple[float, int]] = []   # reserve policy: (t, reserved - used blocks) at changes
         if config.abort_latency == "v0":
@@ -90,8 +91,8 @@ class EngineCore:
         if q is not None and self.num_in_engine() + 1 > q:
             return False
         mx = self.config.scheduler.max_model_len
-        if r.prompt_len + r.max_tokens > mx:
-            raise ValueError(f"request of {r.prompt_len}+{r.max_tokens} tokens exceeds max_model_len {mx}")
+        if r.num_prompt_tokens + r.max_tokens > mx:
+            raise ValueError(f"request of {r.num_prompt_tokens}+{r.max_tokens} tokens exceeds max_model_len {mx}")
         self.inbox.append(("add", r))
         self._poke()
         return True
@@ -120,123 +121,131 @@ class EngineCore:
                     yield self._wake
                     self._wake = None
                     continue
-            plan = self.pending[0]
-            yield env.timeout(max(0.0, plan.end - env.now))
+            output = self.pending[0]
+            yield env.timeout(max(0.0, output.end - env.now))
             self.pending.popleft()
-            self.now = plan.end
-            self._process(plan)
+            self.now = output.end
+            self._process(output)
             self._apply_inbox()
             self._fill()
             self._log_gauges()
 
     def _fill(self) -> None:
         sched = self.scheduler
+        limit = self._fast_forward_limit if self.fast_forward else None
         while len(self.pending) < self.depth:
-            plan = sched.schedule(self._macro_limit if self.fast_forward else None, tail=self.depth - 1)
-            if plan is None:
+            output = sched.schedule(limit, num_tail_steps=self.depth - 1)
+            if output is None:
                 return
-            self._launch(plan)
-            if plan.count > 1:
-                # the last depth-1 steps of the run stay single plans, so the
-                # plan after the run is scheduled at the boundary it would be
-                # when stepping one step at a time
+            self._launch(output)
+            if output.num_steps > 1:
+                # the last depth-1 steps of a fast-forward stay single steps,
+                # so the output after it is scheduled at the boundary it would
+                # be when stepping one step at a time
                 for _ in range(self.depth - 1):
                     self._launch(sched.schedule(None))
 
-    def _launch(self, plan: StepPlan) -> None:
+    def _launch(self, output: SchedulerOutput) -> None:
         start = self.pending[-1].end if self.pending else self.now
-        ctx0 = plan.ctx0
-        if plan.count == 1:
-            dur = self.step_model.duration(plan.num_reqs, plan.num_tokens, self._pairs(plan), ctx0)
+        if output.num_steps == 1:
+            dur = self.step_model.duration(output.num_reqs, output.total_num_scheduled_tokens,
+                                           self._pairs(output), output.decode_context)
         else:
-            dur = self.step_model.decode_run(plan.n_decode, ctx0, plan.count)
-        plan.start = start
-        plan.end = start + dur
+            dur = self.step_model.fast_forward_duration(output.num_decode_reqs, output.decode_context,
+                                                        output.num_steps)
+        output.start = start
+        output.end = start + dur
         self.busy_s += dur
-        self.num_plans += 1
-        for r, q, ctx in plan.prefill:
+        self.num_step_events += 1
+        for r, _, _ in output.prefill_chunks:
             rec = r.record
             if rec is not None and rec.first_scheduled_at != rec.first_scheduled_at:
                 rec.first_scheduled_at = start
-        self.pending.append(plan)
+        self.pending.append(output)
 
     @staticmethod
-    def _pairs(plan: StepPlan) -> float:
-        return sum(prefill_pairs(q, ctx) for _, q, ctx in plan.prefill)
+    def _pairs(output: SchedulerOutput) -> float:
+        return sum(prefill_pairs(q, ctx) for _, q, ctx in output.prefill_chunks)
 
-    def _macro_limit(self, plan: StepPlan, ctx0: float) -> int:
-        """How many identical decode steps, from the step S being scheduled
-        (its first one described by `plan`), may be decided now. When stepping
-        one at a time, step S+i is scheduled at the end of step S+i-depth with
-        every input that arrived before then applied, so m steps may be
-        decided now iff no input is due before the end of step S+m-1-depth."""
+    def _fast_forward_limit(self, output: SchedulerOutput) -> int:
+        """How many identical decode steps, from the step being scheduled
+        (`output.first_step`, its first one described by `output`), may be
+        decided now. When stepping one at a time, step first+i is scheduled
+        at the end of step first+i-depth with every input that arrived before
+        then applied, so m steps may be decided now iff no input is due before
+        the end of step first+m-1-depth."""
         pending = self.pending
-        if self.inbox or self._deferred or any(p.count > 1 for p in pending):
+        if self.inbox or self._deferred or any(p.num_steps > 1 for p in pending):
             return 1
         if self.scheduler.num_waiting and any(p.finishing for p in pending):
-            return 1        # freed blocks may admit the head before the run ends
+            return 1        # freed blocks may admit the head before the fast-forward ends
         t_in = self.next_input_time()
         if t_in == INF:
             return 1 << 30
-        d = self.depth
+        depth = self.depth
         model = self.step_model
-        P = self.processed
+        processed = self.processed
         start = pending[-1].end if pending else self.now
-        S = plan.index
-        n = plan.n_decode
+        first = output.first_step
+        num_decode = output.num_decode_reqs
+        context = output.decode_context
 
-        def boundary(j: int) -> float:     # end time of step j
-            if j <= P:
+        def end_of(step: int) -> float:
+            if step <= processed:
                 return -INF
-            if j < S:
-                return pending[j - P - 1].end
-            return start + model.decode_run(n, ctx0, j - S + 1)
+            if step < first:
+                return pending[step - processed - 1].end
+            return start + model.fast_forward_duration(num_decode, context, step - first + 1)
 
-        a = model.fixed_s + (model.per_request_s + model.per_token_s) * n + model.per_decode_ctx_s * ctx0
-        b = model.per_decode_ctx_s * n
+        # the i-th step from `first` (i = 1, 2, ...) ends at start + cum(i),
+        # cum(i) = i * first_step_s + growth_s * i * (i - 1) / 2
+        first_step_s = (model.fixed_s + (model.per_request_s + model.per_token_s) * num_decode
+                        + model.per_decode_ctx_s * context)
+        growth_s = model.per_decode_ctx_s * num_decode
         room = t_in - start
-        # k: how many steps from S end before t_in (largest k, cum(k) < room)
+        # done: how many steps from `first` end before t_in (largest i, cum(i) < room)
         if room <= 0:
-            k = 0
-        elif b > 0:
-            k = int((-(a - b / 2) + math.sqrt((a - b / 2) ** 2 + 2 * b * room)) / b)
-        elif a > 0:
-            k = int(room / a)
+            done = 0
+        elif growth_s > 0:
+            half = first_step_s - growth_s / 2
+            done = int((-half + math.sqrt(half ** 2 + 2 * growth_s * room)) / growth_s)
+        elif first_step_s > 0:
+            done = int(room / first_step_s)
         else:
             return 1 << 30
-        k = min(k, 1 << 30)
-        while k > 0 and boundary(S + k - 1) >= t_in:
-            k -= 1
-        while boundary(S + k) < t_in:
-            k += 1
-        if k > 0:
-            return k + d                  # S+m-1-d = S+k-1
-        m = d
-        while m > 1 and boundary(S + m - 1 - d) >= t_in:
-            m -= 1
-        return m
+        done = min(done, 1 << 30)
+        while done > 0 and end_of(first + done - 1) >= t_in:
+            done -= 1
+        while end_of(first + done) < t_in:
+            done += 1
+        if done > 0:
+            return done + depth           # first+m-1-depth = first+done-1
+        num_steps = depth
+        while num_steps > 1 and end_of(first + num_steps - 1 - depth) >= t_in:
+            num_steps -= 1
+        return num_steps
 
     # -------------------------------------------------------------- output
-    def _process(self, plan: StepPlan) -> None:
+    def _process(self, output: SchedulerOutput) -> None:
         sched = self.scheduler
-        t = plan.end
-        self.processed = plan.last
-        self.steps_done += plan.count
-        self.busy_done += plan.end - plan.start
-        for r in plan.first_outputs:
+        t = output.end
+        self.processed = output.last
+        self.steps_done += output.num_steps
+        self.busy_done += output.end - output.start
+        for r in output.first_outputs:
             if r.status == ABORTED or r.status == FINISHED:
                 continue
             r.outputs_done += 1
             if not r.first_output_done:
                 r.first_output_done = True
-                sched.counters["prompt_tokens_total"] += r.prompt_len
+                sched.counters["prompt_tokens_total"] += r.num_prompt_tokens
                 if r.record is not None:
                     r.record.first_token_at = t
                 self.on_first_token(r, t)
-        for r in plan.finishing:
-            if r.status != RUNNING and r.status != WAITING:
-                continue        # aborted; a preempted one (waiting) still finishes with this output
-            sched.finish(r, plan.last)
+        for r in output.finishing:
+            if r.status != RUNNING and r.status not in WAITING_STATUSES:
+                continue        # aborted; a preempted one still finishes with this output
+            sched.finish(r, output.last)
             if r.record is not None:
                 r.record.tokens_generated = r.outputs_done
                 r.record.finished_at = t
@@ -245,23 +254,24 @@ class EngineCore:
 
     def work_by(self, t: float) -> tuple[int, float]:
         """Steps finished and busy time by time t, the step running at t
-        counted for its part (the same whether or not runs of decode steps
-        are taken in closed form)."""
+        counted for its part (the same whether or not decode steps are
+        fast-forwarded)."""
         steps, busy = self.steps_done, self.busy_done
         te = t + 1e-9                   # a step ending at t, up to rounding, counts
         for p in self.pending:
             if p.start >= t:
                 break
             if p.end <= te:
-                steps += p.count
+                steps += p.num_steps
                 busy += p.end - p.start
                 continue
             busy += t - p.start
-            if p.count > 1:             # whole decode steps of the run done by t
-                k = 0
-                while k + 1 < p.count and p.start + self.step_model.decode_run(p.n_decode, p.ctx0, k + 1) <= te:
-                    k += 1
-                steps += k
+            if p.num_steps > 1:         # whole steps of the fast-forward done by t
+                done = 0
+                while done + 1 < p.num_steps and p.start + self.step_model.fast_forward_duration(
+                        p.num_decode_reqs, p.decode_context, done + 1) <= te:
+                    done += 1
+                steps += done
             break
         return steps, busy
 
@@ -288,7 +298,7 @@ class EngineCore:
             if kind == "add":
                 sched.add_request(r)
             else:
-                was_waiting = r.status == WAITING
+                was_waiting = r.status in WAITING_STATUSES
                 r.outputs_seen = sched.outputs_through(r, r.abort_seen)
                 if not sched.abort(r, self.processed):
                     continue

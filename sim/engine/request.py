@@ -1,30 +1,34 @@
-"""An engine request: one execution as vLLM's engine sees it."""
+"""An engine request: one execution as vLLM's engine sees it
+(`v1/request.py`)."""
 from __future__ import annotations
 
-WAITING, RUNNING, FINISHED, ABORTED = "waiting", "running", "finished", "aborted"
+WAITING, RUNNING, PREEMPTED, FINISHED, ABORTED = "waiting", "running", "preempted", "finished", "aborted"
+# statuses of a request in the waiting queue: never admitted, or preempted
+WAITING_STATUSES = (WAITING, PREEMPTED)
 
 
 class Request:
     """`num_computed_tokens` and `num_output_tokens` are the scheduler's view
     (a step's tokens count once it is scheduled, as in vLLM). While a request
     is in the scheduler's decode group they are kept implicitly — see
-    `Scheduler.sync` — so a decode step costs nothing per request."""
+    `DecodeGroup.sync` — so a decode step costs nothing per request."""
 
     __slots__ = (
-        "request_id", "call_id", "prompt_len", "max_tokens", "shared_prefix",
+        "request_id", "call_id", "num_prompt_tokens", "max_tokens", "shared_prefix",
         "status", "num_computed_tokens", "num_output_tokens", "outputs_done",
         "blocks", "ever_preempted", "first_output_done", "chunks", "record",
-        # decode group
-        "decoding", "stint", "dec_start", "dec_last", "c0", "out0", "phase",
+        # decode group (see DecodeGroup)
+        "in_decode_group", "decode_outputs_pending", "decode_first_step", "decode_last_step",
+        "join_computed_tokens", "join_output_tokens", "block_phase",
         # early termination and waste accounting
         "stop_at", "out_limit", "reserve_top", "abort_seen", "outputs_seen",
     )
 
-    def __init__(self, request_id: int, call_id: int, prompt_len: int, max_tokens: int,
+    def __init__(self, request_id: int, call_id: int, num_prompt_tokens: int, max_tokens: int,
                  shared_prefix: int = 0, record=None, stop_at: int | None = None):
         self.request_id = request_id
         self.call_id = call_id
-        self.prompt_len = int(prompt_len)
+        self.num_prompt_tokens = int(num_prompt_tokens)
         self.max_tokens = int(max_tokens)
         self.shared_prefix = int(shared_prefix)
         self.status = WAITING
@@ -36,9 +40,13 @@ class Request:
         self.first_output_done = False
         self.chunks = []                # [step index, prompt-work tokens] per scheduled prefill chunk
         self.record = record            # ExecutionRecord updated by the engine, or None
-        self.decoding = False           # member of the decode group
-        self.stint = False              # dec_* fields describe its current decode stint
-        self.dec_start = self.dec_last = self.c0 = self.out0 = self.phase = 0
+        self.in_decode_group = False
+        # True from joining the decode group until its outputs there are
+        # folded into outputs_done (at finish, abort or preemption); while
+        # True the decode_* and join_* fields describe that stint
+        self.decode_outputs_pending = False
+        self.decode_first_step = self.decode_last_step = 0
+        self.join_computed_tokens = self.join_output_tokens = self.block_phase = 0
         # a stop sequence (or end of sequence) ends the response after `stop_at`
         # outputs; the engine learns it only then, so KV reservations and the
         # completion ratio still go by max_tokens
@@ -52,7 +60,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return self.prompt_len + self.num_output_tokens
+        return self.num_prompt_tokens + self.num_output_tokens
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status}, computed={self.num_computed_tokens}, "

@@ -5,27 +5,28 @@
      token budget — a decoding request 1, a request still in prefill
      min(remaining, budget) (chunked prefill); a request that needs a KV
      block when none is free preempts the most recently admitted running
-     request, which goes back to the front of the waiting queue;
+     request, which goes back to the front of the waiting queue (PREEMPTED);
   2. unless this step preempted, waiting requests are admitted from the head
      while budget and seats remain; a request is admitted only if its whole
      remaining prompt fits in free blocks after its prefix-cache hit, and a
      head that does not fit stops admission (head-of-line blocking).
 
-Decoding requests form a *decode group*: their progress is a function of the
-step index (one token per step), kept in aggregate — a count, a context sum,
-and how many of them need a new block at each step modulo the block size — so
-a decode step touches no request. `Request` fields of a group member are
-brought up to date by `sync()` whenever a member leaves the group.
+Blocks and the prefix cache belong to the `KVCacheManager`; decoding requests
+form a `DecodeGroup` advanced in closed form, so a decode step touches no
+request. When nothing can change a run of decode-only steps, `schedule()` may
+decide all of them at once (fast-forward): one `SchedulerOutput` stands for
+`num_steps` identical steps.
 """
 from __future__ import annotations
 
-import heapq
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .block_pool import BlockPool, Extent, PREFIX_SPACE, call_space, exec_space
-from .request import Request, WAITING, RUNNING, FINISHED, ABORTED
+from .decode_group import DecodeGroup
+from .kv_cache_manager import KVCacheManager
+from .request import Request, WAITING, RUNNING, PREEMPTED, FINISHED, ABORTED, WAITING_STATUSES
 from .step_time import StepTimeModel
+from .utils import cdiv
 
 
 KV_POLICIES = ("on-demand", "reserve")
@@ -48,46 +49,46 @@ class SchedulerConfig:
             raise ValueError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
 
 
-class StepPlan:
-    """What one scheduler decision sends to the forward pass. A plan with
-    count > 1 is a run of identical decode-only steps advanced in closed form."""
-    __slots__ = ("index", "count", "start", "end", "ctx0", "num_reqs", "num_tokens", "n_decode",
-                 "prefill", "first_outputs", "finishing")
+class SchedulerOutput:
+    """What one scheduler decision sends to the forward pass. An output with
+    num_steps > 1 is a fast-forward: identical decode-only steps, their time
+    in closed form."""
+    __slots__ = ("first_step", "num_steps", "start", "end", "decode_context", "num_reqs",
+                 "total_num_scheduled_tokens", "num_decode_reqs", "prefill_chunks", "first_outputs",
+                 "finishing")
 
-    def __init__(self, index: int):
-        self.index = index          # index of the (first) step
-        self.count = 1
+    def __init__(self, first_step: int):
+        self.first_step = first_step
+        self.num_steps = 1
         self.start = self.end = 0.0
-        self.ctx0 = 0.0             # decode context sum of the (first) step
+        self.decode_context = 0         # decode context sum of the first step
         self.num_reqs = 0
-        self.num_tokens = 0
-        self.n_decode = 0
-        self.prefill = []           # (request, tokens, context before)
-        self.first_outputs = []     # requests whose prefill completes: they emit a token
-        self.finishing = []         # requests whose last token is in the (last) step
+        self.total_num_scheduled_tokens = 0
+        self.num_decode_reqs = 0
+        self.prefill_chunks = []        # (request, tokens, context before)
+        self.first_outputs = []         # requests whose prefill completes: they emit a token
+        self.finishing = []             # requests whose last token is in the (last) step
 
     @property
     def last(self) -> int:
-        return self.index + self.count - 1
+        """Index of the last step."""
+        return self.first_step + self.num_steps - 1
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, step_model: StepTimeModel):
         self.config = config
         self.step_model = step_model
-        self.block_size = bs = config.block_size
-        self.pool = BlockPool(config.num_gpu_blocks, bs)
+        self.block_size = config.block_size
+        self.reserve = config.kv_policy == "reserve"
+        self.kv_cache_manager = KVCacheManager(config.num_gpu_blocks, config.block_size, self.reserve)
+        self.block_pool = self.kv_cache_manager.block_pool
+        self.decode_group = DecodeGroup(config.block_size)
         self.waiting: deque[Request] = deque()
         self.num_waiting = 0            # waiting requests not aborted (aborted ones leave lazily)
         self.running: list[Request] = []       # admission order
         self.prefilling: list[Request] = []    # running requests still in prefill, admission order
         self.next_step = 0              # index of the next step to schedule
-        # decode group
-        self.n_dec = 0
-        self.dec_base = 0               # sum over members of (c0 - dec_start)
-        self.block_phase = [0] * bs     # members needing a new block at steps == phase (mod bs)
-        self.finish_at: dict[int, list[Request]] = {}
-        self.finish_heap: list[int] = []
         # counters, as vLLM defines them
         self.counters = {"prompt_tokens_total": 0, "prefix_cache_queries_total": 0,
                          "prefix_cache_hits_total": 0}
@@ -95,308 +96,144 @@ class Scheduler:
         self.num_steps = 0
         self._blocked = None            # (head, pool.releases, chunks) when the head last did not fit
         self._num_chunks = 0            # prefill chunks scheduled so far
-        self.reserve = config.kv_policy == "reserve"
-
-    # ----------------------------------------------------------- decode group
-    def _join(self, r: Request, start: int) -> None:
-        """r's prefill completed in step start-1; it decodes from step `start`."""
-        r.decoding = True
-        r.stint = True
-        r.dec_start = start
-        r.c0 = r.num_computed_tokens
-        r.out0 = r.num_output_tokens
-        r.dec_last = start + (r.out_limit - r.out0) - 1
-        r.phase = (start - r.c0) % self.block_size
-        self.n_dec += 1
-        self.dec_base += r.c0 - start
-        self.block_phase[r.phase] += 1
-        lst = self.finish_at.get(r.dec_last)
-        if lst is None:
-            self.finish_at[r.dec_last] = [r]
-            heapq.heappush(self.finish_heap, r.dec_last)
-        else:
-            lst.append(r)
-        for e in r.blocks:
-            if e.owner is r and e.space != exec_space(r.request_id):
-                e.owner = None          # complete: only the output blocks still grow
-        top = r.blocks[-1] if r.blocks else None
-        if top is None or top.space != exec_space(r.request_id) or top.owner is not r:
-            b = r.c0 // self.block_size if r.c0 % self.block_size == 0 else -(-r.c0 // self.block_size)
-            e = Extent(exec_space(r.request_id), b, b, r)
-            e.holders.append(r)
-            r.blocks.append(e)
-
-    def sync(self, r: Request, through: int) -> None:
-        """Bring a group member's fields up to date as of step `through`."""
-        k = min(through, r.dec_last) - r.dec_start + 1
-        if k < 0:
-            k = 0
-        r.num_computed_tokens = r.c0 + k
-        r.num_output_tokens = r.out0 + k
-        top = r.blocks[-1]
-        top.hi = max(top.lo, -(-r.num_computed_tokens // self.block_size))
-
-    def _leave(self, r: Request, through: int) -> None:
-        """Take r out of the decode group, its last scheduled step being `through`."""
-        self.sync(r, through)
-        r.decoding = False
-        self.n_dec -= 1
-        self.dec_base -= r.c0 - r.dec_start
-        self.block_phase[r.phase] -= 1
-        lst = self.finish_at.get(r.dec_last)
-        if lst is not None and r in lst and r.dec_last != through:
-            lst.remove(r)
-
-    def outputs_through(self, r: Request, through: int) -> int:
-        """Outputs r has produced once steps up to `through` are processed."""
-        if not r.stint:
-            return r.outputs_done
-        k = min(through, r.dec_last) - r.dec_start + 1
-        return r.outputs_done + (k if k > 0 else 0)
-
-    # --------------------------------------------------------------- blocks
-    def _segments(self, r: Request, upto_blocks: int):
-        bs = self.block_size
-        npf = r.shared_prefix // bs
-        npc = r.prompt_len // bs
-        return ((PREFIX_SPACE, 0, min(npf, upto_blocks)),
-                (call_space(r.call_id), npf, min(npc, upto_blocks)),
-                (exec_space(r.request_id), npc, upto_blocks))
-
-    def _full_blocks(self, e: Extent) -> int:
-        return e.owner.num_computed_tokens // self.block_size
-
-    def _find_hit(self, r: Request):
-        cap = (r.num_tokens - 1) // self.block_size
-        pieces = []
-        cur = 0
-        for space, a, b in self._segments(r, cap):
-            if a >= b:
-                continue
-            if cur < a:
-                break
-            got = self.pool.lookup(space, a, b, self._full_blocks)
-            pieces.extend(got)
-            cur = got[-1][2] if got else cur
-            if cur < b:
-                break
-        return pieces, cur
-
-    def _blocks_held(self, r: Request) -> int:
-        return r.blocks[-1].hi if r.blocks else 0
-
-    def _allocate(self, r: Request, upto_tokens: int) -> bool:
-        """Give r blocks for its first `upto_tokens` tokens; False if not enough free."""
-        bs = self.block_size
-        target = -(-upto_tokens // bs)
-        held = self._blocks_held(r)
-        if target <= held:
-            return True
-        if target - held > self.pool.num_free:
-            return False
-        for space, a, b in self._segments(r, target):
-            lo = max(a, held)
-            if lo >= b:
-                continue
-            top = r.blocks[-1] if r.blocks else None
-            if top is not None and top.space == space and top.owner is r and top.hi == lo:
-                self.pool.grow(top, b)
-            else:
-                if top is not None and top.owner is r and top.space != space:
-                    top.owner = None            # complete: the sequence moved past it
-                r.blocks.append(self.pool.new_extent(space, lo, b, r))
-            held = b
-        return True
-
-    def _free(self, r: Request) -> None:
-        self.pool.release(r, r.num_computed_tokens // self.block_size)
-
-    # -------------------------------------------------------- queue changes
-    def add_request(self, r: Request) -> None:
-        r.status = WAITING
-        self.waiting.append(r)
-        self.num_waiting += 1
-
-    def finish(self, r: Request, through: int) -> None:
-        """r produced its last token in step `through` (output processed).
-        A request preempted after that step was scheduled has already given
-        back its blocks and waits to be recomputed: it finishes all the same."""
-        if r.decoding:
-            self._leave(r, through)
-        r.outputs_done = self.outputs_through(r, through)
-        r.stint = False
-        if r.status == WAITING:
-            self.num_waiting -= 1           # leaves the waiting queue lazily
-        else:
-            self.running.remove(r)
-            self._free(r)
-        r.status = FINISHED
-
-    def abort(self, r: Request, processed: int) -> bool:
-        """Abort r at a step boundary; steps up to `processed` have had their
-        output processed. Returns False if r had already left."""
-        if r.status == WAITING:
-            r.status = ABORTED
-            self.num_waiting -= 1
-            return True
-        if r.status != RUNNING:
-            return False
-        if r.decoding:
-            self._leave(r, self.next_step - 1)
-        r.outputs_done = self.outputs_through(r, processed)
-        r.stint = False
-        r.status = ABORTED
-        self.running.remove(r)
-        if r in self.prefilling:
-            self.prefilling.remove(r)
-        self._free(r)
-        return True
-
-    def _preempt(self, r: Request, step: int) -> None:
-        """Preempt r while scheduling `step`: free its blocks, reset its
-        progress, put it back at the front of the waiting queue."""
-        if r.decoding:
-            self._leave(r, step - 1)
-        r.outputs_done = self.outputs_through(r, step - 1)
-        r.stint = False
-        self.running.remove(r)
-        if r in self.prefilling:
-            self.prefilling.remove(r)
-        self._free(r)
-        r.num_computed_tokens = 0
-        r.status = WAITING
-        r.ever_preempted = True
-        self.waiting.appendleft(r)
-        self.num_waiting += 1
-        self.num_preemptions += 1
-        if r.record is not None:
-            r.record.preemptions += 1
 
     # ------------------------------------------------------------- schedule
-    def schedule(self, macro_limit=None, tail: int = 0) -> StepPlan | None:
-        """Decide the next step. `macro_limit(plan, ctx0)` may return how many
-        identical decode-only steps may be decided now; the plan then stands
-        for all but the last `tail` of them (closed form), which the caller
-        schedules as single steps right after."""
-        S = self.next_step
-        cfg = self.config
-        bs = self.block_size
-        pool = self.pool
-        gone = self.finish_at.pop(S - 1, None)
-        if gone is not None:
-            for r in gone:
-                if r.decoding and r.dec_last == S - 1:
-                    self._leave(r, S - 1)
-        while self.finish_heap and self.finish_heap[0] < S:
-            heapq.heappop(self.finish_heap)
-        plan = StepPlan(S)
-        budget = cfg.max_num_batched_tokens
+    def schedule(self, fast_forward_limit=None, num_tail_steps: int = 0) -> SchedulerOutput | None:
+        """Decide the next step. `fast_forward_limit(output)` may return how
+        many identical decode-only steps may be decided now; the output then
+        stands for all but the last `num_tail_steps` of them, which the
+        caller schedules as single steps right after."""
+        step = self.next_step
+        kv = self.kv_cache_manager
+        group = self.decode_group
+        for r in group.pop_done(step):
+            self._leave_decode_group(r, step - 1)
+        output = SchedulerOutput(step)
+        token_budget = self.config.max_num_batched_tokens
         preempted = False
-        ntok = 0
 
-        # 1. running requests: the decode group, then those still in prefill
-        need = self.block_phase[S % bs]
-        if need <= pool.num_free:
-            pool.take_free(need)
-        else:
-            preempted = self._allocate_decodes_slow(S)
-        n = self.n_dec
-        # the decode group as it enters this step: requests whose prefill
-        # completes below join it for the next step and add nothing here
-        base = self.dec_base
-        budget -= n
-        ntok += n
+        # 1. running requests: the decode group, one token each, then those in prefill
+        if not kv.allocate_decode_blocks(group.new_blocks_at(step)):
+            preempted = self._allocate_decode_blocks_preempting(step)
+        # the group as it enters this step: requests whose prefill completes
+        # below join it for the next step
+        num_decode = group.num_reqs
+        output.decode_context = group.context_sum(step)
+        token_budget -= num_decode
         for r in list(self.prefilling):
-            if budget <= 0:
+            if token_budget <= 0:
                 break
             if r.status != RUNNING:
-                continue            # preempted above as a victim
-            q = min(r.num_tokens - r.num_computed_tokens, budget)
-            while not self._allocate(r, r.num_computed_tokens + q):
-                victim = self.running[-1]
-                self._preempt(victim, S)
+                continue                # preempted above as a victim
+            num_new_tokens = min(r.num_tokens - r.num_computed_tokens, token_budget)
+            while not kv.allocate_slots(r, num_new_tokens):
                 preempted = True
-                if victim is r:
+                if self._preempt_last(step) is r:
                     break
-            if r.status != RUNNING:
-                continue
-            self._schedule_chunk(plan, r, q, S)
-            budget -= q
-            ntok += q
+            if r.status == RUNNING:
+                self._schedule_chunk(output, r, num_new_tokens, step)
+                token_budget -= num_new_tokens
 
-        # 2. admission from the waiting queue
+        # 2. waiting requests, from the head, unless this step preempted
         blocked = False
         if not preempted:
-            while budget > 0 and self.num_waiting and len(self.running) < cfg.max_num_seqs:
+            while token_budget > 0 and self.num_waiting and len(self.running) < self.config.max_num_seqs:
                 r = self.waiting[0]
-                if r.status != WAITING:
-                    self.waiting.popleft()
+                if r.status not in WAITING_STATUSES:
+                    self.waiting.popleft()      # aborted while waiting
                     continue
-                if self._blocked == (r, pool.releases, self._num_chunks):
+                if self._blocked == (r, self.block_pool.releases, self._num_chunks):
                     # since this head last did not fit, no block came back and no
                     # prompt block was computed that it could hit; allocations and
                     # evictions only shrink what it could get
                     blocked = True
                     break
-                pieces, hit_blocks = self._find_hit(r)
-                hit_free = sum(p[2] - p[1] for p in pieces if p[0].free)
-                if self.reserve:
-                    total = -(-(r.prompt_len + r.max_tokens) // bs)
-                    free = pool.num_free - self.reservation_gap(S)
-                else:
-                    total = -(-r.num_tokens // bs)
-                    free = pool.num_free
-                if total - hit_blocks + hit_free > free:
+                computed_blocks, num_computed_tokens = kv.get_computed_blocks(r)
+                num_new_tokens = min(r.num_tokens - num_computed_tokens, token_budget)
+                set_aside = self.reservation_gap(step) if self.reserve else 0
+                if not kv.allocate_slots(r, num_new_tokens, num_computed_tokens, computed_blocks, set_aside):
                     blocked = True
-                    self._blocked = (r, pool.releases, self._num_chunks)
+                    self._blocked = (r, self.block_pool.releases, self._num_chunks)
                     break
                 self.waiting.popleft()
                 self.num_waiting -= 1
-                r.reserve_top = total
-                for e, lo, hi in pieces:
-                    r.blocks.append(pool.acquire(e, lo, hi, r))
-                hit = hit_blocks * bs
-                r.num_computed_tokens = hit
-                r.status = RUNNING
-                self.running.append(r)
-                self.prefilling.append(r)
-                if not r.ever_preempted:
-                    self.counters["prefix_cache_queries_total"] += r.prompt_len
-                    self.counters["prefix_cache_hits_total"] += hit
-                if r.record is not None:
-                    r.record.prefix_hit_tokens += hit
-                q = min(r.num_tokens - hit, budget)
-                ok = self._allocate(r, hit + q)
-                assert ok, "admission check guarantees the blocks"
-                self._schedule_chunk(plan, r, q, S)
-                budget -= q
-                ntok += q
+                self._admit(r, num_computed_tokens)
+                self._schedule_chunk(output, r, num_new_tokens, step)
+                token_budget -= num_new_tokens
 
-        nreq = n + len(plan.prefill)
-        if nreq == 0:
+        num_prefill = len(output.prefill_chunks)
+        if num_decode + num_prefill == 0:
             return None
-        plan.n_decode = n
-        plan.num_reqs = nreq
-        plan.num_tokens = ntok
-        plan.ctx0 = ctx0 = base + n * (S + 1)
-        fin = self.finish_at.get(S)
-        if (macro_limit is not None and not plan.prefill and not preempted and n
+        output.num_decode_reqs = num_decode
+        output.num_reqs = num_decode + num_prefill
+        output.total_num_scheduled_tokens = self.config.max_num_batched_tokens - token_budget
+        if (fast_forward_limit is not None and num_decode and not num_prefill and not preempted
                 and not self.prefilling and (blocked or not self.num_waiting
-                                                 or len(self.running) >= cfg.max_num_seqs)):
-            m = macro_limit(plan, ctx0)
-            if m > 1:
-                m = self._cap_macro(S, m) - tail
-            if m > 1:
-                plan.count = m
-                extra = sum(self.block_phase[s % bs] for s in range(S + 1, S + m)) \
-                    if m <= bs else self._phase_blocks(S + 1, m - 1)
-                pool.take_free(extra)
-                fin = self.finish_at.get(S + m - 1)
-        if fin:
-            plan.finishing.extend(r for r in fin if r.decoding and r.dec_last == plan.last)
-        self.next_step = S + plan.count
-        self.num_steps += plan.count
-        return plan
+                                             or len(self.running) >= self.config.max_num_seqs)):
+            self._fast_forward(output, fast_forward_limit, num_tail_steps)
+        output.finishing.extend(group.finishing_at(output.last))
+        self.next_step = step + output.num_steps
+        self.num_steps += output.num_steps
+        return output
+
+    def _fast_forward(self, output: SchedulerOutput, limit, num_tail_steps: int) -> None:
+        """Stretch a decode-only output over as many steps as `limit` allows,
+        no member finishing before the last of them and their blocks fitting."""
+        num_steps = limit(output)
+        if num_steps > 1:
+            step = output.first_step
+            group = self.decode_group
+            num_steps = group.fast_forward_cap(step, num_steps, self.kv_cache_manager.num_free_blocks) - num_tail_steps
+            if num_steps > 1:
+                output.num_steps = num_steps
+                ok = self.kv_cache_manager.allocate_decode_blocks(group.new_blocks(step + 1, num_steps - 1))
+                assert ok, "the cap keeps the group's blocks within the free ones"
+
+    def _allocate_decode_blocks_preempting(self, step: int) -> bool:
+        """Not enough free blocks for every decoding request that needs one in
+        `step`: go through running requests in admission order, preempting
+        from the tail, as vLLM does. Returns whether any was preempted."""
+        block_pool = self.block_pool
+        preempted = False
+        for r in list(self.running):
+            if r.status != RUNNING or not r.in_decode_group or (step - r.block_phase) % self.block_size:
+                continue
+            while block_pool.num_free < 1:
+                preempted = True
+                if self._preempt_last(step) is r:
+                    break
+            if r.status == RUNNING:
+                block_pool.take_free(1)
+        return preempted
+
+    def _admit(self, r: Request, num_computed_tokens: int) -> None:
+        """r leaves the waiting queue for the running ones with its prefix-cache hit."""
+        r.num_computed_tokens = num_computed_tokens
+        r.status = RUNNING
+        self.running.append(r)
+        self.prefilling.append(r)
+        if not r.ever_preempted:
+            self.counters["prefix_cache_queries_total"] += r.num_prompt_tokens
+            self.counters["prefix_cache_hits_total"] += num_computed_tokens
+        if r.record is not None:
+            r.record.prefix_hit_tokens += num_computed_tokens
+
+    def _schedule_chunk(self, output: SchedulerOutput, r: Request, num_new_tokens: int, step: int) -> None:
+        r.num_computed_tokens += num_new_tokens
+        r.chunks.append([step, num_new_tokens])
+        self._num_chunks += 1
+        if r.record is not None:
+            r.record.prompt_computed += num_new_tokens
+        output.prefill_chunks.append((r, num_new_tokens, r.num_computed_tokens - num_new_tokens))
+        if r.num_computed_tokens == r.num_tokens:
+            r.num_output_tokens += 1
+            output.first_outputs.append(r)
+            self.prefilling.remove(r)
+            if r.num_output_tokens >= r.out_limit:
+                output.finishing.append(r)
+            else:
+                self.decode_group.join(r, step + 1)
+                self.kv_cache_manager.open_output_blocks(r)
 
     def reservation_gap(self, through: int) -> int:
         """Reserve policy: blocks set aside for running requests and not yet
@@ -405,74 +242,83 @@ class Scheduler:
         bs = self.block_size
         gap = 0
         for r in self.running:
-            if r.decoding:
-                k = min(through, r.dec_last) - r.dec_start + 1
-                held = -(-(r.c0 + (k if k > 0 else 0)) // bs)
+            if r.in_decode_group:
+                computed = r.join_computed_tokens + DecodeGroup.steps_through(r, through)
+                held = cdiv(computed, bs)
             else:
-                held = r.blocks[-1].hi if r.blocks else 0
+                held = KVCacheManager.num_blocks_held(r)
             if r.reserve_top > held:
                 gap += r.reserve_top - held
         return gap
 
-    def _phase_blocks(self, start: int, m: int) -> int:
-        """New blocks the decode group needs over steps [start, start + m)."""
-        bs = self.block_size
-        full, rem = divmod(m, bs)
-        total = full * self.n_dec
-        for s in range(start, start + rem):
-            total += self.block_phase[s % bs]
-        return total
+    # -------------------------------------------------------- queue changes
+    def add_request(self, r: Request) -> None:
+        r.status = WAITING
+        self.waiting.append(r)
+        self.num_waiting += 1
 
-    def _cap_macro(self, S: int, m: int) -> int:
-        """Largest m' <= m such that no member's last step falls before the
-        last step of the run and the group's new blocks fit."""
-        if self.finish_heap:
-            m = min(m, self.finish_heap[0] - S + 1)
-        free = self.pool.num_free          # the blocks of step S are already taken
-        if m > 1 and self._phase_blocks(S + 1, m - 1) > free:
-            lo, hi = 1, m - 1                # largest k with blocks(S+1, k) <= free
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if self._phase_blocks(S + 1, mid) <= free:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            m = lo + 1 if self._phase_blocks(S + 1, lo) <= free else 1
-        return max(m, 1)
+    def outputs_through(self, r: Request, through: int) -> int:
+        """Outputs r has produced once steps up to `through` are processed."""
+        return self.decode_group.outputs_through(r, through)
 
-    def _allocate_decodes_slow(self, S: int) -> bool:
-        """Not enough free blocks for every decoding request that needs one at
-        step S: go through running requests in admission order, preempting
-        from the tail, as vLLM does."""
-        bs = self.block_size
-        preempted = False
-        for r in list(self.running):
-            if r.status != RUNNING or not r.decoding:
-                continue
-            if (S - r.phase) % bs:
-                continue
-            while self.pool.num_free < 1:
-                victim = self.running[-1]
-                self._preempt(victim, S)
-                preempted = True
-                if victim is r:
-                    break
-            if r.status == RUNNING:
-                self.pool.take_free(1)
-        return preempted
+    def finish(self, r: Request, through: int) -> None:
+        """r produced its last token in step `through` (output processed).
+        A request preempted after that step was scheduled has already given
+        back its blocks and waits to be recomputed: it finishes all the same."""
+        self._stop(r, through, through)
+        if r.status == PREEMPTED:
+            self.num_waiting -= 1           # leaves the waiting queue lazily
+        else:
+            self.running.remove(r)
+            self.kv_cache_manager.free(r)
+        r.status = FINISHED
 
-    def _schedule_chunk(self, plan: StepPlan, r: Request, q: int, S: int) -> None:
-        r.num_computed_tokens += q
-        r.chunks.append([S, q])
-        self._num_chunks += 1
+    def abort(self, r: Request, processed: int) -> bool:
+        """Abort r at a step boundary; steps up to `processed` have had their
+        output processed. Returns False if r had already left."""
+        if r.status in WAITING_STATUSES:
+            r.status = ABORTED
+            self.num_waiting -= 1
+            return True
+        if r.status != RUNNING:
+            return False
+        self._stop(r, self.next_step - 1, processed)
+        r.status = ABORTED
+        self._remove_running(r)
+        self.kv_cache_manager.free(r)
+        return True
+
+    def _preempt_last(self, step: int) -> Request:
+        """Preempt the most recently admitted running request while
+        scheduling `step`: free its blocks, reset its progress, put it back
+        at the front of the waiting queue. Returns it."""
+        r = self.running[-1]
+        self._stop(r, step - 1, step - 1)
+        self._remove_running(r)
+        self.kv_cache_manager.free(r)
+        r.num_computed_tokens = 0
+        r.status = PREEMPTED
+        r.ever_preempted = True
+        self.waiting.appendleft(r)
+        self.num_waiting += 1
+        self.num_preemptions += 1
         if r.record is not None:
-            r.record.prompt_computed += q
-        plan.prefill.append((r, q, r.num_computed_tokens - q))
-        if r.num_computed_tokens == r.num_tokens:
-            r.num_output_tokens += 1
-            plan.first_outputs.append(r)
+            r.record.preemptions += 1
+        return r
+
+    def _stop(self, r: Request, scheduled_through: int, processed_through: int) -> None:
+        """End r's decode stint: out of the group as of its last scheduled
+        step, its outputs counted through the last processed one."""
+        if r.in_decode_group:
+            self._leave_decode_group(r, scheduled_through)
+        r.outputs_done = self.decode_group.outputs_through(r, processed_through)
+        r.decode_outputs_pending = False
+
+    def _leave_decode_group(self, r: Request, through: int) -> None:
+        self.decode_group.leave(r, through)
+        self.kv_cache_manager.sync_output_blocks(r)
+
+    def _remove_running(self, r: Request) -> None:
+        self.running.remove(r)
+        if r in self.prefilling:
             self.prefilling.remove(r)
-            if r.num_output_tokens >= r.out_limit:
-                plan.finishing.append(r)
-            else:
-                self._join(r, S + 1)

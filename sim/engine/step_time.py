@@ -26,10 +26,12 @@ class StepTimeModel:
         return (self.fixed_s + self.per_request_s * num_reqs + self.per_token_s * num_tokens
                 + self.per_prefill_pair_s * prefill_pairs + self.per_decode_ctx_s * decode_ctx)
 
-    def decode_run(self, n: int, ctx0: float, m: int) -> float:
-        """Total time of m decode-only steps of n requests whose context sum is
-        ctx0 in the first step and grows by n per step (closed form)."""
-        a = self.fixed_s + (self.per_request_s + self.per_token_s) * n + self.per_decode_ctx_s * ctx0
+    def fast_forward_duration(self, num_decode_reqs: int, decode_context: float, num_steps: int) -> float:
+        """Total time of `num_steps` decode-only steps of `num_decode_reqs`
+        requests whose context sum is `decode_context` in the first step and
+        grows by num_decode_reqs per step (closed form)."""
+        n, m = num_decode_reqs, num_steps
+        a = self.fixed_s + (self.per_request_s + self.per_token_s) * n + self.per_decode_ctx_s * decode_context
         return m * a + self.per_decode_ctx_s * n * (m * (m - 1) / 2.0)
 
     def to_dict(self) -> dict:

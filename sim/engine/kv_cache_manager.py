@@ -1,0 +1,144 @@
+"""KV cache manager (vLLM's `v1/core/kv_cache_manager.py`): each request's
+block table over the block pool, and the prefix-cache lookup.
+
+A request's sequence is laid out in three key spaces (see block_pool): the
+shared prompt prefix, the full blocks of its call's prompt, and its own
+execution's blocks (a partial prompt tail and the outputs).
+
+Contract, with `r.blocks` the request's block table (extents in sequence order):
+  - `get_computed_blocks(r)` -> (blocks, num_computed_tokens): the longest
+    chain of cached full blocks r's sequence starts with, leaving at least
+    one token to compute; takes nothing from the pool.
+  - `allocate_slots(r, num_new_tokens, num_new_computed_tokens, new_computed_blocks)`
+    -> bool: give r blocks for its first r.num_computed_tokens +
+    num_new_computed_tokens + num_new_tokens tokens, taking the hit blocks
+    `new_computed_blocks` first. False, with nothing taken, if the free
+    blocks do not suffice. On admission (hit blocks given, possibly none)
+    the whole request must fit besides: its remaining prompt under the
+    on-demand policy, prompt + max_tokens under the reserve policy, in the
+    free blocks less `num_blocks_set_aside`.
+  - `free(r)`: r gives back its blocks (finish, abort or preemption); a
+    partial last block loses its hash.
+  - Decode-group members grow their last extent implicitly: the group's new
+    blocks are taken with `allocate_decode_blocks(n)`, and a member's table
+    catches up with `sync_output_blocks(r)` when it leaves the group.
+"""
+from __future__ import annotations
+
+from .block_pool import BlockPool, Extent, PREFIX_SPACE, call_space, exec_space
+from .request import Request
+from .utils import cdiv
+
+
+class KVCacheManager:
+    def __init__(self, num_gpu_blocks: int, block_size: int, reserve: bool = False):
+        self.block_size = block_size
+        self.block_pool = BlockPool(num_gpu_blocks, block_size)
+        self.reserve = reserve          # reserve policy: prompt + max_tokens set aside at admission
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free
+
+    @staticmethod
+    def num_blocks_held(r: Request) -> int:
+        return r.blocks[-1].hi if r.blocks else 0
+
+    # --------------------------------------------------------------- layout
+    def _segments(self, r: Request, num_blocks: int):
+        """(space, first block, end block) of r's first `num_blocks` blocks."""
+        bs = self.block_size
+        prefix_end = r.shared_prefix // bs
+        prompt_end = r.num_prompt_tokens // bs
+        return ((PREFIX_SPACE, 0, min(prefix_end, num_blocks)),
+                (call_space(r.call_id), prefix_end, min(prompt_end, num_blocks)),
+                (exec_space(r.request_id), prompt_end, num_blocks))
+
+    def _full_blocks(self, e: Extent) -> int:
+        return e.owner.num_computed_tokens // self.block_size
+
+    # --------------------------------------------------------------- lookup
+    def get_computed_blocks(self, r: Request):
+        """The prefix-cache hit of r: pieces (extent, lo, hi) and the tokens they hold."""
+        max_blocks = (r.num_tokens - 1) // self.block_size
+        pieces = []
+        end = 0
+        for space, first, last in self._segments(r, max_blocks):
+            if first >= last:
+                continue
+            if end < first:
+                break
+            found = self.block_pool.lookup(space, first, last, self._full_blocks)
+            pieces.extend(found)
+            end = found[-1][2] if found else end
+            if end < last:
+                break
+        return pieces, end * self.block_size
+
+    # ----------------------------------------------------------- allocation
+    def allocate_slots(self, r: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks=None, num_blocks_set_aside: int = 0) -> bool:
+        pool = self.block_pool
+        bs = self.block_size
+        if new_computed_blocks is not None:
+            if self.reserve:
+                needed = cdiv(r.num_prompt_tokens + r.max_tokens, bs)
+            else:
+                needed = cdiv(r.num_tokens, bs)
+            hit_in_free_queue = sum(hi - lo for e, lo, hi in new_computed_blocks if e.free)
+            if needed - num_new_computed_tokens // bs + hit_in_free_queue > pool.num_free - num_blocks_set_aside:
+                return False
+            r.reserve_top = needed
+            for e, lo, hi in new_computed_blocks:
+                r.blocks.append(pool.acquire(e, lo, hi, r))
+        target = cdiv(r.num_computed_tokens + num_new_computed_tokens + num_new_tokens, bs)
+        held = self.num_blocks_held(r)
+        if target <= held:
+            return True
+        if target - held > pool.num_free:
+            assert new_computed_blocks is None, "the admission check guarantees the blocks"
+            return False
+        for space, first, last in self._segments(r, target):
+            lo = max(first, held)
+            if lo >= last:
+                continue
+            top = r.blocks[-1] if r.blocks else None
+            if top is not None and top.space == space and top.owner is r and top.hi == lo:
+                pool.grow(top, last)
+            else:
+                if top is not None and top.owner is r and top.space != space:
+                    top.owner = None            # complete: the sequence moved past it
+                r.blocks.append(pool.new_extent(space, lo, last, r))
+            held = last
+        return True
+
+    def allocate_decode_blocks(self, num_blocks: int) -> bool:
+        """Take the decode group's new blocks; False, taking nothing, if they do not fit."""
+        pool = self.block_pool
+        if num_blocks > pool.num_free:
+            return False
+        pool.take_free(num_blocks)
+        return True
+
+    def free(self, r: Request) -> None:
+        self.block_pool.release(r, r.num_computed_tokens // self.block_size)
+
+    # ---------------------------------------------------- decode-group tables
+    def open_output_blocks(self, r: Request) -> None:
+        """r joins the decode group: its prompt extents are complete, and its
+        table ends in an extent of its own space that the outputs grow."""
+        own = exec_space(r.request_id)
+        for e in r.blocks:
+            if e.owner is r and e.space != own:
+                e.owner = None
+        top = r.blocks[-1] if r.blocks else None
+        if top is None or top.space != own or top.owner is not r:
+            first = cdiv(r.num_computed_tokens, self.block_size)
+            e = Extent(own, first, first, r)
+            e.holders.append(r)
+            r.blocks.append(e)
+
+    def sync_output_blocks(self, r: Request) -> None:
+        """A member leaving the group: its output extent covers its computed tokens."""
+        top = r.blocks[-1]
+        top.hi = max(top.lo, cdiv(r.num_computed_tokens, self.block_size))
