@@ -262,7 +262,7 @@ class Run:
 
     def _cancel(self, t: float, a: Cancel) -> None:
         self.executions[a.execution.id].cancel_requested_at = t
-        self.engine.abort_request(self.requests[a.execution.id])
+        self.engine.abort_request(self.requests.pop(a.execution.id))
 
     def _refuse(self, t: float, a: Refuse) -> None:
         rec = self._close_attempt(a.attempt)
