@@ -2,9 +2,8 @@
 `RunLog`. Everything here is a pure function of the log and the scenario: the
 simulator and the live harness write the same record from the same kind of log.
 
-The record lists are turned into numpy columns once (`_Columns`); every measure
-is then a vectorised count, so a run of ~10k executions is summarised in a few
-milliseconds.
+The record lists are turned into numpy columns once (`_Columns`); each record
+key is then one helper, a function of those columns.
 """
 from __future__ import annotations
 
@@ -255,184 +254,222 @@ def _in(x: np.ndarray, a: float, b: float) -> np.ndarray:
         return (x >= a) & (x < b)
 
 
-def record(log: RunLog, scenario: Scenario, capacity: float, inputs: dict) -> dict:
-    """The SPEC §8 result record of one run, as plain JSON-able Python."""
-    s = scenario
-    c = _Columns(log)
-    rec: dict[str, Any] = {}
-
-    # inputs
-    for key in ("model", "condition", "pulse", "seed"):
-        rec[key] = inputs.get(key)
-    for key, v in inputs.items():
-        if key not in rec and key != "capacity":
-            rec[key] = v
+def _inputs(inputs: dict, capacity: float) -> dict:
+    """The run's inputs, `model`, `condition`, `pulse`, `seed` first, then
+    the rest as given, then `capacity`."""
+    rec = {key: inputs.get(key) for key in ("model", "condition", "pulse", "seed")}
+    rec.update((k, v) for k, v in inputs.items() if k not in rec and k != "capacity")
     rec["capacity"] = float(capacity)
+    return rec
 
-    # cohorts
+
+def _cohorts(c: _Columns, s: Scenario) -> dict:
+    """Per cohort of planned arrivals: offered, delivered (within the
+    delivery horizon), within_deadline, late, undelivered."""
     with np.errstate(invalid="ignore"):
         lag = c.delivered_at - c.planned
         delivered = lag <= s.delivery_horizon_s
         within = lag <= s.deadline_s
-    cohorts = {}
+    out = {}
     for name, (a, b) in s.cohorts().items():
         m = _in(c.planned, a, b)
-        offered = int(m.sum())
-        dl = int((m & delivered).sum())
-        wd = int((m & within).sum())
-        cohorts[name] = {"offered": offered, "delivered": dl, "within_deadline": wd,
-                         "late": dl - wd, "undelivered": offered - dl}
-    rec["cohorts"] = cohorts
+        offered, dl, wd = int(m.sum()), int((m & delivered).sum()), int((m & within).sum())
+        out[name] = {"offered": offered, "delivered": dl, "within_deadline": wd,
+                     "late": dl - wd, "undelivered": offered - dl}
+    return out
 
-    # recovery
-    win = _window_stats(c.planned, c.delivered_at, log, s)
-    rec["recovered"], rec["recovery_time_s"] = recovery(
-        win["delivery"], win["queue_mean"], win["queue_growth"], s)
 
-    # rates over the primary interval, in multiples of capacity
+def _rates(c: _Columns, s: Scenario, capacity: float) -> dict:
+    """Attempts sent, executions created, accepted by the engine and
+    completed over the primary interval, in multiples of capacity."""
     a, b = s.primary_start, s.hold_end
     per = 1.0 / ((b - a) * capacity)
-    completed = c.e_fate == _F_COMPLETED
-    aborted = c.e_fate == _F_ABORTED
-    rec["rates_xC"] = {
-        "attempts": _in(c.a_sent, a, b).sum() * per,
-        "created": _in(c.e_created, a, b).sum() * per,
-        "accepted": (c.e_accepted & _in(c.e_dispatched, a, b)).sum() * per,
-        "completed": (completed & _in(c.e_finished, a, b)).sum() * per,
-    }
+    return {"attempts": _in(c.a_sent, a, b).sum() * per,
+            "created": _in(c.e_created, a, b).sum() * per,
+            "accepted": (c.e_accepted & _in(c.e_dispatched, a, b)).sum() * per,
+            "completed": ((c.e_fate == _F_COMPLETED) & _in(c.e_finished, a, b)).sum() * per}
 
-    # prompt work
-    computed = int(c.e_prompt.sum())
+
+def _prompt_tokens(c: _Columns) -> dict:
+    """Prompt work computed, split by whether the execution was aborted, the
+    aborted share into work before the abort and work in flight when it came,
+    and the aborted work the vLLM counter never sees (no first token)."""
+    aborted = c.e_fate == _F_ABORTED
     ab_prompt = int(c.e_prompt[aborted].sum())
     ab_flight = int(c.e_in_flight[aborted].sum())
-    rec["prompt_tokens"] = {
-        "computed": computed,
-        "never_aborted": int(c.e_prompt[~aborted].sum()),
-        "aborted_body": ab_prompt - ab_flight,
-        "aborted_in_flight": ab_flight,
-        "missed_by_counter": int(c.e_prompt[aborted & np.isnan(c.e_first_token)].sum()),
-    }
+    return {"computed": int(c.e_prompt.sum()),
+            "never_aborted": int(c.e_prompt[~aborted].sum()),
+            "aborted_body": ab_prompt - ab_flight,
+            "aborted_in_flight": ab_flight,
+            "missed_by_counter": int(c.e_prompt[aborted & np.isnan(c.e_first_token)].sum())}
 
-    # counters
-    counters = {k: log.counters.get(k) for k in COUNTER_KEYS}
-    counters.update(log.counters)
-    rec["counters"] = counters
+
+def _counters(log: RunLog) -> dict:
+    """The vLLM counters at run end (`COUNTER_KEYS` always present)."""
+    out = {k: log.counters.get(k) for k in COUNTER_KEYS}
+    out.update(log.counters)
+    return out
+
+
+def _counters_hold(log: RunLog, s: Scenario) -> dict:
+    """Increase of the prompt-token and prefix-query counters over the hold
+    (None without a snapshot at the pulse end)."""
     start = _snapshot(log.counters_at, s.pulse_end)
     end = _snapshot(log.counters_at, s.hold_end) or log.counters
 
-    def _incr(key):
+    def incr(key):
         if start is None or start.get(key) is None or end.get(key) is None:
             return None
         return int(end[key]) - int(start[key])
+    return {"prompt_tokens": incr("prompt_tokens_total"),
+            "prefix_cache_queries": incr("prefix_cache_queries_total")}
 
-    rec["counters_hold"] = {"prompt_tokens": _incr("prompt_tokens_total"),
-                            "prefix_cache_queries": _incr("prefix_cache_queries_total")}
 
-    # retries
+def _prev_execution(c: _Columns) -> np.ndarray:
+    """Row of each execution's predecessor: the same call's previous
+    execution by creation time (-1 for a call's first)."""
+    order = np.lexsort((c.e_id, c.e_created, c.e_call))
+    prev = np.full(len(c.e_id), -1, dtype=np.int64)
+    same = c.e_call[order[1:]] == c.e_call[order[:-1]]
+    prev[order[1:][same]] = order[:-1][same]
+    return prev
+
+
+def _retries(c: _Columns, s: Scenario) -> dict:
+    """Retries sent, attached, refused (budget, engine, proxy), never
+    scheduled; for retries that created an execution the engine scheduled:
+    the median gap from the predecessor's abort to the first step and the
+    median time left to the deadline at that step."""
     retry = c.a_number > 0
     row = c.exec_row(c.a_exec)
     has_exec = row >= 0
     sched = np.zeros(len(row), dtype=bool)
     sched[has_exec] = ~np.isnan(c.e_first_sched[row[has_exec]])
     never = retry & ((~has_exec) | (~c.a_attached & ~sched))
-    # retries that created an execution the engine scheduled
     created_own = retry & has_exec & ~c.a_attached
     created_own[has_exec] &= c.e_attempt[row[has_exec]] == c.a_number[has_exec]
     sr = created_own & sched
     sr_rows = row[sr]
-    # predecessor: the same call's previous execution (by creation time)
-    order = np.lexsort((c.e_id, c.e_created, c.e_call))
-    prev = np.full(len(c.e_id), -1, dtype=np.int64)
-    same = c.e_call[order[1:]] == c.e_call[order[:-1]]
-    prev[order[1:][same]] = order[:-1][same]
-    abort_at = np.where(~np.isnan(c.e_cancel), c.e_cancel,
-                        np.where(aborted, c.e_finished, np.nan))
-    p = prev[sr_rows]
+    aborted = c.e_fate == _F_ABORTED
+    abort_at = np.where(~np.isnan(c.e_cancel), c.e_cancel, np.where(aborted, c.e_finished, np.nan))
+    p = _prev_execution(c)[sr_rows]
     has_p = p >= 0
     gap = np.full(len(sr_rows), np.nan)
     gap[has_p] = c.e_first_sched[sr_rows[has_p]] - abort_at[p[has_p]]
     left = c.a_sent[sr] + s.deadline_s - c.e_first_sched[sr_rows]
-    n_retry = int(retry.sum())
-    n_never = int(never.sum())
-    rec["retries"] = {
-        "sent": n_retry,
-        "attached": int(c.a_attached.sum()),
-        "refused_budget": int((c.a_outcome == _O_BUDGET).sum()),
-        "refused_engine": int((c.a_outcome == _O_ENGINE).sum()),
-        "never_scheduled": n_never,
-        "median_abort_to_first_step_s": _median(gap),
-        "median_left_at_first_step_s": _median(left),
-        # extras
-        "never_scheduled_share": _ratio(n_never, n_retry),
-        "refused_engine_retries": int((retry & (c.a_outcome == _O_ENGINE)).sum()),
-        "refused_proxy": int((c.a_outcome == _O_PROXY).sum()),
-        "scheduled_created": int(sr.sum()),
-    }
+    n_retry, n_never = int(retry.sum()), int(never.sum())
+    return {"sent": n_retry,
+            "attached": int(c.a_attached.sum()),
+            "refused_budget": int((c.a_outcome == _O_BUDGET).sum()),
+            "refused_engine": int((c.a_outcome == _O_ENGINE).sum()),
+            "never_scheduled": n_never,
+            "median_abort_to_first_step_s": _median(gap),
+            "median_left_at_first_step_s": _median(left),
+            "never_scheduled_share": _ratio(n_never, n_retry),
+            "refused_engine_retries": int((retry & (c.a_outcome == _O_ENGINE)).sum()),
+            "refused_proxy": int((c.a_outcome == _O_PROXY).sum()),
+            "scheduled_created": int(sr.sum())}
 
-    # waste, over executions that reached the engine
+
+def _waste(c: _Columns) -> dict:
+    """Over executions the engine accepted: the share aborted, output tokens
+    generated and those of completed executions against the tokens asked for."""
     acc = c.e_accepted
     max_acc = int(c.e_max_tokens[acc].sum())
-    rec["waste"] = {
-        "abort_rate": _ratio((aborted & acc).sum(), acc.sum()),
-        "completion_ratio": _ratio(c.e_tokens[acc].sum(), max_acc),
-        "useful_token_ratio": _ratio(c.e_tokens[acc & completed].sum(), max_acc),
-    }
+    return {"abort_rate": _ratio(((c.e_fate == _F_ABORTED) & acc).sum(), acc.sum()),
+            "completion_ratio": _ratio(c.e_tokens[acc].sum(), max_acc),
+            "useful_token_ratio": _ratio(c.e_tokens[acc & (c.e_fate == _F_COMPLETED)].sum(), max_acc)}
 
-    rec["engine"] = {k: log.engine.get(k) for k in ("aborted_before_scheduled", "preemptions", "steps")}
-    rec["wall_s"] = float(log.wall_s)
 
-    # extras
+def _engine(log: RunLog) -> dict:
+    return {k: log.engine.get(k) for k in ("aborted_before_scheduled", "preemptions", "steps")}
+
+
+def _calls_failed(c: _Columns, log: RunLog) -> dict:
+    """Failed calls by reason, calls outstanding at run end, and failed calls
+    whose last attempt was refused (429 or 503) rather than timed out."""
     outc = c.call_outcome
-    # a failed call's last attempt refused (429 or 503) rather than timed out
-    n_att = np.array([cr.attempts for cr in log.calls], dtype=np.int64)
-    failed = np.array([o.startswith("failed") for o in outc], dtype=bool)
+    n_att = np.fromiter((cr.attempts for cr in log.calls), dtype=np.int64, count=len(log.calls))
+    failed = np.fromiter((o.startswith("failed") for o in outc), dtype=bool, count=len(outc))
     is_last = c.a_number == n_att[c.a_call] - 1 if len(c.a_call) else np.zeros(0, dtype=bool)
     refused_calls = c.a_call[is_last & np.isin(c.a_outcome, (_O_BUDGET, _O_ENGINE, _O_PROXY))]
-    rec["calls_failed"] = {"attempts": outc.count("failed_attempts"),
-                           "retry_after": outc.count("failed_retry_after"),
-                           "outstanding": outc.count(""),
-                           "by_refusal": int(failed[refused_calls].sum())}
-    rec["attempts"] = {
-        "sent": len(c.a_number), "first": int((~retry).sum()), "retries": n_retry,
-        "complete": int((c.a_outcome == _O_COMPLETE).sum()),
-        "timeout": int((c.a_outcome == _O_TIMEOUT).sum()),
-        "refused_budget": int((c.a_outcome == _O_BUDGET).sum()),
-        "refused_engine": int((c.a_outcome == _O_ENGINE).sum()),
-        "refused_proxy": int((c.a_outcome == _O_PROXY).sum()),
-    }
-    rec["executions"] = {
-        "created": len(c.e_id),
-        "accepted": int(acc.sum()),
-        "dropped": int((c.e_fate == _F_DROPPED).sum()),
-        "refused": int((c.e_fate == _F_REFUSED).sum()),
-        "aborted": int(aborted.sum()),
-        "completed": int(completed.sum()),
-        "orphaned": int((~np.isnan(c.e_orphaned)).sum()),
-        "live_at_end": int((c.e_fate == _F_LIVE).sum()),
-    }
+    return {"attempts": outc.count("failed_attempts"), "retry_after": outc.count("failed_retry_after"),
+            "outstanding": outc.count(""), "by_refusal": int(failed[refused_calls].sum())}
+
+
+def _attempts(c: _Columns) -> dict:
+    """Attempts by number (first, retries) and by outcome."""
+    n_first = int((c.a_number == 0).sum())
+    out = {"sent": len(c.a_number), "first": n_first, "retries": len(c.a_number) - n_first}
+    for name, code in (("complete", _O_COMPLETE), ("timeout", _O_TIMEOUT), ("refused_budget", _O_BUDGET),
+                       ("refused_engine", _O_ENGINE), ("refused_proxy", _O_PROXY)):
+        out[name] = int((c.a_outcome == code).sum())
+    return out
+
+
+def _executions(c: _Columns) -> dict:
+    """Executions created, accepted by the engine, by fate, orphaned."""
+    fate = c.e_fate
+    return {"created": len(c.e_id), "accepted": int(c.e_accepted.sum()),
+            "dropped": int((fate == _F_DROPPED).sum()), "refused": int((fate == _F_REFUSED).sum()),
+            "aborted": int((fate == _F_ABORTED).sum()), "completed": int((fate == _F_COMPLETED).sum()),
+            "orphaned": int((~np.isnan(c.e_orphaned)).sum()), "live_at_end": int((fate == _F_LIVE).sum())}
+
+
+def _series(c: _Columns, log: RunLog, s: Scenario) -> dict:
+    """The 1 s samples and the calls delivered per window_s bin."""
     ser = log.series
     d = c.delivered_at[~np.isnan(c.delivered_at)]
     end_t = max(float(log.end_time), float(ser.t[-1]) if len(ser.t) else 0.0,
                 float(d.max()) + 1e-9 if len(d) else 0.0)
     nbins = max(1, int(math.ceil(end_t / s.window_s)))
-    rec["series"] = {
-        "t": np.asarray(ser.t), "waiting": np.asarray(ser.waiting),
-        "running": np.asarray(ser.running), "proxy_queue": np.asarray(ser.proxy_queue),
-        "delivered_per_60s": np.bincount(np.minimum((d // s.window_s).astype(np.int64), nbins - 1),
-                                         minlength=nbins),
-        "delivered_bin_s": s.window_s,
-    }
-    pq = np.asarray(ser.proxy_queue, dtype=float)
-    pt = np.asarray(ser.t, dtype=float)
+    return {"t": np.asarray(ser.t), "waiting": np.asarray(ser.waiting),
+            "running": np.asarray(ser.running), "proxy_queue": np.asarray(ser.proxy_queue),
+            "delivered_per_60s": np.bincount(np.minimum((d // s.window_s).astype(np.int64), nbins - 1),
+                                             minlength=nbins),
+            "delivered_bin_s": s.window_s}
 
-    def _mean(a, b):
+
+def _proxy_queue(log: RunLog, s: Scenario) -> dict:
+    """Largest proxy queue sampled, and its mean over pulse, hold and primary."""
+    pq = np.asarray(log.series.proxy_queue, dtype=float)
+    pt = np.asarray(log.series.t, dtype=float)
+
+    def mean(a, b):
         m = (pt >= a) & (pt < b)
         return float(pq[m].mean()) if m.any() else None
-    rec["proxy_queue"] = {"max": int(pq.max()) if len(pq) else 0, "mean_pulse": _mean(s.pulse_start, s.pulse_end),
-                          "mean_hold": _mean(s.pulse_end, s.hold_end), "mean_primary": _mean(s.primary_start, s.hold_end)}
-    rec["windows"] = win
-    rec["end_time"] = float(log.end_time)
-    rec["scenario"] = s.to_dict()
+    return {"max": int(pq.max()) if len(pq) else 0, "mean_pulse": mean(s.pulse_start, s.pulse_end),
+            "mean_hold": mean(s.pulse_end, s.hold_end), "mean_primary": mean(s.primary_start, s.hold_end)}
+
+
+def record(log: RunLog, scenario: Scenario, capacity: float, inputs: dict) -> dict:
+    """The SPEC §8 result record of one run, as plain JSON-able Python."""
+    s = scenario
+    c = _Columns(log)
+    win = _window_stats(c.planned, c.delivered_at, log, s)
+    recovered, recovery_time = recovery(win["delivery"], win["queue_mean"], win["queue_growth"], s)
+    rec: dict[str, Any] = _inputs(inputs, capacity)
+    rec.update({
+        "cohorts": _cohorts(c, s),
+        "recovered": recovered,
+        "recovery_time_s": recovery_time,
+        "rates_xC": _rates(c, s, capacity),
+        "prompt_tokens": _prompt_tokens(c),
+        "counters": _counters(log),
+        "counters_hold": _counters_hold(log, s),
+        "retries": _retries(c, s),
+        "waste": _waste(c),
+        "engine": _engine(log),
+        "wall_s": float(log.wall_s),
+        "calls_failed": _calls_failed(c, log),
+        "attempts": _attempts(c),
+        "executions": _executions(c),
+        "series": _series(c, log, s),
+        "proxy_queue": _proxy_queue(log, s),
+        "windows": win,
+        "end_time": float(log.end_time),
+        "scenario": s.to_dict(),
+    })
     if log.extra:
         rec["extra"] = log.extra
     return _clean(rec)

@@ -14,7 +14,7 @@ import simpy
 from .conditions import Condition
 from .engine.core import EngineCore, EngineConfig
 from .engine.request import Request
-from .policy.client import RetryingClient, CallState, Retry, GiveUp, Delivered
+from .policy.client import RetryingClient, CallState, Retry, Delivered
 from .engine.request import WAITING_STATUSES
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel, Complete,
                            Drop, Wake)
@@ -26,47 +26,123 @@ from .workload import Trace
 INF = float("inf")
 
 
+class Clock(simpy.Environment):
+    """The SimPy environment of a run, with two additions for the driver's
+    timers: an event scheduled at an exact time, and a callback run as of an
+    earlier time of the current batch (`env.now` reads that time)."""
+
+    def schedule_at(self, t: float, callback) -> None:
+        """Call `callback(event)` when the clock reaches `t` (>= now)."""
+        ev = simpy.Event(self)
+        ev._ok, ev._value = True, None
+        ev.callbacks.append(callback)
+        heapq.heappush(self._queue, (t, simpy.core.NORMAL, next(self._eid), ev))
+
+    def call_as_of(self, t: float, fn, *args) -> None:
+        """Run `fn(*args)` with `now` set to `t`, then restore the clock."""
+        now, self._now = self._now, t
+        try:
+            fn(*args)
+        finally:
+            self._now = now
+
+
 class Timers:
     """Driver-side timers on the SimPy clock, cancellable, with the time of
-    the next live one (the engine may not advance past it in closed form)."""
+    the next live one (the engine may not advance past it in closed form).
 
-    def __init__(self, env: simpy.Environment):
+    A timer set at time c for time t fires at c + max(0, t - c) (the time a
+    SimPy timeout would), calling `fn(t, arg)`. Timers are kept in one heap
+    and take one SimPy event per batch: when one comes due, every later one
+    due before `horizon()` (the next time anything else can happen in the
+    simulation: the end of the engine's step in flight) fires with it, each
+    in its own order and as of its own time (`Clock.call_as_of`), which is
+    what the policy core and the engine would see had it fired alone.
+    `horizon()` returns -INF when timers must fire one instant at a time.
+    Timers also stop batching once `stop()` is true."""
+
+    def __init__(self, env: Clock, horizon=lambda: -INF, stop=lambda: False):
         self.env = env
-        self.heap: list[list] = []
+        self.heap: list[list] = []          # [fire time, seq, t, fn, arg, live]
+        self.horizon = horizon
+        self.stop = stop
+        self.until = INF                    # no batching past this time
         self._seq = 0
+        self._armed: list[float] = []       # times of this heap's SimPy events in the queue
+        self._firing = False
 
-    def at(self, t: float, fn, *args) -> list:
-        entry = [t, self._seq, fn, args, True]
-        self._seq += 1
+    def reserve(self, n: int) -> int:
+        """Reserve n sequence numbers (for timers added later that must
+        order as if set now); returns the first."""
+        first = self._seq
+        self._seq += n
+        return first
+
+    def at(self, t: float, fn, arg=None, seq: int | None = None) -> list:
+        now = self.env._now
+        tf = now + max(0.0, t - now)
+        if seq is None:
+            seq = self._seq
+            self._seq += 1
+        entry = [tf, seq, t, fn, arg, True]
         heapq.heappush(self.heap, entry)
-        ev = self.env.timeout(max(0.0, t - self.env.now))
-        ev.callbacks.append(lambda _e, entry=entry: self._fire(entry))
+        if not self._firing and (not self._armed or tf < self._armed[0]):
+            self._arm(tf)
         return entry
 
-    def _fire(self, entry: list) -> None:
-        if entry[4]:
-            entry[4] = False
-            entry[2](entry[0], *entry[3])
+    def _arm(self, tf: float) -> None:
+        heapq.heappush(self._armed, tf)
+        self.env.schedule_at(tf, self._tick)
+
+    def _tick(self, _event) -> None:
+        env, h = self.env, self.heap
+        now = heapq.heappop(self._armed)
+        limit = min(self.horizon(), self.until)
+        limit -= 1e-9 * max(1.0, abs(limit))        # leave a tie with the horizon to the clock
+        pop, call_as_of, stop = heapq.heappop, env.call_as_of, self.stop
+        self._firing = True
+        try:
+            while h:
+                e = h[0]
+                if not e[5]:
+                    pop(h)
+                    continue
+                tf = e[0]
+                if tf > now and (tf >= limit or stop()):
+                    break
+                pop(h)
+                e[5] = False
+                if tf > now:
+                    call_as_of(tf, e[3], e[2], e[4])
+                else:
+                    e[3](e[2], e[4])
+        finally:
+            self._firing = False
+        while h and not h[0][5]:
+            pop(h)
+        if h and (not self._armed or h[0][0] < self._armed[0]):
+            self._arm(h[0][0])
 
     @staticmethod
     def cancel(entry: list) -> None:
-        entry[4] = False
+        entry[5] = False
 
     def next_time(self) -> float:
         h = self.heap
-        while h and not h[0][4]:
+        while h and not h[0][5]:
             heapq.heappop(h)
-        return h[0][0] if h else INF
+        return h[0][2] if h else INF
 
 
 class Run:
     def __init__(self, profile: Profile, trace: Trace, condition: Condition, scenario: Scenario,
                  seed: int = 0, max_batched_tokens: int | None = None, fast_forward: bool = True,
                  snapshot_times: tuple = ()):
-        self.env = env = simpy.Environment()
+        self.env = env = Clock()
         self.trace = trace
         self.scenario = scenario
-        self.timers = Timers(env)
+        self.done = env.event()
+        self.timers = Timers(env, horizon=self._horizon, stop=lambda: self.done.triggered)
         rng = np.random.default_rng([seed, 1])   # stream of client backoff draws
         self.client = RetryingClient(condition.client_config(scenario), lambda a, b: float(rng.uniform(a, b)))
         # the proxy's prompt-throughput estimate: computed prompt tokens of the
@@ -82,41 +158,57 @@ class Run:
                                  on_first_token=self._on_first_token,
                                  next_input_time=self._next_input_time, fast_forward=fast_forward)
         n = len(trace)
-        self.calls = [CallState(i, float(trace.arrival[i])) for i in range(n)]
-        self.call_records = [CallRecord(i, float(trace.arrival[i])) for i in range(n)]
+        self.arrival = trace.arrival.tolist()
+        self.max_tokens = trace.max_tokens.tolist()
+        self.prompt_len = trace.prompt_len.tolist()
+        self.calls = [CallState(i, self.arrival[i]) for i in range(n)]
+        self.call_records = [CallRecord(i, self.arrival[i]) for i in range(n)]
         self.attempts: list[AttemptRecord] = []
         self.executions: list[ExecutionRecord] = []
         self.requests: dict[int, Request] = {}
-        self.deadline_timer: dict[int, list] = {}       # id(attempt) -> timer
-        self.attempt_rec: dict[int, AttemptRecord] = {}
+        self.open: dict[int, tuple[AttemptRecord, list]] = {}   # id(attempt) -> (its record, its deadline timer)
         self.outstanding = n
-        self.done = env.event()
         self.counters_at: dict[float, dict] = {}
+        self._handlers = {Subscribe: self._subscribe, Dispatch: self._dispatch_action, Cancel: self._cancel,
+                          Refuse: self._refuse, Complete: self._complete, Drop: self._drop, Wake: self._wake_at}
         for t in snapshot_times:
             self.timers.at(t, self._snapshot)
-        for i in range(n):
-            self.timers.at(float(trace.arrival[i]), self._send, i)
+        # arrivals are planned in order: each one, when it fires, sets the
+        # next, with the sequence number it would have had if set now
+        self._arrival_seq = self.timers.reserve(n)
+        self._in_order = bool(n < 2 or (np.diff(trace.arrival) >= 0).all())
+        for i in range(n if not self._in_order else min(n, 1)):
+            self.timers.at(self.arrival[i], self._arrive, i, seq=self._arrival_seq + i)
         if n == 0:
             self.done.succeed()
 
+    def _horizon(self) -> float:
+        """The next time anything but a timer can happen: the end of the
+        engine's step in flight (-INF while it is idle)."""
+        pending = self.engine.pending
+        return pending[0].end if pending else -INF
+
     # ------------------------------------------------------------ client side
+    def _arrive(self, t: float, call_id: int) -> None:
+        nxt = call_id + 1
+        if self._in_order and nxt < len(self.arrival):
+            self.timers.at(self.arrival[nxt], self._arrive, nxt, seq=self._arrival_seq + nxt)
+        self._send(t, call_id)
+
     def _send(self, t: float, call_id: int) -> None:
         cs = self.calls[call_id]
         number = self.client.send(cs, t)
         att = Attempt(call_id, number, cs.deadline)
         rec = AttemptRecord(call=call_id, number=number, sent_at=t)
         self.attempts.append(rec)
-        self.attempt_rec[id(att)] = rec
         self.call_records[call_id].attempts = cs.attempts
-        self.deadline_timer[id(att)] = self.timers.at(cs.deadline, self._deadline, att)
-        self._do(t, self.proxy.on_attempt(t, att, (int(self.trace.max_tokens[call_id]),),
-                                          int(self.trace.prompt_len[call_id])))
+        self.open[id(att)] = (rec, self.timers.at(cs.deadline, self._deadline, att))
+        self._do(t, self.proxy.on_attempt(t, att, (self.max_tokens[call_id],), self.prompt_len[call_id]))
 
     def _deadline(self, t: float, att: Attempt) -> None:
-        self.deadline_timer.pop(id(att), None)
         if not att.open:
             return
-        rec = self.attempt_rec.pop(id(att))
+        rec = self.open.pop(id(att))[0]
         rec.ended_at, rec.outcome = t, "timeout"
         self._do(t, self.proxy.on_attempt_left(t, att))
         ex = att.execution
@@ -127,11 +219,11 @@ class Run:
         self._decide(t, att.call_id, self.client.on_deadline(self.calls[att.call_id], t))
 
     def _decide(self, t: float, call_id: int, decision) -> None:
-        if isinstance(decision, Retry):
+        if type(decision) is Retry:
             self.timers.at(decision.at, self._send, call_id)
             return
         crec = self.call_records[call_id]
-        if isinstance(decision, Delivered):
+        if type(decision) is Delivered:
             crec.delivered_at = decision.at
             crec.outcome = "delivered"
         else:
@@ -141,49 +233,55 @@ class Run:
             self.done.succeed()
 
     def _close_attempt(self, att: Attempt) -> AttemptRecord:
-        timer = self.deadline_timer.pop(id(att), None)
-        if timer is not None:
-            Timers.cancel(timer)
-        return self.attempt_rec.pop(id(att))
+        rec, timer = self.open.pop(id(att))
+        timer[5] = False                    # Timers.cancel
+        return rec
 
     # ------------------------------------------------------------- proxy side
     def _do(self, t: float, actions: list) -> None:
+        handlers = self._handlers
         for a in actions:
-            if isinstance(a, Subscribe):
-                rec = self.attempt_rec[id(a.attempt)]
-                ex = a.execution
-                rec.execution = ex.id
-                rec.attached = a.attempt.attached
-                if ex.id == len(self.executions):        # created for this attempt
-                    i = ex.call_id
-                    self.executions.append(ExecutionRecord(
-                        id=ex.id, call=i, attempt=a.attempt.number, prompt_len=int(self.trace.prompt_len[i]),
-                        max_tokens=int(self.trace.max_tokens[i]), created_at=ex.created_at))
-            elif isinstance(a, Dispatch):
-                self._dispatch(t, a.execution)
-            elif isinstance(a, Cancel):
-                self.executions[a.execution.id].cancel_requested_at = t
-                self.engine.abort_request(self.requests[a.execution.id])
-            elif isinstance(a, Refuse):
-                rec = self._close_attempt(a.attempt)
-                rec.ended_at = t
-                rec.outcome = refusal_outcome(a.reason)
-                self._decide(t, a.attempt.call_id,
-                             self.client.on_refused(self.calls[a.attempt.call_id], t, a.status, a.retry_after))
-            elif isinstance(a, Complete):
-                rec = self._close_attempt(a.attempt)
-                rec.ended_at, rec.outcome = t, "complete"
-                self._decide(t, a.attempt.call_id, self.client.on_complete(self.calls[a.attempt.call_id], t))
-            elif isinstance(a, Drop):
-                erec = self.executions[a.execution.id]
-                erec.fate, erec.finished_at = "dropped", t
-            elif isinstance(a, Wake):
-                self.timers.at(a.at, self._wake, a.execution)
-            else:  # pragma: no cover
-                raise TypeError(f"unknown proxy action {a!r}")
+            handlers[type(a)](t, a)
         q = self.proxy.queued
         if q != self.proxy_queue_log[-1][1]:
             self.proxy_queue_log.append((t, q))
+
+    def _subscribe(self, t: float, a: Subscribe) -> None:
+        rec = self.open[id(a.attempt)][0]
+        ex = a.execution
+        rec.execution = ex.id
+        rec.attached = a.attempt.attached
+        if ex.id == len(self.executions):        # created for this attempt
+            i = ex.call_id
+            self.executions.append(ExecutionRecord(
+                id=ex.id, call=i, attempt=a.attempt.number, prompt_len=self.prompt_len[i],
+                max_tokens=self.max_tokens[i], created_at=ex.created_at))
+
+    def _dispatch_action(self, t: float, a: Dispatch) -> None:
+        self._dispatch(t, a.execution)
+
+    def _cancel(self, t: float, a: Cancel) -> None:
+        self.executions[a.execution.id].cancel_requested_at = t
+        self.engine.abort_request(self.requests.pop(a.execution.id))
+
+    def _refuse(self, t: float, a: Refuse) -> None:
+        rec = self._close_attempt(a.attempt)
+        rec.ended_at = t
+        rec.outcome = refusal_outcome(a.reason)
+        self._decide(t, a.attempt.call_id,
+                     self.client.on_refused(self.calls[a.attempt.call_id], t, a.status, a.retry_after))
+
+    def _complete(self, t: float, a: Complete) -> None:
+        rec = self._close_attempt(a.attempt)
+        rec.ended_at, rec.outcome = t, "complete"
+        self._decide(t, a.attempt.call_id, self.client.on_complete(self.calls[a.attempt.call_id], t))
+
+    def _drop(self, t: float, a: Drop) -> None:
+        erec = self.executions[a.execution.id]
+        erec.fate, erec.finished_at = "dropped", t
+
+    def _wake_at(self, t: float, a: Wake) -> None:
+        self.timers.at(a.at, self._wake, a.execution)
 
     def _next_input_time(self) -> float:
         """When the engine may next get input: the next timer, or — while
@@ -238,7 +336,7 @@ class Run:
         if ex is not None:
             self._do(t, self.proxy.on_finished(t, ex))
 
-    def _snapshot(self, t: float) -> None:
+    def _snapshot(self, t: float, _arg=None) -> None:
         self.counters_at[t] = dict(self.engine.scheduler.counters)
 
     # ------------------------------------------------------------------- run
@@ -247,6 +345,7 @@ class Run:
         if until is None:
             last = float(self.trace.arrival[-1]) if len(self.trace) else 0.0
             until = last + self.scenario.delivery_horizon_s
+        self.timers.until = until
         self.env.run(until=simpy.AnyOf(self.env, [self.done, self.env.timeout(until)]))
         end = self.env.now
         wall = time.perf_counter() - t0

@@ -31,7 +31,7 @@ class AttemptRecord:
     number: int                 # 0 = first attempt, 1.. = retries
     sent_at: float
     ended_at: float = NAN
-    # complete | timeout | refused_budget (429) | refused_engine (503) | refused_proxy (503 from the proxy)
+    # complete | timeout | refused_budget (429) | refused_engine (503) | refused_proxy (503 from the proxy: the deadline check)
     outcome: str = ""
     execution: int = -1         # execution it subscribed to (-1: refused before one was found)
     attached: bool = False      # joined an execution created for an earlier attempt

@@ -229,31 +229,52 @@ def test_a_queued_execution_is_dropped_only_when_its_last_subscriber_leaves():
     assert p.on_attempt_left(60.0, b1) == [Drop(exb)] and p.queued == 0
 
 
-def test_deadline_queue_refuses_an_attempt_estimated_to_miss_its_deadline():
-    # 100 prompt tokens/s, nothing in the engine: a 1000-token prompt waits 10 s
+def test_deadline_check_refuses_at_arrival_an_attempt_that_cannot_make_it():
+    # 100 prompt tokens/s, nothing in the engine; proxy cap 1: a holds the
+    # seat, c waits in the proxy queue with its 1000 tokens
     p = proxy(view=EngineView(0.0, 100.0), proxy_cap=1, queue="deadline", cancellation="now")
     a, outa = send(p, 0.0, 0, 0)
-    b = Attempt(1, 0, 5.0)                          # deadline 5: would get its first token at 11
-    outb = p.on_attempt(0.5, b, (64,), 1000)
     c = Attempt(2, 0, 100.0)
-    outc = p.on_attempt(0.6, c, (64,), 1000)
-    d = Attempt(3, 0, 15.0)                         # behind c: 1 + (1000 + 1000) / 100 = 21 > 15
-    outd = p.on_attempt(0.7, d, (64,), 1000)
-    exb, exc, exd = outb[0].execution, outc[0].execution, outd[0].execution
-    assert p.on_finished(1.0, outa[0].execution) == [Complete(a), Drop(exb), Refuse(b, 503, None, "proxy"),
-                                                     Dispatch(exc)]
-    assert p.queued == 1
+    outc = p.on_attempt(0.5, c, (64,), 1000)
+    assert len(outc) == 1 and outc[0].execution.state == "queued"
+    # d at 0.7 s: (1000 queued + its own 1000) / 100 = 20 s > the 19 s it has left
+    d = Attempt(3, 0, 19.7)
+    n_exec = len(p.executions)
+    assert p.on_attempt(0.7, d, (64,), 1000) == [Refuse(d, 503, None, "deadline")]
+    assert not d.open and d.execution is None
+    assert len(p.executions) == n_exec and p.queued == 1 and p.queued_tokens == 1000
+    # e at 0.8 s with 20 s left: just in time, admitted and queued behind c
+    e = Attempt(4, 0, 20.8)
+    oute = p.on_attempt(0.8, e, (64,), 1000)
+    assert oute == [Subscribe(e, oute[0].execution)] and p.queued == 2
+    # the queue is first in, first out; no check at dequeue
+    assert p.on_finished(1.0, outa[0].execution) == [Complete(a), Dispatch(outc[0].execution)]
 
 
-def test_deadline_queue_counts_the_engine_backlog():
+def test_deadline_check_counts_the_engine_backlog():
     # 100 prompt tokens/s, 1000 uncomputed in the engine: a 1000-token prompt waits 20 s
-    p = proxy(view=EngineView(1000.0, 100.0), proxy_cap=1, queue="deadline", cancellation="now")
-    a, outa = send(p, 0.0, 0, 0)
-    b = Attempt(1, 0, 20.0)                         # first token estimated at 21
-    c = Attempt(2, 0, 21.0)                         # ... just in time
-    outb, outc = p.on_attempt(0.5, b, (64,), 1000), p.on_attempt(0.6, c, (64,), 1000)
-    assert p.on_finished(1.0, outa[0].execution) == [Complete(a), Drop(outb[0].execution),
-                                                     Refuse(b, 503, None, "proxy"), Dispatch(outc[0].execution)]
+    p = proxy(view=EngineView(1000.0, 100.0), queue="deadline", cancellation="now")
+    b = Attempt(1, 0, 20.0)                         # 20 s needed, 19.5 s left
+    c = Attempt(2, 0, 21.0)                         # 20 s needed, 20.5 s left
+    assert p.on_attempt(0.5, b, (64,), 1000) == [Refuse(b, 503, None, "deadline")]
+    outc = p.on_attempt(0.5, c, (64,), 1000)
+    assert outc == [Subscribe(c, outc[0].execution), Dispatch(outc[0].execution)]
+
+
+def test_deadline_check_lets_a_retry_attach_without_a_check():
+    p = proxy(view=EngineView(0.0, 100.0), queue="deadline", coalesce=True)
+    a = Attempt(0, 0, 100.0)
+    outa = p.on_attempt(0.0, a, (64,), 1000)
+    p.on_attempt_left(100.0, a)
+    r = Attempt(0, 1, 101.0)                        # 1 s left, but its execution is live
+    assert p.on_attempt(100.0, r, (64,), 1000) == [Subscribe(r, outa[0].execution)]
+
+
+def test_deadline_check_only_under_the_deadline_queue():
+    p = proxy(view=EngineView(1e6, 100.0), proxy_cap=1, queue="fifo")
+    a = Attempt(0, 0, 1.0)
+    out = p.on_attempt(0.0, a, (64,), 1000)
+    assert isinstance(out[0], Subscribe) and isinstance(out[1], Dispatch)
 
 
 def test_engine_refusal_frees_the_seat_for_the_queue():
@@ -441,6 +462,25 @@ def test_driver_drops_a_queued_execution_that_was_given_up_without_sending_it():
     assert list(log.series.proxy_queue[:7]) == [0, 1, 1, 1, 1, 1, 0]
     # the engine saw two executions' prompts
     assert log.counters["prompt_tokens_total"] == 200
+
+
+def test_driver_refuses_at_arrival_with_503_and_no_execution_and_the_client_retries():
+    # 10 ms steps, one output token a step, 100-token prompts, proxy cap 1,
+    # 90 s deadline. Call 0 runs from 0 s to 10 s; its prompt, computed in
+    # the first step, is the throughput history: 100 tokens / 60 s. Call 1
+    # at 1 s: its own 100 tokens, 60 s < 89 s left: admitted, queued. Call 2
+    # at 1.5 s: call 1's 100 queued tokens + its own, 120 s > 88.5 s left:
+    # refused at arrival with 503, and so is its retry.
+    from sim.runlog import refusal_outcome
+    cond = compose("cancel", proxy_cap=1, queue="deadline")
+    log = _tiny_run(cond, [0.0, 1.0, 1.5], [1000, 5, 5], deadline=90.0, retries=1)
+    by_call = {c: [a for a in log.attempts if a.call == c] for c in range(3)}
+    assert [a.outcome for a in by_call[1]] == ["complete"] and by_call[1][0].execution == 1
+    assert [a.outcome for a in by_call[2]] == [refusal_outcome("deadline")] * 2
+    assert all(a.execution == -1 and a.ended_at == a.sent_at for a in by_call[2])
+    assert by_call[2][1].sent_at > by_call[2][0].sent_at
+    assert [c.outcome for c in log.calls] == ["delivered", "delivered", "failed_attempts"]
+    assert [e.call for e in log.executions] == [0, 1]
 
 
 def test_record_counts_refusals_and_proxy_queue():

@@ -362,8 +362,8 @@ def test_attempts_executions_and_counters_are_conserved(case: Case):
             assert exs[a.execution].finished_at == a.ended_at, a
         if a.outcome == "refused_engine":
             assert exs[a.execution].fate == "refused", a
-        if a.outcome == "refused_proxy":     # the deadline check refused it at dequeue
-            assert exs[a.execution].fate == "dropped", a
+        if a.outcome == "refused_proxy":     # the deadline check refused it at arrival
+            assert a.execution == -1 and a.ended_at == a.sent_at, a
         if a.outcome == "refused_budget":
             assert a.execution == -1 and a.number > 0 and a.ended_at == a.sent_at, a
         if a.attached:

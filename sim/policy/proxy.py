@@ -11,12 +11,13 @@ from an `EngineView` the driver supplies on request.
 
 Order of checks for one attempt (SPEC §3): the call's key; then the retry
 budget and the lookup of a live execution in the configured order
-(`budget-first` or `lookup-first`); unless refused or attached, a new
-execution, held in the proxy's own queue while the proxy cap is reached;
-dispatch to the engine, which may refuse it (engine cap, 503).
+(`budget-first` or `lookup-first`); unless refused or attached, under the
+`deadline` queue the deadline check; then a new execution, held in the
+proxy's own queue while the proxy cap is reached; dispatch to the engine,
+which may refuse it (engine cap, 503).
 
 Estimate of the wait to first token (`Proxy.estimate_wait`), used for the
-429's Retry-After and the `deadline` dequeue check:
+429's Retry-After and the deadline check:
 
     wait = (uncomputed prompt tokens of the executions queued in the proxy
             + uncomputed prompt tokens of the executions waiting or running
@@ -30,6 +31,13 @@ from the driver's `EngineView`. The numerator counts whole prompts, the
 denominator computed tokens (prefix-cache hits excluded), so with a shared
 cached prefix the estimate errs long by about the cached share; an
 execution preempted and recomputed is counted from its current progress.
+
+Deadline check (queue `deadline`): an attempt that would need a new
+execution is refused with 503 (reason `deadline`) when it arrives, before an
+execution is created, if the estimated wait exceeds the time it has left
+(its deadline minus the arrival time). With no throughput known at all
+(neither history nor the profile's figure) nothing is refused. The queue
+itself is dequeued first in, first out.
 """
 from __future__ import annotations
 
@@ -53,7 +61,7 @@ class ProxyConfig:
     budget_window_s: float = 60.0
     order: str = "budget-first"   # budget-first | lookup-first
     proxy_cap: int | None = None  # N: most executions outstanding in the engine; more wait in the proxy
-    queue: str = "fifo"           # dequeue order: fifo | deadline | lifo
+    queue: str = "fifo"           # fifo | deadline (fifo, and the deadline check at arrival) | lifo
     lifo_after: int = 50          # lifo takes the newest once more than this many are queued
 
     def __post_init__(self):
@@ -189,7 +197,7 @@ class Refuse:
     attempt: Attempt
     status: int                   # 429 or 503
     retry_after: float | None = None
-    reason: str = ""              # budget | engine | proxy
+    reason: str = ""              # budget | engine | deadline
 
 
 @dataclass(frozen=True)
@@ -241,11 +249,10 @@ class Proxy:
         self._next_id = 0
 
     # ----------------------------------------------------------- estimator
-    def estimate_wait(self, t: float, prompt_len: float, queued_tokens: float | None = None,
-                      extra_tokens: float = 0.0) -> float:
-        """Seconds until an attempt of `prompt_len` prompt tokens would get
-        its first token (see the module docstring). `queued_tokens` is the
-        proxy-queue work ahead of it (default: the whole queue)."""
+    def estimate_wait(self, t: float, prompt_len: float) -> float:
+        """Seconds until an attempt of `prompt_len` prompt tokens arriving at
+        t would get its first token (see the module docstring); INF when no
+        prompt throughput is known."""
         view = self.engine_view(t) if self.engine_view is not None else None
         engine_tokens = view.uncomputed_prompt_tokens if view is not None else 0.0
         rate = view.prompt_throughput if view is not None else None
@@ -253,8 +260,13 @@ class Proxy:
             rate = self.prompt_throughput
         if not rate or rate <= 0:
             return INF
-        ahead = self.queued_tokens if queued_tokens is None else queued_tokens
-        return (ahead + engine_tokens + extra_tokens + prompt_len) / rate
+        return (self.queued_tokens + engine_tokens + prompt_len) / rate
+
+    def misses_deadline(self, t: float, attempt: Attempt, prompt_len: float) -> bool:
+        """The deadline check: the estimated wait exceeds the time the
+        attempt has left (False when no throughput is known)."""
+        wait = self.estimate_wait(t, prompt_len)
+        return wait != INF and wait > attempt.deadline - t
 
     # ------------------------------------------------------------ attempts
     def on_attempt(self, t: float, attempt: Attempt, params: tuple = (), prompt_len: int = 0) -> list:
@@ -277,6 +289,9 @@ class Proxy:
             attempt.execution = found
             attempt.attached = True
             return [Subscribe(attempt, found)]
+        if cfg.queue == "deadline" and self.misses_deadline(t, attempt, prompt_len):
+            attempt.open = False
+            return [Refuse(attempt, 503, None, "deadline")]
         ex = Execution(self._next_id, attempt.call_id, key, t, prompt_len)
         self._next_id += 1
         self.executions[ex.id] = ex
@@ -325,21 +340,8 @@ class Proxy:
         cap = self.config.proxy_cap
         if cap is None:
             return out
-        extra = 0.0                   # prompts dispatched in this call, not yet in the engine view
         while self.outstanding < cap and self.queued:
             ex = self._pop()
-            if self.config.queue == "deadline":
-                deadline = max(a.deadline for a in ex.subscribers)
-                wait = self.estimate_wait(t, ex.prompt_len, queued_tokens=0.0, extra_tokens=extra)
-                if t + wait > deadline:
-                    subs, ex.subscribers = ex.subscribers, []
-                    self._end(ex, "dropped")
-                    out.append(Drop(ex))
-                    for a in subs:
-                        a.open = False
-                        out.append(Refuse(a, 503, None, "proxy"))
-                    continue
-                extra += ex.prompt_len
             self.queued -= 1
             self.queued_tokens -= ex.prompt_len
             self._dispatch(ex, out)
