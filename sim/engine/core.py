@@ -23,7 +23,7 @@ from typing import Callable
 
 from .request import Request, RUNNING, FINISHED, ABORTED, WAITING_STATUSES
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .step_time import StepTimeModel, prefill_pairs
+from .step_time import StepTimeModel
 
 INF = float("inf")
 ABORT_LATENCIES = ("v1", "v0")
@@ -149,7 +149,7 @@ class EngineCore:
         start = self.pending[-1].end if self.pending else self.now
         if output.num_steps == 1:
             dur = self.step_model.duration(output.num_reqs, output.total_num_scheduled_tokens,
-                                           self._pairs(output), output.decode_context)
+                                           output.prefill_pairs, output.decode_context)
         else:
             dur = self.step_model.fast_forward_duration(output.num_decode_reqs, output.decode_context,
                                                         output.num_steps)
@@ -163,10 +163,6 @@ class EngineCore:
                 rec.first_scheduled_at = start
         self.pending.append(output)
 
-    @staticmethod
-    def _pairs(output: SchedulerOutput) -> float:
-        return sum(prefill_pairs(q, ctx) for _, q, ctx in output.prefill_chunks)
-
     def _fast_forward_limit(self, output: SchedulerOutput) -> int:
         """How many identical decode steps, from the step being scheduled
         (`output.first_step`, its first one described by `output`), may be
@@ -175,10 +171,13 @@ class EngineCore:
         then applied, so m steps may be decided now iff no input is due before
         the end of step first+m-1-depth."""
         pending = self.pending
-        if self.inbox or self._deferred or any(p.num_steps > 1 for p in pending):
+        if self.inbox or self._deferred:
             return 1
-        if self.scheduler.num_waiting and any(p.finishing for p in pending):
-            return 1        # freed blocks may admit the head before the fast-forward ends
+        for p in pending:
+            if p.num_steps > 1:
+                return 1
+            if p.finishing and self.scheduler.num_waiting:
+                return 1    # freed blocks may admit the head before the fast-forward ends
         t_in = self.next_input_time()
         if t_in == INF:
             return 1 << 30
@@ -321,6 +320,7 @@ class EngineCore:
 
     def _log_gauges(self) -> None:
         s = self.scheduler
-        g = (s.num_waiting, len(s.running))
-        if not self.gauge_log or self.gauge_log[-1][1:] != g:
-            self.gauge_log.append((self.now, g[0], g[1]))
+        waiting, running = s.num_waiting, len(s.running)
+        log = self.gauge_log
+        if not log or log[-1][1] != waiting or log[-1][2] != running:
+            log.append((self.now, waiting, running))

@@ -54,9 +54,6 @@ class KVCacheManager:
                 (call_space(r.call_id), prefix_end, min(prompt_end, num_blocks)),
                 (exec_space(r.request_id), prompt_end, num_blocks))
 
-    def _full_blocks(self, e: Extent) -> int:
-        return e.owner.num_computed_tokens // self.block_size
-
     # --------------------------------------------------------------- lookup
     def get_computed_blocks(self, r: Request):
         """The prefix-cache hit of r: pieces (extent, lo, hi) and the tokens they hold."""
@@ -68,9 +65,10 @@ class KVCacheManager:
                 continue
             if end < first:
                 break
-            found = self.block_pool.lookup(space, first, last, self._full_blocks)
-            pieces.extend(found)
-            end = found[-1][2] if found else end
+            found = self.block_pool.lookup(space, first, last)
+            if found:
+                pieces += found
+                end = found[-1][2]
             if end < last:
                 break
         return pieces, end * self.block_size
@@ -85,30 +83,35 @@ class KVCacheManager:
                 needed = cdiv(r.num_prompt_tokens + r.max_tokens, bs)
             else:
                 needed = cdiv(r.num_tokens, bs)
-            hit_in_free_queue = sum(hi - lo for e, lo, hi in new_computed_blocks if e.free)
+            hit_in_free_queue = 0
+            for e, lo, hi in new_computed_blocks:
+                if e.free:
+                    hit_in_free_queue += hi - lo
             if needed - num_new_computed_tokens // bs + hit_in_free_queue > pool.num_free - num_blocks_set_aside:
                 return False
             r.reserve_top = needed
             for e, lo, hi in new_computed_blocks:
                 r.blocks.append(pool.acquire(e, lo, hi, r))
-        target = cdiv(r.num_computed_tokens + num_new_computed_tokens + num_new_tokens, bs)
-        held = self.num_blocks_held(r)
+        target = -(-(r.num_computed_tokens + num_new_computed_tokens + num_new_tokens) // bs)    # cdiv
+        table = r.blocks
+        held = table[-1].hi if table else 0
         if target <= held:
             return True
         if target - held > pool.num_free:
             assert new_computed_blocks is None, "the admission check guarantees the blocks"
             return False
+        top = table[-1] if table else None
         for space, first, last in self._segments(r, target):
-            lo = max(first, held)
+            lo = first if first > held else held
             if lo >= last:
                 continue
-            top = r.blocks[-1] if r.blocks else None
-            if top is not None and top.space == space and top.owner is r and top.hi == lo:
+            if top is not None and top.owner is r and top.space == space and top.hi == lo:
                 pool.grow(top, last)
             else:
                 if top is not None and top.owner is r and top.space != space:
                     top.owner = None            # complete: the sequence moved past it
-                r.blocks.append(pool.new_extent(space, lo, last, r))
+                top = pool.new_extent(space, lo, last, r)
+                table.append(top)
             held = last
         return True
 
@@ -117,7 +120,8 @@ class KVCacheManager:
         pool = self.block_pool
         if num_blocks > pool.num_free:
             return False
-        pool.take_free(num_blocks)
+        if num_blocks:
+            pool.take_free(num_blocks)
         return True
 
     def free(self, r: Request) -> None:
