@@ -208,3 +208,78 @@ def test_decode_context_counts_only_requests_decoding_in_the_step():
     for s, (nreq, ntok, ctx) in enumerate(calls):
         want = (8 + s if 1 <= s <= 299 else 0) + (s - k + 8 if k + 1 <= s <= k + 2 else 0)
         assert ctx == want, (s, nreq, ntok, ctx, want)
+
+
+# ------------------------------------------------------------ fault injection
+
+def _leak_run(leak, n=10):
+    h = Harness(num_gpu_blocks=16, budget=64, leak_blocks_on_abort=leak)
+    recs = [h.add(2.0 * i + 0.5, i, prompt=12, max_tokens=20) for i in range(n)]
+    for i in range(4):                  # the first four are cancelled after two steps
+        h.abort(2.0 * i + 2.0, i)
+    h.run(until=200.0)
+    return h, recs
+
+
+def test_block_leak_on_abort_stops_admission_for_good():
+    # each of the first four holds 4 blocks (3 prompt blocks, then a 4th for
+    # its 13th token) when its abort is applied at the end of its second step
+    h, recs = _leak_run(leak=True)
+    ttft = [r.first_token_at - r.created_at for r in recs]
+    assert ttft[:4] == [1.0] * 4
+    assert all(math.isnan(t) for t in ttft[4:])          # never served: no recovery
+    assert h.sched.block_pool.num_free == 0 and h.sched.kv_cache_manager.num_leaked_blocks == 16
+    assert h.sched.block_pool.usage() == 1.0
+    t, waiting, running = h.engine.gauge_log[-1]
+    assert (waiting, running) == (6, 0)                  # every later arrival waits, nothing runs
+    # the waiting queue only grows once admission has stopped
+    after = [w for t, w, r in h.engine.gauge_log if t >= 8.5]
+    assert after == sorted(after) and after[-1] == 6
+
+
+def test_without_the_leak_aborted_blocks_come_back():
+    h, recs = _leak_run(leak=False)
+    assert not any(math.isnan(r.first_token_at) for r in recs)
+    assert [r.fate for r in recs] == ["aborted"] * 4 + ["completed"] * 6
+    assert h.sched.block_pool.num_free == 16 and h.sched.kv_cache_manager.num_leaked_blocks == 0
+    assert h.engine.gauge_log[-1][1:] == (0, 0)
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_stall_delays_the_step_after_it_begins(fast_forward):
+    # steps of 1 s: step 2 runs [2, 3) across the stall's start at 2.5; the
+    # boundary at 3 falls in the stall, so step 3 starts at 6.5
+    h = Harness(stalls=[(2.5, 4.0)], fast_forward=fast_forward)
+    a = h.add(0.0, 0, prompt=8, max_tokens=10)
+    b = h.add(4.0, 1, prompt=4, max_tokens=1)           # arrives during the stall
+    h.run()
+    assert a.first_token_at == 1.0
+    assert a.finished_at == 6.5 + 7                      # steps 3..9 after the stall
+    assert b.first_scheduled_at == 6.5 and b.first_token_at == 7.5
+    assert h.sched.num_steps == 10
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_stall_gives_the_same_run_with_and_without_fast_forward(depth):
+    from sim.engine.step_time import StepTimeModel
+    model = StepTimeModel(0.01, 0.001, 0.0001, 1e-7, 1e-6)
+    out = []
+    for ff in (True, False):
+        h = Harness(num_gpu_blocks=60, budget=32, depth=depth, model=model, fast_forward=ff,
+                    stalls=[(0.9, 0.5), (2.0, 0.25)])
+        recs = [h.add(0.05 * i, i, prompt=20 + 3 * i, max_tokens=30 + 7 * i) for i in range(8)]
+        h.run()
+        out.append([(r.first_token_at, r.finished_at, r.tokens_generated) for r in recs] + [h.sched.num_steps])
+    assert out[0][-1] == out[1][-1]
+    for x, y in zip(out[0][:-1], out[1][:-1]):
+        assert x[2] == y[2]
+        assert x[0] == pytest.approx(y[0], rel=1e-12) and x[1] == pytest.approx(y[1], rel=1e-12)
+
+
+def test_stall_must_be_a_pair_of_times():
+    from sim.engine.core import EngineConfig
+    from sim.engine.scheduler import SchedulerConfig
+    for bad in ([(1.0,)], [(1.0, 0.0)], [(-1.0, 2.0)], [(float("nan"), 1.0)], [("x", 1.0)]):
+        with pytest.raises(ValueError):
+            EngineConfig(SchedulerConfig(), stalls=bad)
+    assert EngineConfig(SchedulerConfig(), stalls=[(5, 1), (1, 2)]).stalls == ((1.0, 2.0), (5.0, 1.0))

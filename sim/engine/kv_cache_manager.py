@@ -18,7 +18,8 @@ Contract, with `r.blocks` the request's block table (extents in sequence order):
     on-demand policy, prompt + max_tokens under the reserve policy, in the
     free blocks less `num_blocks_set_aside`.
   - `free(r)`: r gives back its blocks (finish, abort or preemption); a
-    partial last block loses its hash.
+    partial last block loses its hash. `leak(r)` instead keeps them held
+    for ever (fault injection: a block leak on abort).
   - Decode-group members grow their last extent implicitly: the group's new
     blocks are taken with `allocate_decode_blocks(n)`, and a member's table
     catches up with `sync_output_blocks(r)` when it leaves the group.
@@ -35,6 +36,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.block_pool = BlockPool(num_gpu_blocks, block_size)
         self.reserve = reserve          # reserve policy: prompt + max_tokens set aside at admission
+        self.num_leaked_blocks = 0      # block positions of leaked tables (fault injection)
 
     @property
     def num_free_blocks(self) -> int:
@@ -126,6 +128,12 @@ class KVCacheManager:
 
     def free(self, r: Request) -> None:
         self.block_pool.release(r, r.num_computed_tokens // self.block_size)
+
+    def leak(self, r: Request) -> None:
+        """Fault injection: r's blocks are never given back. They stay held
+        by r (its table kept, so a sharer's split still finds them) and
+        hashed, so a later request may still hit them."""
+        self.num_leaked_blocks += self.num_blocks_held(r)
 
     # ---------------------------------------------------- decode-group tables
     def open_output_blocks(self, r: Request) -> None:

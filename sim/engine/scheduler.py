@@ -73,8 +73,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, step_model: StepTimeModel):
+    def __init__(self, config: SchedulerConfig, step_model: StepTimeModel, leak_blocks_on_abort: bool = False):
         self.config = config
+        self.leak_blocks_on_abort = leak_blocks_on_abort    # fault injection (EngineConfig)
         self.step_model = step_model
         self.block_size = config.block_size
         self.reserve = config.kv_policy == "reserve"
@@ -288,7 +289,10 @@ class Scheduler:
         self._stop(r, self.next_step - 1, processed)
         r.status = ABORTED
         self._remove_running(r)
-        self.kv_cache_manager.free(r)
+        if self.leak_blocks_on_abort:
+            self.kv_cache_manager.leak(r)
+        else:
+            self.kv_cache_manager.free(r)
         return True
 
     def _preempt_last(self, step: int) -> Request:
