@@ -283,3 +283,62 @@ def test_stall_must_be_a_pair_of_times():
         with pytest.raises(ValueError):
             EngineConfig(SchedulerConfig(), stalls=bad)
     assert EngineConfig(SchedulerConfig(), stalls=[(5, 1), (1, 2)]).stalls == ((1.0, 2.0), (5.0, 1.0))
+
+
+# ------------------------------------------------------ the engine's parts
+
+def test_kv_cache_manager_verbs():
+    from sim.engine.kv_cache_manager import KVCacheManager
+    from sim.engine.request import Request
+    kv = KVCacheManager(num_gpu_blocks=10, block_size=4)
+    a = Request(0, 1, 12, 4)
+    assert kv.get_computed_blocks(a) == ([], 0)
+    assert kv.allocate_slots(a, 12, 0, [])              # admission: 3 blocks
+    a.num_computed_tokens = 12
+    assert kv.num_free_blocks == 7
+    kv.free(a)
+    assert kv.num_free_blocks == 10
+    retry = Request(1, 1, 12, 4)                        # same call: same prompt
+    blocks, num_computed = kv.get_computed_blocks(retry)
+    assert num_computed == 8                            # whole blocks, the last token left to compute
+    assert kv.allocate_slots(retry, 4, num_computed, blocks)
+    assert kv.num_free_blocks == 7                      # 2 blocks taken back from the free queue, 1 new
+    big = Request(2, 2, 40, 4)                          # needs 10 blocks, 7 free
+    assert not kv.allocate_slots(big, 40, 0, [])
+    assert kv.num_free_blocks == 7 and big.blocks == []  # nothing taken
+
+
+def test_preempted_request_waits_at_the_front_with_status_preempted():
+    from sim.engine.request import Request, PREEMPTED, RUNNING
+    from sim.engine.scheduler import Scheduler, SchedulerConfig
+    from sim.engine.step_time import StepTimeModel
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks=5, block_size=4),
+                  StepTimeModel(1.0, 0, 0, 0, 0))
+    a, b = Request(0, 0, 8, 10), Request(1, 1, 8, 10)
+    s.add_request(a)
+    s.add_request(b)
+    for _ in range(6):                                  # each needs a third block at its 9th token
+        out = s.schedule()
+        if s.num_preemptions:
+            break
+    assert s.num_preemptions == 1 and out.first_step == 1
+    assert (a.status, b.status) == (RUNNING, PREEMPTED)
+    assert s.waiting[0] is b and b.num_computed_tokens == 0 and b.blocks == []
+
+
+def test_decode_group_aggregates():
+    from sim.engine.decode_group import DecodeGroup
+    from sim.engine.request import Request
+    g = DecodeGroup(block_size=4)
+    a, b = Request(0, 0, 6, 5), Request(1, 1, 9, 3)
+    for r, step in ((a, 3), (b, 4)):
+        r.num_computed_tokens, r.num_output_tokens = r.num_prompt_tokens, 1
+        g.join(r, step)
+    # step 5: a has 6 + 2 tokens before, reads 9; b has 9 + 1 before, reads 11
+    assert g.context_sum(5) == 9 + 11
+    assert g.new_blocks(5, 4) == 2                      # each needs one block every 4 steps
+    assert (a.decode_last_step, b.decode_last_step) == (6, 5)
+    assert g.finishing_at(5) == [b] and g.pop_done(6) == [b]
+    g.leave(b, 5)
+    assert (b.num_computed_tokens, b.num_output_tokens) == (11, 3)
+    assert g.num_reqs == 1 and g.outputs_through(a, 4) == a.outputs_done + 2
