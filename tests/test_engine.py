@@ -259,6 +259,19 @@ def test_stall_delays_the_step_after_it_begins(fast_forward):
     assert h.sched.num_steps == 10
 
 
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_stall_at_depth_two_lets_the_queued_step_run_and_holds_the_next(fast_forward):
+    # steps 0, 1 are launched at 0; step k+2 at the end of step k. Steps 2
+    # [2, 3) and 3 [3, 4) are on the device when the stall begins at 2.5; the
+    # boundary at 3 is handled at 6.5, so step 4 starts at 6.5
+    h = Harness(depth=2, stalls=[(2.5, 4.0)], fast_forward=fast_forward)
+    a = h.add(0.0, 0, prompt=8, max_tokens=10)
+    h.run()
+    assert a.first_token_at == 1.0
+    assert a.finished_at == 6.5 + 6                      # steps 4..9 after the stall
+    assert h.sched.num_steps == 10
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_stall_gives_the_same_run_with_and_without_fast_forward(depth):
     from sim.engine.step_time import StepTimeModel
