@@ -47,14 +47,22 @@ class KVCacheManager:
         return r.blocks[-1].hi if r.blocks else 0
 
     # --------------------------------------------------------------- layout
+    def _layout(self, r: Request) -> tuple[int, int, int, int]:
+        """(end of the shared prefix's blocks, call space, end of the prompt's
+        full blocks, r's own space), computed once per request."""
+        layout = r.kv_layout
+        if layout is None:
+            bs = self.block_size
+            layout = r.kv_layout = (r.shared_prefix // bs, call_space(r.call_id),
+                                    r.num_prompt_tokens // bs, exec_space(r.request_id))
+        return layout
+
     def _segments(self, r: Request, num_blocks: int):
         """(space, first block, end block) of r's first `num_blocks` blocks."""
-        bs = self.block_size
-        prefix_end = r.shared_prefix // bs
-        prompt_end = r.num_prompt_tokens // bs
-        return ((PREFIX_SPACE, 0, min(prefix_end, num_blocks)),
-                (call_space(r.call_id), prefix_end, min(prompt_end, num_blocks)),
-                (exec_space(r.request_id), prompt_end, num_blocks))
+        prefix_end, call, prompt_end, own = self._layout(r)
+        return ((PREFIX_SPACE, 0, prefix_end if prefix_end < num_blocks else num_blocks),
+                (call, prefix_end, prompt_end if prompt_end < num_blocks else num_blocks),
+                (own, prompt_end, num_blocks))
 
     # --------------------------------------------------------------- lookup
     def get_computed_blocks(self, r: Request):
@@ -139,7 +147,7 @@ class KVCacheManager:
     def open_output_blocks(self, r: Request) -> None:
         """r joins the decode group: its prompt extents are complete, and its
         table ends in an extent of its own space that the outputs grow."""
-        own = exec_space(r.request_id)
+        own = self._layout(r)[3]
         for e in r.blocks:
             if e.owner is r and e.space != own:
                 e.owner = None
