@@ -157,14 +157,6 @@ class EngineCore:
             self._fill()
             self._log_gauges()
 
-    def _next_start(self) -> float:
-        """When a step launched now starts: after the last one in flight, and
-        never before now (a step queued before a stall may have ended in it)."""
-        start = self.pending[-1].end if self.pending else self.now
-        if self.stalls and start < self.now:
-            return self.now
-        return start
-
     def _sit_out_stall(self):
         """At a boundary that falls in a stall, wait for its end."""
         env = self.env
@@ -192,7 +184,9 @@ class EngineCore:
                     self._launch(sched.schedule(None))
 
     def _launch(self, output: SchedulerOutput) -> None:
-        start = self._next_start()
+        start = self.pending[-1].end if self.pending else self.now
+        if self.stalls and start < self.now:
+            start = self.now        # the step queued before it ended during a stall
         if output.num_steps == 1:
             dur = self.step_model.duration(output.num_reqs, output.total_num_scheduled_tokens,
                                            output.prefill_pairs, output.decode_context)
@@ -232,7 +226,9 @@ class EngineCore:
         depth = self.depth
         model = self.step_model
         processed = self.processed
-        start = self._next_start()
+        start = pending[-1].end if pending else self.now
+        if self.stalls and start < self.now:
+            start = self.now
         first = output.first_step
         num_decode = output.num_decode_reqs
         context = output.decode_context

@@ -59,7 +59,7 @@ class KVCacheManager:
 
     def _segments(self, r: Request, num_blocks: int):
         """(space, first block, end block) of r's first `num_blocks` blocks."""
-        prefix_end, call, prompt_end, own = self._layout(r)
+        prefix_end, call, prompt_end, own = r.kv_layout or self._layout(r)
         return ((PREFIX_SPACE, 0, prefix_end if prefix_end < num_blocks else num_blocks),
                 (call, prefix_end, prompt_end if prompt_end < num_blocks else num_blocks),
                 (own, prompt_end, num_blocks))
