@@ -156,10 +156,10 @@ def test_engine_cap_refuses_beyond_q():
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_decode_runs_in_closed_form_match_single_steps(depth):
+def test_fast_forward_matches_single_steps(depth):
     from sim.engine.step_time import StepTimeModel
     model = StepTimeModel(0.01, 0.001, 0.0001, 1e-7, 1e-6)
-    out, plans = [], []
+    out, events = [], []
     for ff in (True, False):
         h = Harness(num_gpu_blocks=60, budget=32, depth=depth, model=model, fast_forward=ff)
         recs = [h.add(0.05 * i, i, prompt=20 + 3 * i, max_tokens=30 + 7 * i) for i in range(8)]
@@ -167,9 +167,9 @@ def test_decode_runs_in_closed_form_match_single_steps(depth):
         h.run()
         out.append([(r.first_token_at, r.finished_at, r.tokens_generated, r.prompt_computed, r.preemptions)
                     for r in recs] + [h.sched.num_steps, h.sched.num_preemptions])
-        plans.append(h.engine.num_step_events)
+        events.append(h.engine.num_step_events)
     assert out[0][-2:] == out[1][-2:]
-    assert plans[1] == out[1][-2] and plans[0] < plans[1] / 2   # runs of decode steps were collapsed
+    assert events[1] == out[1][-2] and events[0] < events[1] / 2   # decode steps were fast-forwarded
     for x, y in zip(out[0][:-2], out[1][:-2]):
         assert x[2:] == y[2:]
         assert x[0] == pytest.approx(y[0], rel=1e-12) and x[1] == pytest.approx(y[1], rel=1e-12)
