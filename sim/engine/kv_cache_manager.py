@@ -102,7 +102,7 @@ class KVCacheManager:
             r.reserve_top = needed
             for e, lo, hi in new_computed_blocks:
                 r.blocks.append(pool.acquire(e, lo, hi, r))
-        target = -(-(r.num_computed_tokens + num_new_computed_tokens + num_new_tokens) // bs)    # cdiv
+        target = cdiv(r.num_computed_tokens + num_new_computed_tokens + num_new_tokens, bs)
         table = r.blocks
         held = table[-1].hi if table else 0
         if target <= held:
