@@ -156,10 +156,10 @@ def test_engine_cap_refuses_beyond_q():
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_decode_runs_in_closed_form_match_single_steps(depth):
+def test_fast_forward_matches_single_steps(depth):
     from sim.engine.step_time import StepTimeModel
     model = StepTimeModel(0.01, 0.001, 0.0001, 1e-7, 1e-6)
-    out, plans = [], []
+    out, events = [], []
     for ff in (True, False):
         h = Harness(num_gpu_blocks=60, budget=32, depth=depth, model=model, fast_forward=ff)
         recs = [h.add(0.05 * i, i, prompt=20 + 3 * i, max_tokens=30 + 7 * i) for i in range(8)]
@@ -167,9 +167,9 @@ def test_decode_runs_in_closed_form_match_single_steps(depth):
         h.run()
         out.append([(r.first_token_at, r.finished_at, r.tokens_generated, r.prompt_computed, r.preemptions)
                     for r in recs] + [h.sched.num_steps, h.sched.num_preemptions])
-        plans.append(h.engine.num_step_events)
+        events.append(h.engine.num_step_events)
     assert out[0][-2:] == out[1][-2:]
-    assert plans[1] == out[1][-2] and plans[0] < plans[1] / 2   # runs of decode steps were collapsed
+    assert events[1] == out[1][-2] and events[0] < events[1] / 2   # decode steps were fast-forwarded
     for x, y in zip(out[0][:-2], out[1][:-2]):
         assert x[2:] == y[2:]
         assert x[0] == pytest.approx(y[0], rel=1e-12) and x[1] == pytest.approx(y[1], rel=1e-12)
@@ -208,3 +208,150 @@ def test_decode_context_counts_only_requests_decoding_in_the_step():
     for s, (nreq, ntok, ctx) in enumerate(calls):
         want = (8 + s if 1 <= s <= 299 else 0) + (s - k + 8 if k + 1 <= s <= k + 2 else 0)
         assert ctx == want, (s, nreq, ntok, ctx, want)
+
+
+# ------------------------------------------------------------ fault injection
+
+def _leak_run(leak, n=10):
+    h = Harness(num_gpu_blocks=16, budget=64, leak_blocks_on_abort=leak)
+    recs = [h.add(2.0 * i + 0.5, i, prompt=12, max_tokens=20) for i in range(n)]
+    for i in range(4):                  # the first four are cancelled after two steps
+        h.abort(2.0 * i + 2.0, i)
+    h.run(until=200.0)
+    return h, recs
+
+
+def test_block_leak_on_abort_stops_admission_for_good():
+    # each of the first four holds 4 blocks (3 prompt blocks, then a 4th for
+    # its 13th token) when its abort is applied at the end of its second step
+    h, recs = _leak_run(leak=True)
+    ttft = [r.first_token_at - r.created_at for r in recs]
+    assert ttft[:4] == [1.0] * 4
+    assert all(math.isnan(t) for t in ttft[4:])          # never served: no recovery
+    assert h.sched.block_pool.num_free == 0 and h.sched.kv_cache_manager.num_leaked_blocks == 16
+    assert h.sched.block_pool.usage() == 1.0
+    t, waiting, running = h.engine.gauge_log[-1]
+    assert (waiting, running) == (6, 0)                  # every later arrival waits, nothing runs
+    # the waiting queue only grows once admission has stopped
+    after = [w for t, w, r in h.engine.gauge_log if t >= 8.5]
+    assert after == sorted(after) and after[-1] == 6
+
+
+def test_without_the_leak_aborted_blocks_come_back():
+    h, recs = _leak_run(leak=False)
+    assert not any(math.isnan(r.first_token_at) for r in recs)
+    assert [r.fate for r in recs] == ["aborted"] * 4 + ["completed"] * 6
+    assert h.sched.block_pool.num_free == 16 and h.sched.kv_cache_manager.num_leaked_blocks == 0
+    assert h.engine.gauge_log[-1][1:] == (0, 0)
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_stall_delays_the_step_after_it_begins(fast_forward):
+    # steps of 1 s: step 2 runs [2, 3) across the stall's start at 2.5; the
+    # boundary at 3 falls in the stall, so step 3 starts at 6.5
+    h = Harness(stalls=[(2.5, 4.0)], fast_forward=fast_forward)
+    a = h.add(0.0, 0, prompt=8, max_tokens=10)
+    b = h.add(4.0, 1, prompt=4, max_tokens=1)           # arrives during the stall
+    h.run()
+    assert a.first_token_at == 1.0
+    assert a.finished_at == 6.5 + 7                      # steps 3..9 after the stall
+    assert b.first_scheduled_at == 6.5 and b.first_token_at == 7.5
+    assert h.sched.num_steps == 10
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_stall_at_depth_two_lets_the_queued_step_run_and_holds_the_next(fast_forward):
+    # steps 0, 1 are launched at 0; step k+2 at the end of step k. Steps 2
+    # [2, 3) and 3 [3, 4) are on the device when the stall begins at 2.5; the
+    # boundary at 3 is handled at 6.5, so step 4 starts at 6.5
+    h = Harness(depth=2, stalls=[(2.5, 4.0)], fast_forward=fast_forward)
+    a = h.add(0.0, 0, prompt=8, max_tokens=10)
+    h.run()
+    assert a.first_token_at == 1.0
+    assert a.finished_at == 6.5 + 6                      # steps 4..9 after the stall
+    assert h.sched.num_steps == 10
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_stall_gives_the_same_run_with_and_without_fast_forward(depth):
+    from sim.engine.step_time import StepTimeModel
+    model = StepTimeModel(0.01, 0.001, 0.0001, 1e-7, 1e-6)
+    out = []
+    for ff in (True, False):
+        h = Harness(num_gpu_blocks=60, budget=32, depth=depth, model=model, fast_forward=ff,
+                    stalls=[(0.9, 0.5), (2.0, 0.25)])
+        recs = [h.add(0.05 * i, i, prompt=20 + 3 * i, max_tokens=30 + 7 * i) for i in range(8)]
+        h.run()
+        out.append([(r.first_token_at, r.finished_at, r.tokens_generated) for r in recs] + [h.sched.num_steps])
+    assert out[0][-1] == out[1][-1]
+    for x, y in zip(out[0][:-1], out[1][:-1]):
+        assert x[2] == y[2]
+        assert x[0] == pytest.approx(y[0], rel=1e-12) and x[1] == pytest.approx(y[1], rel=1e-12)
+
+
+def test_stall_must_be_a_pair_of_times():
+    from sim.engine.core import EngineConfig
+    from sim.engine.scheduler import SchedulerConfig
+    for bad in ([(1.0,)], [(1.0, 0.0)], [(-1.0, 2.0)], [(float("nan"), 1.0)], [("x", 1.0)]):
+        with pytest.raises(ValueError):
+            EngineConfig(SchedulerConfig(), stalls=bad)
+    assert EngineConfig(SchedulerConfig(), stalls=[(5, 1), (1, 2)]).stalls == ((1.0, 2.0), (5.0, 1.0))
+
+
+# ------------------------------------------------------ the engine's parts
+
+def test_kv_cache_manager_verbs():
+    from sim.engine.kv_cache_manager import KVCacheManager
+    from sim.engine.request import Request
+    kv = KVCacheManager(num_gpu_blocks=10, block_size=4)
+    a = Request(0, 1, 12, 4)
+    assert kv.get_computed_blocks(a) == ([], 0)
+    assert kv.allocate_slots(a, 12, 0, [])              # admission: 3 blocks
+    a.num_computed_tokens = 12
+    assert kv.num_free_blocks == 7
+    kv.free(a)
+    assert kv.num_free_blocks == 10
+    retry = Request(1, 1, 12, 4)                        # same call: same prompt
+    blocks, num_computed = kv.get_computed_blocks(retry)
+    assert num_computed == 8                            # whole blocks, the last token left to compute
+    assert kv.allocate_slots(retry, 4, num_computed, blocks)
+    assert kv.num_free_blocks == 7                      # 2 blocks taken back from the free queue, 1 new
+    big = Request(2, 2, 40, 4)                          # needs 10 blocks, 7 free
+    assert not kv.allocate_slots(big, 40, 0, [])
+    assert kv.num_free_blocks == 7 and big.blocks == []  # nothing taken
+
+
+def test_preempted_request_waits_at_the_front_with_status_preempted():
+    from sim.engine.request import Request, PREEMPTED, RUNNING
+    from sim.engine.scheduler import Scheduler, SchedulerConfig
+    from sim.engine.step_time import StepTimeModel
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks=5, block_size=4),
+                  StepTimeModel(1.0, 0, 0, 0, 0))
+    a, b = Request(0, 0, 8, 10), Request(1, 1, 8, 10)
+    s.add_request(a)
+    s.add_request(b)
+    for _ in range(6):                                  # each needs a third block at its 9th token
+        out = s.schedule()
+        if s.num_preemptions:
+            break
+    assert s.num_preemptions == 1 and out.first_step == 1
+    assert (a.status, b.status) == (RUNNING, PREEMPTED)
+    assert s.waiting[0] is b and b.num_computed_tokens == 0 and b.blocks == []
+
+
+def test_decode_group_aggregates():
+    from sim.engine.decode_group import DecodeGroup
+    from sim.engine.request import Request
+    g = DecodeGroup(block_size=4)
+    a, b = Request(0, 0, 6, 5), Request(1, 1, 9, 3)
+    for r, step in ((a, 3), (b, 4)):
+        r.num_computed_tokens, r.num_output_tokens = r.num_prompt_tokens, 1
+        g.join(r, step)
+    # step 5: a has 6 + 2 tokens before, reads 9; b has 9 + 1 before, reads 11
+    assert g.context_sum(5) == 9 + 11
+    assert g.new_blocks(5, 4) == 2                      # each needs one block every 4 steps
+    assert (a.decode_last_step, b.decode_last_step) == (6, 5)
+    assert g.finishing_at(5) == [b] and g.pop_done(6) == [b]
+    g.leave(b, 5)
+    assert (b.num_computed_tokens, b.num_output_tokens) == (11, 3)
+    assert g.num_reqs == 1 and g.outputs_through(a, 4) == a.outputs_done + 2

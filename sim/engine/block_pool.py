@@ -122,26 +122,32 @@ class BlockPool:
         e.hi = hi
 
     # ---------------------------------------------------------------- lookup
-    def lookup(self, space: int, start: int, end: int, full_blocks) -> list[tuple[Extent, int, int]]:
+    def lookup(self, space: int, start: int, end: int) -> list[tuple[Extent, int, int]]:
         """Longest cached chain of blocks [start, x) of `space`, x <= end.
-        `full_blocks(e)` is the hashed top of an extent whose owner is still
-        filling it. Returns pieces (extent, lo, hi)."""
+        The hashed part of an extent whose owner is still filling it is the
+        owner's full blocks (its num_computed_tokens // block_size). Returns
+        pieces (extent, lo, hi)."""
         pieces = []
-        cur = start
         lst = self.cached.get(space)
         if not lst:
             return pieces
+        bs = self.block_size
+        cur = start
         while cur < end:
             best = None
             best_hi = cur
             for e in lst:
                 if e.lo <= cur:
-                    top = e.hi if e.owner is None else min(e.hi, full_blocks(e))
+                    top = e.hi
+                    if e.owner is not None:
+                        full = e.owner.num_computed_tokens // bs
+                        if full < top:
+                            top = full
                     if top > best_hi:
                         best, best_hi = e, top
             if best is None:
                 break
-            hi = min(best_hi, end)
+            hi = best_hi if best_hi < end else end
             pieces.append((best, cur, hi))
             cur = hi
         return pieces

@@ -23,7 +23,7 @@ from typing import Callable
 
 from .request import Request, RUNNING, FINISHED, ABORTED, WAITING_STATUSES
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .step_time import StepTimeModel, prefill_pairs
+from .step_time import StepTimeModel
 
 INF = float("inf")
 ABORT_LATENCIES = ("v1", "v0")
@@ -38,10 +38,30 @@ class EngineConfig:
     # V0 engine's RequestTracker) one full iteration later, so the request
     # still takes a seat in one more forward pass
     abort_latency: str = "v1"
+    # fault injection, off by default. A KV block leak on abort: an aborted
+    # running request's blocks never go back to the free pool (they stay
+    # held, and hashed), so KV usage only climbs and admission stops once
+    # the head no longer fits.
+    leak_blocks_on_abort: bool = False
+    # engine stalls (a long GC pause, a device hiccup): (T, S) pairs; the
+    # engine does nothing in [T, T+S) — a step boundary that falls in it is
+    # handled at T+S (outputs streamed, inputs applied, the next step
+    # scheduled then); steps already queued on the device (depth 2) still run
+    stalls: tuple = ()
 
     def __post_init__(self):
         if self.abort_latency not in ABORT_LATENCIES:
             raise ValueError(f"abort_latency must be one of {', '.join(ABORT_LATENCIES)}, got {self.abort_latency!r}")
+        stalls = []
+        for item in self.stalls:
+            try:
+                start, length = (float(x) for x in item)
+            except (TypeError, ValueError):
+                raise ValueError(f"each stall must be a pair (start s, length s), got {item!r}") from None
+            if not (math.isfinite(start) and math.isfinite(length) and start >= 0 and length > 0):
+                raise ValueError(f"a stall needs a finite start >= 0 and a finite length > 0, got {item!r}")
+            stalls.append((start, length))
+        object.__setattr__(self, "stalls", tuple(sorted(stalls)))
 
 
 class EngineCore:
@@ -56,7 +76,7 @@ class EngineCore:
         self.config = config
         self.depth = config.depth
         self.step_model = step_model
-        self.scheduler = Scheduler(config.scheduler, step_model)
+        self.scheduler = Scheduler(config.scheduler, step_model, config.leak_blocks_on_abort)
         self.on_first_token = on_first_token or (lambda r, t: None)
         self.on_finished = on_finished or (lambda r, t: None)
         self.next_input_time = next_input_time or (lambda: INF)
@@ -74,6 +94,8 @@ class EngineCore:
         self.num_step_events = 0     # SimPy-level step events (a fast-forward counts once)
         self._deferred: list[Request] = []   # v0: aborts that wait one more iteration
         self.gap_log: list[tuple[float, int]] = []   # reserve policy: (t, reserved - used blocks) at changes
+        self.stalls = config.stalls
+        self._next_stall = 0         # index of the first stall not yet begun at a boundary
         if config.abort_latency == "v0":
             self._apply_inbox = self._apply_inbox_v0
         if config.scheduler.kv_policy == "reserve":
@@ -111,6 +133,8 @@ class EngineCore:
     def _run(self):
         env = self.env
         while True:
+            if self.stalls:
+                yield from self._sit_out_stall()
             if not self.pending:
                 self.now = env.now
                 self._apply_inbox(idle=True)
@@ -125,10 +149,24 @@ class EngineCore:
             yield env.timeout(max(0.0, output.end - env.now))
             self.pending.popleft()
             self.now = output.end
+            if self.stalls:
+                yield from self._sit_out_stall()
+                self.now = max(output.end, env.now)     # outputs of steps that ended in a stall
             self._process(output)
             self._apply_inbox()
             self._fill()
             self._log_gauges()
+
+    def _sit_out_stall(self):
+        """At a boundary that falls in a stall, wait for its end."""
+        env = self.env
+        while self._next_stall < len(self.stalls):
+            start, length = self.stalls[self._next_stall]
+            if env.now < start:
+                return
+            self._next_stall += 1
+            if env.now < start + length:
+                yield env.timeout(start + length - env.now)
 
     def _fill(self) -> None:
         sched = self.scheduler
@@ -147,9 +185,11 @@ class EngineCore:
 
     def _launch(self, output: SchedulerOutput) -> None:
         start = self.pending[-1].end if self.pending else self.now
+        if self.stalls and start < self.now:
+            start = self.now        # the step queued before it ended during a stall
         if output.num_steps == 1:
             dur = self.step_model.duration(output.num_reqs, output.total_num_scheduled_tokens,
-                                           self._pairs(output), output.decode_context)
+                                           output.prefill_pairs, output.decode_context)
         else:
             dur = self.step_model.fast_forward_duration(output.num_decode_reqs, output.decode_context,
                                                         output.num_steps)
@@ -163,10 +203,6 @@ class EngineCore:
                 rec.first_scheduled_at = start
         self.pending.append(output)
 
-    @staticmethod
-    def _pairs(output: SchedulerOutput) -> float:
-        return sum(prefill_pairs(q, ctx) for _, q, ctx in output.prefill_chunks)
-
     def _fast_forward_limit(self, output: SchedulerOutput) -> int:
         """How many identical decode steps, from the step being scheduled
         (`output.first_step`, its first one described by `output`), may be
@@ -175,17 +211,24 @@ class EngineCore:
         then applied, so m steps may be decided now iff no input is due before
         the end of step first+m-1-depth."""
         pending = self.pending
-        if self.inbox or self._deferred or any(p.num_steps > 1 for p in pending):
+        if self.inbox or self._deferred:
             return 1
-        if self.scheduler.num_waiting and any(p.finishing for p in pending):
-            return 1        # freed blocks may admit the head before the fast-forward ends
+        for p in pending:
+            if p.num_steps > 1:
+                return 1
+            if p.finishing and self.scheduler.num_waiting:
+                return 1    # freed blocks may admit the head before the fast-forward ends
         t_in = self.next_input_time()
+        if self._next_stall < len(self.stalls):
+            t_in = min(t_in, self.stalls[self._next_stall][0])     # a stall is an input: it moves boundaries
         if t_in == INF:
             return 1 << 30
         depth = self.depth
         model = self.step_model
         processed = self.processed
         start = pending[-1].end if pending else self.now
+        if self.stalls and start < self.now:
+            start = self.now
         first = output.first_step
         num_decode = output.num_decode_reqs
         context = output.decode_context
@@ -228,7 +271,7 @@ class EngineCore:
     # -------------------------------------------------------------- output
     def _process(self, output: SchedulerOutput) -> None:
         sched = self.scheduler
-        t = output.end
+        t = self.now
         self.processed = output.last
         self.steps_done += output.num_steps
         self.busy_done += output.end - output.start
@@ -321,6 +364,7 @@ class EngineCore:
 
     def _log_gauges(self) -> None:
         s = self.scheduler
-        g = (s.num_waiting, len(s.running))
-        if not self.gauge_log or self.gauge_log[-1][1:] != g:
-            self.gauge_log.append((self.now, g[0], g[1]))
+        waiting, running = s.num_waiting, len(s.running)
+        log = self.gauge_log
+        if not log or log[-1][1] != waiting or log[-1][2] != running:
+            log.append((self.now, waiting, running))

@@ -67,11 +67,8 @@ class DecodeGroup:
 
     def pop_done(self, step: int) -> list[Request]:
         """Members whose last step is step-1, to leave before `step` is
-        scheduled; forgets last steps before `step`."""
+        scheduled (last steps before `step` are forgotten)."""
         members = self.by_last_step.pop(step - 1, None)
-        last_steps = self.last_steps
-        while last_steps and last_steps[0] < step:
-            heapq.heappop(last_steps)
         if members is None:
             return []
         return [r for r in members if r.in_decode_group and r.decode_last_step == step - 1]
@@ -124,8 +121,11 @@ class DecodeGroup:
         """Largest n <= num_steps such that no member's last step falls before
         step + n - 1 and the group's new blocks of steps step+1 .. step+n-1 fit
         in `num_free_blocks` (those of `step` are already taken)."""
-        if self.last_steps:
-            num_steps = min(num_steps, self.last_steps[0] - step + 1)
+        last_steps = self.last_steps
+        while last_steps and last_steps[0] < step:
+            heapq.heappop(last_steps)           # steps already scheduled
+        if last_steps:
+            num_steps = min(num_steps, last_steps[0] - step + 1)
         if num_steps > 1 and self.new_blocks(step + 1, num_steps - 1) > num_free_blocks:
             lo, hi = 1, num_steps - 1            # largest k with new_blocks(step+1, k) <= free
             while lo < hi:

@@ -18,7 +18,8 @@ Contract, with `r.blocks` the request's block table (extents in sequence order):
     on-demand policy, prompt + max_tokens under the reserve policy, in the
     free blocks less `num_blocks_set_aside`.
   - `free(r)`: r gives back its blocks (finish, abort or preemption); a
-    partial last block loses its hash.
+    partial last block loses its hash. `leak(r)` instead keeps them held
+    for ever (fault injection: a block leak on abort).
   - Decode-group members grow their last extent implicitly: the group's new
     blocks are taken with `allocate_decode_blocks(n)`, and a member's table
     catches up with `sync_output_blocks(r)` when it leaves the group.
@@ -35,6 +36,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.block_pool = BlockPool(num_gpu_blocks, block_size)
         self.reserve = reserve          # reserve policy: prompt + max_tokens set aside at admission
+        self.num_leaked_blocks = 0      # block positions of leaked tables (fault injection)
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,17 +47,22 @@ class KVCacheManager:
         return r.blocks[-1].hi if r.blocks else 0
 
     # --------------------------------------------------------------- layout
+    def _layout(self, r: Request) -> tuple[int, int, int, int]:
+        """(end of the shared prefix's blocks, call space, end of the prompt's
+        full blocks, r's own space), computed once per request."""
+        layout = r.kv_layout
+        if layout is None:
+            bs = self.block_size
+            layout = r.kv_layout = (r.shared_prefix // bs, call_space(r.call_id),
+                                    r.num_prompt_tokens // bs, exec_space(r.request_id))
+        return layout
+
     def _segments(self, r: Request, num_blocks: int):
         """(space, first block, end block) of r's first `num_blocks` blocks."""
-        bs = self.block_size
-        prefix_end = r.shared_prefix // bs
-        prompt_end = r.num_prompt_tokens // bs
-        return ((PREFIX_SPACE, 0, min(prefix_end, num_blocks)),
-                (call_space(r.call_id), prefix_end, min(prompt_end, num_blocks)),
-                (exec_space(r.request_id), prompt_end, num_blocks))
-
-    def _full_blocks(self, e: Extent) -> int:
-        return e.owner.num_computed_tokens // self.block_size
+        prefix_end, call, prompt_end, own = r.kv_layout or self._layout(r)
+        return ((PREFIX_SPACE, 0, prefix_end if prefix_end < num_blocks else num_blocks),
+                (call, prefix_end, prompt_end if prompt_end < num_blocks else num_blocks),
+                (own, prompt_end, num_blocks))
 
     # --------------------------------------------------------------- lookup
     def get_computed_blocks(self, r: Request):
@@ -68,9 +75,10 @@ class KVCacheManager:
                 continue
             if end < first:
                 break
-            found = self.block_pool.lookup(space, first, last, self._full_blocks)
-            pieces.extend(found)
-            end = found[-1][2] if found else end
+            found = self.block_pool.lookup(space, first, last)
+            if found:
+                pieces += found
+                end = found[-1][2]
             if end < last:
                 break
         return pieces, end * self.block_size
@@ -85,30 +93,35 @@ class KVCacheManager:
                 needed = cdiv(r.num_prompt_tokens + r.max_tokens, bs)
             else:
                 needed = cdiv(r.num_tokens, bs)
-            hit_in_free_queue = sum(hi - lo for e, lo, hi in new_computed_blocks if e.free)
+            hit_in_free_queue = 0
+            for e, lo, hi in new_computed_blocks:
+                if e.free:
+                    hit_in_free_queue += hi - lo
             if needed - num_new_computed_tokens // bs + hit_in_free_queue > pool.num_free - num_blocks_set_aside:
                 return False
             r.reserve_top = needed
             for e, lo, hi in new_computed_blocks:
                 r.blocks.append(pool.acquire(e, lo, hi, r))
         target = cdiv(r.num_computed_tokens + num_new_computed_tokens + num_new_tokens, bs)
-        held = self.num_blocks_held(r)
+        table = r.blocks
+        held = table[-1].hi if table else 0
         if target <= held:
             return True
         if target - held > pool.num_free:
             assert new_computed_blocks is None, "the admission check guarantees the blocks"
             return False
+        top = table[-1] if table else None
         for space, first, last in self._segments(r, target):
-            lo = max(first, held)
+            lo = first if first > held else held
             if lo >= last:
                 continue
-            top = r.blocks[-1] if r.blocks else None
-            if top is not None and top.space == space and top.owner is r and top.hi == lo:
+            if top is not None and top.owner is r and top.space == space and top.hi == lo:
                 pool.grow(top, last)
             else:
                 if top is not None and top.owner is r and top.space != space:
                     top.owner = None            # complete: the sequence moved past it
-                r.blocks.append(pool.new_extent(space, lo, last, r))
+                top = pool.new_extent(space, lo, last, r)
+                table.append(top)
             held = last
         return True
 
@@ -117,17 +130,24 @@ class KVCacheManager:
         pool = self.block_pool
         if num_blocks > pool.num_free:
             return False
-        pool.take_free(num_blocks)
+        if num_blocks:
+            pool.take_free(num_blocks)
         return True
 
     def free(self, r: Request) -> None:
         self.block_pool.release(r, r.num_computed_tokens // self.block_size)
 
+    def leak(self, r: Request) -> None:
+        """Fault injection: r's blocks are never given back. They stay held
+        by r (its table kept, so a sharer's split still finds them) and
+        hashed, so a later request may still hit them."""
+        self.num_leaked_blocks += self.num_blocks_held(r)
+
     # ---------------------------------------------------- decode-group tables
     def open_output_blocks(self, r: Request) -> None:
         """r joins the decode group: its prompt extents are complete, and its
         table ends in an extent of its own space that the outputs grow."""
-        own = exec_space(r.request_id)
+        own = self._layout(r)[3]
         for e in r.blocks:
             if e.owner is r and e.space != own:
                 e.owner = None

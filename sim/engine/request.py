@@ -16,7 +16,7 @@ class Request:
     __slots__ = (
         "request_id", "call_id", "num_prompt_tokens", "max_tokens", "shared_prefix",
         "status", "num_computed_tokens", "num_output_tokens", "outputs_done",
-        "blocks", "ever_preempted", "first_output_done", "chunks", "record",
+        "blocks", "kv_layout", "ever_preempted", "first_output_done", "chunks", "record",
         # decode group (see DecodeGroup)
         "in_decode_group", "decode_outputs_pending", "decode_first_step", "decode_last_step",
         "join_computed_tokens", "join_output_tokens", "block_phase",
@@ -36,6 +36,7 @@ class Request:
         self.num_output_tokens = 0      # outputs scheduled for (optimistic)
         self.outputs_done = 0           # outputs produced by processed steps, outside the decode group
         self.blocks = []                # block table: list of Extent, in sequence order
+        self.kv_layout = None           # where its blocks live, set by the KV cache manager
         self.ever_preempted = False
         self.first_output_done = False
         self.chunks = []                # [step index, prompt-work tokens] per scheduled prefill chunk

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .decode_group import DecodeGroup
 from .kv_cache_manager import KVCacheManager
 from .request import Request, WAITING, RUNNING, PREEMPTED, FINISHED, ABORTED, WAITING_STATUSES
-from .step_time import StepTimeModel
+from .step_time import StepTimeModel, prefill_pairs
 from .utils import cdiv
 
 
@@ -53,31 +53,29 @@ class SchedulerOutput:
     """What one scheduler decision sends to the forward pass. An output with
     num_steps > 1 is a fast-forward: identical decode-only steps, their time
     in closed form."""
-    __slots__ = ("first_step", "num_steps", "start", "end", "decode_context", "num_reqs",
-                 "total_num_scheduled_tokens", "num_decode_reqs", "prefill_chunks", "first_outputs",
-                 "finishing")
+    __slots__ = ("first_step", "num_steps", "last", "start", "end", "decode_context", "num_reqs",
+                 "total_num_scheduled_tokens", "num_decode_reqs", "prefill_chunks", "prefill_pairs",
+                 "first_outputs", "finishing")
 
     def __init__(self, first_step: int):
         self.first_step = first_step
         self.num_steps = 1
+        self.last = first_step          # index of the last step
         self.start = self.end = 0.0
         self.decode_context = 0         # decode context sum of the first step
         self.num_reqs = 0
         self.total_num_scheduled_tokens = 0
         self.num_decode_reqs = 0
         self.prefill_chunks = []        # (request, tokens, context before)
+        self.prefill_pairs = 0          # query-key pairs of the chunks (step_time.prefill_pairs)
         self.first_outputs = []         # requests whose prefill completes: they emit a token
         self.finishing = []             # requests whose last token is in the (last) step
 
-    @property
-    def last(self) -> int:
-        """Index of the last step."""
-        return self.first_step + self.num_steps - 1
-
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, step_model: StepTimeModel):
+    def __init__(self, config: SchedulerConfig, step_model: StepTimeModel, leak_blocks_on_abort: bool = False):
         self.config = config
+        self.leak_blocks_on_abort = leak_blocks_on_abort    # fault injection (EngineConfig)
         self.step_model = step_model
         self.block_size = config.block_size
         self.reserve = config.kv_policy == "reserve"
@@ -106,21 +104,23 @@ class Scheduler:
         step = self.next_step
         kv = self.kv_cache_manager
         group = self.decode_group
-        for r in group.pop_done(step):
-            self._leave_decode_group(r, step - 1)
+        if step - 1 in group.by_last_step:
+            for r in group.pop_done(step):
+                self._leave_decode_group(r, step - 1)
         output = SchedulerOutput(step)
         token_budget = self.config.max_num_batched_tokens
         preempted = False
 
         # 1. running requests: the decode group, one token each, then those in prefill
-        if not kv.allocate_decode_blocks(group.new_blocks_at(step)):
+        num_new_blocks = group.new_blocks_at(step)
+        if num_new_blocks and not kv.allocate_decode_blocks(num_new_blocks):
             preempted = self._allocate_decode_blocks_preempting(step)
         # the group as it enters this step: requests whose prefill completes
         # below join it for the next step
         num_decode = group.num_reqs
         output.decode_context = group.context_sum(step)
         token_budget -= num_decode
-        for r in list(self.prefilling):
+        for r in list(self.prefilling) if self.prefilling else ():
             if token_budget <= 0:
                 break
             if r.status != RUNNING:
@@ -171,7 +171,8 @@ class Scheduler:
                 and not self.prefilling and (blocked or not self.num_waiting
                                              or len(self.running) >= self.config.max_num_seqs)):
             self._fast_forward(output, fast_forward_limit, num_tail_steps)
-        output.finishing.extend(group.finishing_at(output.last))
+        if output.last in group.by_last_step:
+            output.finishing.extend(group.finishing_at(output.last))
         self.next_step = step + output.num_steps
         self.num_steps += output.num_steps
         return output
@@ -186,6 +187,7 @@ class Scheduler:
             num_steps = group.fast_forward_cap(step, num_steps, self.kv_cache_manager.num_free_blocks) - num_tail_steps
             if num_steps > 1:
                 output.num_steps = num_steps
+                output.last = step + num_steps - 1
                 ok = self.kv_cache_manager.allocate_decode_blocks(group.new_blocks(step + 1, num_steps - 1))
                 assert ok, "the cap keeps the group's blocks within the free ones"
 
@@ -224,7 +226,9 @@ class Scheduler:
         self._num_chunks += 1
         if r.record is not None:
             r.record.prompt_computed += num_new_tokens
-        output.prefill_chunks.append((r, num_new_tokens, r.num_computed_tokens - num_new_tokens))
+        context_before = r.num_computed_tokens - num_new_tokens
+        output.prefill_chunks.append((r, num_new_tokens, context_before))
+        output.prefill_pairs += prefill_pairs(num_new_tokens, context_before)
         if r.num_computed_tokens == r.num_tokens:
             r.num_output_tokens += 1
             output.first_outputs.append(r)
@@ -285,7 +289,10 @@ class Scheduler:
         self._stop(r, self.next_step - 1, processed)
         r.status = ABORTED
         self._remove_running(r)
-        self.kv_cache_manager.free(r)
+        if self.leak_blocks_on_abort:
+            self.kv_cache_manager.leak(r)
+        else:
+            self.kv_cache_manager.free(r)
         return True
 
     def _preempt_last(self, step: int) -> Request:
