@@ -396,8 +396,18 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
     sc.setdefault("primary_skip_s", float(deadline))
     hold = sc.get("hold_s", PAPER.hold_s)
     sc.setdefault("delivery_horizon_s", float(hold + deadline))
+    if trace_src is None and (sc.get("prompt") is not None or sc.get("response") is not None):
+        sc["max_call_tokens"] = int(prof.engine["max_model_len"])
     scenario = PAPER.with_(**{k: (float(v) if isinstance(v, int) and k.endswith("_s") else v)
                               for k, v in sc.items()})
+    if trace_src is not None:
+        tr = trace_src.trace
+        over = np.flatnonzero(tr.prompt_len + tr.max_tokens > prof.engine["max_model_len"])
+        if len(over):
+            i = int(over[0])
+            raise w.err("trace", f"{trace_src.path}: call {i + 1} (line {i + 2} without blank lines) has "
+                                 f"{tr.prompt_len[i]} + {tr.max_tokens[i]} tokens, beyond the engine's max_model_len "
+                                 f"{prof.engine['max_model_len']}: raise [engine] max_model_len")
     if scenario.shared_prefix >= _min_prompt(scenario):
         raise w.err("shared_prefix", f"({scenario.shared_prefix}) must be shorter than the shortest prompt")
 
@@ -602,7 +612,8 @@ class Deployment:
 
     def run(self, seed: int | None = None, condition: Condition | str | None = None,
             trace: Trace | None = None) -> dict:
-        """One run; the result record with `deployment` (`identity()`)."""
+        """One run; the result record with `deployment` (`identity()`) and
+        `engine_config` (the scheduler's flags the engine was built with)."""
         self.require_burst()
         seed = self.seed if seed is None else seed
         if trace is None:
@@ -615,8 +626,10 @@ class Deployment:
         else:
             b = _burst_phase(self)
             pulse = b.load if b is not None else None
+        cfg = dataclasses.asdict(self.profile.scheduler_config())
         return run_one(self.profile, self.condition_for(condition), pulse, seed, trace=trace, scenario=s,
-                       capacity=self.capacity, extra={"deployment": self.identity()})
+                       capacity=self.capacity, extra={"deployment": self.identity(),
+                                                      "engine_config": dict(cfg, depth=self.profile.depth)})
 
     def with_changes(self, model: str | None = None, pulse: float | None = None,
                      max_batched_tokens: int | None = None,

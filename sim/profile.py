@@ -134,7 +134,8 @@ def with_engine(profile: Profile, overrides: dict) -> Profile:
     A `block_size` change alone keeps the KV cache's tokens. The step-time
     model and Ĉ are kept (Ĉ belongs to a workload and engine: the caller
     decides whether to recalibrate); the changes are listed in
-    `raw["engine_overrides"]`. Raises ProfileError naming the flag."""
+    `raw["engine_overrides"]` and the flags before them in
+    `raw["engine_profile"]`. Raises ProfileError naming the flag."""
     if not overrides:
         return profile
     unknown = [k for k in overrides if k not in ENGINE_FLAGS]
@@ -175,6 +176,7 @@ def with_engine(profile: Profile, overrides: dict) -> Profile:
         raise ProfileError(f"the KV cache ({e['num_gpu_blocks']} blocks of {bs} = {e['num_gpu_blocks'] * bs} tokens) "
                            f"is too small for one max_model_len ({e['max_model_len']}) request: give a larger "
                            "KV cache or a smaller engine.max_model_len")
-    raw = dict(profile.raw, engine=e, engine_overrides=dict(overrides))
+    raw = dict(profile.raw, engine=e, engine_overrides=dict(overrides),
+               engine_profile=profile.raw.get("engine_profile", dict(profile.engine)))
     return Profile(name=profile.name, step_time=profile.step_time, engine=e, capacity=profile.capacity,
                    provenance=profile.provenance, raw=raw)

@@ -2,6 +2,7 @@
 the result record; and the capacity Ĉ of a workload (`workload_capacity`)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -34,8 +35,35 @@ def needs_recalibration(profile: Profile, scenario: Scenario) -> bool:
     """Whether the profile's Ĉ is not this workload's: the prompt and
     response mix differs from the one it was measured on, the engine's flags
     were overridden, or the profile is a roofline prior (its Ĉ a placeholder)."""
-    return bool(profile.raw.get("engine_overrides")) or profile.provenance.get("kind") == "roofline prior" or \
+    return profile.engine != profile.raw.get("engine_profile", profile.engine) or \
+        profile.provenance.get("kind") == "roofline prior" or \
         scenario.workload_key != profile_workload(profile).workload_key
+
+
+def cache_dir() -> str | None:
+    """Where computed Ĉ are kept: $LLMSIM_CACHE_DIR (empty: nowhere on disk),
+    else $XDG_CACHE_HOME/llmsim or ~/.cache/llmsim."""
+    if "LLMSIM_CACHE_DIR" in os.environ:
+        return os.environ["LLMSIM_CACHE_DIR"] or None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "llmsim")
+
+
+@functools.lru_cache(maxsize=1)
+def simulator_hash() -> str:
+    """A hash of the simulator's own source (engine, policies, driver,
+    workload, protocol): a cached Ĉ is not reused across changes to them."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for sub in ("engine", "policy"):
+        for name in sorted(os.listdir(os.path.join(root, sub))):
+            if name.endswith(".py"):
+                with open(os.path.join(root, sub, name), "rb") as f:
+                    h.update(f.read())
+    for name in ("model.py", "capacity.py", "workload.py", "conditions.py"):
+        with open(os.path.join(root, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
 
 
 def workload_capacity(profile: Profile, scenario: Scenario, seed: int = 0) -> dict:
@@ -43,15 +71,16 @@ def workload_capacity(profile: Profile, scenario: Scenario, seed: int = 0) -> di
     {"capacity", "source", "key"}. The profile's own Ĉ where it was measured
     on this mix with these flags (`needs_recalibration`); otherwise SPEC §6's
     protocol run on the simulator with this workload, once per content hash
-    (kept in memory, and as JSON under $LLMSIM_CACHE_DIR when that is set)."""
+    of the engine, the workload and the simulator's source (kept in memory
+    and as JSON under `cache_dir()`)."""
     if not needs_recalibration(profile, scenario):
         return {"capacity": profile.capacity, "source": "profile", "key": None}
     ident = {"engine": profile_engine_key(profile), "workload": scenario.workload_key, "seed": seed,
-             "protocol": "spec-6"}
+             "protocol": "spec-6", "simulator": simulator_hash()}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
     hit = _CAPACITY_CACHE.get(key)
-    path = os.path.join(os.environ["LLMSIM_CACHE_DIR"], f"capacity-{key}.json") \
-        if os.environ.get("LLMSIM_CACHE_DIR") else None
+    d = cache_dir()
+    path = os.path.join(d, f"capacity-{key}.json") if d else None
     if hit is None and path and os.path.isfile(path):
         with open(path) as f:
             hit = json.load(f)
@@ -61,8 +90,11 @@ def workload_capacity(profile: Profile, scenario: Scenario, seed: int = 0) -> di
         hit = {"capacity": res["capacity"], "source": "capacity protocol on this workload", "key": key,
                "saturated_stage": res["saturated_stage"], "start_rate": start}
         if path:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            measures.write_json(path, hit)
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                measures.write_json(path, hit)
+            except OSError:
+                pass                               # an unwritable cache only costs a rerun
     _CAPACITY_CACHE[key] = hit
     return hit
 

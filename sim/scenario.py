@@ -145,6 +145,7 @@ class Scenario:
     prompt: Lengths | None = None       # unset: normal(prompt_mean, prompt_sd)
     response: Lengths | None = None     # unset: lognormal(response_median, response_mean)
     mixed_share: float | None = None    # share of calls given mixed_prompt_len-token prompts
+    max_call_tokens: int | None = None  # prompt + response cut to this (the engine's max_model_len)
 
     @property
     def pulse_start(self) -> float:
@@ -206,7 +207,7 @@ class Scenario:
         return d
 
 
-_EXTENDED = ("phases", "prompt", "response", "mixed_share")
+_EXTENDED = ("phases", "prompt", "response", "mixed_share", "max_call_tokens")
 
 
 PAPER = Scenario()

@@ -63,7 +63,8 @@ def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bo
     """The trace for one seed. `phases` is a list of (start, end, rate calls/s);
     by default the scenario's phases (`Scenario.arrival_phases`) at
     `capacity`. `mixed_prompts` gives half the calls `mixed_prompt_len`-token
-    prompts (as `mixed_share = 0.5` does)."""
+    prompts (as `mixed_share = 0.5` does). With `max_call_tokens` a call's
+    response, then its prompt, is cut so the two fit in it."""
     if capacity <= 0:
         raise ValueError(f"capacity must be positive, got {capacity}")
     s = scenario
@@ -80,6 +81,9 @@ def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bo
     prompt = np.maximum(prompt, s.shared_prefix + 1)
     resp = draw_lengths(rng, s.response or Lengths("lognormal", median=s.response_median, mean=s.response_mean), n)
     resp = np.maximum(1, resp)
+    if s.max_call_tokens is not None:            # a client cuts the context to fit the model
+        resp = np.minimum(resp, s.max_call_tokens - s.shared_prefix - 1)
+        prompt = np.maximum(np.minimum(prompt, s.max_call_tokens - resp), s.shared_prefix + 1)
     return Trace(arrival=arrival, prompt_len=prompt, max_tokens=resp, shared_prefix=s.shared_prefix)
 
 
