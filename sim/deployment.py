@@ -610,6 +610,17 @@ class Deployment:
             c = dataclasses.replace(c, engine_cap=self.engine_cap)
         return c
 
+    @property
+    def run_pulse(self) -> float | None:
+        """The burst's load (x Ĉ) as records give it as `pulse`; None for a
+        replayed trace or a burst given as a rate."""
+        if self.trace_source is not None:
+            return None
+        if self.scenario.phases is None:
+            return self.scenario.pulse
+        b = _burst_phase(self)
+        return b.load if b is not None else None
+
     def run(self, seed: int | None = None, condition: Condition | str | None = None,
             trace: Trace | None = None) -> dict:
         """One run; the result record with `deployment` (`identity()`) and
@@ -619,13 +630,7 @@ class Deployment:
         if trace is None:
             trace = self.trace(seed)
         s = self.scenario
-        if self.trace_source is not None:
-            pulse = None
-        elif s.phases is None:
-            pulse = s.pulse
-        else:
-            b = _burst_phase(self)
-            pulse = b.load if b is not None else None
+        pulse = self.run_pulse
         cfg = dataclasses.asdict(self.profile.scheduler_config())
         return run_one(self.profile, self.condition_for(condition), pulse, seed, trace=trace, scenario=s,
                        capacity=self.capacity, extra={"deployment": self.identity(),
@@ -635,7 +640,16 @@ class Deployment:
                      max_batched_tokens: int | None = None,
                      mixed_prompts: bool = False) -> "Deployment":
         """The deployment with the command line's flags applied: another
-        profile, the burst phase's load, the step budget, mixed prompts."""
+        profile, the burst phase's load, the step budget, mixed prompts. A
+        flag that changes nothing leaves the deployment (and its hash) as is."""
+        if model is not None and model == self.model.get("profile"):
+            model = None
+        if max_batched_tokens is not None and max_batched_tokens == self.profile.engine["max_num_batched_tokens"]:
+            max_batched_tokens = None
+        if pulse is not None and self.run_pulse is not None and pulse == self.run_pulse:
+            pulse = None
+        if mixed_prompts and self.scenario.mixed_share == 0.5:
+            mixed_prompts = False
         doc = copy.deepcopy(self.document())
         if model is not None:
             doc["model"] = {"profile": model}

@@ -303,10 +303,30 @@ def test_bad_toml_and_unknown_scenario(tmp_path, capsys):
 
 def test_bad_input_on_every_command(tmp_path, capsys):
     f = write(tmp_path / "bad.toml", "[client]\ndeadline = 60\n")
-    for argv in (["diagnose"], ["capacity"], ["latency", "--rate", "1"], ["scenario", "check", f]):
+    out = str(tmp_path / "x.parquet")
+    for argv in (["diagnose"], ["capacity"], ["latency", "--rate", "1"], ["scenario", "check", f],
+                 ["sweep", "--conditions", "cancel", "--out", out],
+                 ["validate", "--engine", "http://127.0.0.1:9", "--points", "cancel"]):
         full = argv + (["--scenario", f] if argv[0] != "scenario" else [])
         assert main(full) == 2
         assert "deadline_s" in capsys.readouterr().err
+    assert not os.path.exists(out)
+
+
+def test_sweep_rows_carry_the_scenario_and_resume(tmp_path, capsys):
+    from sim.experiments import sweep as sw
+    f = write(tmp_path / "s.toml", '[workload]\nphases = [{name = "a", duration_s = 60.0, load = 0.5}, '
+                                   '{name = "b", duration_s = 30.0, load = 2.0}, {name = "c", duration_s = 120.0, '
+                                   'load = 0.5}]\n[client]\ndeadline_s = 30.0\n[measures]\nburst = "b"\n')
+    out = str(tmp_path / "s.parquet")
+    argv = ["sweep", "--scenario", f, "--conditions", "no-retry", "--out", out, "--workers", "1", "--quiet"]
+    assert main(argv) == 0 and main(argv) == 0
+    assert "1 already in" in capsys.readouterr().out
+    (row,) = sw.read_rows(out)
+    dep = load(f)
+    assert row["scenario_name"] == "s" and row["scenario_hash"] == dep.content_hash and row["pulse"] == 2.0
+    ref = sw.flatten(dep.run(0, "no-retry"))
+    assert row["hold_delivered"] == ref["hold_delivered"] and row["attempts_sent"] == ref["attempts_sent"]
 
 
 def test_from_document_raises_scenario_error():
