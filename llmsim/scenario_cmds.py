@@ -51,6 +51,7 @@ def deployment(a, burst: bool = True) -> Deployment:
                                mixed_prompts=bool(getattr(a, "mixed_prompts", False)))
         if burst:
             dep.require_burst()
+        dep.capacity                        # Ĉ of the workload: the protocol's failure is bad input too
     except (ScenarioError, ProfileError) as e:
         raise args.UsageError(f"{a.command}: {e}") from None
     return dep
@@ -76,6 +77,7 @@ def cmd_show(a) -> int:
 def cmd_check(a) -> int:
     try:
         dep = load(a.file, build_prior=build_prior)
+        dep.capacity
     except (ScenarioError, ProfileError) as e:
         raise args.UsageError(f"scenario check: {e}") from None
     imp = dep.implications()

@@ -81,14 +81,15 @@ PROXY_KEYS = ("condition", "retries", "cancel", "coalesce", "budget", "order", "
 FLAT_PHASE_KEYS = ("base_s", "pulse_s", "hold_s", "base_load", "pulse", "hold_load")
 SCHEMA = {
     "": ("name", "about", "seed", "model", "engine", "workload", "client", "proxy", "measures"),
-    "model": ("profile", "hf_config", "gpu"),
+    "model": ("profile", "hf_config", "gpu", "capacity"),
     "engine": ENGINE_FLAGS + ("max_num_queued_reqs",),
-    "workload": ("phases", "prompt", "response", "shared_prefix", "mixed_share", "mixed_prompt_len", "trace",
+    "workload": ("phases", "prompt", "response", "shared_prefix", "prefix_groups", "mixed_share", "mixed_prompt_len", "trace",
                  "trace_speedup", "prompt_mean", "prompt_sd", "response_median", "response_mean") + FLAT_PHASE_KEYS,
     "client": CLIENT_KEYS,
     "proxy": PROXY_KEYS,
     "measures": ("burst", "burst_start_s", "burst_end_s", "hold_end_s") + MEASURE_KEYS,
     "phase": ("name", "duration_s", "load", "rate"),
+    "prefix_group": ("tokens", "share"),
     "lengths": ("dist", "mean", "sd", "median", "value", "file", "column"),
 }
 
@@ -205,6 +206,12 @@ def _column(path: str, col: str, where: str) -> tuple:
 def _profile(doc: _Doc, base_dir: str, build_prior) -> tuple[Profile, dict]:
     m = doc.sub("model", "model") if doc.has("model") else _Doc(doc.source, "model", {})
     prof_name, cfg, gpu = m.str_("profile"), m.str_("hf_config"), m.str_("gpu")
+    cap = m.num("capacity", positive=True, allow_zero=False)
+    prof, named = _named_profile(m, prof_name, cfg, gpu, base_dir, build_prior)
+    return prof, (dict(named, capacity=float(cap)) if cap is not None else named)
+
+
+def _named_profile(m: _Doc, prof_name, cfg, gpu, base_dir: str, build_prior) -> tuple[Profile, dict]:
     if cfg is not None:
         if prof_name is not None:
             raise m.err("hf_config", "and model.profile both given: give one")
@@ -314,7 +321,7 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
     sc: dict = {}
     trace_src = None
     if w.has("trace"):
-        clash = [k for k in ("phases", "prompt", "response", "mixed_share") + FLAT_PHASE_KEYS
+        clash = [k for k in ("phases", "prompt", "response", "mixed_share", "prefix_groups") + FLAT_PHASE_KEYS
                  + ("prompt_mean", "prompt_sd", "response_median", "response_mean") if w.has(k)]
         if clash:
             raise w.err(clash[0], "and workload.trace both given: a trace fixes arrivals and lengths")
@@ -342,7 +349,8 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
         sc.update(base_s=float(a if a is not None else end), pulse_s=float(b - a) if a is not None else 0.0,
                   hold_s=float(end - b) if a is not None else 0.0, shared_prefix=int(tr.shared_prefix),
                   prompt=Lengths("empirical", values=tuple(int(x) for x in tr.prompt_len), source=f"trace:{sha}"),
-                  response=Lengths("empirical", values=tuple(int(x) for x in tr.max_tokens), source=f"trace:{sha}"))
+                  response=Lengths("empirical", values=tuple(int(x) for x in tr.max_tokens), source=f"trace:{sha}"),
+                  prompt_mean=float(tr.prompt_len.mean()), response_mean=float(tr.max_tokens.mean()))
         burst = "trace" if a is not None else None
     else:
         for k in ("burst_start_s", "burst_end_s", "hold_end_s"):
@@ -370,6 +378,14 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
                 sc[k] = float(w.num(k, positive=True, allow_zero=k == "prompt_sd"))
         if w.has("shared_prefix"):
             sc["shared_prefix"] = int(w.num("shared_prefix", positive=True, whole=True))
+        if w.has("prefix_groups"):
+            if w.has("shared_prefix"):
+                raise w.err("shared_prefix", "and workload.prefix_groups both given: give the prefixes one way")
+            groups = _prefix_groups(w)
+            sc.update(prefix_groups=groups, shared_prefix=min(g[0] for g in groups))
+        for k, L in (("prompt_mean", sc.get("prompt")), ("response_mean", sc.get("response"))):
+            if L is not None:                # the mean the proxy's first throughput estimate uses
+                sc[k] = float(L.expected)
         if w.has("mixed_prompt_len"):
             sc["mixed_prompt_len"] = int(w.num("mixed_prompt_len", positive=True, allow_zero=False, whole=True))
         share = w.num("mixed_share", None, positive=True)
@@ -408,8 +424,10 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
             raise w.err("trace", f"{trace_src.path}: call {i + 1} (line {i + 2} without blank lines) has "
                                  f"{tr.prompt_len[i]} + {tr.max_tokens[i]} tokens, beyond the engine's max_model_len "
                                  f"{prof.engine['max_model_len']}: raise [engine] max_model_len")
-    if scenario.shared_prefix >= _min_prompt(scenario):
-        raise w.err("shared_prefix", f"({scenario.shared_prefix}) must be shorter than the shortest prompt")
+    longest = max(g[0] for g in scenario.prefix_groups) if scenario.prefix_groups else scenario.shared_prefix
+    if longest >= _min_prompt(scenario):
+        raise w.err("prefix_groups" if scenario.prefix_groups else "shared_prefix",
+                    f"({longest} tokens) must be shorter than the shortest prompt")
 
     # proxy
     px = secs["proxy"]
@@ -449,6 +467,23 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
     return Deployment(name=name, about=about, profile=prof, model=model_doc, scenario=scenario, condition=cond,
                       engine_cap=engine_cap, proxy=proxy_doc, seed=int(seed), trace_source=trace_src, burst=burst,
                       base_dir=base_dir, build_prior=build_prior)
+
+
+def _prefix_groups(w: _Doc) -> tuple:
+    v = w.d["prefix_groups"]
+    if not isinstance(v, list) or not v:
+        raise w.err("prefix_groups", "must be a non-empty list of tables {tokens, share}")
+    out = []
+    for i, g in enumerate(v):
+        d = _Doc(w.source, f"workload.prefix_groups[{i}]", g, "prefix_group")
+        tok, share = d.num("tokens", positive=True, whole=True), d.num("share", positive=True, allow_zero=False)
+        if tok is None or share is None:
+            raise d.err("tokens" if tok is None else "share", "is missing")
+        out.append((int(tok), float(share)))
+    total = sum(g[1] for g in out)
+    if abs(total - 1.0) > 1e-9:
+        raise w.err("prefix_groups", f"shares must add up to 1, got {total:g}")
+    return tuple(out)
 
 
 def _min_prompt(s: Scenario) -> int:
@@ -523,7 +558,8 @@ class Deployment:
         w: dict = {}
         me: dict = {}
         if self.trace_source is not None:
-            w = {"trace": self.trace_source.path, "trace_speedup": self.trace_source.speedup}
+            w = {"trace": self.trace_source.path, "trace_speedup": self.trace_source.speedup,
+                 "shared_prefix": int(self.trace_source.trace.shared_prefix)}
             if self.burst is not None:
                 me.update(burst_start_s=s.pulse_start, burst_end_s=s.pulse_end)
             me["hold_end_s"] = s.hold_end if self.burst is not None else s.base_s
@@ -540,7 +576,10 @@ class Deployment:
                                                                     "sd": s.prompt_sd}
             w["response"] = _lengths_doc(s.response) if s.response else {
                 "dist": "lognormal", "median": s.response_median, "mean": s.response_mean}
-            w["shared_prefix"] = s.shared_prefix
+            if s.prefix_groups:
+                w["prefix_groups"] = [{"tokens": t, "share": sh} for t, sh in s.prefix_groups]
+            else:
+                w["shared_prefix"] = s.shared_prefix
             w["mixed_share"] = s.mixed_share or 0.0
             w["mixed_prompt_len"] = s.mixed_prompt_len
         doc["workload"] = w
@@ -575,7 +614,12 @@ class Deployment:
     @functools.cached_property
     def capacity_info(self) -> dict:
         """Ĉ of this workload on this engine and where it came from."""
-        info = workload_capacity(self.profile, self.scenario)
+        if "capacity" in self.model:
+            return {"capacity": self.model["capacity"], "source": "given in the scenario file", "key": None}
+        try:
+            info = workload_capacity(self.profile, self.scenario)
+        except RuntimeError as e:
+            raise ScenarioError(f"{self.name}: the capacity protocol found no Ĉ for this workload: {e}") from None
         if self.profile.provenance.get("kind") == "roofline prior":
             info = dict(info, source=info["source"] + " (on a roofline prior: not a measurement)")
         return info
@@ -652,7 +696,7 @@ class Deployment:
             mixed_prompts = False
         doc = copy.deepcopy(self.document())
         if model is not None:
-            doc["model"] = {"profile": model}
+            doc["model"] = {"profile": model}           # another model: its own Ĉ, not the file's
         if max_batched_tokens is not None:
             doc["engine"]["max_num_batched_tokens"] = max_batched_tokens
         if pulse is not None:
@@ -750,7 +794,8 @@ def _toml_value(v) -> str:
 COMMENTS = {
     "model": "an embedded profile (" + ", ".join(["qwen2.5-7b", "qwen3-14b", "llama-3.1-8b", "vllm-cpu-tiny"])
              + ") or a profile JSON path;\n# or hf_config = \"config.json\" with gpu = \"h100\" (a roofline prior, "
-               "not a measurement)",
+               "not a measurement);\n# capacity = Ĉ in calls/s of this workload when known (else the profile's, or "
+               "the\n# capacity protocol's on this workload where its mix or engine differs)",
     "engine": "overrides of the profile's flags, named as vLLM's: max_num_seqs, max_num_batched_tokens,\n"
               "# block_size, max_model_len, async_scheduling, and the KV cache as ONE of kv_cache_tokens,\n"
               "# num_gpu_blocks or gpu_memory_utilization; max_num_queued_reqs: the engine refuses (503) beyond it.\n"

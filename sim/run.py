@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 
 from . import measures
@@ -66,6 +67,26 @@ def simulator_hash() -> str:
     return h.hexdigest()[:16]
 
 
+def _work(s: Scenario) -> float:
+    """A rough cost of one call in prompt-token equivalents (a decode step's
+    token costing some twenty prefill tokens)."""
+    prompt = s.prompt.expected if s.prompt else s.prompt_mean
+    if s.mixed_share:
+        prompt = (1 - s.mixed_share) * prompt + s.mixed_share * s.mixed_prompt_len
+    resp = s.response.expected if s.response else s.response_mean
+    return max(1.0, prompt - s.shared_prefix) + 20.0 * resp
+
+
+def start_rate(profile: Profile, scenario: Scenario) -> float:
+    """The protocol's first stage: SPEC §6's 1.0 calls/s, or for a workload
+    whose Ĉ is guessed (the profile's, scaled by the work of a call) above
+    8 calls/s, the stage of SPEC's schedule (1.0 x 1.5^k) a few stages
+    below that guess, so light workloads skip minutes of idle stages."""
+    guess = profile.capacity * _work(profile_workload(profile)) / _work(scenario)
+    k = max(0, math.floor(math.log(guess / 8.0) / math.log(1.5))) if guess > 8.0 else 0
+    return 1.5 ** k
+
+
 def workload_capacity(profile: Profile, scenario: Scenario, seed: int = 0) -> dict:
     """Ĉ of `scenario`'s prompt and response mix on the profile's engine:
     {"capacity", "source", "key"}. The profile's own Ĉ where it was measured
@@ -76,7 +97,8 @@ def workload_capacity(profile: Profile, scenario: Scenario, seed: int = 0) -> di
     if not needs_recalibration(profile, scenario):
         return {"capacity": profile.capacity, "source": "profile", "key": None}
     ident = {"engine": profile_engine_key(profile), "workload": scenario.workload_key, "seed": seed,
-             "protocol": "spec-6", "simulator": simulator_hash()}
+             "protocol": {"start_rate": start_rate(profile, scenario), "factor": 1.5, "stage_s": 300.0,
+                          "max_stages": 16}, "simulator": simulator_hash()}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
     hit = _CAPACITY_CACHE.get(key)
     d = cache_dir()
@@ -85,8 +107,8 @@ def workload_capacity(profile: Profile, scenario: Scenario, seed: int = 0) -> di
         with open(path) as f:
             hit = json.load(f)
     if hit is None:
-        start = max(0.05, profile.capacity / 4)
-        res = capacity_protocol(profile, scenario.with_(phases=None), seed=seed, start_rate=start)
+        start = start_rate(profile, scenario)
+        res = capacity_protocol(profile, scenario.with_(phases=None), seed=seed, start_rate=start, max_stages=16)
         hit = {"capacity": res["capacity"], "source": "capacity protocol on this workload", "key": key,
                "saturated_stage": res["saturated_stage"], "start_rate": start}
         if path:

@@ -146,6 +146,7 @@ class Scenario:
     response: Lengths | None = None     # unset: lognormal(response_median, response_mean)
     mixed_share: float | None = None    # share of calls given mixed_prompt_len-token prompts
     max_call_tokens: int | None = None  # prompt + response cut to this (the engine's max_model_len)
+    prefix_groups: tuple[tuple[int, float], ...] | None = None   # (prefix tokens, share): unset, one shared_prefix
 
     @property
     def pulse_start(self) -> float:
@@ -194,6 +195,7 @@ class Scenario:
                 "response": (self.response.to_dict() if self.response else
                              {"dist": "lognormal", "median": self.response_median, "mean": self.response_mean}),
                 "shared_prefix": self.shared_prefix,
+                "prefix_groups": [list(g) for g in self.prefix_groups] if self.prefix_groups else None,
                 "mixed": ({"share": self.mixed_share, "len": self.mixed_prompt_len} if self.mixed_share else None)}
 
     def to_dict(self) -> dict:
@@ -201,13 +203,15 @@ class Scenario:
              if f.name not in _EXTENDED or getattr(self, f.name) is not None}
         if self.phases is not None:
             d["phases"] = [p.to_dict() for p in self.phases]
+        if self.prefix_groups is not None:
+            d["prefix_groups"] = [list(g) for g in self.prefix_groups]
         for k in ("prompt", "response"):
             if d.get(k) is not None:
                 d[k] = d[k].to_dict()
         return d
 
 
-_EXTENDED = ("phases", "prompt", "response", "mixed_share", "max_call_tokens")
+_EXTENDED = ("phases", "prompt", "response", "mixed_share", "max_call_tokens", "prefix_groups")
 
 
 PAPER = Scenario()

@@ -18,10 +18,18 @@ class Trace:
     arrival: np.ndarray       # planned arrival time of each call (s), sorted
     prompt_len: np.ndarray    # prompt tokens (int64), shared prefix included
     max_tokens: np.ndarray    # response tokens (int64); generated to full length
-    shared_prefix: int        # leading prompt tokens identical across calls
+    shared_prefix: int        # leading prompt tokens identical across calls (the least, with groups)
+    prefix_len: np.ndarray | None = None     # per call: its prefix group's tokens (int64); None: shared_prefix
+    prefix_group: np.ndarray | None = None   # per call: its prefix group (int64, 0 first); None: all in group 0
 
     def __len__(self) -> int:
         return len(self.arrival)
+
+    def prefix_of(self, i: int) -> tuple[int, int]:
+        """Call i's shared-prefix tokens and prefix group."""
+        if self.prefix_len is None:
+            return self.shared_prefix, 0
+        return int(self.prefix_len[i]), int(self.prefix_group[i])
 
 
 class TraceError(ValueError):
@@ -62,7 +70,9 @@ def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bo
                phases: list[tuple[float, float, float]] | None = None) -> Trace:
     """The trace for one seed. `phases` is a list of (start, end, rate calls/s);
     by default the scenario's phases (`Scenario.arrival_phases`) at
-    `capacity`. `mixed_prompts` gives half the calls `mixed_prompt_len`-token
+    `capacity`. With `prefix_groups` each call joins a group (drawn by the
+    groups' shares after every other draw) and starts with its prefix.
+    `mixed_prompts` gives half the calls `mixed_prompt_len`-token
     prompts (as `mixed_share = 0.5` does). With `max_call_tokens` a call's
     response, then its prompt, is cut so the two fit in it."""
     if capacity <= 0:
@@ -81,10 +91,21 @@ def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bo
     prompt = np.maximum(prompt, s.shared_prefix + 1)
     resp = draw_lengths(rng, s.response or Lengths("lognormal", median=s.response_median, mean=s.response_mean), n)
     resp = np.maximum(1, resp)
+    prefix_len = group = None
+    shared = s.shared_prefix
+    if s.prefix_groups:
+        tokens = np.array([g[0] for g in s.prefix_groups], dtype=np.int64)
+        share = np.array([g[1] for g in s.prefix_groups], dtype=float)
+        group = rng.choice(len(tokens), size=n, p=share / share.sum()).astype(np.int64)
+        prefix_len = tokens[group]
+        shared = int(tokens.min())
+        prompt = np.maximum(prompt, prefix_len + 1)
+    pre = prefix_len if prefix_len is not None else shared
     if s.max_call_tokens is not None:            # a client cuts the context to fit the model
-        resp = np.minimum(resp, s.max_call_tokens - s.shared_prefix - 1)
-        prompt = np.maximum(np.minimum(prompt, s.max_call_tokens - resp), s.shared_prefix + 1)
-    return Trace(arrival=arrival, prompt_len=prompt, max_tokens=resp, shared_prefix=s.shared_prefix)
+        resp = np.minimum(resp, s.max_call_tokens - pre - 1)
+        prompt = np.maximum(np.minimum(prompt, s.max_call_tokens - resp), pre + 1)
+    return Trace(arrival=arrival, prompt_len=prompt, max_tokens=resp, shared_prefix=shared,
+                 prefix_len=prefix_len, prefix_group=group)
 
 
 # ------------------------------------------------------------------ replay
@@ -119,9 +140,9 @@ def read_trace(path: str, speedup: float = 1.0, shared_prefix: int = 0) -> tuple
     `speedup`, prompt and response lengths as written. Columns: Vidur's
     (`arrived_at, num_prefill_tokens, num_decode_tokens`) or Azure's
     (`TIMESTAMP, ContextTokens, GeneratedTokens`; times in seconds or as
-    date-times); an optional `prefix_tokens` column gives each call's shared
-    prefix (the trace's shared prefix is the smallest of them; without the
-    column, `shared_prefix`). Returns the trace and a description (dialect,
+    date-times); optional columns `prefix_group` (any label: calls of one
+    group share their prefix) and `prefix_tokens` (the call's prefix length,
+    one per group; without it every group's prefix is `shared_prefix`). Returns the trace and a description (dialect,
     calls, span, speedup). Raises TraceError naming the file (and line) for
     a missing or unreadable file, an unknown header, an empty trace, a time
     that is negative, not a number or earlier than the row before, or a
@@ -148,7 +169,9 @@ def read_trace(path: str, speedup: float = 1.0, shared_prefix: int = 0) -> tuple
                          f"{', '.join(TRACE_COLUMNS['vidur'])} (Vidur) or {', '.join(TRACE_COLUMNS['azure'])} (Azure)")
     it, ip, ir = (head.index(c) for c in cols)
     ipx = head.index("prefix_tokens") if "prefix_tokens" in head else None
-    times, prompts, resps, prefixes = [], [], [], []
+    igr = head.index("prefix_group") if "prefix_group" in head else None
+    times, prompts, resps, prefixes, groups = [], [], [], [], []
+    labels: dict[str, int] = {}
     prev = -math.inf
     for line, row in enumerate(rows[1:], start=2):
         if not row or all(not c.strip() for c in row):
@@ -181,15 +204,33 @@ def read_trace(path: str, speedup: float = 1.0, shared_prefix: int = 0) -> tuple
             if vals[2] >= vals[0]:
                 raise TraceError(f"{where}: prefix_tokens {vals[2]} must be shorter than the prompt ({vals[0]})")
             prefixes.append(vals[2])
+        if igr is not None:
+            label = row[igr].strip()
+            if not label:
+                raise TraceError(f"{where}: prefix_group is empty")
+            groups.append(labels.setdefault(label, len(labels)))
     if not times:
         raise TraceError(f"{path}: empty trace (a header and no calls)")
     t0 = times[0]
     arrival = (np.asarray(times, dtype=float) - t0) / speedup
-    prefix = min(prefixes) if prefixes else shared_prefix
     prompt = np.asarray(prompts, dtype=np.int64)
-    if prefix >= int(prompt.min()):
-        raise TraceError(f"{path}: shared prefix {prefix} is not shorter than the shortest prompt ({prompt.min()})")
+    if prefixes or groups:
+        plen = np.asarray(prefixes, dtype=np.int64) if prefixes else np.full(len(prompt), shared_prefix, np.int64)
+        group = np.asarray(groups, dtype=np.int64) if groups else np.zeros(len(prompt), np.int64)
+        for g in range(int(group.max()) + 1):
+            if len(set(plen[group == g].tolist())) > 1:
+                i = int(np.flatnonzero(group == g)[0])
+                raise TraceError(f"{path}: prefix group {g + 1} (from line {i + 2}) has calls with different "
+                                 "prefix_tokens; one group, one prefix")
+        prefix = int(plen.min())
+    else:
+        plen = group = None
+        prefix = shared_prefix
+    bad = np.flatnonzero((plen if plen is not None else prefix) >= prompt)
+    if len(bad):
+        raise TraceError(f"{path}: call {bad[0] + 1}: the shared prefix ({prefix if plen is None else plen[bad[0]]}) "
+                         f"is not shorter than its prompt ({prompt[bad[0]]})")
     trace = Trace(arrival=arrival, prompt_len=prompt, max_tokens=np.asarray(resps, dtype=np.int64),
-                  shared_prefix=int(prefix))
+                  shared_prefix=int(prefix), prefix_len=plen, prefix_group=group)
     return trace, {"dialect": dialect, "calls": len(times), "span_s": float(arrival[-1]), "speedup": speedup,
-                   "shared_prefix": int(prefix)}
+                   "shared_prefix": int(prefix), "prefix_groups": int(group.max()) + 1 if group is not None else 1}

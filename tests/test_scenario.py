@@ -34,9 +34,11 @@ def trace_file(tmp_path, rows, header="arrived_at,num_prefill_tokens,num_decode_
     return write(tmp_path / name, header + "\n" + "".join(",".join(map(str, r)) + "\n" for r in rows))
 
 
+# Ĉ given in the file where the test is not about it (the protocol on a tiny
+# trace's mix would run for minutes)
 def replay_toml(tmp_path, trace, extra="", measures="burst_start_s = 0.0\nburst_end_s = 10.0\nhold_end_s = 100.0\n"):
-    return write(tmp_path / "s.toml", f'name = "replay"\n[workload]\ntrace = "{os.path.basename(trace)}"\n{extra}'
-                                      f'[measures]\n{measures}')
+    return write(tmp_path / "s.toml", f'name = "replay"\n[model]\ncapacity = 2.0\n[workload]\n'
+                                      f'trace = "{os.path.basename(trace)}"\n{extra}[measures]\n{measures}')
 
 
 # ------------------------------------------------------------------ round trip
@@ -125,7 +127,7 @@ def test_the_shipped_sample_trace_is_small_and_replays():
 # ------------------------------------------------------------------ engine overrides
 def test_a_kv_override_reaches_the_engine(tmp_path):
     base = load("paper").run(0, "no-retry")
-    f = write(tmp_path / "kv.toml", "[engine]\nkv_cache_tokens = 40000\n")
+    f = write(tmp_path / "kv.toml", "[model]\ncapacity = 2.764097786271699\n[engine]\nkv_cache_tokens = 40000\n")
     dep = load(f)
     assert dep.profile.engine["num_gpu_blocks"] == 40000 // 16
     rec = dep.run(0, "no-retry")
@@ -137,7 +139,7 @@ def test_a_kv_override_reaches_the_engine(tmp_path):
 
 
 def test_a_seats_override_caps_running_requests(tmp_path):
-    f = write(tmp_path / "seats.toml", "[engine]\nmax_num_seqs = 4\n")
+    f = write(tmp_path / "seats.toml", "[model]\ncapacity = 2.764097786271699\n[engine]\nmax_num_seqs = 4\n")
     rec = load(f).run(0, "no-retry")
     assert rec["engine_config"]["max_num_seqs"] == 4
     assert max(rec["series"]["running"]) == 4
@@ -174,6 +176,8 @@ def test_mixed_prompts_scale_by_the_mix_capacity():
 
 def test_phases_given_as_rates_and_loads(tmp_path):
     dep = load(write(tmp_path / "p.toml", """
+[model]
+capacity = 3.0
 [workload]
 phases = [{name = "a", duration_s = 50.0, rate = 2.0}, {name = "b", duration_s = 20.0, load = 1.5},
           {name = "c", duration_s = 100.0, rate = 1.0}]
@@ -187,7 +191,7 @@ burst = "b"
     assert s.primary_start == 70.0 + s.deadline_s and s.delivery_horizon_s == 100.0 + s.deadline_s
     tr = dep.trace(3)
     assert set(tr.prompt_len.tolist()) == {4000} and set(tr.max_tokens.tolist()) == {100}
-    assert dep.capacity_info["source"].startswith("capacity protocol")
+    assert dep.capacity_info["source"] == "given in the scenario file" and dep.capacity == 3.0
     n_b = np.count_nonzero((tr.arrival >= 50) & (tr.arrival < 70))
     assert abs(n_b - 1.5 * dep.capacity * 20) < 5 * np.sqrt(1.5 * dep.capacity * 20)
 
@@ -332,3 +336,36 @@ def test_sweep_rows_carry_the_scenario_and_resume(tmp_path, capsys):
 def test_from_document_raises_scenario_error():
     with pytest.raises(ScenarioError, match="proxy.condition"):
         from_document({"proxy": {"condition": "cancle"}}, "doc")
+
+
+# ------------------------------------------------------------------ prefix groups
+@pytest.mark.parametrize("groups,hits", [("a,b,a,b", 2 * 1600), ("a,a,a,a", 3 * 1600)])
+def test_prefix_groups_share_their_own_prefix(tmp_path, groups, hits):
+    rows = [(10.0 * i, 2000, 4, 1600, g) for i, g in enumerate(groups.split(","))]
+    t = trace_file(tmp_path, rows, header="arrived_at,num_prefill_tokens,num_decode_tokens,prefix_tokens,prefix_group")
+    dep = load(replay_toml(tmp_path, t, measures="burst_start_s = 0.0\nburst_end_s = 15.0\nhold_end_s = 40.0\n"))
+    assert dep.trace().prefix_group.tolist() == [{"a": 0, "b": 1}[g] for g in groups.split(",")]
+    rec = dep.run(0, "no-retry")
+    assert rec["counters"]["prefix_cache_hits_total"] == hits
+
+
+def test_generated_prefix_groups_follow_their_shares(tmp_path):
+    dep = load(write(tmp_path / "g.toml", "[model]\ncapacity = 2.0\n[workload]\nprefix_groups = [{tokens = 3000, share = 0.25}, "
+                                          "{tokens = 500, share = 0.75}]\n"))
+    tr = dep.trace(0)
+    assert tr.shared_prefix == 500 and set(tr.prefix_len.tolist()) == {3000, 500}
+    assert (tr.prefix_len == np.array([3000, 500])[tr.prefix_group]).all() and (tr.prompt_len > tr.prefix_len).all()
+    assert abs(np.mean(tr.prefix_group == 0) - 0.25) < 0.05
+    back = load(write(tmp_path / "back.toml", dep.to_toml()))
+    assert back.scenario == dep.scenario
+
+
+def test_a_capacity_in_the_file_and_the_protocols(tmp_path):
+    given = load(write(tmp_path / "c.toml", "[model]\ncapacity = 5.0\n[workload]\nmixed_share = 0.5\n"))
+    assert given.capacity == 5.0 and given.trace(0).arrival.size > 0
+    assert "capacity" not in given.with_changes(model="llama-3.1-8b").model      # another model: its own Ĉ
+
+
+def test_prefix_group_shares_must_add_up(tmp_path, capsys):
+    err = _bad(tmp_path, capsys, "[workload]\nprefix_groups = [{tokens = 3000, share = 0.5}]\n")
+    assert "prefix_groups" in err and "add up to 1" in err

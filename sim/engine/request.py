@@ -11,7 +11,7 @@ class Request:
     `Scheduler.sync` — so a decode step costs nothing per request."""
 
     __slots__ = (
-        "request_id", "call_id", "prompt_len", "max_tokens", "shared_prefix",
+        "request_id", "call_id", "prompt_len", "max_tokens", "shared_prefix", "prefix_group",
         "status", "num_computed_tokens", "num_output_tokens", "outputs_done",
         "blocks", "ever_preempted", "first_output_done", "chunks", "record",
         # decode group
@@ -21,12 +21,13 @@ class Request:
     )
 
     def __init__(self, request_id: int, call_id: int, prompt_len: int, max_tokens: int,
-                 shared_prefix: int = 0, record=None, stop_at: int | None = None):
+                 shared_prefix: int = 0, record=None, stop_at: int | None = None, prefix_group: int = 0):
         self.request_id = request_id
         self.call_id = call_id
         self.prompt_len = int(prompt_len)
         self.max_tokens = int(max_tokens)
         self.shared_prefix = int(shared_prefix)
+        self.prefix_group = int(prefix_group)     # calls of one group share their prefix's blocks
         self.status = WAITING
         self.num_computed_tokens = 0
         self.num_output_tokens = 0      # outputs scheduled for (optimistic)

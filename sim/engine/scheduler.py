@@ -23,7 +23,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_pool import BlockPool, Extent, PREFIX_SPACE, call_space, exec_space
+from .block_pool import BlockPool, Extent, call_space, exec_space, prefix_space
 from .request import Request, WAITING, RUNNING, FINISHED, ABORTED
 from .step_time import StepTimeModel
 
@@ -159,7 +159,7 @@ class Scheduler:
         bs = self.block_size
         npf = r.shared_prefix // bs
         npc = r.prompt_len // bs
-        return ((PREFIX_SPACE, 0, min(npf, upto_blocks)),
+        return ((prefix_space(r.prefix_group), 0, min(npf, upto_blocks)),
                 (call_space(r.call_id), npf, min(npc, upto_blocks)),
                 (exec_space(r.request_id), npc, upto_blocks))
 
