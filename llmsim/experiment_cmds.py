@@ -111,7 +111,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--seeds", type=args.seeds, default=[0], help="e.g. 0-4 or 0,1,2 (default 0)")
     p.add_argument("--max-batched-tokens", type=args.comma_list(int, "whole numbers"), default=None,
                    help="comma-separated step budgets (default: the profile's)")
-    p.add_argument("--mixed-prompts", action="store_true", help="half the calls get 3,000-token prompts")
+    p.add_argument("--mixed-prompts", action="store_true",
+                   help="half the calls get 3,000-token prompts; Ĉ is the capacity protocol's on that mix")
     p.add_argument("--out", required=True, metavar="PATH", help="the Parquet file (created or extended)")
     p.add_argument("--workers", type=int, default=None, help="local processes (default: all cores)")
     p.add_argument("--ray", metavar="ADDRESS|auto", default=None,

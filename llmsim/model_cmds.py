@@ -46,7 +46,7 @@ def cmd_run(a) -> int:
 
 
 def cmd_capacity(a) -> int:
-    dep = deployment(a, burst=False)
+    dep = deployment(a, burst=False, capacity=False)
     prof, sc = dep.profile, dep.scenario.with_(phases=None)
     seeds = a.seeds if a.seeds is not None else [a.seed]
 
@@ -79,7 +79,7 @@ def cmd_capacity(a) -> int:
 
 
 def cmd_latency(a) -> int:
-    dep = deployment(a, burst=False)
+    dep = deployment(a, burst=False, capacity=False)
     if dep.trace_source is not None:
         raise args.UsageError("latency: a replayed trace has its own arrivals; latency needs a scenario of "
                               "length distributions (it sends them at --rate)")
@@ -224,7 +224,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=None,
                    help="the trace's seed (default 0, or the --scenario's)")
     p.add_argument("--max-batched-tokens", type=args.positive(int), default=None)
-    p.add_argument("--mixed-prompts", action="store_true", help="half the calls get 3,000-token prompts")
+    p.add_argument("--mixed-prompts", action="store_true",
+                   help="half the calls get 3,000-token prompts; Ĉ is the capacity protocol's on that mix")
     p.add_argument("--json", metavar="PATH")
     control_args(p)
     p.set_defaults(fn=cmd_run)

@@ -34,10 +34,11 @@ def scenario_arg(p, trace_speedup: bool = True) -> None:
                        help="replay the scenario's trace X times faster (arrival times / X)")
 
 
-def deployment(a, burst: bool = True) -> Deployment:
+def deployment(a, burst: bool = True, capacity: bool = True) -> Deployment:
     """The deployment a command runs: `--scenario` (default paper) with the
     command's --model, --pulse, --max-batched-tokens and --mixed-prompts
-    applied where given."""
+    applied where given; with `burst`, one that forms cohorts; with
+    `capacity`, its Ĉ resolved (a failing protocol is bad input too)."""
     src = getattr(a, "scenario", None)
     try:
         dep = load(src or "paper", build_prior=build_prior, trace_speedup=getattr(a, "trace_speedup", None))
@@ -51,7 +52,8 @@ def deployment(a, burst: bool = True) -> Deployment:
                                mixed_prompts=bool(getattr(a, "mixed_prompts", False)))
         if burst:
             dep.require_burst()
-        dep.capacity                        # Ĉ of the workload: the protocol's failure is bad input too
+        if capacity:
+            dep.capacity
     except (ScenarioError, ProfileError) as e:
         raise args.UsageError(f"{a.command}: {e}") from None
     return dep

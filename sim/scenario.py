@@ -2,6 +2,14 @@
 one a parameter, and the registry of named scenarios (`SCENARIOS`) that
 simulation, calibration and validation share.
 
+Beyond the reference design a Scenario may carry a list of arrival `phases`
+(`Phase`: a duration and a load in multiples of Ĉ or a rate in calls/s; the
+burst is the phase starting at `base_s` and lasting `pulse_s`, so the cohorts
+follow from it), prompt and response length distributions (`Lengths`),
+prefix groups with shares, a mixed-prompt share and a cut to the engine's
+context length. Each is left out of `to_dict` while unset, so the reference
+scenarios read exactly as before; scenario files (`sim.deployment`) set them.
+
 Named scenarios:
 - `paper`: SPEC as written (947 s of arrivals, 120 s deadline) — the default
   for `--engine gpu`, where a point takes ~17 minutes live.
