@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .conditions import CONDITIONS, Condition, compose, get_condition, parse_cancel
+from .policy.proxy import ProxyConfig
 from .profile import ENGINE_FLAGS, Profile, ProfileError, embedded_names, from_dict, load_profile, with_engine
 from .run import needs_recalibration, run_one, workload_capacity
 from .scenario import PAPER, SCENARIOS, Lengths, Phase, Scenario
@@ -645,11 +646,15 @@ class Deployment:
         return make_trace(self.capacity, self.scenario, self.seed if seed is None else seed)
 
     def condition_for(self, cond: Condition | str | None = None) -> Condition:
-        """`cond` (default the deployment's) with the deployment's proxy times
-        and engine cap."""
+        """`cond` (default the deployment's) with the deployment's engine cap
+        (unless it has its own) and proxy times: they replace the reference's
+        (10 s deferral, 60 s budget window) where `cond` keeps those, so an
+        explicitly set deferral W stays."""
         c = self.condition if cond is None else (get_condition(cond) if isinstance(cond, str) else cond)
-        if self.proxy_times:
-            c = dataclasses.replace(c, proxy=dataclasses.replace(c.proxy, **self.proxy_times))
+        ref = ProxyConfig()
+        times = {k: v for k, v in self.proxy_times.items() if getattr(c.proxy, k) == getattr(ref, k)}
+        if times:
+            c = dataclasses.replace(c, proxy=dataclasses.replace(c.proxy, **times))
         if self.engine_cap is not None and c.engine_cap is None:
             c = dataclasses.replace(c, engine_cap=self.engine_cap)
         return c

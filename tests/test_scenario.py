@@ -369,3 +369,12 @@ def test_a_capacity_in_the_file_and_the_protocols(tmp_path):
 def test_prefix_group_shares_must_add_up(tmp_path, capsys):
     err = _bad(tmp_path, capsys, "[workload]\nprefix_groups = [{tokens = 3000, share = 0.5}]\n")
     assert "prefix_groups" in err and "add up to 1" in err
+
+
+def test_a_scenarios_proxy_times_yield_to_an_explicit_deferral():
+    from sim.conditions import compose
+    small = load("cpu-small")
+    assert small.condition_for("deferred").proxy.defer_s == 2.5
+    assert small.condition_for("budget").proxy.budget_window_s == 15.0
+    assert small.condition_for(compose("deferred", cancel="deferred:5")).proxy.defer_s == 5.0
+    assert load("paper").condition_for("deferred") == compose("deferred", name="deferred")
