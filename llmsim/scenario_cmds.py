@@ -42,8 +42,8 @@ def deployment(a, burst: bool = True, capacity: bool = True) -> Deployment:
     src = getattr(a, "scenario", None)
     try:
         dep = load(src or "paper", build_prior=build_prior, trace_speedup=getattr(a, "trace_speedup", None))
-        if src is None and getattr(a, "trace_speedup", None) is not None:
-            raise ScenarioError("--trace-speedup needs a --scenario with a trace")
+        if getattr(a, "trace_speedup", None) is not None and dep.trace_source is None:
+            raise ScenarioError("--trace-speedup needs a --scenario whose [workload] has a trace")
         model = getattr(a, "model", None)
         pulse = getattr(a, "pulse", None)
         if src is None and model is None:

@@ -378,3 +378,31 @@ def test_a_scenarios_proxy_times_yield_to_an_explicit_deferral():
     assert small.condition_for("budget").proxy.budget_window_s == 15.0
     assert small.condition_for(compose("deferred", cancel="deferred:5")).proxy.defer_s == 5.0
     assert load("paper").condition_for("deferred") == compose("deferred", name="deferred")
+
+
+def test_trace_speedup_needs_a_trace(tmp_path, capsys):
+    assert main(["run", "--condition", "cancel", "--trace-speedup", "2"]) == 2
+    assert "--trace-speedup" in capsys.readouterr().err
+
+
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+                "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "num_hidden_layers": 16, "vocab_size": 128256, "torch_dtype": "bfloat16",
+                "tie_word_embeddings": True}
+
+
+def test_a_model_from_a_hf_config_is_a_prior(tmp_path, capsys):
+    from llmsim.scenario_cmds import build_prior
+    write(tmp_path / "config.json", json.dumps(LLAMA_CONFIG))
+    f = write(tmp_path / "m.toml", '[model]\nhf_config = "config.json"\ngpu = "h100"\n')
+    dep = load(f, build_prior=build_prior)
+    assert dep.profile.provenance["kind"] == "roofline prior"
+    assert needs_recalibration(dep.profile, dep.scenario)          # a prior's Ĉ is a placeholder
+    assert dep.profile.engine["num_gpu_blocks"] > 0
+    with pytest.raises(ScenarioError, match="needs the roofline prior"):
+        load(f)
+    for text, what in (('[model]\nhf_config = "config.json"\n', "model.gpu"),
+                       ('[model]\nhf_config = "config.json"\ngpu = "h900"\n', "h900"),
+                       ('[model]\nhf_config = "nothing.json"\ngpu = "h100"\n', "nothing.json")):
+        err = _bad(tmp_path, capsys, text)
+        assert what in err and "bad.toml" in err
