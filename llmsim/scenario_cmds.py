@@ -63,6 +63,8 @@ def capacity_line(dep: Deployment) -> str:
     info = dep.capacity_info
     if info["source"] == "profile":
         return f"Ĉ {dep.capacity:.3f} calls/s (the profile's, measured on this workload)"
+    if info["key"] is None:
+        return f"Ĉ {dep.capacity:.3f} calls/s ({info['source']})"
     return (f"Ĉ {dep.capacity:.3f} calls/s ({info['source']}: the workload's mix or engine differs from the one "
             f"the profile's Ĉ {dep.profile.capacity:.3f} was measured on; computed once, cached as {info['key']})")
 
