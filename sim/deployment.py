@@ -4,7 +4,8 @@ the proxy's `Condition`, and the calls (generated from phases, or replayed
 from a trace file).
 
 API (what commands build on):
-- `load(path_or_name, build_prior=None) -> Deployment`: a scenario file, or a
+- `load(path_or_name, build_prior=None, trace_speedup=None) -> Deployment`:
+  a scenario file, or a
   name of `sim.scenario.SCENARIOS`. `build_prior(hf_config_path, gpu) -> dict`
   makes a profile dict for `[model] hf_config` (the roofline prior lives
   above sim). Raises `ScenarioError` (one line naming the file and key).
@@ -14,13 +15,15 @@ API (what commands build on):
   - `name`, `profile` (overrides applied), `scenario`, `condition` (from
     `[proxy]`), `engine_cap`, `seed`, `trace_source` (a `TraceSource` or
     None), `content_hash` (of the resolved deployment, not of the file's
-    text), `document` (the resolved document).
-  - `capacity` / `capacity_info`: Ĉ of this workload on this engine (the
-    profile's, or the capacity protocol's on this workload, computed once and
-    cached by content hash; `sim.run.workload_capacity`).
+    text), `document()` (the resolved document), `identity()` (what a record
+    carries).
+  - `capacity` / `capacity_info`: Ĉ of this workload on this engine (given
+    in the file, the profile's, or the capacity protocol's on this workload,
+    computed once and cached by content hash; `sim.run.workload_capacity`).
+  - `run_pulse`: the burst's load as records give it (`pulse`), or None.
   - `trace(seed=None)`: the calls of one seed (a replayed trace is the same
     for every seed).
-  - `run(seed=None, condition=None)`: one run, the result record, which
+  - `run(seed=None, condition=None, trace=None)`: one run, the result record, which
     carries `deployment` (name, content hash, profile identity, Ĉ's source,
     the resolved TOML).
   - `condition_for(cond)`: a condition with the deployment's proxy times and
@@ -34,12 +37,12 @@ API (what commands build on):
     deadline, KV seats for the mean prompt (`llmsim scenario check`).
 
 File sections (every key optional; the reference design's value by default):
-`[model]` profile | hf_config + gpu; `[engine]` vLLM's flags
+`[model]` profile | hf_config + gpu, and capacity; `[engine]` vLLM's flags
 (`sim.profile.ENGINE_FLAGS`) and `max_num_queued_reqs` (the engine cap);
 `[workload]` phases (duration_s, load or rate, name), prompt and response
-(`{dist = "normal"|"lognormal"|"fixed"|"empirical", ...}`), shared_prefix,
-mixed_share, mixed_prompt_len, or trace (CSV) with trace_speedup; `[client]`
-the Scenario's client fields; `[proxy]` condition plus control overrides;
+(`{dist = "normal"|"lognormal"|"fixed"|"empirical", ...}`), shared_prefix
+or prefix_groups, mixed_share, mixed_prompt_len, or trace (CSV) with
+trace_speedup; `[client]` the Scenario's client fields; `[proxy]` condition plus control overrides;
 `[measures]` burst (a phase's name) or burst_start_s/burst_end_s with a
 trace, and the Scenario's measure fields.
 """
@@ -62,7 +65,7 @@ import numpy as np
 from .conditions import CONDITIONS, Condition, compose, get_condition, parse_cancel
 from .policy.proxy import ProxyConfig
 from .profile import ENGINE_FLAGS, Profile, ProfileError, embedded_names, from_dict, load_profile, with_engine
-from .run import needs_recalibration, run_one, workload_capacity
+from .run import run_one, workload_capacity
 from .scenario import PAPER, SCENARIOS, Lengths, Phase, Scenario
 from .workload import Trace, TraceError, make_trace, read_trace
 
