@@ -303,102 +303,118 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
     """The deployment a parsed scenario document describes (see the module
     docstring); `trace_speedup`, when given, replaces the file's."""
     doc = _Doc(source, "", d)
-    secs = {}
-    for s in ("model", "engine", "workload", "client", "proxy", "measures"):
-        secs[s] = doc.sub(s, s) if doc.has(s) else _Doc(source, s, {})
+    secs = {s: doc.sub(s, s) if doc.has(s) else _Doc(source, s, {})
+            for s in ("model", "engine", "workload", "client", "proxy", "measures")}
     name = doc.str_("name", os.path.splitext(os.path.basename(source))[0])
     seed = doc.num("seed", 0, positive=True, whole=True)
     about = doc.str_("about", "")
-
-    # model and engine
     prof, model_doc = _profile(doc, base_dir, build_prior)
-    eng = secs["engine"]
+    prof, engine_cap = _engine(secs["engine"], prof)
+    w, me = secs["workload"], secs["measures"]
+    if w.has("trace"):
+        sc, trace_src, burst = _replayed(w, me, base_dir, trace_speedup)
+    else:
+        (sc, burst), trace_src = _generated(w, me, base_dir), None
+    scenario = _scenario(sc, secs["client"], me, prof, trace_src is None)
+    _check_lengths(w, scenario, trace_src, prof)
+    cond, proxy_doc = _proxy(secs["proxy"])
+    return Deployment(name=name, about=about, profile=prof, model=model_doc, scenario=scenario, condition=cond,
+                      engine_cap=engine_cap, proxy=proxy_doc, seed=int(seed), trace_source=trace_src, burst=burst,
+                      base_dir=base_dir, build_prior=build_prior)
+
+
+def _engine(eng: _Doc, prof: Profile) -> tuple[Profile, int | None]:
+    """[engine]: the profile with vLLM's flags changed, and the engine cap."""
     overrides = {k: v for k, v in eng.d.items() if k != "max_num_queued_reqs"}
     try:
         prof = with_engine(prof, overrides)
     except ProfileError as e:
-        raise ScenarioError(f"{source}: engine: {e}") from None
-    engine_cap = eng.num("max_num_queued_reqs", None, positive=True, allow_zero=False, whole=True)
+        raise ScenarioError(f"{eng.source}: engine: {e}") from None
+    return prof, eng.num("max_num_queued_reqs", None, positive=True, allow_zero=False, whole=True)
 
-    # workload
-    w, me, cl = secs["workload"], secs["measures"], secs["client"]
-    sc: dict = {}
-    trace_src = None
-    if w.has("trace"):
-        clash = [k for k in ("phases", "prompt", "response", "mixed_share", "prefix_groups") + FLAT_PHASE_KEYS
-                 + ("prompt_mean", "prompt_sd", "response_median", "response_mean") if w.has(k)]
-        if clash:
-            raise w.err(clash[0], "and workload.trace both given: a trace fixes arrivals and lengths")
-        if me.has("burst"):
-            raise me.err("burst", "names a phase, but a trace has none: give burst_start_s and burst_end_s")
-        path = os.path.join(base_dir, w.str_("trace"))
-        speed = trace_speedup if trace_speedup is not None else w.num("trace_speedup", 1.0, positive=True,
-                                                                     allow_zero=False)
-        try:
-            tr, info = read_trace(path, speed, int(w.num("shared_prefix", 0, positive=True, whole=True)))
-        except TraceError as e:
-            raise ScenarioError(f"{source}: workload.trace: {e}") from None
-        with open(path, "rb") as f:
-            sha = hashlib.sha256(f.read()).hexdigest()[:16]
-        trace_src = TraceSource(w.str_("trace"), float(speed), sha, tr, info)
-        a, b = me.num("burst_start_s", positive=True), me.num("burst_end_s", positive=True)
-        if (a is None) != (b is None):
-            raise me.err("burst_start_s" if a is None else "burst_end_s", "is missing: give both ends of the burst")
-        end = me.num("hold_end_s", float(tr.arrival[-1]), positive=True)
-        if a is not None and not b > a:
-            raise me.err("burst_end_s", f"must be after burst_start_s ({a}), got {b}")
-        if a is not None and not end > b:
-            raise me.err("hold_end_s", f"must be after burst_end_s ({b}), got {end} (the trace's last call "
-                                       f"arrives at {tr.arrival[-1]:.1f} s)")
-        sc.update(base_s=float(a if a is not None else end), pulse_s=float(b - a) if a is not None else 0.0,
-                  hold_s=float(end - b) if a is not None else 0.0, shared_prefix=int(tr.shared_prefix),
-                  prompt=Lengths("empirical", values=tuple(int(x) for x in tr.prompt_len), source=f"trace:{sha}"),
-                  response=Lengths("empirical", values=tuple(int(x) for x in tr.max_tokens), source=f"trace:{sha}"),
-                  prompt_mean=float(tr.prompt_len.mean()), response_mean=float(tr.max_tokens.mean()))
-        burst = "trace" if a is not None else None
-    else:
-        for k in ("burst_start_s", "burst_end_s", "hold_end_s"):
-            if me.has(k):
-                raise me.err(k, "only goes with workload.trace; name the burst phase with measures.burst")
-        if w.has("trace_speedup"):
-            raise w.err("trace_speedup", "only goes with workload.trace")
-        ph, burst = _phases(w, me)
-        sc.update(ph)
-        for k in ("prompt", "response"):
-            if w.has(k):
-                flat = [f for f in ((("prompt_mean", "prompt_sd") if k == "prompt" else
-                                     ("response_median", "response_mean"))) if w.has(f)]
-                if flat:
-                    raise w.err(flat[0], f"and workload.{k} both given: give the {k} lengths one way")
-                L = _lengths(w, k, base_dir)
-                if k == "prompt" and L.kind == "normal":
-                    sc.update(prompt_mean=float(L.mean), prompt_sd=float(L.sd))
-                elif k == "response" and L.kind == "lognormal":
-                    sc.update(response_median=float(L.median), response_mean=float(L.mean))
-                else:
-                    sc[k] = L
-        for k in ("prompt_mean", "prompt_sd", "response_median", "response_mean"):
-            if w.has(k):
-                sc[k] = float(w.num(k, positive=True, allow_zero=k == "prompt_sd"))
+
+def _replayed(w: _Doc, me: _Doc, base_dir: str, trace_speedup: float | None) -> tuple[dict, TraceSource, str | None]:
+    """[workload] trace: Scenario fields, the trace and the burst's name."""
+    clash = [k for k in ("phases", "prompt", "response", "mixed_share", "prefix_groups") + FLAT_PHASE_KEYS
+             + ("prompt_mean", "prompt_sd", "response_median", "response_mean") if w.has(k)]
+    if clash:
+        raise w.err(clash[0], "and workload.trace both given: a trace fixes arrivals and lengths")
+    if me.has("burst"):
+        raise me.err("burst", "names a phase, but a trace has none: give burst_start_s and burst_end_s")
+    path = os.path.join(base_dir, w.str_("trace"))
+    speed = trace_speedup if trace_speedup is not None else w.num("trace_speedup", 1.0, positive=True,
+                                                                 allow_zero=False)
+    try:
+        tr, info = read_trace(path, speed, int(w.num("shared_prefix", 0, positive=True, whole=True)))
+    except TraceError as e:
+        raise ScenarioError(f"{w.source}: workload.trace: {e}") from None
+    with open(path, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()[:16]
+    a, b = me.num("burst_start_s", positive=True), me.num("burst_end_s", positive=True)
+    if (a is None) != (b is None):
+        raise me.err("burst_start_s" if a is None else "burst_end_s", "is missing: give both ends of the burst")
+    end = me.num("hold_end_s", float(tr.arrival[-1]), positive=True)
+    if a is not None and not b > a:
+        raise me.err("burst_end_s", f"must be after burst_start_s ({a}), got {b}")
+    if a is not None and not end > b:
+        raise me.err("hold_end_s", f"must be after burst_end_s ({b}), got {end} (the trace's last call "
+                                   f"arrives at {tr.arrival[-1]:.1f} s)")
+    sc = dict(base_s=float(a if a is not None else end), pulse_s=float(b - a) if a is not None else 0.0,
+              hold_s=float(end - b) if a is not None else 0.0, shared_prefix=int(tr.shared_prefix),
+              prompt=Lengths("empirical", values=tuple(int(x) for x in tr.prompt_len), source=f"trace:{sha}"),
+              response=Lengths("empirical", values=tuple(int(x) for x in tr.max_tokens), source=f"trace:{sha}"),
+              prompt_mean=float(tr.prompt_len.mean()), response_mean=float(tr.max_tokens.mean()))
+    return sc, TraceSource(w.str_("trace"), float(speed), sha, tr, info), ("trace" if a is not None else None)
+
+
+def _generated(w: _Doc, me: _Doc, base_dir: str) -> tuple[dict, str | None]:
+    """[workload] phases and lengths: Scenario fields and the burst's name."""
+    for k in ("burst_start_s", "burst_end_s", "hold_end_s"):
+        if me.has(k):
+            raise me.err(k, "only goes with workload.trace; name the burst phase with measures.burst")
+    if w.has("trace_speedup"):
+        raise w.err("trace_speedup", "only goes with workload.trace")
+    sc, burst = _phases(w, me)
+    for k in ("prompt", "response"):
+        if w.has(k):
+            flat = [f for f in ((("prompt_mean", "prompt_sd") if k == "prompt" else
+                                 ("response_median", "response_mean"))) if w.has(f)]
+            if flat:
+                raise w.err(flat[0], f"and workload.{k} both given: give the {k} lengths one way")
+            L = _lengths(w, k, base_dir)
+            if k == "prompt" and L.kind == "normal":
+                sc.update(prompt_mean=float(L.mean), prompt_sd=float(L.sd))
+            elif k == "response" and L.kind == "lognormal":
+                sc.update(response_median=float(L.median), response_mean=float(L.mean))
+            else:
+                sc[k] = L
+    for k in ("prompt_mean", "prompt_sd", "response_median", "response_mean"):
+        if w.has(k):
+            sc[k] = float(w.num(k, positive=True, allow_zero=k == "prompt_sd"))
+    if w.has("shared_prefix"):
+        sc["shared_prefix"] = int(w.num("shared_prefix", positive=True, whole=True))
+    if w.has("prefix_groups"):
         if w.has("shared_prefix"):
-            sc["shared_prefix"] = int(w.num("shared_prefix", positive=True, whole=True))
-        if w.has("prefix_groups"):
-            if w.has("shared_prefix"):
-                raise w.err("shared_prefix", "and workload.prefix_groups both given: give the prefixes one way")
-            groups = _prefix_groups(w)
-            sc.update(prefix_groups=groups, shared_prefix=min(g[0] for g in groups))
-        for k, L in (("prompt_mean", sc.get("prompt")), ("response_mean", sc.get("response"))):
-            if L is not None:                # the mean the proxy's first throughput estimate uses
-                sc[k] = float(L.expected)
-        if w.has("mixed_prompt_len"):
-            sc["mixed_prompt_len"] = int(w.num("mixed_prompt_len", positive=True, allow_zero=False, whole=True))
-        share = w.num("mixed_share", None, positive=True)
-        if share is not None:
-            if share > 1:
-                raise w.err("mixed_share", f"must lie in [0, 1], got {share!r}")
-            sc["mixed_share"] = float(share) if share > 0 else None
+            raise w.err("shared_prefix", "and workload.prefix_groups both given: give the prefixes one way")
+        groups = _prefix_groups(w)
+        sc.update(prefix_groups=groups, shared_prefix=min(g[0] for g in groups))
+    for k, L in (("prompt_mean", sc.get("prompt")), ("response_mean", sc.get("response"))):
+        if L is not None:                # the mean the proxy's first throughput estimate uses
+            sc[k] = float(L.expected)
+    if w.has("mixed_prompt_len"):
+        sc["mixed_prompt_len"] = int(w.num("mixed_prompt_len", positive=True, allow_zero=False, whole=True))
+    share = w.num("mixed_share", None, positive=True)
+    if share is not None:
+        if share > 1:
+            raise w.err("mixed_share", f"must lie in [0, 1], got {share!r}")
+        sc["mixed_share"] = float(share) if share > 0 else None
+    return sc, burst
 
-    # client and measures
+
+def _scenario(sc: dict, cl: _Doc, me: _Doc, prof: Profile, generated: bool) -> Scenario:
+    """The Scenario: the workload's fields, [client] and [measures], with the
+    defaults that follow the deadline (Retry-After cap, primary cohort's
+    start, delivery horizon = hold + one deadline)."""
     for k in CLIENT_KEYS:
         if cl.has(k):
             sc[k] = cl.num(k, positive=True, allow_zero=k != "deadline_s", whole=k == "max_retries")
@@ -414,12 +430,15 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
     if not 0 < sc.get("recovery_delivery", PAPER.recovery_delivery) <= 1:
         raise me.err("recovery_delivery", "must lie in (0, 1]")
     sc.setdefault("primary_skip_s", float(deadline))
-    hold = sc.get("hold_s", PAPER.hold_s)
-    sc.setdefault("delivery_horizon_s", float(hold + deadline))
-    if trace_src is None and (sc.get("prompt") is not None or sc.get("response") is not None):
+    sc.setdefault("delivery_horizon_s", float(sc.get("hold_s", PAPER.hold_s) + deadline))
+    if generated and (sc.get("prompt") is not None or sc.get("response") is not None):
         sc["max_call_tokens"] = int(prof.engine["max_model_len"])
-    scenario = PAPER.with_(**{k: (float(v) if isinstance(v, int) and k.endswith("_s") else v)
-                              for k, v in sc.items()})
+    return PAPER.with_(**{k: (float(v) if isinstance(v, int) and k.endswith("_s") else v) for k, v in sc.items()})
+
+
+def _check_lengths(w: _Doc, scenario: Scenario, trace_src: TraceSource | None, prof: Profile) -> None:
+    """Every replayed call fits the engine's context; every prefix is shorter
+    than the prompts it starts."""
     if trace_src is not None:
         tr = trace_src.trace
         over = np.flatnonzero(tr.prompt_len + tr.max_tokens > prof.engine["max_model_len"])
@@ -433,8 +452,9 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
         raise w.err("prefix_groups" if scenario.prefix_groups else "shared_prefix",
                     f"({longest} tokens) must be shorter than the shortest prompt")
 
-    # proxy
-    px = secs["proxy"]
+
+def _proxy(px: _Doc) -> tuple[Condition, dict]:
+    """[proxy]: the condition, and the section as resolved."""
     cname = px.str_("condition", "no-control")
     if cname not in CONDITIONS:
         close = difflib.get_close_matches(cname, list(CONDITIONS), n=1)
@@ -462,15 +482,12 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
     if px.has("proxy_cap"):
         changes["proxy_cap"] = int(px.num("proxy_cap", positive=True, whole=True))
     cond = compose(cname, **changes) if changes else get_condition(cname)
-    proxy_times = {k: float(px.num(k, positive=True, allow_zero=k == "defer_s")) for k in ("defer_s", "budget_window_s")
-                   if px.has(k)}
-    if proxy_times.get("budget_window_s", 1.0) <= 0:
+    times = {k: float(px.num(k, positive=True, allow_zero=k == "defer_s")) for k in ("defer_s", "budget_window_s")
+             if px.has(k)}
+    if times.get("budget_window_s", 1.0) <= 0:
         raise px.err("budget_window_s", "must be positive")
-
-    proxy_doc = {"condition": cname, **{k: px.d[k] for k in PROXY_KEYS if k != "condition" and px.has(k)}}
-    return Deployment(name=name, about=about, profile=prof, model=model_doc, scenario=scenario, condition=cond,
-                      engine_cap=engine_cap, proxy=proxy_doc, seed=int(seed), trace_source=trace_src, burst=burst,
-                      base_dir=base_dir, build_prior=build_prior)
+    others = {k: px.d[k] for k in PROXY_KEYS if k not in ("condition", "defer_s", "budget_window_s") and px.has(k)}
+    return cond, {"condition": cname, **others, **times}
 
 
 def _prefix_groups(w: _Doc) -> tuple:
