@@ -98,7 +98,7 @@ def workload_capacity(profile: Profile, scenario: Scenario, seed: int = 0) -> di
         return {"capacity": profile.capacity, "source": "profile", "key": None}
     ident = {"engine": profile_engine_key(profile), "workload": scenario.workload_key, "seed": seed,
              "protocol": {"start_rate": start_rate(profile, scenario), "factor": 1.5, "stage_s": 300.0,
-                          "max_stages": 16}, "simulator": simulator_hash()}
+                          "max_stages": 12}, "simulator": simulator_hash()}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
     hit = _CAPACITY_CACHE.get(key)
     d = cache_dir()
@@ -108,7 +108,7 @@ def workload_capacity(profile: Profile, scenario: Scenario, seed: int = 0) -> di
             hit = json.load(f)
     if hit is None:
         start = start_rate(profile, scenario)
-        res = capacity_protocol(profile, scenario.with_(phases=None), seed=seed, start_rate=start, max_stages=16)
+        res = capacity_protocol(profile, scenario.with_(phases=None), seed=seed, start_rate=start)
         hit = {"capacity": res["capacity"], "source": "capacity protocol on this workload", "key": key,
                "saturated_stage": res["saturated_stage"], "start_rate": start}
         if path:
