@@ -11,6 +11,7 @@ import pytest
 
 import golden
 from llmsim.cli import main
+from sim.capacity import capacity_protocol
 from sim.deployment import ScenarioError, from_document, load
 from sim.engine.step_time import prefill_pairs
 from sim.model import Run
@@ -165,6 +166,8 @@ def test_capacity_belongs_to_the_workload():
     mixed = workload_capacity(prof, PAPER.with_(mixed_share=0.5))
     assert mixed["source"].startswith("capacity protocol") and mixed["capacity"] > 1.3 * prof.capacity
     assert workload_capacity(prof, PAPER.with_(mixed_share=0.5)) is mixed            # once, cached
+    # the same protocol as `llmsim capacity` (SPEC §6 from 1.0 calls/s)
+    assert mixed["capacity"] == capacity_protocol(prof, PAPER.with_(mixed_share=0.5))["capacity"]
 
 
 def test_mixed_prompts_scale_by_the_mix_capacity():
