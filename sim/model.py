@@ -301,7 +301,8 @@ class Run:
     def _dispatch(self, t: float, ex) -> None:
         erec = self.executions[ex.id]
         erec.dispatched_at = t
-        req = Request(ex.id, ex.call_id, erec.prompt_len, erec.max_tokens, self.trace.shared_prefix, record=erec)
+        prefix, group = self.trace.prefix_of(ex.call_id)
+        req = Request(ex.id, ex.call_id, erec.prompt_len, erec.max_tokens, prefix, record=erec, prefix_group=group)
         if self.engine.add_request(req):
             erec.accepted = True
             self.requests[ex.id] = req

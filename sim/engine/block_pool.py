@@ -24,6 +24,11 @@ UNHASHED = -1
 PREFIX_SPACE = 0
 
 
+def prefix_space(group: int) -> int:
+    """The space of prefix group `group`'s blocks: 0, or beyond any call's or execution's."""
+    return PREFIX_SPACE if group == 0 else (1 << 62) + group
+
+
 def call_space(call_id: int) -> int:
     return 1 + 2 * call_id
 

@@ -26,7 +26,7 @@ Contract, with `r.blocks` the request's block table (extents in sequence order):
 """
 from __future__ import annotations
 
-from .block_pool import BlockPool, Extent, PREFIX_SPACE, call_space, exec_space
+from .block_pool import BlockPool, Extent, call_space, exec_space, prefix_space
 from .request import Request
 from .utils import cdiv
 
@@ -47,20 +47,20 @@ class KVCacheManager:
         return r.blocks[-1].hi if r.blocks else 0
 
     # --------------------------------------------------------------- layout
-    def _layout(self, r: Request) -> tuple[int, int, int, int]:
-        """(end of the shared prefix's blocks, call space, end of the prompt's
+    def _layout(self, r: Request) -> tuple[int, int, int, int, int]:
+        """(prefix group space, end of the shared prefix's blocks, call space, end of the prompt's
         full blocks, r's own space), computed once per request."""
         layout = r.kv_layout
         if layout is None:
             bs = self.block_size
-            layout = r.kv_layout = (r.shared_prefix // bs, call_space(r.call_id),
+            layout = r.kv_layout = (prefix_space(r.prefix_group), r.shared_prefix // bs, call_space(r.call_id),
                                     r.num_prompt_tokens // bs, exec_space(r.request_id))
         return layout
 
     def _segments(self, r: Request, num_blocks: int):
         """(space, first block, end block) of r's first `num_blocks` blocks."""
-        prefix_end, call, prompt_end, own = r.kv_layout or self._layout(r)
-        return ((PREFIX_SPACE, 0, prefix_end if prefix_end < num_blocks else num_blocks),
+        prefix, prefix_end, call, prompt_end, own = r.kv_layout or self._layout(r)
+        return ((prefix, 0, prefix_end if prefix_end < num_blocks else num_blocks),
                 (call, prefix_end, prompt_end if prompt_end < num_blocks else num_blocks),
                 (own, prompt_end, num_blocks))
 
@@ -147,7 +147,7 @@ class KVCacheManager:
     def open_output_blocks(self, r: Request) -> None:
         """r joins the decode group: its prompt extents are complete, and its
         table ends in an extent of its own space that the outputs grow."""
-        own = self._layout(r)[3]
+        own = self._layout(r)[4]
         for e in r.blocks:
             if e.owner is r and e.space != own:
                 e.owner = None
