@@ -1,6 +1,7 @@
 """`llmsim sweep`, `paper`, `waste`: experiments built on the model."""
 from __future__ import annotations
 
+import argparse
 import math
 import os
 
@@ -13,6 +14,7 @@ from sim.scenario import PAPER
 
 from . import args
 from .model_cmds import model_arg
+from .scenario_cmds import deployment
 
 
 def cmd_waste(a) -> int:
@@ -37,17 +39,28 @@ def cmd_sweep(a) -> int:
     for c in a.conditions:
         if c not in CONDITIONS:
             raise args.UsageError(f"sweep: unknown condition {c!r}; valid: {', '.join(CONDITIONS)}")
-    if any(not (math.isfinite(x) and x > 0) for x in a.pulses):
+    if any(not (math.isfinite(x) and x > 0) for x in a.pulses or []):
         raise args.UsageError("sweep: pulses must be positive")
     if any(x <= 0 for x in a.max_batched_tokens or []):
         raise args.UsageError("sweep: --max-batched-tokens must be positive")
     if a.workers is not None and a.workers < 1:
         raise args.UsageError("sweep: --workers must be at least 1")
-    for m in a.models:
-        args.profile(m)
+    models = a.models or ([None] if a.scenario else [args.DEFAULT_MODEL])
+    pulses = a.pulses or ([None] if a.scenario else [PAPER.pulse])
+    for m in models:
+        if m is not None:
+            args.profile(m)
     args.check_output(a.out)
-    cells = grid(a.models, a.conditions, a.pulses, a.seeds, a.max_batched_tokens or [None],
-                 [True] if a.mixed_prompts else [False])
+    if a.scenario:
+        for m in models:                      # the scenario's bad input ends here, before any work
+            deployment(argparse.Namespace(command="sweep", scenario=a.scenario, model=m, pulse=pulses[0],
+                                          max_batched_tokens=(a.max_batched_tokens or [None])[0],
+                                          mixed_prompts=a.mixed_prompts))
+    try:
+        cells = grid(models, a.conditions, pulses, a.seeds, a.max_batched_tokens or [None],
+                     [True] if a.mixed_prompts else [False], scenario=a.scenario)
+    except ValueError as e:
+        raise args.UsageError(f"sweep: {e}") from None
     res = sweep(cells, a.out, workers=a.workers, ray_address=a.ray, progress=not a.quiet)
     print(f"sweep: {res['total']} cells, {res['skipped']} already in {a.out}, ran {res['ran']} "
           f"in {res['wall_s']:.1f} s")
@@ -85,12 +98,16 @@ def add_subcommands(sub) -> None:
 
     p = sub.add_parser("sweep", help="a grid of runs on local processes or Ray, appended to one Parquet file; "
                                      "re-running skips finished cells")
-    p.add_argument("--models", type=args.comma_list(str, "profile names"), default=[args.DEFAULT_MODEL],
-                   help=f"comma-separated profiles (default {args.DEFAULT_MODEL})")
+    p.add_argument("--models", type=args.comma_list(str, "profile names"), default=None,
+                   help=f"comma-separated profiles (default {args.DEFAULT_MODEL}, or the --scenario's)")
+    p.add_argument("--scenario", metavar="FILE|NAME", default=None,
+                   help="every cell runs this scenario (file or name; `llmsim scenario show`); its rows carry "
+                        "scenario_name and scenario_hash")
     p.add_argument("--conditions", type=args.comma_list(str, "condition names"), required=True,
                    help="comma-separated named conditions")
-    p.add_argument("--pulses", type=args.comma_list(float, "numbers"), default=[PAPER.pulse],
-                   help="comma-separated pulse rates in multiples of capacity")
+    p.add_argument("--pulses", type=args.comma_list(float, "numbers"), default=None,
+                   help=f"comma-separated pulse rates in multiples of capacity (default {PAPER.pulse:g}, or the "
+                        "--scenario's burst)")
     p.add_argument("--seeds", type=args.seeds, default=[0], help="e.g. 0-4 or 0,1,2 (default 0)")
     p.add_argument("--max-batched-tokens", type=args.comma_list(int, "whole numbers"), default=None,
                    help="comma-separated step budgets (default: the profile's)")

@@ -11,43 +11,43 @@ from sim.conditions import CONDITIONS, DIAGNOSTIC, Condition, compose, get_condi
 from sim.experiments import reference
 from sim.latency import latency
 from sim.profile import embedded_names
-from sim.run import run_one
 from sim.scenario import PAPER
-from sim.workload import make_trace
 
 from . import args
+from .scenario_cmds import capacity_line, deployment, scenario_arg
 
 
 _CONTROL_FLAGS = ("retries", "cancel", "coalesce", "budget", "order", "proxy_cap", "queue", "engine_cap")
 
 
-def condition(a) -> Condition:
-    """The named condition (default no-control) with any control flags applied."""
+def condition(a, base: Condition | None = None) -> Condition | None:
+    """The named condition (default `base`, else no-control) with any control
+    flags applied; None where a --scenario's own condition applies unchanged."""
     changes = {k: getattr(a, k) for k in _CONTROL_FLAGS if getattr(a, k) is not None}
-    if a.condition is None and not changes:
+    if a.condition is None and not changes and not getattr(a, "scenario", None):
         raise args.UsageError(f"{a.command}: give --condition NAME or control flags (--cancel, --coalesce, --budget, "
                          f"--order, --proxy-cap, --queue, --engine-cap, --retries); names: {', '.join(CONDITIONS)}")
     if "retries" in changes:
         changes["retries"] = changes["retries"] == "on"
     if not changes:
-        return get_condition(a.condition)
+        return get_condition(a.condition) if a.condition is not None else None
     try:
-        return compose(a.condition, **changes)
+        return compose(a.condition if a.condition is not None else base, **changes)
     except ValueError as e:
         raise args.UsageError(f"{a.command}: {e}") from None
 
 
 def cmd_run(a) -> int:
-    prof = args.profile(a.model)
-    rec = run_one(prof, condition(a), a.pulse, a.seed, a.max_batched_tokens, a.mixed_prompts)
+    dep = deployment(a)
+    rec = dep.run(a.seed, condition(a, dep.condition))
     print(measures.summary(rec))
     args.write_json(a.json, rec)
     return 0
 
 
 def cmd_capacity(a) -> int:
-    prof = args.profile(a.model)
-    sc = PAPER
+    dep = deployment(a, burst=False)
+    prof, sc = dep.profile, dep.scenario.with_(phases=None)
     seeds = a.seeds if a.seeds is not None else [a.seed]
 
     def progress(st):
@@ -62,8 +62,10 @@ def cmd_capacity(a) -> int:
         runs.append(r)
         print(f"{prof.name}: capacity {r['capacity']:.3f} calls/s, seed {seed} "
               f"(saturated at stage {r['saturated_stage']}; profile says {prof.capacity:.3f})", flush=True)
+    ident = {"scenario_name": dep.name, "scenario_hash": dep.content_hash, "workload": sc.workload_key,
+             "engine": dict(prof.engine)}
     if len(runs) == 1:
-        res = dict(runs[0], model=prof.name, profile_capacity=prof.capacity)
+        res = dict(runs[0], model=prof.name, profile_capacity=prof.capacity, **ident)
     else:
         caps = [r["capacity"] for r in runs]
         mean = sum(caps) / len(caps)
@@ -71,14 +73,19 @@ def cmd_capacity(a) -> int:
         print(f"{prof.name}: capacity over {len(caps)} seeds: mean {mean:.3f} calls/s, standard deviation "
               f"{sd:.3f}, lowest {min(caps):.3f}, highest {max(caps):.3f}")
         res = {"model": prof.name, "profile_capacity": prof.capacity, "seeds": seeds, "capacity_mean": mean,
-               "capacity_sd": sd, "runs": runs}
+               "capacity_sd": sd, "runs": runs, **ident}
     args.write_json(a.json, res)
     return 0
 
 
 def cmd_latency(a) -> int:
-    prof = args.profile(a.model)
-    res = latency(prof, a.rate, a.duration, seed=a.seed, max_batched_tokens=a.max_batched_tokens)
+    dep = deployment(a, burst=False)
+    if dep.trace_source is not None:
+        raise args.UsageError("latency: a replayed trace has its own arrivals; latency needs a scenario of "
+                              "length distributions (it sends them at --rate)")
+    prof = dep.profile
+    res = latency(prof, a.rate, a.duration, scenario=dep.scenario, seed=a.seed)
+    res.update(scenario_name=dep.name, scenario_hash=dep.content_hash)
     print(f"{prof.name} at {a.rate:g} calls/s for {a.duration:g} s ({res['calls']} calls after warm-up): "
           f"TTFT p50 {res['ttft_p50']:.3f} s, p90 {res['ttft_p90']:.3f} s; "
           f"E2E p50 {res['e2e_p50']:.3f} s, p90 {res['e2e_p90']:.3f} s")
@@ -108,8 +115,9 @@ def _recovered_cell(recs: list[dict]) -> str:
 def diagnose_table(recs: list[dict]) -> str:
     """The diagnostic table; records of several seeds are summarised per
     condition (mean, with the range over seeds)."""
-    head = ("condition", "hold deliv", "hold <=120s", "pulse deliv", "pulse <=120s", "primary deliv",
-            "primary <=120s", "recovered", "created/C", "accepted/C")
+    dl = f"<={recs[0]['scenario']['deadline_s']:g}s" if recs and "scenario" in recs[0] else "<=120s"
+    head = ("condition", "hold deliv", f"hold {dl}", "pulse deliv", f"pulse {dl}", "primary deliv",
+            f"primary {dl}", "recovered", "created/C", "accepted/C")
     rows = [head]
     by: dict[str, list[dict]] = {}
     for r in recs:
@@ -125,32 +133,46 @@ def diagnose_table(recs: list[dict]) -> str:
 
 
 def cmd_diagnose(a) -> int:
-    prof = args.profile(a.model)
-    sc = PAPER.with_(pulse=a.pulse)
-    seeds = a.seeds if a.seeds is not None else [a.seed]
+    dep = deployment(a)
+    prof, sc = dep.profile, dep.scenario
+    seeds = a.seeds if a.seeds is not None else [a.seed if a.seed is not None else dep.seed]
+    pulse = recs_pulse = None
     recs = []
+    t_all = time.perf_counter()
+    if dep.name != "paper" or a.scenario:
+        print(f"scenario {dep.name} (content hash {dep.content_hash}); model {prof.name} "
+              f"({prof.provenance.get('kind')}); {capacity_line(dep)}", flush=True)
     for seed in seeds:
-        trace = make_trace(prof.capacity, sc, seed)
-        print(f"{prof.name}: capacity {prof.capacity:.3f} calls/s ({prof.provenance.get('kind')}); pulse {a.pulse:g} "
-              f"x C for {sc.pulse_s:g} s, hold {sc.hold_load:g} x C; {len(trace)} calls, seed {seed}", flush=True)
+        trace = dep.trace(seed)
+        burst = (f"pulse {dep.burst} {sc.pulse_start:g}-{sc.pulse_end:g} s, hold to {sc.hold_end:g} s, "
+                 f"deadline {sc.deadline_s:g} s")
+        print(f"{prof.name}: capacity {dep.capacity:.3f} calls/s ({prof.provenance.get('kind')}); {burst}; "
+              f"{len(trace)} calls, seed {seed}", flush=True)
         for c in DIAGNOSTIC:
             t0 = time.perf_counter()
-            recs.append(run_one(prof, c, a.pulse, seed, trace=trace))
+            recs.append(dep.run(seed, c, trace=trace))
             print(f"  ran {c} in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+    recs_pulse = recs[0]["pulse"]
     if len(seeds) > 1:
         print(f"{len(seeds)} seeds ({_seed_list(seeds)}): mean (lowest-highest) per cell")
     print(diagnose_table(recs))
-    print("recovered: two consecutive 60 s hold windows each delivering >= 98% within 120 s with an empty queue; "
-          "time counted from the pulse end")
+    print(f"recovered: two consecutive {sc.window_s:g} s hold windows each delivering >= "
+          f"{100 * sc.recovery_delivery:g}% within {sc.deadline_s:g} s with a queue mean <= "
+          f"{sc.recovery_queue_mean:g} not growing; time counted from the pulse end")
+    print(f"({len(recs)} runs in {time.perf_counter() - t_all:.1f} s)", file=sys.stderr)
     ref_rows = None
-    if reference.applies(prof.name, a.pulse):
+    pulse = recs_pulse
+    reference_design = (sc.with_(pulse=PAPER.pulse) == PAPER and dep.trace_source is None
+                        and not prof.raw.get("engine_overrides") and dep.engine_cap is None)
+    if reference_design and pulse is not None and reference.applies(prof.name, pulse):
         ref_rows = reference.compare(recs)
         print(f"\nAgainst {reference.SOURCE}, pulse {reference.PULSE:g} x C; bar: hold "
               f"delivery within {reference.BAR_POINTS:g} points, recovery within one {reference.BAR_WINDOW_S:g} s "
               f"window; simulated figures are means over the seeds run")
         print(reference.table(ref_rows))
-    args.write_json(a.json, {"model": prof.name, "pulse": a.pulse, "seeds": seeds, "capacity": prof.capacity,
-                         "runs": recs, "reference": ref_rows})
+    args.write_json(a.json, {"model": prof.name, "pulse": pulse, "seeds": seeds, "capacity": dep.capacity,
+                             "scenario_name": dep.name, "scenario_hash": dep.content_hash,
+                             "runs": recs, "reference": ref_rows})
     return 0
 
 
@@ -164,10 +186,10 @@ def cmd_conditions(a) -> int:
     return 0
 
 
-def model_arg(p):
-    p.add_argument("--model", default=args.DEFAULT_MODEL,
+def model_arg(p, default=args.DEFAULT_MODEL):
+    p.add_argument("--model", default=default,
                    help=f"embedded profile ({', '.join(embedded_names())}) or a profile JSON path "
-                        f"(default {args.DEFAULT_MODEL})")
+                        f"(default {args.DEFAULT_MODEL}, or the --scenario's)")
 
 
 def control_args(p) -> None:
@@ -193,11 +215,14 @@ def control_args(p) -> None:
 
 def add_subcommands(sub) -> None:
     p = sub.add_parser("run", help="one run of one condition; prints a summary, writes the result record")
-    model_arg(p)
+    model_arg(p, None)
+    scenario_arg(p)
     p.add_argument("--condition", help=f"one of: {', '.join(CONDITIONS)} (default no-control when control "
                                       "flags are given; the flags change its settings)")
-    p.add_argument("--pulse", type=args.positive(), default=PAPER.pulse, help="pulse rate in multiples of capacity")
-    p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
+    p.add_argument("--pulse", type=args.positive(), default=None,
+                   help=f"pulse rate in multiples of capacity (default {PAPER.pulse:g}, or the --scenario's burst)")
+    p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=None,
+                   help="the trace's seed (default 0, or the --scenario's)")
     p.add_argument("--max-batched-tokens", type=args.positive(int), default=None)
     p.add_argument("--mixed-prompts", action="store_true", help="half the calls get 3,000-token prompts")
     p.add_argument("--json", metavar="PATH")
@@ -205,7 +230,8 @@ def add_subcommands(sub) -> None:
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("capacity", help="the capacity protocol (SPEC §6) on the simulator")
-    model_arg(p)
+    model_arg(p, None)
+    scenario_arg(p)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
     g.add_argument("--seeds", type=args.seeds, default=None,
@@ -216,7 +242,8 @@ def add_subcommands(sub) -> None:
     p.set_defaults(fn=cmd_capacity)
 
     p = sub.add_parser("latency", help="steady Poisson load straight to the engine: TTFT and E2E percentiles")
-    model_arg(p)
+    model_arg(p, None)
+    scenario_arg(p, trace_speedup=False)
     p.add_argument("--rate", type=args.positive(), required=True, help="calls/s")
     p.add_argument("--duration", type=args.positive(), default=600.0, help="seconds of arrivals (default 600)")
     p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
@@ -226,10 +253,12 @@ def add_subcommands(sub) -> None:
 
     p = sub.add_parser("diagnose", help="the four diagnostic conditions on one trace, as a table; "
                                         "qwen2.5-7b at pulse 2.7 is compared with SPEC §7")
-    model_arg(p)
-    p.add_argument("--pulse", type=args.positive(), default=PAPER.pulse)
+    model_arg(p, None)
+    scenario_arg(p)
+    p.add_argument("--pulse", type=args.positive(), default=None,
+                   help=f"pulse rate in multiples of capacity (default {PAPER.pulse:g}, or the --scenario's burst)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
+    g.add_argument("--seed", type=args.positive(int, allow_zero=True), default=None)
     g.add_argument("--seeds", type=args.seeds, default=None,
                    help="several traces, e.g. 0-4: the table gives the mean and range over them")
     p.add_argument("--json", metavar="PATH")

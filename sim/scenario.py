@@ -27,7 +27,86 @@ Named scenarios:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict, field, replace
+import hashlib
+import math
+from dataclasses import dataclass, asdict, field, fields, replace
+
+LENGTH_KINDS = ("normal", "lognormal", "fixed", "empirical")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of the arrivals: `duration_s` seconds of Poisson arrivals at
+    `rate` calls/s, or at `load` x the workload's capacity Ĉ (exactly one of
+    the two is given)."""
+    duration_s: float
+    load: float | None = None
+    rate: float | None = None
+    name: str = ""
+
+    def __post_init__(self):
+        if not (isinstance(self.duration_s, (int, float)) and math.isfinite(self.duration_s)
+                and self.duration_s > 0):
+            raise ValueError(f"phase duration_s must be positive, got {self.duration_s!r}")
+        if (self.load is None) == (self.rate is None):
+            raise ValueError("a phase gives either load (x Ĉ) or rate (calls/s), not both and not neither")
+        v = self.load if self.load is not None else self.rate
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"phase {'load' if self.load is not None else 'rate'} must be non-negative, got {v!r}")
+
+    def calls_per_s(self, capacity: float) -> float:
+        return self.rate if self.rate is not None else self.load * capacity
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None and v != ""}
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """A distribution of token counts: `normal` (mean, sd), `lognormal`
+    (median, mean), `fixed` (value) or `empirical` (values drawn uniformly
+    with replacement; `source` says where they came from). Draws are rounded
+    to whole tokens; the caller clamps them to its minimum."""
+    kind: str
+    mean: float | None = None
+    sd: float | None = None
+    median: float | None = None
+    value: int | None = None
+    values: tuple = ()
+    source: str = ""
+
+    def __post_init__(self):
+        k = self.kind
+        if k not in LENGTH_KINDS:
+            raise ValueError(f"length distribution must be one of {', '.join(LENGTH_KINDS)}, got {k!r}")
+        need = {"normal": ("mean", "sd"), "lognormal": ("median", "mean"), "fixed": ("value",), "empirical": ()}[k]
+        for f in need:
+            v = getattr(self, f)
+            if v is None:
+                raise ValueError(f"a {k} length distribution needs {', '.join(need)}")
+            if not (math.isfinite(v) and (v >= 0 if f == "sd" else v > 0)):
+                raise ValueError(f"{k} {f} must be {'non-negative' if f == 'sd' else 'positive'}, got {v!r}")
+        if k == "lognormal" and not self.mean > self.median:
+            raise ValueError(f"a lognormal's mean must exceed its median, got median {self.median}, mean {self.mean}")
+        if k == "empirical" and (not self.values or min(self.values) < 1):
+            raise ValueError("an empirical length distribution needs positive token counts")
+
+    @property
+    def expected(self) -> float:
+        """The mean token count."""
+        if self.kind == "fixed":
+            return float(self.value)
+        if self.kind == "empirical":
+            return sum(self.values) / len(self.values)
+        return float(self.mean)
+
+    def to_dict(self) -> dict:
+        """As JSON; an empirical distribution by its source, count and content hash."""
+        if self.kind == "empirical":
+            h = hashlib.sha256(",".join(map(str, self.values)).encode()).hexdigest()[:16]
+            return {"dist": "empirical", "source": self.source, "n": len(self.values), "sha256": h}
+        return {"dist": self.kind, **{f: getattr(self, f) for f in ("mean", "sd", "median", "value")
+                                      if getattr(self, f) is not None}}
 
 
 @dataclass(frozen=True)
@@ -59,6 +138,14 @@ class Scenario:
     recovery_delivery: float = 0.98
     recovery_queue_mean: float = 2.0
     recovery_queue_growth: float = 0.01
+    # Beyond the reference design; each is left out of `to_dict` while unset.
+    # phases: the arrivals as a list of phases, the burst (pulse) being the one
+    # that starts at base_s and lasts pulse_s; unset: base / pulse / hold above
+    phases: tuple[Phase, ...] | None = None
+    prompt: Lengths | None = None       # unset: normal(prompt_mean, prompt_sd)
+    response: Lengths | None = None     # unset: lognormal(response_median, response_mean)
+    mixed_share: float | None = None    # share of calls given mixed_prompt_len-token prompts
+    max_call_tokens: int | None = None  # prompt + response cut to this (the engine's max_model_len)
 
     @property
     def pulse_start(self) -> float:
@@ -86,8 +173,41 @@ class Scenario:
     def with_(self, **kw) -> "Scenario":
         return replace(self, **kw)
 
+    def arrival_phases(self, capacity: float) -> list[tuple[float, float, float]]:
+        """(start, end, calls/s) of each phase, loads taken at `capacity`."""
+        if self.phases is None:
+            return [(0.0, self.base_s, self.base_load * capacity),
+                    (self.pulse_start, self.pulse_end, self.pulse * capacity),
+                    (self.pulse_end, self.hold_end, self.hold_load * capacity)]
+        out, t = [], 0.0
+        for p in self.phases:
+            out.append((t, t + p.duration_s, p.calls_per_s(capacity)))
+            t += p.duration_s
+        return out
+
+    @property
+    def workload_key(self) -> dict:
+        """What the capacity Ĉ depends on besides the engine: the prompt and
+        response mix (not the arrivals, not the client)."""
+        return {"prompt": (self.prompt.to_dict() if self.prompt else
+                           {"dist": "normal", "mean": self.prompt_mean, "sd": self.prompt_sd}),
+                "response": (self.response.to_dict() if self.response else
+                             {"dist": "lognormal", "median": self.response_median, "mean": self.response_mean}),
+                "shared_prefix": self.shared_prefix,
+                "mixed": ({"share": self.mixed_share, "len": self.mixed_prompt_len} if self.mixed_share else None)}
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)
+             if f.name not in _EXTENDED or getattr(self, f.name) is not None}
+        if self.phases is not None:
+            d["phases"] = [p.to_dict() for p in self.phases]
+        for k in ("prompt", "response"):
+            if d.get(k) is not None:
+                d[k] = d[k].to_dict()
+        return d
+
+
+_EXTENDED = ("phases", "prompt", "response", "mixed_share", "max_call_tokens")
 
 
 PAPER = Scenario()

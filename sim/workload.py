@@ -1,12 +1,16 @@
 """The open-loop trace of SPEC §1: every call's planned arrival, prompt and
-response length, fixed by a seed and replayed identically across conditions."""
+response length, fixed by a seed and replayed identically across conditions
+(`make_trace`), or read from a CSV file of recorded calls (`read_trace`)."""
 from __future__ import annotations
 
+import csv
+import math
 from dataclasses import dataclass
+from datetime import datetime
 
 import numpy as np
 
-from .scenario import Scenario
+from .scenario import Lengths, Scenario
 
 
 @dataclass(frozen=True)
@@ -18,6 +22,11 @@ class Trace:
 
     def __len__(self) -> int:
         return len(self.arrival)
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be replayed; the message names the file and,
+    for a bad row, its line number."""
 
 
 def lognormal_params(median: float, mean: float) -> tuple[float, float]:
@@ -35,27 +44,152 @@ def poisson_arrivals(rng: np.random.Generator, rate: float, start: float, end: f
     return np.sort(rng.uniform(start, end, n))
 
 
+def draw_lengths(rng: np.random.Generator, d: Lengths, n: int) -> np.ndarray:
+    """n token counts from the distribution `d`, rounded (not clamped)."""
+    if d.kind == "normal":
+        x = rng.normal(d.mean, d.sd, n)
+    elif d.kind == "lognormal":
+        mu, sigma = lognormal_params(d.median, d.mean)
+        x = rng.lognormal(mu, sigma, n)
+    elif d.kind == "fixed":
+        return np.full(n, int(d.value), dtype=np.int64)
+    else:
+        return np.asarray(d.values, dtype=np.int64)[rng.integers(0, len(d.values), n)]
+    return np.rint(x).astype(np.int64)
+
+
 def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bool = False,
                phases: list[tuple[float, float, float]] | None = None) -> Trace:
     """The trace for one seed. `phases` is a list of (start, end, rate calls/s);
-    by default the base / pulse / hold phases of the scenario at capacity."""
+    by default the scenario's phases (`Scenario.arrival_phases`) at
+    `capacity`. `mixed_prompts` gives half the calls `mixed_prompt_len`-token
+    prompts (as `mixed_share = 0.5` does). With `max_call_tokens` a call's
+    response, then its prompt, is cut so the two fit in it."""
     if capacity <= 0:
         raise ValueError(f"capacity must be positive, got {capacity}")
     s = scenario
     if phases is None:
-        phases = [
-            (0.0, s.base_s, s.base_load * capacity),
-            (s.pulse_start, s.pulse_end, s.pulse * capacity),
-            (s.pulse_end, s.hold_end, s.hold_load * capacity),
-        ]
+        phases = s.arrival_phases(capacity)
     rng = np.random.default_rng(seed)
     arrival = np.concatenate([poisson_arrivals(rng, r, a, b) for a, b, r in phases])
     n = len(arrival)
-    prompt = np.rint(rng.normal(s.prompt_mean, s.prompt_sd, n)).astype(np.int64)
-    if mixed_prompts:
-        short = rng.random(n) < 0.5
+    prompt = draw_lengths(rng, s.prompt or Lengths("normal", mean=s.prompt_mean, sd=s.prompt_sd), n)
+    share = 0.5 if mixed_prompts else s.mixed_share
+    if share:
+        short = rng.random(n) < share
         prompt[short] = s.mixed_prompt_len
     prompt = np.maximum(prompt, s.shared_prefix + 1)
-    mu, sigma = lognormal_params(s.response_median, s.response_mean)
-    resp = np.maximum(1, np.rint(rng.lognormal(mu, sigma, n))).astype(np.int64)
+    resp = draw_lengths(rng, s.response or Lengths("lognormal", median=s.response_median, mean=s.response_mean), n)
+    resp = np.maximum(1, resp)
+    if s.max_call_tokens is not None:            # a client cuts the context to fit the model
+        resp = np.minimum(resp, s.max_call_tokens - s.shared_prefix - 1)
+        prompt = np.maximum(np.minimum(prompt, s.max_call_tokens - resp), s.shared_prefix + 1)
     return Trace(arrival=arrival, prompt_len=prompt, max_tokens=resp, shared_prefix=s.shared_prefix)
+
+
+# ------------------------------------------------------------------ replay
+TRACE_COLUMNS = {
+    # (time, prompt tokens, response tokens) by dialect
+    "vidur": ("arrived_at", "num_prefill_tokens", "num_decode_tokens"),
+    "azure": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
+}
+
+
+def _parse_time(text: str, where: str) -> float:
+    """Seconds, or an ISO date-time (Azure's `2023-11-16 18:15:46.6805900`:
+    digits beyond microseconds are cut) as seconds since the epoch."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    t = text.strip()
+    if "." in t:
+        head, frac = t.split(".", 1)
+        digits = "".join(ch for ch in frac if ch.isdigit())
+        t = head + "." + digits[:6] + frac[len(digits):]
+    try:
+        return datetime.fromisoformat(t).timestamp()
+    except ValueError:
+        raise TraceError(f"{where}: time {text!r} is neither seconds nor a date-time") from None
+
+
+def read_trace(path: str, speedup: float = 1.0, shared_prefix: int = 0) -> tuple[Trace, dict]:
+    """The calls of a CSV trace with a header, one call a row, replayed
+    exactly: arrivals relative to the first row's time and divided by
+    `speedup`, prompt and response lengths as written. Columns: Vidur's
+    (`arrived_at, num_prefill_tokens, num_decode_tokens`) or Azure's
+    (`TIMESTAMP, ContextTokens, GeneratedTokens`; times in seconds or as
+    date-times); an optional `prefix_tokens` column gives each call's shared
+    prefix (the trace's shared prefix is the smallest of them; without the
+    column, `shared_prefix`). Returns the trace and a description (dialect,
+    calls, span, speedup). Raises TraceError naming the file (and line) for
+    a missing or unreadable file, an unknown header, an empty trace, a time
+    that is negative, not a number or earlier than the row before, or a
+    token count that is not a positive whole number."""
+    if not (math.isfinite(speedup) and speedup > 0):
+        raise TraceError(f"{path}: trace speedup must be positive, got {speedup!r}")
+    try:
+        f = open(path, newline="")
+    except OSError as e:
+        raise TraceError(f"cannot read trace {path}: {e.strerror or e}") from None
+    with f:
+        try:
+            rows = list(csv.reader(f))
+        except (csv.Error, UnicodeDecodeError) as e:
+            raise TraceError(f"{path}: not a CSV file ({e})") from None
+    if not rows:
+        raise TraceError(f"{path}: empty trace (no header, no calls)")
+    head = [h.strip() for h in rows[0]]
+    for dialect, cols in TRACE_COLUMNS.items():
+        if all(c in head for c in cols):
+            break
+    else:
+        raise TraceError(f"{path}: header {','.join(head)!r} lacks the columns of a trace: "
+                         f"{', '.join(TRACE_COLUMNS['vidur'])} (Vidur) or {', '.join(TRACE_COLUMNS['azure'])} (Azure)")
+    it, ip, ir = (head.index(c) for c in cols)
+    ipx = head.index("prefix_tokens") if "prefix_tokens" in head else None
+    times, prompts, resps, prefixes = [], [], [], []
+    prev = -math.inf
+    for line, row in enumerate(rows[1:], start=2):
+        if not row or all(not c.strip() for c in row):
+            continue
+        where = f"{path} line {line}"
+        if len(row) < len(head):
+            raise TraceError(f"{where}: {len(row)} fields, the header has {len(head)}")
+        t = _parse_time(row[it], where)
+        if not math.isfinite(t) or t < 0:
+            raise TraceError(f"{where}: {cols[0]} must be a non-negative time, got {row[it]!r}")
+        if t < prev:
+            raise TraceError(f"{where}: {cols[0]} {row[it]} is earlier than the row before; "
+                             "rows must be in arrival order")
+        prev = t
+        vals = []
+        for i, name in ((ip, cols[1]), (ir, cols[2])) + (((ipx, "prefix_tokens"),) if ipx is not None else ()):
+            try:
+                v = float(row[i])
+            except ValueError:
+                v = float("nan")
+            ok = math.isfinite(v) and v == int(v) and (v >= 0 if name == "prefix_tokens" else v > 0)
+            if not ok:
+                raise TraceError(f"{where}: {name} must be a {'non-negative' if name == 'prefix_tokens' else 'positive'}"
+                                 f" whole number of tokens, got {row[i]!r}")
+            vals.append(int(v))
+        times.append(t)
+        prompts.append(vals[0])
+        resps.append(vals[1])
+        if ipx is not None:
+            if vals[2] >= vals[0]:
+                raise TraceError(f"{where}: prefix_tokens {vals[2]} must be shorter than the prompt ({vals[0]})")
+            prefixes.append(vals[2])
+    if not times:
+        raise TraceError(f"{path}: empty trace (a header and no calls)")
+    t0 = times[0]
+    arrival = (np.asarray(times, dtype=float) - t0) / speedup
+    prefix = min(prefixes) if prefixes else shared_prefix
+    prompt = np.asarray(prompts, dtype=np.int64)
+    if prefix >= int(prompt.min()):
+        raise TraceError(f"{path}: shared prefix {prefix} is not shorter than the shortest prompt ({prompt.min()})")
+    trace = Trace(arrival=arrival, prompt_len=prompt, max_tokens=np.asarray(resps, dtype=np.int64),
+                  shared_prefix=int(prefix))
+    return trace, {"dialect": dialect, "calls": len(times), "span_s": float(arrival[-1]), "speedup": speedup,
+                   "shared_prefix": int(prefix)}

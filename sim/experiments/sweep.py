@@ -25,6 +25,7 @@ sweep killed outright loses at most the cells of the last few seconds.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import multiprocessing as mp
 import os
@@ -38,8 +39,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..conditions import get_condition
+from ..deployment import load as load_deployment
 from ..profile import load_profile
-from ..run import run_one
+from ..run import run_one, workload_capacity
 from ..scenario import PAPER
 from ..workload import make_trace
 
@@ -56,16 +58,21 @@ class Cell:
     mixed_prompts: bool
     condition: str
     source: str = ""            # how to load the profile (name or path); not part of the identity
+    scenario: str = ""          # a scenario file or name (`sim.deployment`); not part of the identity
+    scenario_hash: str = ""     # its resolved deployment's content hash (identity; "" for the reference design)
 
     @property
     def key(self) -> tuple:
-        return tuple(getattr(self, k) for k in KEY)
+        k = tuple(getattr(self, k) for k in KEY)
+        return k + (self.scenario_hash,) if self.scenario_hash else k
 
 
 def cell_key(row: dict) -> tuple:
-    """The identity of a table row or record."""
-    return (str(row["model"]), str(row["condition"]), float(row["pulse"]), int(row["seed"]),
-            int(row["max_batched_tokens"]), bool(row["mixed_prompts"]))
+    """The identity of a table row or record (a scenario's rows add its content hash)."""
+    k = (str(row["model"]), str(row["condition"]), float(row["pulse"]), int(row["seed"]),
+         int(row["max_batched_tokens"]), bool(row["mixed_prompts"]))
+    h = row.get("scenario_hash")
+    return k + (str(h),) if h else k
 
 
 # ------------------------------------------------------------------ the grid
@@ -89,11 +96,18 @@ def parse_seeds(spec: str) -> list[int]:
     return sorted(set(out))
 
 
-def grid(models: Sequence[str], conditions: Sequence[str], pulses: Sequence[float], seeds: Iterable[int],
-         max_batched_tokens: Sequence[int | None] = (None,), mixed_prompts: Sequence[bool] = (False,)) -> list[Cell]:
-    """The cells of the grid, grouped so that a group's conditions are adjacent."""
+def grid(models: Sequence[str | None], conditions: Sequence[str], pulses: Sequence[float | None],
+         seeds: Iterable[int], max_batched_tokens: Sequence[int | None] = (None,),
+         mixed_prompts: Sequence[bool] = (False,), scenario: str | None = None) -> list[Cell]:
+    """The cells of the grid, grouped so that a group's conditions are adjacent.
+    With `scenario` (a file or name) each cell runs that deployment with the
+    given model, pulse (the burst's load), step budget and mixed prompts
+    applied where not None/False."""
     for c in conditions:
         get_condition(c)                                    # ValueError on an unknown name
+    if scenario is not None:
+        return _dedup(_scenario_cells(scenario, models, conditions, pulses, list(seeds), max_batched_tokens,
+                                      mixed_prompts))
     cells = []
     for spec in models:
         prof = load_profile(spec)
@@ -105,6 +119,33 @@ def grid(models: Sequence[str], conditions: Sequence[str], pulses: Sequence[floa
                         for c in conditions:
                             cells.append(Cell(prof.name, float(pulse), int(seed),
                                               int(mbt) if mbt else default_mbt, bool(mixed), c, spec))
+    return _dedup(cells)
+
+
+def _scenario_cells(scenario, models, conditions, pulses, seeds, max_batched_tokens, mixed_prompts) -> list[Cell]:
+    cells = []
+    for spec in models:
+        for pulse in pulses:
+            for mbt in max_batched_tokens:
+                for mixed in mixed_prompts:
+                    dep = _deployment(scenario, spec, pulse, mbt, mixed)
+                    dep.require_burst()
+                    p = dep.run_pulse
+                    for seed in seeds:
+                        for c in conditions:
+                            cells.append(Cell(dep.profile.name, float(p) if p is not None else 0.0, int(seed),
+                                              int(dep.profile.engine["max_num_batched_tokens"]), bool(mixed), c,
+                                              spec or "", scenario, dep.content_hash))
+    return cells
+
+
+@functools.lru_cache(maxsize=16)
+def _deployment(scenario: str, model: str | None, pulse: float | None, mbt: int | None, mixed: bool):
+    return load_deployment(scenario).with_changes(model=model or None, pulse=pulse, max_batched_tokens=mbt,
+                                                  mixed_prompts=mixed)
+
+
+def _dedup(cells: list[Cell]) -> list[Cell]:
     seen, out = set(), []
     for c in cells:                                         # repeated inputs give one cell
         if c.key not in seen:
@@ -121,11 +162,29 @@ def _profile(source: str):
 
 @functools.lru_cache(maxsize=16)
 def _trace(source: str, pulse: float, seed: int, mixed: bool):
-    return make_trace(_profile(source).capacity, PAPER.with_(pulse=pulse), seed, mixed_prompts=mixed)
+    sc = PAPER.with_(pulse=pulse, mixed_share=0.5 if mixed else None)
+    return make_trace(workload_capacity(_profile(source), sc)["capacity"], sc, seed)
+
+
+@functools.lru_cache(maxsize=16)
+def _scenario_trace(cell: Cell):
+    return _cell_deployment(cell).trace(cell.seed)
+
+
+def _cell_deployment(cell: Cell):
+    return _deployment(cell.scenario, cell.source or None, cell.pulse if cell.pulse else None,
+                       cell.max_batched_tokens, cell.mixed_prompts)
 
 
 def run_cell(cell: Cell) -> dict:
     """Run one cell (sharing its group's trace) and return its flattened row."""
+    if cell.scenario:
+        dep = _cell_deployment(cell)
+        rec = dep.run(cell.seed, cell.condition,
+                      trace=_scenario_trace(dataclasses.replace(cell, condition="")))
+        row = flatten(rec)
+        row.update(pulse=cell.pulse, scenario_name=dep.name, scenario_hash=dep.content_hash)
+        return row
     prof = _profile(cell.source or cell.model)
     rec = run_one(prof, cell.condition, cell.pulse, cell.seed, cell.max_batched_tokens, cell.mixed_prompts,
                   trace=_trace(cell.source or cell.model, cell.pulse, cell.seed, cell.mixed_prompts))
@@ -173,7 +232,8 @@ class _Store:
         self.done: set[tuple] = set()
         if t is not None and t.num_rows:
             self.tables.append(t)
-            self.done = {cell_key(r) for r in t.select(list(KEY)).to_pylist()}
+            cols = list(KEY) + (["scenario_hash"] if "scenario_hash" in t.column_names else [])
+            self.done = {cell_key(r) for r in t.select(cols).to_pylist()}
         self.pending: list[dict] = []
         self.write_s = 0.0
         self.last_flush = time.monotonic()

@@ -1,0 +1,122 @@
+"""`llmsim scenario show|check`, and the `--scenario FILE|NAME` option the
+model's commands share (`scenario_arg`, `deployment`)."""
+from __future__ import annotations
+
+import json
+import sys
+
+from calibrate.prior import GPUS, prior_profile, shape_from_config
+from sim.deployment import Deployment, ScenarioError, load
+from sim.profile import ProfileError
+from sim.scenario import SCENARIOS
+
+from . import args
+
+
+def build_prior(path: str, gpu: str) -> dict:
+    """A roofline prior profile (`llmsim calibrate prior`) for `[model]
+    hf_config` and `gpu`."""
+    if gpu not in GPUS:
+        raise ValueError(f"unknown gpu {gpu!r}; valid: {', '.join(GPUS)}")
+    with open(path) as f:
+        cfg = json.load(f)
+    prof = prior_profile(shape_from_config(cfg), gpu, capacity=1.0)
+    prof["provenance"]["capacity"] = "placeholder: the capacity protocol runs on the scenario's workload"
+    return prof
+
+
+def scenario_arg(p, trace_speedup: bool = True) -> None:
+    p.add_argument("--scenario", metavar="FILE|NAME", default=None,
+                   help=f"a scenario file (TOML; `llmsim scenario show` prints one) or a named scenario "
+                        f"({', '.join(SCENARIOS)}); default: the reference design (paper)")
+    if trace_speedup:
+        p.add_argument("--trace-speedup", type=args.positive(), default=None, metavar="X",
+                       help="replay the scenario's trace X times faster (arrival times / X)")
+
+
+def deployment(a, burst: bool = True) -> Deployment:
+    """The deployment a command runs: `--scenario` (default paper) with the
+    command's --model, --pulse, --max-batched-tokens and --mixed-prompts
+    applied where given."""
+    src = getattr(a, "scenario", None)
+    try:
+        dep = load(src or "paper", build_prior=build_prior, trace_speedup=getattr(a, "trace_speedup", None))
+        if src is None and getattr(a, "trace_speedup", None) is not None:
+            raise ScenarioError("--trace-speedup needs a --scenario with a trace")
+        model = getattr(a, "model", None)
+        pulse = getattr(a, "pulse", None)
+        if src is None and model is None:
+            model = args.DEFAULT_MODEL
+        dep = dep.with_changes(model=model, pulse=pulse, max_batched_tokens=getattr(a, "max_batched_tokens", None),
+                               mixed_prompts=bool(getattr(a, "mixed_prompts", False)))
+        if burst:
+            dep.require_burst()
+    except (ScenarioError, ProfileError) as e:
+        raise args.UsageError(f"{a.command}: {e}") from None
+    return dep
+
+
+def capacity_line(dep: Deployment) -> str:
+    info = dep.capacity_info
+    if info["source"] == "profile":
+        return f"Ĉ {dep.capacity:.3f} calls/s (the profile's, measured on this workload)"
+    return (f"Ĉ {dep.capacity:.3f} calls/s ({info['source']}: the workload's mix or engine differs from the one "
+            f"the profile's Ĉ {dep.profile.capacity:.3f} was measured on; computed once, cached as {info['key']})")
+
+
+def cmd_show(a) -> int:
+    try:
+        dep = load(a.name, build_prior=build_prior)
+    except (ScenarioError, ProfileError) as e:
+        raise args.UsageError(f"scenario show: {e}") from None
+    sys.stdout.write(dep.to_toml())
+    return 0
+
+
+def cmd_check(a) -> int:
+    try:
+        dep = load(a.file, build_prior=build_prior)
+    except (ScenarioError, ProfileError) as e:
+        raise args.UsageError(f"scenario check: {e}") from None
+    imp = dep.implications()
+    e = dep.profile.engine
+    over = dep.profile.raw.get("engine_overrides") or {}
+    print(f"{dep.name} (content hash {dep.content_hash}): {a.file} is valid")
+    print(f"model {dep.profile.name} ({dep.profile.provenance.get('kind')})"
+          + (f"; engine flags changed: {', '.join(f'{k}={v}' for k, v in over.items())}" if over else ""))
+    if dep.profile.provenance.get("kind") == "roofline prior":
+        print("  a roofline prior from the model's shape and the GPU's published figures: not a measurement")
+    print(capacity_line(dep))
+    if dep.trace_source is not None:
+        t = dep.trace_source
+        print(f"trace {t.path} ({t.info['dialect']} columns, sha256 {t.sha256}): {t.info['calls']} calls over "
+              f"{t.info['span_s']:.1f} s (speedup {t.speedup:g})")
+    else:
+        for p in imp["phases"]:
+            print(f"  phase {p['name']:<10} {p['duration_s']:8.1f} s at {p['rate']:.3f} calls/s "
+                  f"({p['rate'] / dep.capacity:.2f} x Ĉ): {p['calls']:.0f} calls expected")
+    b = imp.get("burst")
+    if b is None:
+        print("no burst declared: run and diagnose need one ([measures] burst, or burst_start_s/burst_end_s)")
+    else:
+        verdict = ("beyond one deadline: retries of calls that time out in the backlog can keep the engine "
+                   "from recovering (SPEC §1)" if b["beyond_deadline"] else "within one deadline")
+        print(f"burst {b['name']}: {b['start_s']:g}-{b['end_s']:g} s at {b['load']:.2f} x Ĉ; backlog at capacity "
+              f"{b['backlog_s']:.0f} s of work against a {b['deadline_s']:g} s deadline: {verdict}")
+    kv = imp["kv"]
+    print(f"KV cache {kv['tokens']:,} tokens ({kv['blocks']} blocks of {e['block_size']}): a mean call "
+          f"({kv['mean_prompt']:.0f} prompt + {kv['mean_response']:.0f} response tokens) takes {kv['blocks_per_call']} "
+          f"blocks, {kv['seats']} seats (max_num_seqs {kv['max_num_seqs']})")
+    return 0
+
+
+def add_subcommands(sub) -> None:
+    p = sub.add_parser("scenario", help="scenario files: print one (show) or check one (check)")
+    ss = p.add_subparsers(dest="scenario_command", required=True, parser_class=type(p))
+    q = ss.add_parser("show", help="print a named scenario as a complete, commented TOML file")
+    q.add_argument("name", nargs="?", default="paper", metavar="NAME|FILE",
+                   help=f"{', '.join(SCENARIOS)} (default paper), or a file to print resolved")
+    q.set_defaults(fn=cmd_show)
+    q = ss.add_parser("check", help="validate a scenario file and print what it implies")
+    q.add_argument("file", metavar="FILE")
+    q.set_defaults(fn=cmd_check)
