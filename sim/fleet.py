@@ -449,3 +449,23 @@ def run_fleet(profiles: list[Profile], condition: str | Condition, trace: Trace,
     log = simulate_fleet(profiles, trace, cond, scenario, router, seed, max_batched_tokens)
     return fleet_record(log, scenario, capacities,
                         run_inputs(profiles[0], cond, pulse, seed, max_batched_tokens, extra=extra))
+
+
+def summary(rec: dict) -> str:
+    """A few lines on a fleet's record: the router, and per replica the
+    calls it got first, its hold cohort's delivery within the deadline,
+    whether it recovered and its prefix-cache hit share."""
+    f = rec["fleet"]
+    lines = [f"  fleet: {f['replicas']} replicas, router {f['router']} (retries {f['router_retries']}), proxy per "
+             f"{f['proxy']}; attempts moved to another replica {f['attempts_moved']}, rerouted on 503 "
+             f"{f['router_rerouted']}; calls with live executions on two replicas {f['split_calls']}"]
+    for i, r in enumerate(rec["replicas"]):
+        hold = r["cohorts"]["hold"]
+        share = f"{100.0 * hold['within_deadline'] / hold['offered']:.1f}%" if hold["offered"] else "n/a"
+        hit = f["prefix_hit_share"][i]
+        rt = r["recovery_time_s"]
+        lines.append(f"  replica {i} ({f['profiles'][i]}): {f['calls'][i]} calls, hold within deadline {share}, "
+                     + (f"recovered {rt:.0f} s after the pulse" if r["recovered"] and rt is not None
+                        else "not recovered")
+                     + (f", prefix-cache hits {100.0 * hit:.1f}%" if hit is not None else ""))
+    return "\n".join(lines)
