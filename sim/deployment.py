@@ -657,13 +657,12 @@ class Deployment:
         s = self.scenario
         pulse = self.run_pulse
         cfg = dataclasses.asdict(self.profile.scheduler_config())
+        extra = {"deployment": self.identity(), "engine_config": dict(cfg, depth=self.profile.depth)}
         if self.fleet is not None:
             return run_fleet(list(self.fleet.profiles), self.condition_for(condition), trace, s,
-                             self.fleet.capacities(s), self.fleet.router, seed, pulse,
-                             extra={"deployment": self.identity(), "engine_config": dict(cfg, depth=self.profile.depth)})
+                             self.fleet.capacities(s), self.fleet.router, seed, pulse, extra=extra)
         return run_one(self.profile, self.condition_for(condition), pulse, seed, trace=trace, scenario=s,
-                       capacity=self.capacity, extra={"deployment": self.identity(),
-                                                      "engine_config": dict(cfg, depth=self.profile.depth)})
+                       capacity=self.capacity, extra=extra)
 
     def with_changes(self, model: str | None = None, pulse: float | None = None,
                      max_batched_tokens: int | None = None,

@@ -76,7 +76,7 @@ class FleetSpec:
         infos = [workload_capacity(p, scenario) for p in self.profiles]
         sources = sorted({i["source"] for i in infos})
         return {"capacity": float(sum(i["capacity"] for i in infos)), "key": infos[0].get("key"),
-                "source": f"sum over {self.replicas} replicas of each one's Ĉ ({'; '.join(sources)})",
+                "source": "; ".join(sources),
                 "replicas": [float(i["capacity"]) for i in infos]}
 
 

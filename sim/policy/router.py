@@ -184,7 +184,8 @@ class ReplicaProxies:
     """Sidecar proxies behind a router, driven as one proxy. Execution ids
     are drawn from one sequence across the sidecars, in creation order.
     `landed[i]` is the replica the i-th attempt (in the order `on_attempt`
-    saw them) was last sent to; `execution_replica[id]` is an execution's replica; `rerouted` counts the router's retries."""
+    saw them) was last sent to; `execution_replica[id]` is an execution's
+    replica; `rerouted` counts the router's retries."""
 
     def __init__(self, proxies: Sequence[Proxy], router: Router):
         self.proxies = list(proxies)
