@@ -146,6 +146,7 @@ class FleetRun(Run):
                                    fast_forward=fast_forward)
                         for r, p in enumerate(self.profiles)]
         self.engine = None
+        self.rerouted = 0                       # executions the router retried on another replica (deployment proxy)
         self.exec_replica: list[int] = []       # by execution id (-1: not placed)
         self.exec_placed: list[float] = []
         self.counters_at_r: list[dict] = [{} for _ in range(n)]
@@ -253,8 +254,6 @@ class FleetRun(Run):
             tried.append(self.router.pick(ex.call_id, tried))
         erec.fate, erec.finished_at = "refused", t
         self._do(t, self.proxy.on_engine_refused(t, ex))
-
-    rerouted = 0
 
     def _cancel(self, t: float, a) -> None:
         self.executions[a.execution.id].cancel_requested_at = t

@@ -98,7 +98,7 @@ def test_calls_attempts_and_executions_are_conserved_across_replicas(tiny3, poli
     for cohort in ("pulse", "hold", "primary"):
         for k in ("offered", "delivered", "within_deadline"):
             assert sum(r["cohorts"][cohort][k] for r in reps) <= rec["cohorts"][cohort][k]
-        assert sum(r["cohorts"][cohort]["offered"] for r in reps) + 0 >= \
+        assert sum(r["cohorts"][cohort]["offered"] for r in reps) >= \
             rec["cohorts"][cohort]["offered"] - f["calls_unrouted"]
     assert sum(f["attempts_landed"]) == sum(r["attempts"]["sent"] for r in reps) <= rec["attempts"]["sent"]
     placed = sum(r["executions"]["created"] for r in reps)
@@ -248,6 +248,18 @@ def test_fleet_section_round_trips_and_runs(tmp_path, capsys):
     assert len(rec["replicas"]) == 2 and rec["fleet"]["router"] == "call-affinity"
     assert rec["deployment"]["content_hash"] == dep.content_hash
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "replica 1" in capsys.readouterr().out
+
+
+def test_diagnose_runs_a_fleet(tmp_path, capsys):
+    f = tmp_path / "f.toml"
+    f.write_text(FLEET_TOML + 'replicas = 2\nrouter = "least-kv"\n')
+    out = tmp_path / "d.json"
+    assert main(["diagnose", "--scenario", str(f), "--json", str(out)]) == 0
+    runs = json.load(open(out))["runs"]
+    assert [r["condition"] for r in runs] == ["no-control", "cancel", "no-retry+cancel", "no-retry"]
+    assert all(len(r["replicas"]) == 2 and r["fleet"]["router"] == "least-kv" for r in runs)
+    assert all(r["fleet"]["split_calls"] == 0 for r in runs if r["condition_settings"]["cancellation"] == "now")
     assert "replica 1" in capsys.readouterr().out
 
 
