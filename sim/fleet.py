@@ -174,20 +174,23 @@ class FleetRun(Run):
         return h
 
     def _next_input_time_of(self, r: int) -> float:
-        """When engine r may next get input: the next timer, or the end of a
-        step in flight that finishes a request while a proxy that feeds r
-        holds a queue (its completion frees a seat under the proxy cap)."""
+        """A bound on when engine r may next get input (or be read by the
+        router): the next timer; and while a proxy that feeds r holds a
+        queue, the next moment a request may finish where that proxy's
+        queue drains on finishes: r's own steps in flight that finish one
+        (its sidecar); with the deployment's proxy, any engine's, and for
+        another engine also the end of its steps in flight (a step it has
+        not scheduled yet may finish one just after)."""
         t = self.timers.next_time()
         if self.replica_mode:
-            feeding, engines = self.sidecars[r].queued, (self.engines[r],)
-        else:
-            feeding, engines = self.proxy.queued, self.engines
-        if feeding:
-            for e in engines:
-                for plan in e.pending:
-                    if plan.finishing:
-                        t = min(t, plan.end)
-                        break
+            if self.sidecars[r].queued:
+                t = min(t, _next_finish(self.engines[r]))
+            return t
+        if self.proxy.queued:
+            for s, e in enumerate(self.engines):
+                t = min(t, _next_finish(e))
+                if s != r and e.pending:
+                    t = min(t, e.pending[-1].end)
         return t
 
     def _replica_view(self, r: int) -> ReplicaView:
@@ -308,6 +311,14 @@ class FleetRun(Run):
                         rerouted, {"replicas": n, "router": self.router_config.policy,
                                    "router_retries": self.router_config.retries, "proxy": self.router_config.proxy,
                                    "profiles": [p.name for p in self.profiles]})
+
+
+def _next_finish(e: EngineCore) -> float:
+    """The end of the first step in flight of engine e that finishes a request (INF: none)."""
+    for plan in e.pending:
+        if plan.finishing:
+            return plan.end
+    return INF
 
 
 def _sum_counters(dicts) -> dict:
@@ -439,13 +450,13 @@ def fleet_record(log: FleetLog, scenario: Scenario, capacities: list[float], inp
 
 def run_fleet(profiles: list[Profile], condition: str | Condition, trace: Trace, scenario: Scenario,
               capacities: list[float], router: RouterConfig = RouterConfig(), seed: int = 0, pulse=None,
-              max_batched_tokens: int | None = None, extra: dict | None = None) -> dict:
+              max_batched_tokens: int | None = None, extra: dict | None = None, fast_forward: bool = True) -> dict:
     """One fleet run of `condition` on `trace` (drawn at the fleet's Ĉ, the
     sum of `capacities`, one per replica), measured into the fleet's record.
     The inputs are those `sim.run.run_one` records, for the first replica's
     profile (`model`)."""
     cond = condition if isinstance(condition, Condition) else get_condition(condition)
-    log = simulate_fleet(profiles, trace, cond, scenario, router, seed, max_batched_tokens)
+    log = simulate_fleet(profiles, trace, cond, scenario, router, seed, max_batched_tokens, fast_forward)
     return fleet_record(log, scenario, capacities,
                         run_inputs(profiles[0], cond, pulse, seed, max_batched_tokens, extra=extra))
 

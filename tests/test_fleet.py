@@ -86,6 +86,55 @@ def test_a_replica_record_has_the_single_engine_keys(tiny, tiny3):
     assert keys_of(without(rec, RECORD_KEYS)) == keys_of(single)
 
 
+def small_case(draw_arrivals, prompts, outputs, deadline):
+    arrival = np.sort(np.asarray(draw_arrivals, dtype=float))
+    n = len(arrival)
+    trace = Trace(arrival, np.asarray(prompts[:n], dtype=np.int64), np.asarray(outputs[:n], dtype=np.int64), 100)
+    sc = TINY.with_(base_s=1.0, pulse_s=2.0, hold_s=4.0, deadline_s=deadline, delivery_horizon_s=30.0,
+                    primary_skip_s=1.0, window_s=1.0)
+    return trace, sc
+
+
+case = st.integers(1, 14).flatmap(lambda n: st.tuples(
+    st.lists(st.floats(0.0, 3.0, allow_nan=False), min_size=n, max_size=n),
+    st.lists(st.integers(300, 6000), min_size=n, max_size=n),
+    st.lists(st.integers(5, 300), min_size=n, max_size=n)))
+
+
+def _no_step_events(rec: dict) -> dict:
+    """A record without what the closed-form fast-forward saves (SimPy step events) and wall times."""
+    out = without(rec, ("wall_s", "extra", "replicas"))
+    out["replicas"] = [without(r, ("wall_s", "extra")) for r in rec["replicas"]]
+    return out
+
+
+@pytest.mark.parametrize("policy, placement, cond", [
+    ("least-outstanding", "deployment", compose("proxy-cap", proxy_cap=12)),
+    ("call-affinity", "replica", compose("deadline-check", coalesce=True, proxy_cap=6)),
+    ("least-kv", "deployment", compose("no-control", engine_cap=30)),
+], ids=["least-outstanding", "call-affinity", "least-kv"])
+def test_fast_forward_matches_stepping_in_a_fleet(tiny3, policy, placement, cond):
+    caps, trace = tiny3
+    rc = RouterConfig(policy, 1, placement)
+    fast = run_fleet([PROFILE] * 3, cond, trace, TINY, caps, rc)
+    slow = run_fleet([PROFILE] * 3, cond, trace, TINY, caps, rc, fast_forward=False)
+    assert golden.differences(_no_step_events(fast), _no_step_events(slow)) == []
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=case, deadline=st.sampled_from([0.2, 1.0]), n=st.integers(2, 3), placement=st.sampled_from(PLACEMENTS),
+       policy=st.sampled_from(ROUTERS), proxy_cap=st.sampled_from([0, 1, 3]), engine_cap=st.sampled_from([0, 2]),
+       coalesce=st.booleans())
+def test_fast_forward_matches_stepping_in_small_fleets(case, deadline, n, placement, policy, proxy_cap, engine_cap,
+                                                       coalesce):
+    trace, sc = small_case(*case, deadline)
+    cond = compose("no-control", coalesce=coalesce, proxy_cap=proxy_cap, engine_cap=engine_cap)
+    rc = RouterConfig(policy, 1, placement)
+    fast = run_fleet([PROFILE] * n, cond, trace, sc, [1.0] * n, rc)
+    slow = run_fleet([PROFILE] * n, cond, trace, sc, [1.0] * n, rc, fast_forward=False)
+    assert golden.differences(_no_step_events(fast), _no_step_events(slow)) == []
+
+
 # ----------------------------------------------------------------- conservation
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("policy", ["round-robin", "least-outstanding", "call-affinity"])
@@ -136,21 +185,6 @@ def split_by_hand(log) -> int:
             if c == c2 and r != r2 and a < b2 and a2 < b:
                 calls.add(c)
     return len(calls)
-
-
-def small_case(draw_arrivals, prompts, outputs, deadline):
-    arrival = np.sort(np.asarray(draw_arrivals, dtype=float))
-    n = len(arrival)
-    trace = Trace(arrival, np.asarray(prompts[:n], dtype=np.int64), np.asarray(outputs[:n], dtype=np.int64), 100)
-    sc = TINY.with_(base_s=1.0, pulse_s=2.0, hold_s=4.0, deadline_s=deadline, delivery_horizon_s=30.0,
-                    primary_skip_s=1.0, window_s=1.0)
-    return trace, sc
-
-
-case = st.integers(1, 14).flatmap(lambda n: st.tuples(
-    st.lists(st.floats(0.0, 3.0, allow_nan=False), min_size=n, max_size=n),
-    st.lists(st.integers(300, 6000), min_size=n, max_size=n),
-    st.lists(st.integers(5, 300), min_size=n, max_size=n)))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
