@@ -146,6 +146,7 @@ class FleetRun(Run):
                                    fast_forward=fast_forward)
                         for r, p in enumerate(self.profiles)]
         self.engine = None
+        self.reroutes_refusals = n > 1 and self.router_config.retries > 0 and condition.engine_cap is not None
         self.rerouted = 0                       # executions the router retried on another replica (deployment proxy)
         self.exec_replica: list[int] = []       # by execution id (-1: not placed)
         self.exec_placed: list[float] = []
@@ -180,11 +181,18 @@ class FleetRun(Run):
         queue drains on finishes: r's own steps in flight that finish one
         (its sidecar); with the deployment's proxy, any engine's, and for
         another engine also the end of its steps in flight (a step it has
-        not scheduled yet may finish one just after)."""
+        not scheduled yet may finish one just after); with sidecars, an
+        engine's 503 to an execution its sidecar dispatched from its queue
+        sends the attempt on to another replica, so where the router retries
+        and engines have a cap, another sidecar's queue counts likewise."""
         t = self.timers.next_time()
         if self.replica_mode:
             if self.sidecars[r].queued:
                 t = min(t, _next_finish(self.engines[r]))
+            if self.reroutes_refusals:
+                for s, e in enumerate(self.engines):
+                    if s != r and self.sidecars[s].queued:
+                        t = min(t, _next_finish(e), e.pending[-1].end if e.pending else INF)
             return t
         if self.proxy.queued:
             for s, e in enumerate(self.engines):
