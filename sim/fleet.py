@@ -30,8 +30,8 @@ import numpy as np
 from . import measures
 from .conditions import Condition, get_condition
 from .engine.core import EngineCore
-from .engine.request import Request, WAITING_STATUSES
-from .model import Run, engine_config, prompt_throughput
+from .engine.request import Request
+from .model import Run, engine_config, prompt_throughput, uncomputed_prompt_tokens
 from .policy.proxy import EngineView, PromptRate, Proxy
 from .policy.router import ReplicaProxies, ReplicaView, Router, RouterConfig
 from .profile import Profile
@@ -206,26 +206,13 @@ class FleetRun(Run):
         held = e.num_in_engine() + (self.sidecars[r].queued if self.replica_mode else 0)
         return ReplicaView(held, e.scheduler.block_pool.usage())
 
-    def _uncomputed(self, e: EngineCore) -> float:
-        s = e.scheduler
-        tok = 0
-        for r in s.waiting:
-            if r.status in WAITING_STATUSES:
-                tok += r.num_prompt_tokens - min(r.num_prompt_tokens, r.num_computed_tokens)
-        for r in s.prefilling:
-            tok += max(0, r.num_prompt_tokens - r.num_computed_tokens)
-        for kind, r in e.inbox:
-            if kind == "add":
-                tok += r.num_prompt_tokens
-        return float(tok)
-
     def _engine_view(self, t: float) -> EngineView:
         """The deployment proxy's view: the whole fleet."""
-        return EngineView(sum(self._uncomputed(e) for e in self.engines), self.prompt_rate.rate(t))
+        return EngineView(sum(uncomputed_prompt_tokens(e) for e in self.engines), self.prompt_rate.rate(t))
 
     def _engine_view_of(self, r: int, t: float) -> EngineView:
         """A sidecar's view: its own engine."""
-        return EngineView(self._uncomputed(self.engines[r]), self.prompt_rates[r].rate(t))
+        return EngineView(uncomputed_prompt_tokens(self.engines[r]), self.prompt_rates[r].rate(t))
 
     def _on_first_token_at(self, r: int, req: Request, t: float) -> None:
         rec = req.record
