@@ -160,6 +160,7 @@ class FleetRun(Run):
         else:
             self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
                                prompt_throughput=sum(prompt_throughput(p, scenario) for p in self.profiles))
+        self.sidecar_queues = self.replica_mode and condition.proxy.proxy_cap is not None   # sidecars may queue
 
     # ------------------------------------------------------------ engines
     def _horizon(self) -> float:
@@ -259,7 +260,7 @@ class FleetRun(Run):
 
     def _do(self, t: float, actions: list) -> None:
         super()._do(t, actions)
-        if self.replica_mode:
+        if self.sidecar_queues:
             for p, log in zip(self.sidecars, self.queue_logs):
                 if p.queued != log[-1][1]:
                     log.append((t, p.queued))

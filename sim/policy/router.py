@@ -195,10 +195,11 @@ class ReplicaProxies:
         self.executions = _Executions(self)
         self.rerouted = 0
         self._open: dict[int, _Routed] = {}      # id(attempt) -> its routing state, while open
+        self._may_queue = any(p.config.proxy_cap is not None for p in self.proxies)
 
     @property
     def queued(self) -> int:
-        return sum(p.queued for p in self.proxies)
+        return sum(p.queued for p in self.proxies) if self._may_queue else 0
 
     def replica_of(self, ex: Execution) -> int:
         return self.execution_replica[ex.id]
