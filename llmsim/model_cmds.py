@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 import time
 
-from sim import measures
+from sim import fleet, measures
 from sim.capacity import capacity_protocol
 from sim.conditions import CONDITIONS, DIAGNOSTIC, Condition, compose, get_condition
-from sim.experiments import reference
+from sim.experiments import fleet_figure, reference
 from sim.latency import latency
 from sim.profile import embedded_names
 from sim.scenario import PAPER
@@ -39,9 +39,19 @@ def condition(a, base: Condition | None = None) -> Condition | None:
 
 def cmd_run(a) -> int:
     dep = deployment(a)
+    png = getattr(a, "queues_png", None)
+    if png and dep.fleet is None:
+        raise args.UsageError("run: --queues-png draws a fleet's replicas: give a --scenario with a [fleet] section")
+    args.check_output(png)
+    args.check_output(a.json)
     rec = dep.run(a.seed, condition(a, dep.condition))
     print(measures.summary(rec))
+    if "fleet" in rec:
+        print(fleet.summary(rec))
     args.write_json(a.json, rec)
+    if png:
+        fleet_figure.replica_queues(rec, png)
+        print(f"wrote {png}")
     return 0
 
 
@@ -152,6 +162,8 @@ def cmd_diagnose(a) -> int:
             t0 = time.perf_counter()
             recs.append(dep.run(seed, c, trace=trace))
             print(f"  ran {c} in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+            if "fleet" in recs[-1]:
+                print(f"  {c}: " + fleet.summary(recs[-1]).strip().replace("\n", "\n    "), flush=True)
     recs_pulse = recs[0]["pulse"]
     if len(seeds) > 1:
         print(f"{len(seeds)} seeds ({_seed_list(seeds)}): mean (lowest-highest) per cell")
@@ -227,6 +239,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--mixed-prompts", action="store_true",
                    help="half the calls get 3,000-token prompts; Ĉ is the capacity protocol's on that mix")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--queues-png", metavar="PATH", default=None,
+                   help="a fleet's run: write each replica's waiting queue over time as a PNG")
     control_args(p)
     p.set_defaults(fn=cmd_run)
 

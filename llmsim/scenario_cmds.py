@@ -61,6 +61,8 @@ def deployment(a, burst: bool = True, capacity: bool = True) -> Deployment:
 
 def capacity_line(dep: Deployment) -> str:
     info = dep.capacity_info
+    if dep.fleet is not None:
+        return f"Ĉ {dep.capacity:.3f} calls/s, the sum of the {dep.fleet.replicas} replicas' ({info['source']})"
     if info["source"] == "profile":
         return f"Ĉ {dep.capacity:.3f} calls/s (the profile's, measured on this workload)"
     if info["key"] is None:
@@ -93,6 +95,10 @@ def cmd_check(a) -> int:
     if dep.profile.provenance.get("kind") == "roofline prior":
         print("  a roofline prior from the model's shape and the GPU's published figures: not a measurement")
     print(capacity_line(dep))
+    if dep.fleet is not None:
+        f, caps = dep.fleet, dep.capacity_info["replicas"]
+        print(f"fleet: {f.replicas} replicas behind a {f.router.policy} router (retries {f.router.retries}), proxy "
+              f"per {f.router.proxy}; Ĉ per replica " + ", ".join(f"{p.name} {c:.3f}" for p, c in zip(f.profiles, caps)))
     if dep.trace_source is not None:
         t = dep.trace_source
         print(f"trace {t.path} ({t.info['dialect']} columns, sha256 {t.sha256}): {t.info['calls']} calls over "

@@ -65,6 +65,7 @@ import numpy as np
 from .conditions import CONDITIONS, Condition, compose, get_condition, parse_cancel
 from .policy.proxy import ProxyConfig
 from .profile import ENGINE_FLAGS, Profile, ProfileError, embedded_names, from_dict, load_profile, with_engine
+from .fleet import FLEET_KEYS, FleetSpec, fleet_spec, run_fleet
 from .run import run_one, workload_capacity
 from .scenario import PAPER, SCENARIOS, Lengths, Phase, Scenario
 from .workload import Trace, TraceError, make_trace, read_trace
@@ -84,7 +85,8 @@ PROXY_KEYS = ("condition", "retries", "cancel", "coalesce", "budget", "order", "
               "defer_s", "budget_window_s")
 FLAT_PHASE_KEYS = ("base_s", "pulse_s", "hold_s", "base_load", "pulse", "hold_load")
 SCHEMA = {
-    "": ("name", "about", "seed", "model", "engine", "workload", "client", "proxy", "measures"),
+    "": ("name", "about", "seed", "model", "engine", "workload", "client", "proxy", "measures", "fleet"),
+    "fleet": FLEET_KEYS,
     "model": ("profile", "hf_config", "gpu", "capacity"),
     "engine": ENGINE_FLAGS + ("max_num_queued_reqs",),
     "workload": ("phases", "prompt", "response", "shared_prefix", "prefix_groups", "mixed_share", "mixed_prompt_len", "trace",
@@ -318,9 +320,17 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
     scenario = _scenario(sc, secs["client"], me, prof, trace_src is None)
     _check_lengths(w, scenario, trace_src, prof)
     cond, proxy_doc = _proxy(secs["proxy"])
+    fleet = None
+    if doc.has("fleet"):
+        fl = doc.sub("fleet", "fleet")
+        overrides = {k: v for k, v in secs["engine"].d.items() if k != "max_num_queued_reqs"}
+        try:
+            fleet = fleet_spec(fl.d, prof, lambda name: _replica_profile(fl, name, base_dir, overrides))
+        except ValueError as e:
+            raise ScenarioError(f"{source}: fleet.{e}") from None
     return Deployment(name=name, about=about, profile=prof, model=model_doc, scenario=scenario, condition=cond,
                       engine_cap=engine_cap, proxy=proxy_doc, seed=int(seed), trace_source=trace_src, burst=burst,
-                      base_dir=base_dir, build_prior=build_prior)
+                      base_dir=base_dir, build_prior=build_prior, fleet=fleet)
 
 
 def _engine(eng: _Doc, prof: Profile) -> tuple[Profile, int | None]:
@@ -507,6 +517,17 @@ def _prefix_groups(w: _Doc) -> tuple:
     return tuple(out)
 
 
+def _replica_profile(fl: "_Doc", name: str, base_dir: str, overrides: dict) -> Profile:
+    """A replica's profile named in [fleet] profiles, with [engine]'s overrides."""
+    path = os.path.join(base_dir, name)
+    if name not in embedded_names() and not os.path.isabs(name) and os.path.exists(path):
+        name = path
+    try:
+        return with_engine(load_profile(name), overrides)
+    except ProfileError as e:
+        raise fl.err("profiles", str(e)) from None
+
+
 def _min_prompt(s: Scenario) -> int:
     if s.prompt is not None and s.prompt.kind in ("fixed", "empirical"):
         m = s.prompt.value if s.prompt.kind == "fixed" else min(s.prompt.values)
@@ -561,6 +582,7 @@ class Deployment:
     burst: str | None               # the burst phase's name (cohorts need one)
     base_dir: str = field(default=".", compare=False)        # relative paths in the document are from here
     build_prior: object = field(default=None, compare=False, repr=False)
+    fleet: FleetSpec | None = None  # [fleet]: replicas behind a router; None: one engine
 
     @property
     def proxy_times(self) -> dict:
@@ -608,6 +630,8 @@ class Deployment:
         doc["proxy"] = dict(self.proxy)
         me.update({k: getattr(s, k) for k in MEASURE_KEYS})
         doc["measures"] = me
+        if self.fleet is not None:
+            doc["fleet"] = self.fleet.document()
         return doc
 
     @functools.cached_property
@@ -635,6 +659,8 @@ class Deployment:
     @functools.cached_property
     def capacity_info(self) -> dict:
         """Ĉ of this workload on this engine and where it came from."""
+        if self.fleet is not None:
+            return self.fleet.capacity_info(self.scenario)
         if "capacity" in self.model:
             return {"capacity": self.model["capacity"], "source": "given in the scenario file", "key": None}
         try:
@@ -701,9 +727,12 @@ class Deployment:
         s = self.scenario
         pulse = self.run_pulse
         cfg = dataclasses.asdict(self.profile.scheduler_config())
+        extra = {"deployment": self.identity(), "engine_config": dict(cfg, depth=self.profile.depth)}
+        if self.fleet is not None:
+            return run_fleet(list(self.fleet.profiles), self.condition_for(condition), trace, s,
+                             self.fleet.capacities(s), self.fleet.router, seed, pulse, extra=extra)
         return run_one(self.profile, self.condition_for(condition), pulse, seed, trace=trace, scenario=s,
-                       capacity=self.capacity, extra={"deployment": self.identity(),
-                                                      "engine_config": dict(cfg, depth=self.profile.depth)})
+                       capacity=self.capacity, extra=extra)
 
     def with_changes(self, model: str | None = None, pulse: float | None = None,
                      max_batched_tokens: int | None = None,
@@ -833,6 +862,10 @@ COMMENTS = {
               "# honoured up to max_retry_after_s",
     "proxy": "a named condition (llmsim conditions) and changes to it: retries, cancel, coalesce, budget,\n"
              "# order, proxy_cap, queue; defer_s and budget_window_s set the proxy's own times",
+    "fleet": "replicas behind a router: router = round-robin | least-outstanding | least-kv | prefix-affinity |\n"
+             "# call-affinity; router_retries: other replicas tried on a 503; proxy = deployment (one proxy before\n"
+             "# the router) | replica (a sidecar proxy before each engine); profiles: one per replica (default the\n"
+             "# model's for all)",
     "measures": "burst: the burst phase (pulse cohort; hold = after it; primary = primary_skip_s after its end);\n"
                 "# with a trace, burst_start_s and burst_end_s",
 }
@@ -845,7 +878,9 @@ def to_toml(doc: dict, engine: dict | None = None) -> str:
              "# every key is optional; an absent key takes the reference design's value (SPEC §1-§5)"]
     for k in ("name", "about", "seed"):
         lines.append(f"{k} = {_toml_value(doc[k])}")
-    for sec in ("model", "engine", "workload", "client", "proxy", "measures"):
+    for sec in ("model", "engine", "workload", "client", "proxy", "measures", "fleet"):
+        if sec not in doc:
+            continue
         lines += ["", f"[{sec}]", f"# {COMMENTS[sec]}"]
         if sec == "engine" and engine:
             shown = dict(engine, async_scheduling=engine["depth"] > 1)

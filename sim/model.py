@@ -134,6 +134,33 @@ class Timers:
         return h[0][2] if h else INF
 
 
+def prompt_throughput(profile: Profile, scenario: Scenario) -> float:
+    """The profile's prompt throughput (tokens/s): capacity x computed prompt
+    tokens per call (the proxy's estimate before it has any history)."""
+    return profile.capacity * max(1.0, scenario.prompt_mean - scenario.shared_prefix)
+
+
+def engine_config(profile: Profile, condition: Condition, max_batched_tokens: int | None = None) -> EngineConfig:
+    """The engine of `profile` with the condition's engine cap."""
+    return EngineConfig(profile.scheduler_config(max_batched_tokens), profile.depth, condition.engine_cap)
+
+
+def uncomputed_prompt_tokens(eng: EngineCore) -> float:
+    """Prompt tokens not yet computed of the requests waiting or running in
+    the engine, or on their way in."""
+    s = eng.scheduler
+    tok = 0
+    for r in s.waiting:
+        if r.status in WAITING_STATUSES:
+            tok += r.num_prompt_tokens - min(r.num_prompt_tokens, r.num_computed_tokens)
+    for r in s.prefilling:
+        tok += max(0, r.num_prompt_tokens - r.num_computed_tokens)
+    for kind, r in eng.inbox:
+        if kind == "add":
+            tok += r.num_prompt_tokens
+    return float(tok)
+
+
 class Run:
     def __init__(self, profile: Profile, trace: Trace, condition: Condition, scenario: Scenario,
                  seed: int = 0, max_batched_tokens: int | None = None, fast_forward: bool = True,
@@ -145,18 +172,8 @@ class Run:
         self.timers = Timers(env, horizon=self._horizon, stop=lambda: self.done.triggered)
         rng = np.random.default_rng([seed, 1])   # stream of client backoff draws
         self.client = RetryingClient(condition.client_config(scenario), lambda a, b: float(rng.uniform(a, b)))
-        # the proxy's prompt-throughput estimate: computed prompt tokens of the
-        # executions that got their first token over the last 60 s; before
-        # any, the profile's (capacity x computed prompt tokens per call)
-        self.prompt_rate = PromptRate(60.0)
-        self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
-                           prompt_throughput=profile.capacity * max(1.0, scenario.prompt_mean - scenario.shared_prefix))
         self.proxy_queue_log: list[tuple[float, int]] = [(0.0, 0)]   # (t, proxy queue length) at changes
-        self.engine = EngineCore(env, EngineConfig(profile.scheduler_config(max_batched_tokens), profile.depth,
-                                                   condition.engine_cap),
-                                 profile.step_time, on_finished=self._on_finished,
-                                 on_first_token=self._on_first_token,
-                                 next_input_time=self._next_input_time, fast_forward=fast_forward)
+        self._build(profile, condition, scenario, max_batched_tokens, fast_forward)
         n = len(trace)
         self.arrival = trace.arrival.tolist()
         self.max_tokens = trace.max_tokens.tolist()
@@ -181,6 +198,21 @@ class Run:
             self.timers.at(self.arrival[i], self._arrive, i, seq=self._arrival_seq + i)
         if n == 0:
             self.done.succeed()
+
+    def _build(self, profile: Profile, condition: Condition, scenario: Scenario, max_batched_tokens: int | None,
+               fast_forward: bool) -> None:
+        """Make the proxy (`self.proxy`) and the engine (`self.engine`); a
+        driver of several engines (`sim.fleet`) makes its own."""
+        # the proxy's prompt-throughput estimate: computed prompt tokens of the
+        # executions that got their first token over the last 60 s; before
+        # any, the profile's (capacity x computed prompt tokens per call)
+        self.prompt_rate = PromptRate(60.0)
+        self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
+                           prompt_throughput=prompt_throughput(profile, scenario))
+        self.engine = EngineCore(self.env, engine_config(profile, condition, max_batched_tokens),
+                                 profile.step_time, on_finished=self._on_finished,
+                                 on_first_token=self._on_first_token,
+                                 next_input_time=self._next_input_time, fast_forward=fast_forward)
 
     def _horizon(self) -> float:
         """The next time anything but a timer can happen: the end of the
@@ -314,18 +346,7 @@ class Run:
     def _engine_view(self, t: float) -> EngineView:
         """Uncomputed prompt tokens of the executions waiting or running in
         the engine (or on their way in), and the recent prompt throughput."""
-        eng = self.engine
-        s = eng.scheduler
-        tok = 0
-        for r in s.waiting:
-            if r.status in WAITING_STATUSES:
-                tok += r.num_prompt_tokens - min(r.num_prompt_tokens, r.num_computed_tokens)
-        for r in s.prefilling:
-            tok += max(0, r.num_prompt_tokens - r.num_computed_tokens)
-        for kind, r in eng.inbox:
-            if kind == "add":
-                tok += r.num_prompt_tokens
-        return EngineView(float(tok), self.prompt_rate.rate(t))
+        return EngineView(uncomputed_prompt_tokens(self.engine), self.prompt_rate.rate(t))
 
     def _on_first_token(self, req: Request, t: float) -> None:
         rec = req.record

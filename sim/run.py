@@ -140,8 +140,14 @@ def run_one(profile: Profile, condition: str | Condition, pulse: float, seed: in
     if trace is None:
         trace = make_trace(capacity, sc, seed)
     log = simulate(profile, trace, cond, sc, seed, max_batched_tokens=max_batched_tokens, fast_forward=fast_forward)
-    inputs = {"model": profile.name, "condition": cond.name, "pulse": pulse, "seed": seed,
-              "max_batched_tokens": max_batched_tokens or profile.engine["max_num_batched_tokens"],
-              "mixed_prompts": mixed_prompts, "condition_settings": cond.settings(),
-              "profile_provenance": profile.provenance.get("kind"), **(extra or {})}
-    return measures.record(log, sc, capacity, inputs)
+    return measures.record(log, sc, capacity, run_inputs(profile, cond, pulse, seed, max_batched_tokens,
+                                                         mixed_prompts, extra))
+
+
+def run_inputs(profile: Profile, cond: Condition, pulse, seed: int, max_batched_tokens=None,
+               mixed_prompts=False, extra: dict | None = None) -> dict:
+    """The inputs a run's record starts with."""
+    return {"model": profile.name, "condition": cond.name, "pulse": pulse, "seed": seed,
+            "max_batched_tokens": max_batched_tokens or profile.engine["max_num_batched_tokens"],
+            "mixed_prompts": mixed_prompts, "condition_settings": cond.settings(),
+            "profile_provenance": profile.provenance.get("kind"), **(extra or {})}

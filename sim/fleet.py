@@ -1,0 +1,477 @@
+"""Several engine replicas behind a router, in simulated time, and the
+fleet's result record.
+
+`FleetRun` is the driver of `sim.model.Run` with one engine per replica and
+a `sim.policy.router.Router` between the proxy and the engines. Where the
+proxy stands is the router config's `proxy`:
+- `deployment`: one proxy before the router. The router places each
+  execution the proxy dispatches; an engine's 503 (its cap) is retried on
+  another replica by the router while its retries allow.
+- `replica`: a sidecar proxy before each engine (`ReplicaProxies`). The
+  router places each attempt; a sidecar's 503 is retried likewise.
+With one replica either gives the single engine's run, event for event.
+
+`run_fleet` runs one and returns the record: the fleet's own §8 record (all
+calls, attempts and executions; the engines' series, counters and work
+summed; Ĉ the sum of the replicas') with two more keys,
+- `replicas`: per replica the §8 record of what reached it (`replica_log`),
+- `fleet`: the router, the calls each replica got first, attempts moved to a
+  replica other than their call's previous one, prefix-cache hit share per
+  replica, and the calls that ever had two live executions on different
+  replicas (`fleet_measures`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import measures
+from .conditions import Condition, get_condition
+from .engine.core import EngineCore
+from .engine.request import Request
+from .model import Run, engine_config, prompt_throughput, uncomputed_prompt_tokens
+from .policy.proxy import EngineView, PromptRate, Proxy
+from .policy.router import ReplicaProxies, ReplicaView, Router, RouterConfig
+from .profile import Profile
+from .run import run_inputs, workload_capacity
+from .runlog import CallRecord, RunLog, Series, sample_log
+from .scenario import Scenario
+from .workload import Trace
+
+INF = float("inf")
+NAN = float("nan")
+RECORD_KEYS = ("fleet", "replicas")              # keys a fleet's record has beyond the §8 record
+FLEET_KEYS = ("replicas", "router", "router_retries", "proxy", "profiles")   # of a scenario's [fleet]
+# a call's record in a replica's log when the call reached it only after another replica
+ELSEWHERE = "elsewhere"
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """A scenario's [fleet]: the router and one profile per replica;
+    `profile_names` as the file named them (None: the model's for all)."""
+    router: RouterConfig
+    profiles: tuple = field(repr=False)
+    profile_names: tuple | None = None
+
+    @property
+    def replicas(self) -> int:
+        return len(self.profiles)
+
+    def document(self) -> dict:
+        d = {"replicas": self.replicas, "router": self.router.policy, "router_retries": self.router.retries,
+             "proxy": self.router.proxy}
+        if self.profile_names is not None:
+            d["profiles"] = list(self.profile_names)
+        return d
+
+    def capacities(self, scenario: Scenario) -> list[float]:
+        """Ĉ of each replica on this workload (`sim.run.workload_capacity`)."""
+        return [float(workload_capacity(p, scenario)["capacity"]) for p in self.profiles]
+
+    def capacity_info(self, scenario: Scenario) -> dict:
+        """The fleet's Ĉ (the sum of the replicas') and where each came from."""
+        infos = [workload_capacity(p, scenario) for p in self.profiles]
+        sources = sorted({i["source"] for i in infos})
+        return {"capacity": float(sum(i["capacity"] for i in infos)), "key": infos[0].get("key"),
+                "source": "; ".join(sources),
+                "replicas": [float(i["capacity"]) for i in infos]}
+
+
+def fleet_spec(d: dict, model_profile: Profile, load_profile) -> FleetSpec:
+    """A [fleet] table as a FleetSpec; `load_profile(name)` resolves a name
+    in `profiles`. Raises ValueError starting with the key at fault."""
+    n = d.get("replicas")
+    names = d.get("profiles")
+    if names is not None and (not isinstance(names, list) or not names
+                              or not all(isinstance(x, str) for x in names)):
+        raise ValueError(f"profiles must be a list of profile names, one per replica, got {names!r}")
+    if n is None:
+        n = len(names) if names is not None else 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"replicas must be a whole number >= 1, got {n!r}")
+    if names is not None and len(names) != n:
+        raise ValueError(f"profiles names {len(names)} profiles for {n} replicas: give one per replica")
+    for k in ("router", "proxy"):
+        if k in d and not isinstance(d[k], str):
+            raise ValueError(f"{k} must be a string, got {d[k]!r}")
+    retries = d.get("router_retries", 0)
+    if isinstance(retries, bool) or not isinstance(retries, int):
+        raise ValueError(f"router_retries must be a whole number >= 0, got {retries!r}")
+    router = RouterConfig(d.get("router", "round-robin"), retries, d.get("proxy", "deployment"))
+    profiles = tuple(load_profile(x) for x in names) if names is not None else (model_profile,) * n
+    return FleetSpec(router, profiles, tuple(names) if names is not None else None)
+
+
+@dataclass
+class FleetLog:
+    """What a fleet run leaves behind: the fleet's RunLog, one per replica,
+    and where each attempt and execution landed (-1: on no replica)."""
+    fleet: RunLog
+    replicas: list[RunLog]
+    attempt_replica: np.ndarray         # by position in fleet.attempts
+    execution_replica: np.ndarray       # by execution id
+    execution_placed: np.ndarray        # when the execution got its replica (NaN: never)
+    call_replica: np.ndarray            # replica of the call's first landed attempt
+    rerouted: int = 0                   # requests the router retried on another replica
+    config: dict = field(default_factory=dict)
+
+
+class FleetRun(Run):
+    """One run of `len(profiles)` replicas (replica i runs `profiles[i]`)."""
+
+    def __init__(self, profiles: list[Profile], trace: Trace, condition: Condition, scenario: Scenario,
+                 router: RouterConfig = RouterConfig(), seed: int = 0, max_batched_tokens: int | None = None,
+                 fast_forward: bool = True, snapshot_times: tuple = ()):
+        if not profiles:
+            raise ValueError("a fleet needs at least one replica")
+        self.profiles = list(profiles)
+        self.router_config = router
+        self.n = len(profiles)
+        super().__init__(profiles[0], trace, condition, scenario, seed, max_batched_tokens, fast_forward,
+                         snapshot_times)
+
+    def _build(self, profile, condition, scenario, max_batched_tokens, fast_forward) -> None:
+        n, env = self.n, self.env
+        self.replica_mode = self.router_config.proxy == "replica"
+        self.router = Router(self.router_config, n, view=self._replica_view)
+        self.prompt_rate = PromptRate(60.0)                 # the fleet's
+        self.prompt_rates = [PromptRate(60.0) for _ in range(n)]
+        self.engines = [EngineCore(env, engine_config(p, condition, max_batched_tokens), p.step_time,
+                                   on_finished=self._on_finished,
+                                   on_first_token=(lambda req, t, r=r: self._on_first_token_at(r, req, t)),
+                                   next_input_time=(lambda r=r: self._next_input_time_of(r)),
+                                   fast_forward=fast_forward)
+                        for r, p in enumerate(self.profiles)]
+        self.engine = None
+        self.reroutes_refusals = n > 1 and self.router_config.retries > 0 and condition.engine_cap is not None
+        self.rerouted = 0                       # executions the router retried on another replica (deployment proxy)
+        self.exec_replica: list[int] = []       # by execution id (-1: not placed)
+        self.exec_placed: list[float] = []
+        self.counters_at_r: list[dict] = [{} for _ in range(n)]
+        if self.replica_mode:
+            self.sidecars = [Proxy(condition.proxy, engine_view=(lambda t, r=r: self._engine_view_of(r, t)),
+                                   prompt_throughput=prompt_throughput(p, scenario))
+                             for r, p in enumerate(self.profiles)]
+            self.proxy = ReplicaProxies(self.sidecars, self.router)
+            self.queue_logs = [[(0.0, 0)] for _ in range(n)]
+        else:
+            self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
+                               prompt_throughput=sum(prompt_throughput(p, scenario) for p in self.profiles))
+        self.sidecar_queues = self.replica_mode and condition.proxy.proxy_cap is not None   # sidecars may queue
+
+    # ------------------------------------------------------------ engines
+    def _horizon(self) -> float:
+        """The earliest end of a step in flight; -INF while an engine is idle
+        (an input may start a step on it at once)."""
+        h = INF
+        for e in self.engines:
+            p = e.pending
+            if not p:
+                return -INF
+            if p[0].end < h:
+                h = p[0].end
+        return h
+
+    def _next_input_time_of(self, r: int) -> float:
+        """A bound on when engine r may next get input (or be read by the
+        router): the next timer; and while a proxy that feeds r holds a
+        queue, the next moment a request may finish where that proxy's
+        queue drains on finishes: r's own steps in flight that finish one
+        (its sidecar); with the deployment's proxy, any engine's, and for
+        another engine also the end of its steps in flight (a step it has
+        not scheduled yet may finish one just after); with sidecars, an
+        engine's 503 to an execution its sidecar dispatched from its queue
+        sends the attempt on to another replica, so where the router retries
+        and engines have a cap, another sidecar's queue counts likewise."""
+        t = self.timers.next_time()
+        if self.replica_mode:
+            if self.sidecars[r].queued:
+                t = min(t, _next_finish(self.engines[r]))
+            if self.reroutes_refusals:
+                for s, e in enumerate(self.engines):
+                    if s != r and self.sidecars[s].queued:
+                        t = min(t, _next_finish(e), e.pending[-1].end if e.pending else INF)
+            return t
+        if self.proxy.queued:
+            for s, e in enumerate(self.engines):
+                t = min(t, _next_finish(e))
+                if s != r and e.pending:
+                    t = min(t, e.pending[-1].end)
+        return t
+
+    def _replica_view(self, r: int) -> ReplicaView:
+        e = self.engines[r]
+        held = e.num_in_engine() + (self.sidecars[r].queued if self.replica_mode else 0)
+        return ReplicaView(held, e.scheduler.block_pool.usage())
+
+    def _engine_view(self, t: float) -> EngineView:
+        """The deployment proxy's view: the whole fleet."""
+        return EngineView(sum(uncomputed_prompt_tokens(e) for e in self.engines), self.prompt_rate.rate(t))
+
+    def _engine_view_of(self, r: int, t: float) -> EngineView:
+        """A sidecar's view: its own engine."""
+        return EngineView(uncomputed_prompt_tokens(self.engines[r]), self.prompt_rates[r].rate(t))
+
+    def _on_first_token_at(self, r: int, req: Request, t: float) -> None:
+        rec = req.record
+        tokens = rec.prompt_computed if rec is not None else req.num_prompt_tokens
+        self.prompt_rate.add(t, tokens)
+        self.prompt_rates[r].add(t, tokens)
+
+    # ---------------------------------------------------------- placement
+    def _subscribe(self, t: float, a) -> None:
+        new = a.execution.id == len(self.executions)
+        super()._subscribe(t, a)
+        if new:
+            r = self.proxy.replica_of(a.execution) if self.replica_mode else -1
+            self.exec_replica.append(r)
+            self.exec_placed.append(t if r >= 0 else NAN)
+
+    def _dispatch(self, t: float, ex) -> None:
+        erec = self.executions[ex.id]
+        erec.dispatched_at = t
+        if self.replica_mode:
+            tried = [self.exec_replica[ex.id]]
+        else:
+            tried = [self.router.pick(ex.call_id)]
+        while True:
+            r = tried[-1]
+            req = Request(ex.id, ex.call_id, erec.prompt_len, erec.max_tokens, self.trace.shared_prefix,
+                          record=erec)
+            self.exec_replica[ex.id], self.exec_placed[ex.id] = r, t
+            if self.engines[r].add_request(req):
+                erec.accepted = True
+                self.requests[ex.id] = req
+                self.proxy.on_dispatched(t, ex)
+                return
+            if self.replica_mode or not self.router.may_retry(tried):
+                break
+            self.rerouted += 1
+            tried.append(self.router.pick(ex.call_id, tried))
+        erec.fate, erec.finished_at = "refused", t
+        self._do(t, self.proxy.on_engine_refused(t, ex))
+
+    def _cancel(self, t: float, a) -> None:
+        self.executions[a.execution.id].cancel_requested_at = t
+        self.engines[self.exec_replica[a.execution.id]].abort_request(self.requests.pop(a.execution.id))
+
+    def _do(self, t: float, actions: list) -> None:
+        super()._do(t, actions)
+        if self.sidecar_queues:
+            for p, log in zip(self.sidecars, self.queue_logs):
+                if p.queued != log[-1][1]:
+                    log.append((t, p.queued))
+
+    def _snapshot(self, t: float, _arg=None) -> None:
+        for r, e in enumerate(self.engines):
+            self.counters_at_r[r][t] = dict(e.scheduler.counters)
+        self.counters_at[t] = _sum_counters(self.counters_at_r[r][t] for r in range(self.n))
+
+    # ---------------------------------------------------------------- log
+    def _log(self, end: float, wall: float) -> FleetLog:
+        n = self.n
+        ts = np.arange(0.0, math.floor(end) + 1.0)
+        waiting = [sample_log(e.gauge_log, ts, 1).astype(np.int64) for e in self.engines]
+        running = [sample_log(e.gauge_log, ts, 2).astype(np.int64) for e in self.engines]
+        if self.replica_mode:
+            pq = [sample_log(q, ts, 1).astype(np.int64) for q in self.queue_logs]
+        else:
+            pq = [np.zeros(len(ts), dtype=np.int64) for _ in range(n)]
+        fleet_pq = sample_log(self.proxy_queue_log, ts, 1).astype(np.int64)
+        work = [e.work_by(end) for e in self.engines]
+        engine_r = [{"steps": w[0], "preemptions": e.scheduler.num_preemptions,
+                     "aborted_before_scheduled": e.aborted_before_scheduled} for e, w in zip(self.engines, work)]
+        extra_r = [{"busy_s": w[1], "step_events": e.num_step_events} for e, w in zip(self.engines, work)]
+        fleet = RunLog(calls=self.call_records, attempts=self.attempts, executions=self.executions,
+                       series=Series(t=ts, waiting=sum(waiting[1:], waiting[0]), running=sum(running[1:], running[0]),
+                                     proxy_queue=fleet_pq),
+                       counters=_sum_counters(e.scheduler.counters for e in self.engines),
+                       counters_at=dict(self.counters_at), engine=_sum_counters(engine_r), end_time=end, wall_s=wall,
+                       extra=_sum_counters(extra_r))
+        ex_rep = np.asarray(self.exec_replica, dtype=np.int64)
+        if self.replica_mode:
+            att_rep = np.asarray(self.proxy.landed, dtype=np.int64)
+        else:
+            a_exec = np.fromiter((a.execution for a in self.attempts), dtype=np.int64, count=len(self.attempts))
+            att_rep = np.where(a_exec >= 0, ex_rep[np.maximum(a_exec, 0)] if len(ex_rep) else -1, -1)
+        call_rep = first_landing(self.attempts, att_rep, len(self.call_records))
+        replicas = [replica_log(fleet, r, att_rep, ex_rep, call_rep,
+                                Series(t=ts, waiting=waiting[r], running=running[r], proxy_queue=pq[r]),
+                                dict(self.engines[r].scheduler.counters), self.counters_at_r[r], engine_r[r],
+                                extra_r[r]) for r in range(n)]
+        rerouted = self.rerouted + (self.proxy.rerouted if self.replica_mode else 0)
+        return FleetLog(fleet, replicas, att_rep, ex_rep, np.asarray(self.exec_placed, dtype=float), call_rep,
+                        rerouted, {"replicas": n, "router": self.router_config.policy,
+                                   "router_retries": self.router_config.retries, "proxy": self.router_config.proxy,
+                                   "profiles": [p.name for p in self.profiles]})
+
+
+def _next_finish(e: EngineCore) -> float:
+    """The end of the first step in flight of engine e that finishes a request (INF: none)."""
+    for plan in e.pending:
+        if plan.finishing:
+            return plan.end
+    return INF
+
+
+def _sum_counters(dicts) -> dict:
+    """Key-wise sum of counter dicts (keys in first-seen order)."""
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out[k] + v if k in out else v
+    return out
+
+
+def first_landing(attempts: list, attempt_replica: np.ndarray, n_calls: int) -> np.ndarray:
+    """Each call's replica: where its first attempt that reached a replica
+    landed (-1: none did). Attempts are in the order they were sent."""
+    out = np.full(n_calls, -1, dtype=np.int64)
+    if not len(attempts):
+        return out
+    calls = np.fromiter((a.call for a in attempts), dtype=np.int64, count=len(attempts))
+    landed = attempt_replica >= 0
+    c, r = calls[landed][::-1], attempt_replica[landed][::-1]
+    out[c] = r                          # the earliest one is written last
+    return out
+
+
+def replica_log(fleet: RunLog, r: int, attempt_replica: np.ndarray, execution_replica: np.ndarray,
+                call_replica: np.ndarray, series: Series, counters: dict, counters_at: dict, engine: dict,
+                extra: dict) -> RunLog:
+    """Replica r's RunLog: the attempts that landed on it, the executions it
+    ran, its engine's series, counters and work; its calls are those that
+    landed on it first (each call belongs to one replica). A call that
+    reached r only after another replica stands in its list as a record
+    with no planned time and outcome `elsewhere` (no cohort counts it)."""
+    elsewhere = CallRecord(-1, NAN, outcome=ELSEWHERE)
+    calls = [c if call_replica[i] == r else elsewhere for i, c in enumerate(fleet.calls)]
+    attempts = [a for a, x in zip(fleet.attempts, attempt_replica) if x == r]
+    executions = [e for e in fleet.executions if execution_replica[e.id] == r]
+    return RunLog(calls=calls, attempts=attempts, executions=executions, series=series, counters=counters,
+                  counters_at=counters_at, engine=engine, end_time=fleet.end_time, wall_s=0.0, extra=extra)
+
+
+def split_calls(log: FleetLog) -> int:
+    """Calls that at some moment had two live executions on different
+    replicas. An execution is live on its replica from its placement to the
+    first of its finish (completed, aborted, dropped, refused) and the
+    proxy's cancel, or the run's end."""
+    ex = log.fleet.executions
+    if not ex:
+        return 0
+    rep = log.execution_replica
+    ids = np.fromiter((e.id for e in ex), dtype=np.int64, count=len(ex))
+    call = np.fromiter((e.call for e in ex), dtype=np.int64, count=len(ex))
+    start = log.execution_placed[ids]
+    fin = np.fromiter((e.finished_at for e in ex), dtype=float, count=len(ex))
+    cancel = np.fromiter((e.cancel_requested_at for e in ex), dtype=float, count=len(ex))
+    stop = np.fmin(fin, cancel)
+    stop = np.where(np.isnan(stop), log.fleet.end_time, stop)
+    r = rep[ids]
+    ok = (r >= 0) & ~np.isnan(start) & (stop > start)
+    call, start, stop, r = call[ok], start[ok], stop[ok], r[ok]
+    # only calls with executions on two replicas need a look
+    order = np.lexsort((start, call))
+    call, start, stop, r = call[order], start[order], stop[order], r[order]
+    bounds = np.flatnonzero(np.diff(call)) + 1
+    n = 0
+    for c_start, c_end in zip(np.r_[0, bounds], np.r_[bounds, len(call)]):
+        if c_end - c_start < 2 or (r[c_start:c_end] == r[c_start]).all():
+            continue
+        if _overlap_across(start[c_start:c_end], stop[c_start:c_end], r[c_start:c_end]):
+            n += 1
+    return n
+
+
+def _overlap_across(start: np.ndarray, stop: np.ndarray, rep: np.ndarray) -> bool:
+    k = len(start)
+    for i in range(k):
+        for j in range(i + 1, k):
+            if rep[i] != rep[j] and start[j] < stop[i] and start[i] < stop[j]:
+                return True
+    return False
+
+
+def moved_attempts(log: FleetLog) -> int:
+    """Attempts that landed on a replica other than the one their call's
+    previous landed attempt reached."""
+    att = log.fleet.attempts
+    if not att:
+        return 0
+    calls = np.fromiter((a.call for a in att), dtype=np.int64, count=len(att))
+    rep = log.attempt_replica
+    landed = rep >= 0
+    calls, rep = calls[landed], rep[landed]
+    order = np.argsort(calls, kind="stable")     # each call's attempts in the order sent
+    c, x = calls[order], rep[order]
+    return int(((c[1:] == c[:-1]) & (x[1:] != x[:-1])).sum())
+
+
+def fleet_measures(log: FleetLog) -> dict:
+    """The fleet's own measures beyond the §8 record (see the module docstring)."""
+    n = len(log.replicas)
+    calls = np.bincount(log.call_replica[log.call_replica >= 0], minlength=n)
+    landed = np.bincount(log.attempt_replica[log.attempt_replica >= 0], minlength=n)
+    hit = []
+    for rl in log.replicas:
+        q = rl.counters.get("prefix_cache_queries_total", 0)
+        hit.append(rl.counters.get("prefix_cache_hits_total", 0) / q if q else None)
+    return {**log.config,
+            "calls": calls.tolist(), "calls_unrouted": int((log.call_replica < 0).sum()),
+            "attempts_landed": landed.tolist(), "attempts_moved": moved_attempts(log),
+            "router_rerouted": int(log.rerouted), "prefix_hit_share": hit, "split_calls": split_calls(log)}
+
+
+def simulate_fleet(profiles: list[Profile], trace: Trace, condition: Condition, scenario: Scenario,
+                   router: RouterConfig = RouterConfig(), seed: int = 0, max_batched_tokens: int | None = None,
+                   fast_forward: bool = True) -> FleetLog:
+    run = FleetRun(profiles, trace, condition, scenario, router, seed, max_batched_tokens, fast_forward,
+                   snapshot_times=(scenario.pulse_end, scenario.hold_end))
+    return run.run()
+
+
+def fleet_record(log: FleetLog, scenario: Scenario, capacities: list[float], inputs: dict) -> dict:
+    """The fleet's record: the §8 record of the whole fleet (Ĉ the sum of
+    `capacities`), `replicas` (each replica's §8 record at its own Ĉ) and
+    `fleet` (`fleet_measures`)."""
+    rec = measures.record(log.fleet, scenario, sum(capacities), inputs)
+    rec["replicas"] = [measures.record(rl, scenario, c, inputs) for rl, c in zip(log.replicas, capacities)]
+    rec["fleet"] = measures._clean(fleet_measures(log))
+    return rec
+
+
+def run_fleet(profiles: list[Profile], condition: str | Condition, trace: Trace, scenario: Scenario,
+              capacities: list[float], router: RouterConfig = RouterConfig(), seed: int = 0, pulse=None,
+              max_batched_tokens: int | None = None, extra: dict | None = None, fast_forward: bool = True) -> dict:
+    """One fleet run of `condition` on `trace` (drawn at the fleet's Ĉ, the
+    sum of `capacities`, one per replica), measured into the fleet's record.
+    The inputs are those `sim.run.run_one` records, for the first replica's
+    profile (`model`)."""
+    cond = condition if isinstance(condition, Condition) else get_condition(condition)
+    log = simulate_fleet(profiles, trace, cond, scenario, router, seed, max_batched_tokens, fast_forward)
+    return fleet_record(log, scenario, capacities,
+                        run_inputs(profiles[0], cond, pulse, seed, max_batched_tokens, extra=extra))
+
+
+def summary(rec: dict) -> str:
+    """A few lines on a fleet's record: the router, and per replica the
+    calls it got first, its hold cohort's delivery within the deadline,
+    whether it recovered and its prefix-cache hit share."""
+    f = rec["fleet"]
+    lines = [f"  fleet: {f['replicas']} replicas, router {f['router']} (retries {f['router_retries']}), proxy per "
+             f"{f['proxy']}; attempts moved to another replica {f['attempts_moved']}, rerouted on 503 "
+             f"{f['router_rerouted']}; calls with live executions on two replicas {f['split_calls']}"]
+    for i, r in enumerate(rec["replicas"]):
+        hold = r["cohorts"]["hold"]
+        share = f"{100.0 * hold['within_deadline'] / hold['offered']:.1f}%" if hold["offered"] else "n/a"
+        hit = f["prefix_hit_share"][i]
+        rt = r["recovery_time_s"]
+        lines.append(f"  replica {i} ({f['profiles'][i]}): {f['calls'][i]} calls, hold within deadline {share}, "
+                     + (f"recovered {rt:.0f} s after the pulse" if r["recovered"] and rt is not None
+                        else "not recovered")
+                     + (f", prefix-cache hits {100.0 * hit:.1f}%" if hit is not None else ""))
+    return "\n".join(lines)

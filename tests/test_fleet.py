@@ -1,0 +1,324 @@
+"""Replicas behind a router: one replica is the single engine, whatever the
+routing; call affinity with coalescing never leaves a call with live
+executions on two replicas (and without affinity the record counts the calls
+that had them); calls are conserved across replicas; a replica's record is
+a single engine's §8 record; [fleet] in scenario files and the queues figure."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings, strategies as st
+
+import golden
+from llmsim.cli import main
+from sim.conditions import compose
+from sim.deployment import load
+from sim.fleet import RECORD_KEYS, run_fleet, simulate_fleet
+from sim.policy.router import ROUTERS, ReplicaView, Router, RouterConfig
+from sim.profile import load_profile
+from sim.run import run_one
+from sim.scenario import SCENARIOS
+from sim.workload import Trace, make_trace
+
+PLACEMENTS = ("deployment", "replica")
+TINY = SCENARIOS["cpu-tiny"].scenario
+PROFILE = load_profile("vllm-cpu-tiny")
+
+
+@pytest.fixture(autouse=True)
+def _no_disk_cache(monkeypatch):
+    monkeypatch.setenv("LLMSIM_CACHE_DIR", "")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    dep = load("cpu-tiny")
+    return dep.capacity, dep.trace(0)
+
+
+@pytest.fixture(scope="module")
+def tiny3(tiny):
+    """Three replicas' worth of the cpu-tiny workload (at 3 x Ĉ)."""
+    cap = tiny[0]
+    return [cap] * 3, make_trace(3 * cap, TINY, 0)
+
+
+def without(rec: dict, keys=("wall_s",) + RECORD_KEYS) -> dict:
+    return {k: v for k, v in rec.items() if k not in keys}
+
+
+def keys_of(x, path=""):
+    """Every key path of a nested record (list items not entered)."""
+    if isinstance(x, dict):
+        out = set()
+        for k, v in x.items():
+            out.add(path + "/" + k)
+            out |= keys_of(v, path + "/" + k)
+        return out
+    return set()
+
+
+# --------------------------------------------------------------- one replica
+@pytest.mark.parametrize("condition", [compose("no-control"), compose("cancel"), compose("deadline-check"),
+                                       compose("engine-cap-100", engine_cap=20),
+                                       compose("cancel", coalesce=True, budget=0.2)], ids=lambda c: c.name)
+def test_one_replica_is_the_single_engine_under_every_router(tiny, condition):
+    cap, trace = tiny
+    cond = condition
+    single = run_one(PROFILE, cond, None, 0, trace=trace, scenario=TINY, capacity=cap)
+    for policy in ROUTERS:
+        for placement in PLACEMENTS:
+            rec = run_fleet([PROFILE], cond, trace, TINY, [cap], RouterConfig(policy, 2, placement))
+            assert golden.differences(without(single), without(rec)) == [], (policy, placement)
+
+
+def test_a_replica_record_has_the_single_engine_keys(tiny, tiny3):
+    cap, trace = tiny
+    single = run_one(PROFILE, "cancel", None, 0, trace=trace, scenario=TINY, capacity=cap)
+    caps, trace3 = tiny3
+    rec = run_fleet([PROFILE] * 3, "cancel", trace3, TINY, caps, RouterConfig("least-kv"))
+    assert len(rec["replicas"]) == 3
+    for r in rec["replicas"]:
+        assert keys_of(r) == keys_of(single)
+    assert keys_of(without(rec, RECORD_KEYS)) == keys_of(single)
+
+
+def small_case(draw_arrivals, prompts, outputs, deadline):
+    arrival = np.sort(np.asarray(draw_arrivals, dtype=float))
+    n = len(arrival)
+    trace = Trace(arrival, np.asarray(prompts[:n], dtype=np.int64), np.asarray(outputs[:n], dtype=np.int64), 100)
+    sc = TINY.with_(base_s=1.0, pulse_s=2.0, hold_s=4.0, deadline_s=deadline, delivery_horizon_s=30.0,
+                    primary_skip_s=1.0, window_s=1.0)
+    return trace, sc
+
+
+case = st.integers(1, 14).flatmap(lambda n: st.tuples(
+    st.lists(st.floats(0.0, 3.0, allow_nan=False), min_size=n, max_size=n),
+    st.lists(st.integers(300, 6000), min_size=n, max_size=n),
+    st.lists(st.integers(5, 300), min_size=n, max_size=n)))
+
+
+def _no_step_events(rec: dict) -> dict:
+    """A record without what the closed-form fast-forward saves (SimPy step events) and wall times."""
+    out = without(rec, ("wall_s", "extra", "replicas"))
+    out["replicas"] = [without(r, ("wall_s", "extra")) for r in rec["replicas"]]
+    return out
+
+
+@pytest.mark.parametrize("policy, placement, cond", [
+    ("least-outstanding", "deployment", compose("proxy-cap", proxy_cap=12)),
+    ("call-affinity", "replica", compose("deadline-check", coalesce=True, proxy_cap=6)),
+    ("least-kv", "deployment", compose("no-control", engine_cap=30)),
+], ids=["least-outstanding", "call-affinity", "least-kv"])
+def test_fast_forward_matches_stepping_in_a_fleet(tiny3, policy, placement, cond):
+    caps, trace = tiny3
+    rc = RouterConfig(policy, 1, placement)
+    fast = run_fleet([PROFILE] * 3, cond, trace, TINY, caps, rc)
+    slow = run_fleet([PROFILE] * 3, cond, trace, TINY, caps, rc, fast_forward=False)
+    assert golden.differences(_no_step_events(fast), _no_step_events(slow)) == []
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=case, deadline=st.sampled_from([0.2, 1.0]), n=st.integers(2, 3), placement=st.sampled_from(PLACEMENTS),
+       policy=st.sampled_from(ROUTERS), proxy_cap=st.sampled_from([0, 1, 3]), engine_cap=st.sampled_from([0, 2]),
+       coalesce=st.booleans())
+def test_fast_forward_matches_stepping_in_small_fleets(case, deadline, n, placement, policy, proxy_cap, engine_cap,
+                                                       coalesce):
+    trace, sc = small_case(*case, deadline)
+    cond = compose("no-control", coalesce=coalesce, proxy_cap=proxy_cap, engine_cap=engine_cap)
+    rc = RouterConfig(policy, 1, placement)
+    fast = run_fleet([PROFILE] * n, cond, trace, sc, [1.0] * n, rc)
+    slow = run_fleet([PROFILE] * n, cond, trace, sc, [1.0] * n, rc, fast_forward=False)
+    assert golden.differences(_no_step_events(fast), _no_step_events(slow)) == []
+
+
+# ----------------------------------------------------------------- conservation
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("policy", ["round-robin", "least-outstanding", "call-affinity"])
+def test_calls_attempts_and_executions_are_conserved_across_replicas(tiny3, policy, placement):
+    caps, trace = tiny3
+    cond = compose("deadline-check", engine_cap=8)
+    rec = run_fleet([PROFILE] * 3, cond, trace, TINY, caps, RouterConfig(policy, 1, placement))
+    f, reps = rec["fleet"], rec["replicas"]
+    assert sum(f["calls"]) + f["calls_unrouted"] == len(trace)
+    for cohort in ("pulse", "hold", "primary"):
+        for k in ("offered", "delivered", "within_deadline"):
+            assert sum(r["cohorts"][cohort][k] for r in reps) <= rec["cohorts"][cohort][k]
+        assert sum(r["cohorts"][cohort]["offered"] for r in reps) >= \
+            rec["cohorts"][cohort]["offered"] - f["calls_unrouted"]
+    assert sum(f["attempts_landed"]) == sum(r["attempts"]["sent"] for r in reps) <= rec["attempts"]["sent"]
+    placed = sum(r["executions"]["created"] for r in reps)
+    assert placed <= rec["executions"]["created"]
+    assert sum(r["counters"]["prompt_tokens_total"] for r in reps) == rec["counters"]["prompt_tokens_total"]
+    assert sum(r["engine"]["steps"] for r in reps) == rec["engine"]["steps"]
+    if placement == "replica":       # every attempt lands and every execution is placed
+        assert f["calls_unrouted"] == 0 and sum(f["attempts_landed"]) == rec["attempts"]["sent"]
+        assert placed == rec["executions"]["created"]
+        for cohort in ("pulse", "hold"):
+            assert sum(r["cohorts"][cohort]["offered"] for r in reps) == rec["cohorts"][cohort]["offered"]
+    assert all(0 <= h <= 1 for h in f["prefix_hit_share"] if h is not None)
+
+
+# -------------------------------------------------------------- split calls
+def live_intervals(log):
+    """(call, replica, start, stop) of every placed execution, recomputed
+    from the records alone."""
+    out = []
+    for e in log.fleet.executions:
+        r = int(log.execution_replica[e.id])
+        start = float(log.execution_placed[e.id])
+        ends = [x for x in (e.finished_at, e.cancel_requested_at) if x == x]
+        stop = min(ends) if ends else log.fleet.end_time
+        if r >= 0 and stop > start:
+            out.append((e.call, r, start, stop))
+    return out
+
+
+def split_by_hand(log) -> int:
+    iv = live_intervals(log)
+    calls = set()
+    for i, (c, r, a, b) in enumerate(iv):
+        for c2, r2, a2, b2 in iv[i + 1:]:
+            if c == c2 and r != r2 and a < b2 and a2 < b:
+                calls.add(c)
+    return len(calls)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=case, deadline=st.sampled_from([0.15, 0.4, 1.5]), n=st.integers(2, 4),
+       placement=st.sampled_from(PLACEMENTS), retries=st.integers(0, 2),
+       cancel=st.sampled_from(["off", "now", "deferred:0.3"]), engine_cap=st.sampled_from([0, 1, 3]),
+       queue=st.sampled_from([None, "deadline"]))
+@example(case=([1.0, 1.5, 1.5, 1.5, 1.5, 1.25], [300] * 6, [138, 143, 5, 5, 5, 5]), deadline=0.15, n=2,
+         placement="replica", retries=1, cancel="off", engine_cap=1, queue=None)   # moved by the router on 503
+def test_call_affinity_with_coalescing_never_splits_a_call(case, deadline, n, placement, retries, cancel,
+                                                           engine_cap, queue):
+    trace, sc = small_case(*case, deadline)
+    cond = compose("no-control", coalesce=True, cancel=cancel, engine_cap=engine_cap,
+                   **({"proxy_cap": 2, "queue": queue} if queue else {}))
+    log = simulate_fleet([PROFILE] * n, trace, cond, sc, RouterConfig("call-affinity", retries, placement))
+    assert split_by_hand(log) == 0
+    rec = run_fleet([PROFILE] * n, cond, trace, sc, [1.0] * n, RouterConfig("call-affinity", retries, placement))
+    assert rec["fleet"]["split_calls"] == 0
+    assert sum(rec["fleet"]["calls"]) + rec["fleet"]["calls_unrouted"] == len(trace)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=case, n=st.integers(2, 4), placement=st.sampled_from(PLACEMENTS),
+       policy=st.sampled_from(["round-robin", "least-outstanding", "least-kv"]))
+def test_the_record_counts_split_calls_as_the_records_show_them(case, n, placement, policy):
+    trace, sc = small_case(*case, 0.3)
+    log = simulate_fleet([PROFILE] * n, trace, compose("no-control"), sc, RouterConfig(policy, 0, placement))
+    from sim.fleet import split_calls
+    assert split_calls(log) == split_by_hand(log)
+
+
+def test_without_affinity_a_call_can_run_on_two_replicas(tiny3):
+    caps, trace = tiny3
+    for placement in PLACEMENTS:
+        rec = run_fleet([PROFILE] * 3, "no-control", trace, TINY, caps, RouterConfig("round-robin", 0, placement))
+        assert rec["fleet"]["split_calls"] > 0 and rec["fleet"]["attempts_moved"] > 0
+        aff = run_fleet([PROFILE] * 3, compose("no-control", coalesce=True), trace, TINY, caps,
+                        RouterConfig("call-affinity", 0, placement))
+        assert aff["fleet"]["split_calls"] == 0 and aff["fleet"]["attempts_moved"] == 0
+
+
+# ------------------------------------------------------------------- router
+def test_router_policies_pick_as_documented():
+    rr = Router(RouterConfig("round-robin"), 3)
+    assert [rr.pick(i) for i in range(5)] == [0, 1, 2, 0, 1]
+    assert rr.pick(9, exclude=[2]) == 0
+    views = {0: ReplicaView(5, 0.9), 1: ReplicaView(2, 0.1), 2: ReplicaView(2, 0.5)}
+    lo = Router(RouterConfig("least-outstanding"), 3, view=views.__getitem__)
+    assert lo.pick(0) == 1 and lo.pick(0, exclude=[1]) == 2
+    kv = Router(RouterConfig("least-kv"), 3, view=views.__getitem__)
+    assert kv.pick(0) == 1 and kv.pick(0, exclude=[1]) == 2
+    pa = Router(RouterConfig("prefix-affinity"), 4, prefix_group=lambda c: c % 2)
+    assert pa.pick(0) == pa.pick(2) and pa.pick(1) == pa.pick(3)
+    ca = Router(RouterConfig("call-affinity", retries=1), 4)
+    home = ca.pick(7)
+    assert ca.pick(7) == home
+    moved = ca.pick(7, exclude=[home])
+    assert moved != home and ca.pick(7) == moved          # a retry follows the call's last replica
+    assert ca.may_retry([home]) and not ca.may_retry([home, moved])
+    with pytest.raises(ValueError, match="router must be one of"):
+        RouterConfig("random")
+
+
+# ---------------------------------------------------------- scenario files
+FLEET_TOML = """name = "f"
+[model]
+profile = "vllm-cpu-tiny"
+[workload]
+phases = [{name = "base", duration_s = 7.5, load = 0.6}, {name = "pulse", duration_s = 6.7, load = 2.7},
+          {name = "hold", duration_s = 45.0, load = 0.6}]
+prompt = {dist = "normal", mean = 3600.0, sd = 360.0}
+response = {dist = "lognormal", median = 90.0, mean = 120.0}
+shared_prefix = 600
+[client]
+deadline_s = 7.5
+[measures]
+burst = "pulse"
+window_s = 3.75
+[fleet]
+"""
+
+
+def test_fleet_section_round_trips_and_runs(tmp_path, capsys):
+    f = tmp_path / "f.toml"
+    f.write_text(FLEET_TOML + 'replicas = 2\nrouter = "call-affinity"\nrouter_retries = 1\nproxy = "replica"\n')
+    dep = load(str(f))
+    assert dep.fleet.replicas == 2 and dep.fleet.router == RouterConfig("call-affinity", 1, "replica")
+    assert dep.capacity == pytest.approx(2 * load(str(f)).fleet.capacities(dep.scenario)[0], rel=1e-12)
+    g = tmp_path / "g.toml"
+    g.write_text(dep.to_toml())
+    assert load(str(g)).content_hash == dep.content_hash
+    out, png = tmp_path / "r.json", tmp_path / "q.png"
+    assert main(["run", "--scenario", str(f), "--json", str(out), "--queues-png", str(png)]) == 0
+    rec = json.load(open(out))
+    assert len(rec["replicas"]) == 2 and rec["fleet"]["router"] == "call-affinity"
+    assert rec["deployment"]["content_hash"] == dep.content_hash
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "replica 1" in capsys.readouterr().out
+
+
+def test_diagnose_runs_a_fleet(tmp_path, capsys):
+    f = tmp_path / "f.toml"
+    f.write_text(FLEET_TOML + 'replicas = 2\nrouter = "least-kv"\n')
+    out = tmp_path / "d.json"
+    assert main(["diagnose", "--scenario", str(f), "--json", str(out)]) == 0
+    runs = json.load(open(out))["runs"]
+    assert [r["condition"] for r in runs] == ["no-control", "cancel", "no-retry+cancel", "no-retry"]
+    assert all(len(r["replicas"]) == 2 and r["fleet"]["router"] == "least-kv" for r in runs)
+    assert all(r["fleet"]["split_calls"] == 0 for r in runs if r["condition_settings"]["cancellation"] == "now")
+    assert "replica 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("body, words", [
+    ('router = "random"\n', ("fleet.router", "call-affinity")),
+    ("replicas = 0\n", ("fleet.replicas",)),
+    ('replicas = 2\nprofiles = ["vllm-cpu-tiny"]\n', ("fleet.profiles", "one per replica")),
+    ('proxy = "sidecar"\n', ("fleet.proxy", "replica")),
+    ("router_retries = -1\n", ("fleet.router_retries",)),
+    ("replica = 2\n", ("fleet.replica", "replicas")),
+    ('profiles = ["no-such-profile"]\n', ("fleet.profiles",)),
+])
+def test_bad_fleet_section_is_one_line_and_exit_2(tmp_path, capsys, body, words):
+    f = tmp_path / "bad.toml"
+    f.write_text(FLEET_TOML + body)
+    out = tmp_path / "r.json"
+    assert main(["run", "--scenario", str(f), "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    for w in words:
+        assert w in err
+    assert not os.path.exists(out)
+
+
+def test_queues_figure_needs_a_fleet(tmp_path, capsys):
+    png = tmp_path / "q.png"
+    assert main(["run", "--scenario", "cpu-tiny", "--queues-png", str(png)]) == 2
+    assert "[fleet]" in capsys.readouterr().err and not png.exists()
