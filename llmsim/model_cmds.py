@@ -8,12 +8,13 @@ import time
 from sim import measures
 from sim.capacity import capacity_protocol
 from sim.conditions import CONDITIONS, DIAGNOSTIC, Condition, compose, get_condition
+from sim import verdict
 from sim.experiments import reference
+from sim.experiments.margin import margin, margin_cell, parse_axes, run_conditions
 from sim.latency import latency
 from sim.profile import embedded_names
 from sim.run import run_one
 from sim.scenario import PAPER
-from sim.workload import make_trace
 
 from . import args
 
@@ -39,6 +40,16 @@ def condition(a) -> Condition:
 
 def cmd_run(a) -> int:
     prof = args.profile(a.model)
+    if a.seeds is not None:
+        cond = condition(a)
+        recs = [run_one(prof, cond, a.pulse, s, a.max_batched_tokens, a.mixed_prompts) for s in a.seeds]
+        summ = verdict.summarize(recs)
+        print(f"{prof.name} / {cond.name}  pulse {a.pulse:g}: {verdict.verdict(summ)}")
+        print(verdict.table({cond.name: summ}, PAPER.deadline_s))
+        print(verdict.legend(len(recs)))
+        args.write_json(a.json, {"model": prof.name, "condition": cond.name, "seeds": a.seeds, "summary": summ,
+                                 "runs": recs})
+        return 0
     rec = run_one(prof, condition(a), a.pulse, a.seed, a.max_batched_tokens, a.mixed_prompts)
     print(measures.summary(rec))
     args.write_json(a.json, rec)
@@ -86,60 +97,42 @@ def cmd_latency(a) -> int:
     return 0
 
 
-def _pct_cell(recs: list[dict], cohort: str, k: str) -> str:
-    """One cohort's share over the seeds: the mean, with the range when there
-    are several."""
-    v = [100.0 * r["cohorts"][cohort][k] / r["cohorts"][cohort]["offered"] for r in recs
-         if r["cohorts"][cohort]["offered"]]
-    if not v:
-        return "-"
-    mean = sum(v) / len(v)
-    return f"{mean:.1f}%" if min(v) == max(v) else f"{mean:.1f}% ({min(v):.1f}-{max(v):.1f})"
-
-
-def _recovered_cell(recs: list[dict]) -> str:
-    t = [r["recovery_time_s"] for r in recs if r["recovered"]]
-    if not t:
-        return "no"
-    span = f"{min(t):.0f} s" if min(t) == max(t) else f"{min(t):.0f}-{max(t):.0f} s"
-    return f"yes, {span}" if len(t) == len(recs) else f"{len(t)}/{len(recs)}, {span}"
-
-
-def diagnose_table(recs: list[dict]) -> str:
-    """The diagnostic table; records of several seeds are summarised per
-    condition (mean, with the range over seeds)."""
-    head = ("condition", "hold deliv", "hold <=120s", "pulse deliv", "pulse <=120s", "primary deliv",
-            "primary <=120s", "recovered", "created/C", "accepted/C")
-    rows = [head]
-    by: dict[str, list[dict]] = {}
-    for r in recs:
-        by.setdefault(r["condition"], []).append(r)
-    for name, rs in by.items():
-        rate = lambda k: f"{sum(r['rates_xC'][k] for r in rs) / len(rs):.2f}"
-        rows.append((name, _pct_cell(rs, "hold", "delivered"), _pct_cell(rs, "hold", "within_deadline"),
-                     _pct_cell(rs, "pulse", "delivered"), _pct_cell(rs, "pulse", "within_deadline"),
-                     _pct_cell(rs, "primary", "delivered"), _pct_cell(rs, "primary", "within_deadline"),
-                     _recovered_cell(rs), rate("created"), rate("accepted")))
-    w = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(row)) for row in rows)
+def diagnose_table(recs: list[dict], deadline_s: float, margins: dict | None = None) -> str:
+    """The diagnostic table: per condition, P(recovered) over the seeds with
+    its interval and the cohorts' shares (sim.verdict.table), the rates over
+    the primary interval, and the margin when given ({condition: text})."""
+    summ = verdict.summarize_by(recs)
+    rate = {k: {n: f"{sum(r['rates_xC'][k] for r in recs if r['condition'] == n) / summ[n]['n']:.2f}" for n in summ}
+            for k in ("created", "accepted")}
+    extra = {"created/C": rate["created"], "accepted/C": rate["accepted"]}
+    if margins:
+        extra["margin"] = margins
+    return verdict.table(summ, deadline_s, extra)
 
 
 def cmd_diagnose(a) -> int:
     prof = args.profile(a.model)
     sc = PAPER.with_(pulse=a.pulse)
-    seeds = a.seeds if a.seeds is not None else [a.seed]
-    recs = []
-    for seed in seeds:
-        trace = make_trace(prof.capacity, sc, seed)
-        print(f"{prof.name}: capacity {prof.capacity:.3f} calls/s ({prof.provenance.get('kind')}); pulse {a.pulse:g} "
-              f"x C for {sc.pulse_s:g} s, hold {sc.hold_load:g} x C; {len(trace)} calls, seed {seed}", flush=True)
-        for c in DIAGNOSTIC:
-            t0 = time.perf_counter()
-            recs.append(run_one(prof, c, a.pulse, seed, trace=trace))
-            print(f"  ran {c} in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+    seeds = a.seeds if a.seeds is not None else ([a.seed] if a.seed is not None else list(range(DIAGNOSE_SEEDS)))
+    axes = None
+    if a.margin:
+        try:
+            axes = parse_axes(a.margin)
+        except ValueError as e:
+            raise args.UsageError(f"diagnose: --margin: {e}") from None
+    print(f"{prof.name}: capacity {prof.capacity:.3f} calls/s ({prof.provenance.get('kind')}); pulse {a.pulse:g} "
+          f"x C for {sc.pulse_s:g} s, hold {sc.hold_load:g} x C; seeds {_seed_list(seeds)}", flush=True)
+    t0 = time.perf_counter()
+    recs = run_conditions(prof, sc, [get_condition(c) for c in DIAGNOSTIC], seeds)
+    print(f"  ran {len(recs)} runs in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    margins = None
+    if axes:
+        margins = {c: margin_cell(margin(prof, sc, get_condition(c), seeds, axes, rel_tol=0.05, workers=None))
+                   for c in DIAGNOSTIC}
     if len(seeds) > 1:
-        print(f"{len(seeds)} seeds ({_seed_list(seeds)}): mean (lowest-highest) per cell")
-    print(diagnose_table(recs))
+        print(f"{len(seeds)} seeds ({_seed_list(seeds)})")
+    print(diagnose_table(recs, sc.deadline_s, margins))
+    print(verdict.legend(len(seeds)))
     print("recovered: two consecutive 60 s hold windows each delivering >= 98% within 120 s with an empty queue; "
           "time counted from the pulse end")
     ref_rows = None
@@ -152,6 +145,9 @@ def cmd_diagnose(a) -> int:
     args.write_json(a.json, {"model": prof.name, "pulse": a.pulse, "seeds": seeds, "capacity": prof.capacity,
                          "runs": recs, "reference": ref_rows})
     return 0
+
+
+DIAGNOSE_SEEDS = 10
 
 
 def _seed_list(seeds: list[int]) -> str:
@@ -197,7 +193,11 @@ def add_subcommands(sub) -> None:
     p.add_argument("--condition", help=f"one of: {', '.join(CONDITIONS)} (default no-control when control "
                                       "flags are given; the flags change its settings)")
     p.add_argument("--pulse", type=args.positive(), default=PAPER.pulse, help="pulse rate in multiples of capacity")
-    p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
+    g.add_argument("--seeds", type=args.seed_set, default=None,
+                   help="a count N (seeds 0..N-1) or seeds like 0-9: P(recovered) with its 95%% interval and the "
+                        "shares' spread over them")
     p.add_argument("--max-batched-tokens", type=args.positive(int), default=None)
     p.add_argument("--mixed-prompts", action="store_true", help="half the calls get 3,000-token prompts")
     p.add_argument("--json", metavar="PATH")
@@ -229,9 +229,12 @@ def add_subcommands(sub) -> None:
     model_arg(p)
     p.add_argument("--pulse", type=args.positive(), default=PAPER.pulse)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
-    g.add_argument("--seeds", type=args.seeds, default=None,
-                   help="several traces, e.g. 0-4: the table gives the mean and range over them")
+    g.add_argument("--seed", type=args.positive(int, allow_zero=True), default=None, help="one trace")
+    g.add_argument("--seeds", type=args.seed_set, default=None,
+                   help=f"a count N (seeds 0..N-1) or seeds like 0-4 (default {DIAGNOSE_SEEDS}): P(recovered) with its "
+                        "95%% interval, shares as median (10th-90th percentile)")
+    p.add_argument("--margin", nargs="?", const="speed", default=None, metavar="AXES",
+                   help="add each condition's margin along AXES (default speed; of speed,pulse,hold_load,kv)")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(fn=cmd_diagnose)
 

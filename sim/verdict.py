@@ -44,7 +44,8 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
 
 
 def is_tipping(lo: float, hi: float) -> bool:
-    """A cell is a tipping point when its interval straddles 1/2."""
+    """A cell is a tipping point when its interval straddles 1/2 (see
+    summarize for the case where every run agrees)."""
     return lo < 0.5 < hi
 
 
@@ -105,7 +106,8 @@ def _spread(v: Sequence[float]) -> dict:
 
 def summarize(recs: Sequence[dict]) -> dict:
     """One cell over its seeds: n, recovered (count), p, lo, hi (95% Wilson),
-    tipping, recovery_time {median, min, max} over the recovered runs, and per
+    tipping (the interval straddles 1/2 and the runs disagree), too_few (the
+    interval straddles 1/2 though every run agrees: fewer than 4 seeds), recovery_time {median, min, max} over the recovered runs, and per
     cohort (hold, pulse, primary) and share (delivered, within_deadline) the
     median and 10th/90th percentiles of the share of offered calls."""
     if not recs:
@@ -114,7 +116,9 @@ def summarize(recs: Sequence[dict]) -> dict:
     k = sum(bool(r["recovered"]) for r in recs)
     lo, hi = wilson(k, n)
     t = [float(r["recovery_time_s"]) for r in recs if r["recovered"] and r["recovery_time_s"] is not None]
-    out = {"n": n, "recovered": k, "p": k / n, "lo": lo, "hi": hi, "tipping": is_tipping(lo, hi),
+    straddles = is_tipping(lo, hi)
+    out = {"n": n, "recovered": k, "p": k / n, "lo": lo, "hi": hi, "tipping": straddles and 0 < k < n,
+           "too_few": straddles and k in (0, n),
            "recovery_time": {"median": float(np.median(t)) if t else None,
                              "min": min(t) if t else None, "max": max(t) if t else None}}
     for c in COHORTS:
@@ -134,12 +138,14 @@ def summarize_by(recs: Iterable[dict], key=lambda r: r["condition"]) -> dict:
 def p_cell(s: dict) -> str:
     """P(recovered) with its interval, and the tipping-point label."""
     cell = f"{s['p']:.2f} [{s['lo']:.2f}, {s['hi']:.2f}]"
-    return cell + " tipping point" if s["tipping"] else cell
+    return cell + (" tipping point" if s["tipping"] else " too few seeds" if s.get("too_few") else "")
 
 
 def verdict(s: dict) -> str:
     """One phrase: recovers / does not recover / tipping point, with P and its interval."""
     word = "tipping point" if s["tipping"] else ("recovers" if s["p"] > 0.5 else "does not recover")
+    if s.get("too_few"):
+        word += ", too few seeds to be sure"
     return f"{word} (P = {s['p']:.2f}, [{s['lo']:.2f}, {s['hi']:.2f}], {s['n']} seeds)"
 
 
@@ -185,5 +191,5 @@ def table(summaries: dict, deadline_s: float | None = None, extra: dict | None =
 
 def legend(n: int) -> str:
     return (f"P(recovered) over {n} seed{'s' if n != 1 else ''} with its 95% Wilson interval (a tipping point: "
-            "the interval straddles 1/2); recovery time median (range) over the recovered runs; shares "
+            "the interval straddles 1/2 and the runs disagree; too few seeds: it straddles 1/2 though they agree); recovery time median (range) over the recovered runs; shares "
             "median (10th-90th percentile) over the seeds")

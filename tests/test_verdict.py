@@ -37,6 +37,13 @@ def test_tipping_point_needs_an_interval_across_one_half():
     assert verdict.is_tipping(*verdict.wilson(1, 1))            # one run decides nothing
 
 
+def test_agreeing_runs_too_few_to_decide_are_not_a_tipping_point():
+    three = verdict.summarize([_rec(True, 60.0)] * 3)             # [0.44, 1]
+    assert three["too_few"] and not three["tipping"] and "too few seeds" in verdict.p_cell(three)
+    four = verdict.summarize([_rec(True, 60.0)] * 4)              # [0.51, 1]
+    assert not four["too_few"] and not four["tipping"] and verdict.verdict(four).startswith("recovers")
+
+
 def _rec(recovered, t, hold=(10, 9, 8)):
     off, dl, wd = hold
     co = {"offered": off, "delivered": dl, "within_deadline": wd}

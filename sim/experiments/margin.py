@@ -142,23 +142,33 @@ def slim(rec: dict) -> dict:
                                 "rates_xC", "wall_s")}
 
 
-def run_task(task: tuple) -> dict:
-    """One run: (profile, scenario, condition, seed, trace capacity) -> slim record."""
+def run_task(task: tuple, full: bool = False) -> dict:
+    """One run: (profile, scenario, condition, seed, trace capacity) -> the
+    slim record (the full one with `full`)."""
     profile, scenario, condition, seed, trace_capacity = task
     trace = make_trace(trace_capacity, scenario, seed)
-    return slim(verdict.run_record(profile, scenario, condition, seed, trace))
+    rec = verdict.run_record(profile, scenario, condition, seed, trace)
+    return rec if full else slim(rec)
 
 
-def run_many(tasks: Sequence[tuple], workers: int | None = None) -> list[dict]:
-    """run_task over tasks on local processes, in task order."""
+def run_many(tasks: Sequence[tuple], workers: int | None = None, full: bool = False) -> list[dict]:
+    """run_task over tasks on local processes (default one per CPU), in task order."""
     w = workers if workers else (os.cpu_count() or 1)
-    tagged = [(i, t) for i, t in enumerate(tasks)]
+    tagged = [(i, t, full) for i, t in enumerate(tasks)]
     out = list(_local(tagged, min(w, len(tagged)), fn=_tagged))
     return [r for _, r in sorted(out, key=lambda ir: ir[0])]
 
 
 def _tagged(it: tuple) -> tuple:
-    return it[0], run_task(it[1])
+    return it[0], run_task(it[1], it[2])
+
+
+def run_conditions(profile: Profile, scenario: Scenario, conditions: Sequence[Condition], seeds: Sequence[int],
+                   workers: int | None = None) -> list[dict]:
+    """The full records of every condition on every seed's trace, seed by
+    seed, conditions in the order given."""
+    return run_many([(profile, scenario, c, s, profile.capacity) for s in seeds for c in conditions], workers,
+                    full=True)
 
 
 def cell(profile: Profile, scenario: Scenario, condition: Condition, seeds: Sequence[int],
