@@ -45,7 +45,7 @@ def cmd_run(a) -> int:
         recs = [run_one(prof, cond, a.pulse, s, a.max_batched_tokens, a.mixed_prompts) for s in a.seeds]
         summ = verdict.summarize(recs)
         print(f"{prof.name} / {cond.name}  pulse {a.pulse:g}: {verdict.verdict(summ)}")
-        print(verdict.table({cond.name: summ}, PAPER.deadline_s))
+        print(verdict.table({cond.name: summ}, PAPER.deadline_s, label="condition"))
         print(verdict.legend(len(recs)))
         args.write_json(a.json, {"model": prof.name, "condition": cond.name, "seeds": a.seeds, "summary": summ,
                                  "runs": recs})
@@ -107,7 +107,7 @@ def diagnose_table(recs: list[dict], deadline_s: float, margins: dict | None = N
     extra = {"created/C": rate["created"], "accepted/C": rate["accepted"]}
     if margins:
         extra["margin"] = margins
-    return verdict.table(summ, deadline_s, extra)
+    return verdict.table(summ, deadline_s, extra, label="condition")
 
 
 def cmd_diagnose(a) -> int:

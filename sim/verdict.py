@@ -167,13 +167,13 @@ def _time_cell(t: dict) -> str:
     return _range_cell(t["median"], t["min"], t["max"], ".0f", " s")
 
 
-def table(summaries: dict, deadline_s: float | None = None, extra: dict | None = None) -> str:
+def table(summaries: dict, deadline_s: float | None = None, extra: dict | None = None, label: str = "cell") -> str:
     """The per-cell table: P(recovered) [95% interval] (tipping points
     labelled), recovery time median (range), and per cohort delivered and
     within deadline as median (10th-90th percentile). `extra` adds columns:
-    {column name: {cell key: text}}."""
+    {column name: {cell key: text}}; `label` heads the first column."""
     dl = f"<={deadline_s:g}s" if deadline_s else "in deadline"
-    head = ["cell", "P(recovered) [95%]", "recovery time"]
+    head = [label, "P(recovered) [95%]", "recovery time"]
     for c in COHORTS:
         head += [f"{c} deliv", f"{c} {dl}"]
     extra = extra or {}
