@@ -226,16 +226,18 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     run(final, seeds, f"final {len(final)} settings x {len(seeds)} seeds")
     scored = {n: score([rows[(n, s)] for s in seeds], objective_name) for n in final}
     ranking = sorted(final, key=lambda n: _rank_key(scored[n], objective_name))
+    shown = pick(ranking, scored, by_name, top)
+    margins = {n: margin_mod.margin(profile, scenario, by_name[n], seeds, margin_axes, rel_tol=0.05, workers=workers)
+               if margin_axes else None for n in shown}
     tops = []
-    for i, n in enumerate(ranking[:top]):
-        alt = ranking[1] if i == 0 and len(ranking) > 1 else ranking[0]
-        m = None
-        if margin_axes:
-            m = margin_mod.margin(profile, scenario, by_name[n], seeds, margin_axes, rel_tol=0.05, workers=workers)
+    for i, n in enumerate(shown):
+        alt = shown[1] if i == 0 and len(shown) > 1 else shown[0]
+        m = margins[n]
         tops.append({"rank": i + 1, "condition": n, "settings": by_name[n].settings(), "describe": by_name[n].describe(),
                      "summary": scored[n], "verdict": verdict.verdict(scored[n]),
                      "margin": None if m is None else {"sentence": m["sentence"], "axes": m["axes"]},
-                     "against": alt if alt != n else None, "gives_up": gives_up(scored[n], scored[alt]) if alt != n else []})
+                     "against": alt if alt != n else None,
+                     "gives_up": gives_up(scored[n], scored[alt], m, margins[alt]) if alt != n else []})
     return {"model": profile.name, "scenario": scenario.to_dict(), "deployment": key, "objective": objective_name,
             "only": only, "seeds": seeds, "screen_seeds": first, "candidates": len(cands),
             "ranking": [{"condition": n, **{k: scored[n][k] for k in ("p", "lo", "hi", "tipping", *OBJECTIVES)}}
@@ -258,9 +260,29 @@ def distinct(names: Sequence[str], by_name: dict, rows: Sequence[Sequence[dict]]
     return [n for n in names if n in keep]
 
 
-def gives_up(s: dict, alt: dict) -> list[str]:
+def _alike(a: dict, b: dict) -> bool:
+    """The same P(recovered) and every objective within half a point."""
+    return a["p"] == b["p"] and all(a[o] is not None and b[o] is not None and abs(a[o] - b[o]) <= 0.005
+                                    for o in OBJECTIVES)
+
+
+def pick(ranking: Sequence[str], scored: dict, by_name: dict, top: int) -> list[str]:
+    """The first `top` of the ranking, skipping a setting that changes more
+    than one ranked above it and does alike (it adds settings for nothing)."""
+    out: list[str] = []
+    size = lambda n: len(by_name[n].describe().split(", "))
+    for n in ranking:
+        if not any(_alike(scored[n], scored[m]) and size(n) > size(m) for m in out):
+            out.append(n)
+        if len(out) == top:
+            break
+    return out
+
+
+def gives_up(s: dict, alt: dict, margin: dict | None = None, alt_margin: dict | None = None) -> list[str]:
     """Where s is worse than alt: P(recovered), the objectives (by more than
-    half a point), the median recovery time (by more than a second)."""
+    half a point), the median recovery time (by more than a second), and the
+    distance to a margin's crossing (by more than 2%) on the axes both have."""
     out = []
     if s["p"] < alt["p"]:
         out.append(f"P(recovered) {s['p']:.2f} vs {alt['p']:.2f}")
@@ -271,6 +293,17 @@ def gives_up(s: dict, alt: dict) -> list[str]:
     a, b = s["recovery_time"]["median"], alt["recovery_time"]["median"]
     if a is not None and b is not None and a - b > 1.0:
         out.append(f"recovery {a:.0f} s vs {b:.0f} s")
+    if margin and alt_margin:
+        theirs = {x["axis"]: x for x in alt_margin["axes"]}
+        for x in margin["axes"]:
+            y = theirs.get(x["axis"])
+            if y is None or x["crossing"] is None or y["crossing"] is None or not x["recovers_at_baseline"] \
+                    or not y["recovers_at_baseline"]:
+                continue
+            dx, dy = abs(math.log(x["crossing"] / x["baseline"])), abs(math.log(y["crossing"] / y["baseline"]))
+            if dy - dx > math.log(1.02):
+                out.append(f"margin on {x['axis']}: flips at {x['crossing']:.3g} vs {y['crossing']:.3g} "
+                           f"(now {x['baseline']:g})")
     return out
 
 
@@ -285,7 +318,7 @@ def report(res: dict) -> str:
         lines.append(f"   {t['verdict']}; within deadline {100 * (s['timely'] or 0):.1f}%, delivered "
                      f"{100 * (s['delivered'] or 0):.1f}%, pulse delivered {100 * (s['burst'] or 0):.1f}%")
         if t["margin"]:
-            lines.append(f"   margin: {t['margin']['sentence']}")
+            lines.append(f"   margin: {t['margin']['sentence'].split('; ', 1)[-1]}")
         if t["against"]:
             gu = "; ".join(t["gives_up"]) or "nothing"
             lines.append(f"   gives up against {t['against']}: {gu}")
