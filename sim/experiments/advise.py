@@ -20,7 +20,9 @@ each group by the objective's mean over the seeds:
   timely     calls of the pulse and the hold delivered within the deadline
   delivered  calls of the pulse and the hold delivered at all
   burst      pulse calls delivered
-All runs of one seed share its trace (common random numbers).
+The top settings shown skip one that adds controls to a setting ranked
+above it for a like outcome (`pick`); each comes with its margin and what it
+gives up against the best alternative (`gives_up`). All runs of one seed share its trace (common random numbers).
 
 Results are rows of one Parquet file (the sweep's atomic store): a rerun
 with the same file skips the runs it holds; a file made for another
