@@ -73,3 +73,11 @@ def test_run_over_seeds_reports_p_recovered(tmp_path, capsys):
 def test_seed_count_and_seed_exclude_each_other(capsys):
     assert main(["run", "--seed", "1", "--seeds", "3"]) == 2
     _one_line_error(capsys)
+
+
+def test_sweep_ends_with_p_recovered_per_cell(tmp_path, capsys):
+    out = str(tmp_path / "s.parquet")
+    assert main(["sweep", "--models", "qwen3-14b", "--conditions", "no-retry", "--pulses", "1.5", "--seeds", "0-1",
+                 "--out", out, "--workers", "1", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "P(recovered)" in text and "qwen3-14b no-retry pulse 1.5" in text
