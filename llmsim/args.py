@@ -59,6 +59,17 @@ def seeds(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def seed_set(s: str) -> list[int]:
+    """An argparse type: a count N (seeds 0..N-1), a range (0-4) or a list (0,1,2)."""
+    t = s.strip()
+    if t.isdigit():
+        n = int(t)
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"a seed count must be at least 1, got {s!r}")
+        return list(range(n))
+    return seeds(s)
+
+
 def rates(s: str) -> list[float]:
     """An argparse type: comma-separated shares in [0, 1]."""
     try:

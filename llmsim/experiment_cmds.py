@@ -5,9 +5,10 @@ import argparse
 import math
 import os
 
+from sim import verdict
 from sim.conditions import CONDITIONS
 from sim.experiments.paper import DEFAULT_SEEDS, paper, write_report
-from sim.experiments.sweep import grid, sweep
+from sim.experiments.sweep import cell_key, grid, read_rows, sweep
 from sim.experiments.figures import waste_plot
 from sim.experiments.waste import table, waste_study
 from sim.scenario import PAPER
@@ -64,6 +65,13 @@ def cmd_sweep(a) -> int:
     res = sweep(cells, a.out, workers=a.workers, ray_address=a.ray, progress=not a.quiet)
     print(f"sweep: {res['total']} cells, {res['skipped']} already in {a.out}, ran {res['ran']} "
           f"in {res['wall_s']:.1f} s")
+    keys = {c.key for c in cells}
+    rows = [r for r in read_rows(a.out) if cell_key(r) in keys]
+    summ = verdict.summarize_by(rows, key=lambda r: " ".join(
+        [r["model"], r["condition"], f"pulse {r['pulse']:g}", f"mbt {r['max_batched_tokens']}"]
+        + (["mixed"] if r["mixed_prompts"] else [])))
+    print(verdict.table(summ, PAPER.deadline_s))
+    print(verdict.legend(len(set(a.seeds))))
     return 0
 
 

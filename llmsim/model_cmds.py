@@ -2,13 +2,16 @@
 own commands."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
 from sim import fleet, measures
 from sim.capacity import capacity_protocol
 from sim.conditions import CONDITIONS, DIAGNOSTIC, Condition, compose, get_condition
+from sim import verdict
 from sim.experiments import fleet_figure, reference
+from sim.experiments.margin import margin, margin_cell, parse_axes
 from sim.latency import latency
 from sim.profile import embedded_names
 from sim.scenario import PAPER
@@ -44,6 +47,19 @@ def cmd_run(a) -> int:
         raise args.UsageError("run: --queues-png draws a fleet's replicas: give a --scenario with a [fleet] section")
     args.check_output(png)
     args.check_output(a.json)
+    if a.seeds is not None:
+        cond = dep.condition_for(condition(a, dep.condition))
+        t0 = time.perf_counter()
+        recs = [dep.run(s, cond) for s in a.seeds]
+        summ = verdict.summarize(recs)
+        print(f"{dep.profile.name} / {cond.name} on {dep.name}: {verdict.verdict(summ)}")
+        print(verdict.table({cond.name: summ}, dep.scenario.deadline_s, label="condition"))
+        print(verdict.legend(len(recs)))
+        print(f"({len(recs)} runs in {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+        args.write_json(a.json, {"model": dep.profile.name, "condition": cond.name, "seeds": a.seeds,
+                                 "scenario_name": dep.name, "scenario_hash": dep.content_hash, "summary": summ,
+                                 "runs": recs})
+        return 0
     rec = dep.run(a.seed, condition(a, dep.condition))
     print(measures.summary(rec))
     if "fleet" in rec:
@@ -103,75 +119,67 @@ def cmd_latency(a) -> int:
     return 0
 
 
-def _pct_cell(recs: list[dict], cohort: str, k: str) -> str:
-    """One cohort's share over the seeds: the mean, with the range when there
-    are several."""
-    v = [100.0 * r["cohorts"][cohort][k] / r["cohorts"][cohort]["offered"] for r in recs
-         if r["cohorts"][cohort]["offered"]]
-    if not v:
-        return "-"
-    mean = sum(v) / len(v)
-    return f"{mean:.1f}%" if min(v) == max(v) else f"{mean:.1f}% ({min(v):.1f}-{max(v):.1f})"
-
-
-def _recovered_cell(recs: list[dict]) -> str:
-    t = [r["recovery_time_s"] for r in recs if r["recovered"]]
-    if not t:
-        return "no"
-    span = f"{min(t):.0f} s" if min(t) == max(t) else f"{min(t):.0f}-{max(t):.0f} s"
-    return f"yes, {span}" if len(t) == len(recs) else f"{len(t)}/{len(recs)}, {span}"
-
-
-def diagnose_table(recs: list[dict]) -> str:
-    """The diagnostic table; records of several seeds are summarised per
-    condition (mean, with the range over seeds)."""
-    dl = f"<={recs[0]['scenario']['deadline_s']:g}s" if recs and "scenario" in recs[0] else "<=120s"
-    head = ("condition", "hold deliv", f"hold {dl}", "pulse deliv", f"pulse {dl}", "primary deliv",
-            f"primary {dl}", "recovered", "created/C", "accepted/C")
-    rows = [head]
-    by: dict[str, list[dict]] = {}
-    for r in recs:
-        by.setdefault(r["condition"], []).append(r)
-    for name, rs in by.items():
-        rate = lambda k: f"{sum(r['rates_xC'][k] for r in rs) / len(rs):.2f}"
-        rows.append((name, _pct_cell(rs, "hold", "delivered"), _pct_cell(rs, "hold", "within_deadline"),
-                     _pct_cell(rs, "pulse", "delivered"), _pct_cell(rs, "pulse", "within_deadline"),
-                     _pct_cell(rs, "primary", "delivered"), _pct_cell(rs, "primary", "within_deadline"),
-                     _recovered_cell(rs), rate("created"), rate("accepted")))
-    w = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(row)) for row in rows)
+def diagnose_table(recs: list[dict], deadline_s: float, margins: dict | None = None) -> str:
+    """The diagnostic table: per condition, P(recovered) over the seeds with
+    its interval and the cohorts' shares (sim.verdict.table), the rates over
+    the primary interval, and the margin when given ({condition: text})."""
+    summ = verdict.summarize_by(recs)
+    rate = {k: {n: f"{sum(r['rates_xC'][k] for r in recs if r['condition'] == n) / summ[n]['n']:.2f}" for n in summ}
+            for k in ("created", "accepted")}
+    extra = {"created/C": rate["created"], "accepted/C": rate["accepted"]}
+    if margins:
+        extra["margin"] = margins
+    return verdict.table(summ, deadline_s, extra, label="condition")
 
 
 def cmd_diagnose(a) -> int:
     dep = deployment(a)
     prof, sc = dep.profile, dep.scenario
-    seeds = a.seeds if a.seeds is not None else [a.seed if a.seed is not None else dep.seed]
-    pulse = recs_pulse = None
-    recs = []
-    t_all = time.perf_counter()
+    if a.seeds is not None:
+        seeds = a.seeds
+    elif a.seed is not None:
+        seeds = [a.seed]
+    else:
+        seeds = list(range(dep.seed, dep.seed + DIAGNOSE_SEEDS))
+    axes = None
+    if a.margin:
+        if dep.fleet is not None or dep.trace_source is not None:
+            raise args.UsageError("diagnose: --margin works on one engine with a generated workload "
+                                  "(not a fleet or a replayed trace)")
+        try:
+            axes = parse_axes(a.margin)
+        except ValueError as e:
+            raise args.UsageError(f"diagnose: --margin: {e}") from None
     if dep.name != "paper" or a.scenario:
         print(f"scenario {dep.name} (content hash {dep.content_hash}); model {prof.name} "
               f"({prof.provenance.get('kind')}); {capacity_line(dep)}", flush=True)
+    print(f"{prof.name}: capacity {dep.capacity:.3f} calls/s ({prof.provenance.get('kind')}); pulse {dep.burst} "
+          f"{sc.pulse_start:g}-{sc.pulse_end:g} s, hold to {sc.hold_end:g} s, deadline {sc.deadline_s:g} s; "
+          f"seeds {_seed_list(seeds)}", flush=True)
+    t_all = time.perf_counter()
+    recs = []
     for seed in seeds:
         trace = dep.trace(seed)
-        burst = (f"pulse {dep.burst} {sc.pulse_start:g}-{sc.pulse_end:g} s, hold to {sc.hold_end:g} s, "
-                 f"deadline {sc.deadline_s:g} s")
-        print(f"{prof.name}: capacity {dep.capacity:.3f} calls/s ({prof.provenance.get('kind')}); {burst}; "
-              f"{len(trace)} calls, seed {seed}", flush=True)
         for c in DIAGNOSTIC:
-            t0 = time.perf_counter()
             recs.append(dep.run(seed, c, trace=trace))
-            print(f"  ran {c} in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
             if "fleet" in recs[-1]:
-                print(f"  {c}: " + fleet.summary(recs[-1]).strip().replace("\n", "\n    "), flush=True)
-    recs_pulse = recs[0]["pulse"]
+                print(f"  seed {seed} {c}: " + fleet.summary(recs[-1]).strip().replace("\n", "\n    "), flush=True)
+        print(f"  seed {seed}: {len(DIAGNOSTIC)} conditions in {time.perf_counter() - t_all:.1f} s so far",
+              file=sys.stderr, flush=True)
+    margins = None
+    if axes:
+        prof_c = dataclasses.replace(prof, capacity=dep.capacity)
+        margins = {c: margin_cell(margin(prof_c, sc, dep.condition_for(c), seeds, axes, rel_tol=0.05, workers=None))
+                   for c in DIAGNOSTIC}
     if len(seeds) > 1:
-        print(f"{len(seeds)} seeds ({_seed_list(seeds)}): mean (lowest-highest) per cell")
-    print(diagnose_table(recs))
+        print(f"{len(seeds)} seeds ({_seed_list(seeds)})")
+    print(diagnose_table(recs, sc.deadline_s, margins))
+    print(verdict.legend(len(seeds)))
     print(f"recovered: two consecutive {sc.window_s:g} s hold windows each delivering >= "
           f"{100 * sc.recovery_delivery:g}% within {sc.deadline_s:g} s with a queue mean <= "
           f"{sc.recovery_queue_mean:g} not growing; time counted from the pulse end")
     print(f"({len(recs)} runs in {time.perf_counter() - t_all:.1f} s)", file=sys.stderr)
+    recs_pulse = recs[0]["pulse"]
     ref_rows = None
     pulse = recs_pulse
     reference_design = (sc.with_(pulse=PAPER.pulse) == PAPER and dep.trace_source is None
@@ -186,6 +194,9 @@ def cmd_diagnose(a) -> int:
                              "scenario_name": dep.name, "scenario_hash": dep.content_hash,
                              "runs": recs, "reference": ref_rows})
     return 0
+
+
+DIAGNOSE_SEEDS = 10
 
 
 def _seed_list(seeds: list[int]) -> str:
@@ -233,8 +244,12 @@ def add_subcommands(sub) -> None:
                                       "flags are given; the flags change its settings)")
     p.add_argument("--pulse", type=args.positive(), default=None,
                    help=f"pulse rate in multiples of capacity (default {PAPER.pulse:g}, or the --scenario's burst)")
-    p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=None,
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--seed", type=args.positive(int, allow_zero=True), default=None,
                    help="the trace's seed (default 0, or the --scenario's)")
+    g.add_argument("--seeds", type=args.seed_set, default=None,
+                   help="a count N (seeds 0..N-1) or seeds like 0-9: P(recovered) with its 95%% interval and the "
+                        "shares' spread over them")
     p.add_argument("--max-batched-tokens", type=args.positive(int), default=None)
     p.add_argument("--mixed-prompts", action="store_true",
                    help="half the calls get 3,000-token prompts; Ĉ is the capacity protocol's on that mix")
@@ -273,9 +288,12 @@ def add_subcommands(sub) -> None:
     p.add_argument("--pulse", type=args.positive(), default=None,
                    help=f"pulse rate in multiples of capacity (default {PAPER.pulse:g}, or the --scenario's burst)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--seed", type=args.positive(int, allow_zero=True), default=None)
-    g.add_argument("--seeds", type=args.seeds, default=None,
-                   help="several traces, e.g. 0-4: the table gives the mean and range over them")
+    g.add_argument("--seed", type=args.positive(int, allow_zero=True), default=None, help="one trace")
+    g.add_argument("--seeds", type=args.seed_set, default=None,
+                   help=f"a count N (seeds 0..N-1) or seeds like 0-4 (default {DIAGNOSE_SEEDS}): P(recovered) with its "
+                        "95%% interval, shares as median (10th-90th percentile)")
+    p.add_argument("--margin", nargs="?", const="speed", default=None, metavar="AXES",
+                   help="add each condition's margin along AXES (default speed; of speed,pulse,hold_load,kv)")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(fn=cmd_diagnose)
 

@@ -68,7 +68,7 @@ def diagnosed(tmp_path_factory):
     out = tmp_path_factory.mktemp("diag") / "d.json"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert main(["diagnose", "--json", str(out)]) == 0
+        assert main(["diagnose", "--seed", "0", "--json", str(out)]) == 0
     return {**json.loads(out.read_text()), "printed": printed.getvalue()}
 
 

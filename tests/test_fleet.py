@@ -289,7 +289,7 @@ def test_diagnose_runs_a_fleet(tmp_path, capsys):
     f = tmp_path / "f.toml"
     f.write_text(FLEET_TOML + 'replicas = 2\nrouter = "least-kv"\n')
     out = tmp_path / "d.json"
-    assert main(["diagnose", "--scenario", str(f), "--json", str(out)]) == 0
+    assert main(["diagnose", "--scenario", str(f), "--seed", "0", "--json", str(out)]) == 0
     runs = json.load(open(out))["runs"]
     assert [r["condition"] for r in runs] == ["no-control", "cancel", "no-retry+cancel", "no-retry"]
     assert all(len(r["replicas"]) == 2 and r["fleet"]["router"] == "least-kv" for r in runs)

@@ -34,10 +34,13 @@ ATTEMPT_OUTCOMES = ("", "complete", "timeout", "refused_budget", "refused_engine
 MAX_CALLS = 600         # keeps one run around a tenth of a second
 # LLMSIM_PROPERTY_SCALE=20 runs twenty times the examples (a deeper search)
 SCALE = max(1, int(os.environ.get("LLMSIM_PROPERTY_SCALE", "1")))
+SEARCH = os.environ.get("LLMSIM_PROPERTY_SEARCH") == "1"
 
 
 def examples(n: int) -> settings:
-    return settings(max_examples=n * SCALE, deadline=None,
+    """n examples (times LLMSIM_PROPERTY_SCALE), drawn from a fixed seed so that
+    every machine runs the same ones; LLMSIM_PROPERTY_SEARCH=1 draws new ones."""
+    return settings(max_examples=n * SCALE, deadline=None, derandomize=not SEARCH,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 

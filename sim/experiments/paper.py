@@ -29,6 +29,7 @@ import math
 import os
 import statistics
 
+from .. import verdict
 from . import figures, reference
 from .design import (BLOCK_FIGURES, BLOCK_NAMES, BLOCKS, COHORTS, DEFAULT_SEEDS, FIGURES, MODELS, PULSE, Block,
                      block_rows, get_blocks, paper_cells, share)
@@ -71,14 +72,14 @@ def _table(block: Block, groups) -> list[str]:
     head = ["model", "condition"] + [v[0] for v in vary] + ["seeds"]
     for c in COHORTS:
         head += [f"{c} delivered %", f"{c} within deadline %"]
-    head += ["recovered", "recovery time s", "created ×Ĉ", "accepted ×Ĉ"]
+    head += ["P(recovered) [95%]", "recovery time s", "created ×Ĉ", "accepted ×Ĉ"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k, rs in groups.items():
         cells = [k[0], k[1]] + [f(k) for _, f in vary] + [str(len(rs))]
         for c in COHORTS:
             cells.append(_fmt([share(r[f"{c}_delivered"], r[f"{c}_offered"]) for r in rs], 100))
             cells.append(_fmt([share(r[f"{c}_within_deadline"], r[f"{c}_offered"]) for r in rs], 100))
-        cells.append(f"{sum(bool(r['recovered']) for r in rs)}/{len(rs)}" if rs else "–")
+        cells.append(verdict.p_cell(verdict.summarize(rs)) if rs else "–")
         cells.append(_fmt([r["recovery_time_s"] for r in rs], digits=0))
         cells.append(_fmt([r["rates_xC_created"] for r in rs], digits=2))
         cells.append(_fmt([r["rates_xC_accepted"] for r in rs], digits=2))
@@ -93,6 +94,8 @@ def write_report(out_dir: str, blocks=None, models=MODELS, seeds: int = DEFAULT_
           f"{len(rows)} runs from `results.parquet`; models: {', '.join(models)}; seeds per cell: {seeds} "
           "(the published design does not give its seed counts per block, so these are not the published "
           "counts). Cells: mean over seeds (min–max). "
+          "P(recovered): the share of seeds that recovered with its 95% Wilson interval; a tipping point: the "
+          "interval straddles 1/2 and the seeds disagree. "
           "Shares are of the cohort's offered calls; delivered = by 840 s, within deadline = by 120 s; "
           "rates over [347, 947) s in multiples of Ĉ.", ""]
     for b in get_blocks(blocks):

@@ -261,10 +261,12 @@ class _Store:
 
 
 # ------------------------------------------------------------------ executors
-def _local(cells: list[Cell], workers: int) -> Iterator[dict]:
+def _local(cells: list, workers: int, fn: Callable = None) -> Iterator[dict]:
+    """fn(cell) for each cell (default run_cell) on `workers` local processes, yielded as they finish."""
+    fn = fn or run_cell
     if workers <= 1:
         for c in cells:
-            yield run_cell(c)
+            yield fn(c)
         return
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
@@ -273,7 +275,7 @@ def _local(cells: list[Cell], workers: int) -> Iterator[dict]:
         try:
             # keep a couple of cells per worker in flight so they run in grid (group) order
             for c in todo:
-                live.add(ex.submit(run_cell, c))
+                live.add(ex.submit(fn, c))
                 if len(live) >= 2 * workers:
                     break
             while live:
@@ -282,20 +284,21 @@ def _local(cells: list[Cell], workers: int) -> Iterator[dict]:
                     yield f.result()
                     nxt = next(todo, None)
                     if nxt is not None:
-                        live.add(ex.submit(run_cell, nxt))
+                        live.add(ex.submit(fn, nxt))
         finally:
             for f in live:
                 f.cancel()
 
 
-def _ray(cells: list[Cell], address: str | None) -> Iterator[dict]:
+def _ray(cells: list, address: str | None, fn: Callable = None) -> Iterator[dict]:
+    """fn(cell) for each cell (default run_cell) as Ray tasks, yielded as they finish."""
     try:
         import ray          # optional dependency (llmsim[ray]), loaded only for --ray
     except ImportError:
         raise RuntimeError("the Ray executor needs ray: pip install 'llmsim[ray]'") from None
     if not ray.is_initialized():
         ray.init(address=None if address in (None, "", "local") else address, log_to_driver=False)
-    remote = ray.remote(num_cpus=1)(run_cell)
+    remote = ray.remote(num_cpus=1)(fn or run_cell)
     refs = [remote.remote(c) for c in cells]
     try:
         while refs:

@@ -1,0 +1,145 @@
+"""`llmsim margin`, `advise`, `map`: verdicts over seeds — how far a
+deployment is from the point where its recovery flips, which control
+settings bring service back, and P(recovered) over two parameters."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+from sim.conditions import CONDITIONS, get_condition
+from sim.experiments import advise as advise_mod
+from sim.experiments import margin as margin_mod
+from sim.experiments import phasemap
+from sim.scenario import SCENARIOS
+
+from . import args
+from .model_cmds import model_arg
+from .scenario_cmds import deployment as scenario_deployment
+
+DEFAULT_SEEDS = 10
+
+
+def deployment(a):
+    """(profile, scenario, adapt) of --model and --scenario (a named scenario or
+    a scenario file): the profile carries the workload's Ĉ, and adapt gives a
+    condition the deployment's proxy times and engine cap."""
+    dep = scenario_deployment(a)
+    if dep.fleet is not None or dep.trace_source is not None:
+        raise args.UsageError(f"{a.command}: works on one engine with a generated workload; {dep.name} has "
+                              f"{'a [fleet]' if dep.fleet is not None else 'a replayed trace'}")
+    return dataclasses.replace(dep.profile, capacity=dep.capacity), dep.scenario, dep.condition_for
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def cmd_margin(a) -> int:
+    prof, sc, adapt = deployment(a)
+    cond = adapt(get_condition(a.condition))
+    try:
+        axes = margin_mod.parse_axes(a.axes)
+    except ValueError as e:
+        raise args.UsageError(f"margin: --axes: {e}") from None
+    print(f"{prof.name} / {a.scenario or 'paper'} / {cond.name}: {len(a.seeds)} seeds, axes {', '.join(axes)}",
+          file=sys.stderr, flush=True)
+    res = margin_mod.margin(prof, sc, cond, a.seeds, axes, rel_tol=a.rel_tol, workers=a.workers,
+                            progress=None if a.quiet else _progress)
+    print(res["sentence"])
+    for ax in res["axes"]:
+        pr = ", ".join(f"{p['x']:.3g}: {p['p']:.2f}" for p in ax["probes"])
+        print(f"  {ax['axis']:<9} ({ax['what']}; baseline {ax['baseline']:g}) probes {pr}")
+    print(f"({res['wall_s']:.1f} s)")
+    args.write_json(a.json, res)
+    return 0
+
+
+def cmd_advise(a) -> int:
+    prof, sc, adapt = deployment(a)
+    args.check_output(a.out)
+    axes = [] if a.margin_axes == "none" else a.margin_axes
+    try:
+        if axes:
+            axes = margin_mod.parse_axes(axes)
+        res = advise_mod.advise(prof, sc, a.seeds, a.objective, a.only, a.out, adapt, screen=a.screen,
+                                finalists=a.finalists, workers=a.workers, ray_address=a.ray, margin_axes=axes,
+                                progress=not a.quiet)
+    except ValueError as e:
+        raise args.UsageError(f"advise: {e}") from None
+    print(advise_mod.report(res))
+    print(f"({res['wall_s']:.1f} s)")
+    args.write_json(a.json, res)
+    return 0
+
+
+def cmd_map(a) -> int:
+    prof, sc, adapt = deployment(a)
+    cond = adapt(get_condition(a.condition))
+    try:
+        x, y = phasemap.parse_range(a.x), phasemap.parse_range(a.y)
+    except ValueError as e:
+        raise args.UsageError(f"map: {e}") from None
+    if x[0] == y[0]:
+        raise args.UsageError(f"map: --x and --y must be different parameters, both are {x[0]}")
+    png = a.png or os.path.splitext(a.out)[0] + ".png"
+    args.check_output(a.out)
+    args.check_output(png)
+    rows = phasemap.phase_map(prof, sc, cond, x, y, a.seeds, workers=a.workers,
+                              progress=None if a.quiet else _progress)
+    phasemap.write_table(rows, a.out)
+    line = phasemap.plot(rows, sc, png, f"{prof.name} / {a.scenario or 'paper'} / {cond.name}: P(recovered) over "
+                                        f"{len(a.seeds)} seeds; T: tipping point")
+    tips = sum(r["tipping"] for r in rows)
+    print(f"wrote {a.out} ({len(rows)} points, {tips} tipping points) and {png}"
+          + ("" if line else " (the backlog-equals-deadline line lies outside the map)"))
+    return 0
+
+
+def _common(p, condition: bool) -> None:
+    model_arg(p, None)
+    p.add_argument("--scenario", default=None, metavar="FILE|NAME",
+                   help=f"a scenario file or a named scenario: {', '.join(SCENARIOS)} (default paper)")
+    if condition:
+        p.add_argument("--condition", required=True, help=f"one of: {', '.join(CONDITIONS)}")
+    p.add_argument("--seeds", type=args.seed_set, default=list(range(DEFAULT_SEEDS)),
+                   help=f"a count N (seeds 0..N-1) or seeds like 0-9 or 0,3,7 (default {DEFAULT_SEEDS}); the same "
+                        "seeds at every probe (common random numbers)")
+    p.add_argument("--workers", type=args.positive(int), default=None,
+                   help="local processes (default: one per CPU)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def add_subcommands(sub) -> None:
+    p = sub.add_parser("margin", help="how far the deployment is from where its recovery verdict flips, per axis")
+    _common(p, condition=True)
+    p.add_argument("--axes", default=",".join(margin_mod.AXES),
+                   help=f"comma-separated, of {', '.join(margin_mod.AXES)} (default all)")
+    p.add_argument("--rel-tol", type=args.positive(), default=0.02,
+                   help="bisection stops when the bracket's ends are within this ratio (default 0.02)")
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(fn=cmd_margin)
+
+    p = sub.add_parser("advise", help="search the control settings for those that restore service, best first")
+    _common(p, condition=False)
+    p.add_argument("--objective", choices=advise_mod.OBJECTIVES, default="timely",
+                   help="timely: calls within deadline; delivered: calls delivered; burst: pulse calls delivered")
+    p.add_argument("--only", choices=advise_mod.LAYERS, default=None, help="search one layer's settings only")
+    p.add_argument("--screen", type=args.positive(int), default=2, help="seeds every setting runs on (default 2)")
+    p.add_argument("--finalists", type=args.positive(int), default=12,
+                   help="settings run on all seeds after the screen (default 12)")
+    p.add_argument("--margin-axes", default="speed",
+                   help="axes of the top settings' margins (default speed; none to skip)")
+    p.add_argument("--out", metavar="PARQUET", default=None,
+                   help="keep the runs here; a rerun with the same file skips the runs it holds")
+    p.add_argument("--ray", metavar="ADDRESS", default=None, help="run on a Ray cluster (local: a local one)")
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(fn=cmd_advise)
+
+    p = sub.add_parser("map", help="P(recovered) over a grid of two parameters: Parquet and a PNG heatmap")
+    _common(p, condition=True)
+    p.add_argument("--x", required=True, metavar="PARAM=a:b:n", help="e.g. pulse=1:3:9, or PARAM=v1,v2,...")
+    p.add_argument("--y", required=True, metavar="PARAM=a:b:n", help="e.g. hold_load=0.3:0.9:7")
+    p.add_argument("--out", metavar="PARQUET", default="map.parquet", help="the table (default map.parquet)")
+    p.add_argument("--png", metavar="PATH", default=None, help="the heatmap (default: --out with .png)")
+    p.set_defaults(fn=cmd_map)

@@ -1,0 +1,246 @@
+"""The robustness margin: how far a deployment is from the point where its
+recovery verdict flips. Along each axis — engine speed (every step-time
+coefficient x s), burst size (the pulse rate x m), load after the burst
+(hold_load) and KV capacity (num_gpu_blocks x f) — P(recovered) over a fixed
+set of seeds is probed and the value where it crosses 1/2 is found by
+bisection.
+
+Common random numbers: every probe runs the same seeds. On the speed and kv
+axes the traces are identical at every probe (drawn at the unperturbed
+profile's capacity). On the pulse and hold_load axes the trace depends on the
+probed value, so a seed gives the same random stream but not the same calls.
+
+Search (`find_crossing`): from the baseline x0, the side of 1/2 there
+(P >= 1/2: recovers) decides the direction — towards the worse end when it
+recovers, the better end when it does not; x is stepped geometrically (x
+ratio) until the side flips or the axis's limit is reached, then the bracket is
+halved geometrically until its ends are within `rel_tol` of each other. The
+crossing is where P, interpolated linearly between the bracket's ends, equals
+1/2; the bracket is the last pair of probes on either side.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .. import verdict
+from ..conditions import Condition
+from ..profile import Profile
+from ..scenario import Scenario
+from ..workload import make_trace
+from .sweep import _local
+
+AXES = ("speed", "pulse", "hold_load", "kv")
+
+
+# ------------------------------------------------------------------ bisection
+def find_crossing(p: Callable[[float], float], x0: float, worse: float, better: float, ratio: float = 2.0,
+                  rel_tol: float = 0.02, max_probes: int = 24) -> dict:
+    """Where the monotone-ish p(x) crosses 1/2, searching from x0 (> 0)
+    towards `worse` if p(x0) >= 1/2, else towards `better` (both > 0).
+
+    Returns {"side0": p(x0) >= 1/2, "crossing": x or None, "bracket": [a, b]
+    (a nearer x0) or None, "probes": [(x, p(x)), ...] in probe order,
+    "limit": the end searched}. `crossing` is None when p keeps its side up to
+    the limit or the probe budget ran out before a flip."""
+    if not (x0 > 0 and worse > 0 and better > 0 and ratio > 1 and rel_tol > 0):
+        raise ValueError("find_crossing needs positive x0, worse, better, rel_tol and ratio > 1")
+    probes: list[tuple[float, float]] = []
+
+    def probe(x: float) -> bool:
+        v = float(p(x))
+        probes.append((x, v))
+        return v >= 0.5
+
+    side0 = probe(x0)
+    limit = worse if side0 else better
+    up = limit > x0
+    a, b = x0, None
+    x = x0
+    while len(probes) < max_probes and x != limit:
+        x = min(x * ratio, limit) if up else max(x / ratio, limit)
+        if probe(x) != side0:
+            b = x
+            break
+        a = x
+    if b is None:
+        return {"side0": side0, "crossing": None, "bracket": None, "probes": probes, "limit": limit}
+    while len(probes) < max_probes and abs(b / a - 1) > rel_tol:
+        m = math.sqrt(a * b)
+        if probe(m) == side0:
+            a = m
+        else:
+            b = m
+    pa = next(v for x, v in reversed(probes) if x == a)
+    pb = next(v for x, v in reversed(probes) if x == b)
+    cross = a + (0.5 - pa) / (pb - pa) * (b - a) if pb != pa else math.sqrt(a * b)
+    return {"side0": side0, "crossing": cross, "bracket": [a, b], "probes": probes, "limit": limit}
+
+
+# ------------------------------------------------------------------ axes
+@dataclass(frozen=True)
+class Axis:
+    name: str
+    worse_up: bool          # larger values make recovery harder
+    lo: float               # the smallest value searched
+    hi: float               # the largest value searched
+    what: str
+
+    def baseline(self, scenario: Scenario) -> float:
+        return scenario.hold_load if self.name == "hold_load" else 1.0
+
+    def apply(self, profile: Profile, scenario: Scenario, x: float) -> tuple[Profile, Scenario]:
+        """The profile and scenario at x."""
+        if self.name == "speed":
+            return verdict.perturbed(profile, speed=x), scenario
+        if self.name == "kv":
+            return verdict.perturbed(profile, kv=x), scenario
+        if self.name == "pulse":
+            return profile, scenario.with_(pulse=scenario.pulse * x)
+        return profile, scenario.with_(hold_load=x)
+
+    def phrase(self, x: float, a: float, b: float, base: float) -> str:
+        """The change that moves the deployment to x, in words, with the bracket."""
+        lo, hi = sorted((a, b))
+        if self.name == "speed":
+            if x >= 1:
+                return f"the engine is {100 * (x - 1):.0f}% slower ({100 * (lo - 1):.0f}-{100 * (hi - 1):.0f}%)"
+            return f"the engine is {100 * (1 - x):.0f}% faster ({100 * (1 - hi):.0f}-{100 * (1 - lo):.0f}%)"
+        if self.name == "pulse":
+            return f"the burst is {x:.2f}x its size ({lo:.2f}-{hi:.2f}x)"
+        if self.name == "hold_load":
+            return f"the load after the burst is {x:.2f} x C ({lo:.2f}-{hi:.2f}; now {base:.2f})"
+        if x <= 1:
+            return f"the KV cache is {100 * (1 - x):.0f}% smaller ({100 * (1 - hi):.0f}-{100 * (1 - lo):.0f}%)"
+        return f"the KV cache is {x:.2f}x larger ({lo:.2f}-{hi:.2f}x)"
+
+
+AXIS = {a.name: a for a in [
+    Axis("speed", True, 1 / 16, 16.0, "every step-time coefficient x s"),
+    Axis("pulse", True, 1 / 16, 8.0, "the pulse rate x m"),
+    Axis("hold_load", True, 0.02, 1.5, "the hold's load in multiples of C"),
+    Axis("kv", False, 1 / 256, 16.0, "KV blocks x f"),
+]}
+
+
+def parse_axes(spec: str | Sequence[str]) -> list[str]:
+    names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
+    names = [n for n in names if n]
+    bad = [n for n in names if n not in AXIS]
+    if bad or not names:
+        raise ValueError(f"unknown axis {', '.join(bad) or spec!r}; valid: {', '.join(AXES)}")
+    return names
+
+
+# ------------------------------------------------------------------ runs
+def slim(rec: dict) -> dict:
+    """The parts of a result record the verdicts use."""
+    return {k: rec[k] for k in ("model", "condition", "pulse", "seed", "recovered", "recovery_time_s", "cohorts",
+                                "rates_xC", "wall_s")}
+
+
+def run_task(task: tuple, full: bool = False) -> dict:
+    """One run: (profile, scenario, condition, seed, trace capacity) -> the
+    slim record (the full one with `full`)."""
+    profile, scenario, condition, seed, trace_capacity = task
+    trace = make_trace(trace_capacity, scenario, seed)
+    rec = verdict.run_record(profile, scenario, condition, seed, trace)
+    return rec if full else slim(rec)
+
+
+def run_many(tasks: Sequence[tuple], workers: int | None = None, full: bool = False) -> list[dict]:
+    """run_task over tasks on local processes (default one per CPU), in task order."""
+    w = workers if workers else (os.cpu_count() or 1)
+    tagged = [(i, t, full) for i, t in enumerate(tasks)]
+    out = list(_local(tagged, min(w, len(tagged)), fn=_tagged))
+    return [r for _, r in sorted(out, key=lambda ir: ir[0])]
+
+
+def _tagged(it: tuple) -> tuple:
+    return it[0], run_task(it[1], it[2])
+
+
+def run_conditions(profile: Profile, scenario: Scenario, conditions: Sequence[Condition], seeds: Sequence[int],
+                   workers: int | None = None) -> list[dict]:
+    """The full records of every condition on every seed's trace, seed by
+    seed, conditions in the order given."""
+    return run_many([(profile, scenario, c, s, profile.capacity) for s in seeds for c in conditions], workers,
+                    full=True)
+
+
+def cell(profile: Profile, scenario: Scenario, condition: Condition, seeds: Sequence[int],
+         workers: int | None = 1, trace_capacity: float | None = None) -> dict:
+    """summarize() of `condition` over `seeds`, traces drawn at `trace_capacity` (default the profile's)."""
+    cap = trace_capacity or profile.capacity
+    return verdict.summarize(run_many([(profile, scenario, condition, s, cap) for s in seeds], workers))
+
+
+# ------------------------------------------------------------------ the margin
+def margin(profile: Profile, scenario: Scenario, condition: Condition, seeds: Sequence[int],
+           axes: Sequence[str] = AXES, rel_tol: float = 0.02, workers: int | None = 1,
+           progress: Callable[[str], None] | None = None) -> dict:
+    """The margin of `condition` on (profile, scenario) along each axis.
+    Returns a JSON-able record: the baseline cell's summary, and per axis the
+    crossing, its bracket and every probe (x, P, Wilson interval)."""
+    t0 = time.perf_counter()
+    seeds = list(seeds)
+    if not seeds:
+        raise ValueError("margin needs at least one seed")
+    axes = parse_axes(axes)
+    base = cell(profile, scenario, condition, seeds, workers)
+    out_axes = []
+    for name in axes:
+        ax = AXIS[name]
+        x0 = ax.baseline(scenario)
+        seen: dict[float, dict] = {x0: base}
+
+        def p(x: float) -> float:
+            if x not in seen:
+                prof, sc = ax.apply(profile, scenario, x)
+                seen[x] = cell(prof, sc, condition, seeds, workers, trace_capacity=profile.capacity)
+                if progress:
+                    s = seen[x]
+                    progress(f"  {name} {x:.4g}: P = {s['p']:.2f} [{s['lo']:.2f}, {s['hi']:.2f}]")
+            return seen[x]["p"]
+        worse, better = (ax.hi, ax.lo) if ax.worse_up else (ax.lo, ax.hi)
+        r = find_crossing(p, x0, worse, better, rel_tol=rel_tol)
+        probes = [{"x": x, "p": seen[x]["p"], "lo": seen[x]["lo"], "hi": seen[x]["hi"], "n": seen[x]["n"],
+                   "tipping": seen[x]["tipping"]} for x, _ in r["probes"]]
+        rec = {"axis": name, "what": ax.what, "baseline": x0, "recovers_at_baseline": r["side0"],
+               "crossing": r["crossing"], "bracket": r["bracket"], "limit": r["limit"], "probes": probes}
+        rec["phrase"] = (ax.phrase(r["crossing"], *r["bracket"], x0) if r["crossing"] is not None
+                         else f"no crossing on {name} up to {r['limit']:g}")
+        out_axes.append(rec)
+    res = {"model": profile.name, "condition": condition.name, "condition_settings": condition.settings(),
+           "scenario": scenario.to_dict(), "seeds": seeds, "rel_tol": rel_tol, "baseline": base,
+           "verdict": verdict.verdict(base), "axes": out_axes, "wall_s": time.perf_counter() - t0}
+    res["sentence"] = sentence(res)
+    return res
+
+
+def sentence(res: dict) -> str:
+    """'recovers (P = ..); stops recovering if A, or B; no crossing on C' in one line."""
+    flips = [a["phrase"] for a in res["axes"] if a["crossing"] is not None]
+    none = [a["phrase"] for a in res["axes"] if a["crossing"] is None]
+    rec = res["baseline"]["p"] >= 0.5
+    s = res["verdict"]
+    if flips:
+        s += f"; {'stops' if rec else 'starts'} recovering if " + ", or ".join(flips)
+    if none:
+        s += "; " + "; ".join(none)
+    return s
+
+
+def margin_cell(res: dict) -> str:
+    """The margin in a table cell: each axis's crossing as a value (bracket)."""
+    parts = []
+    for a in res["axes"]:
+        if a["crossing"] is None:
+            parts.append(f"{a['axis']} none")
+        else:
+            lo, hi = sorted(a["bracket"])
+            parts.append(f"{a['axis']} {a['crossing']:.3g} ({lo:.3g}-{hi:.3g})")
+    return "; ".join(parts)
