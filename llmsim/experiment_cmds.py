@@ -6,7 +6,7 @@ import os
 
 from sim.conditions import CONDITIONS
 from sim.experiments.paper import DEFAULT_SEEDS, paper, write_report
-from sim.experiments.sweep import grid, sweep
+from sim.experiments.sweep import ResultsFileError, grid, sweep
 from sim.experiments.figures import waste_plot
 from sim.experiments.waste import table, waste_study
 from sim.scenario import PAPER
@@ -48,7 +48,10 @@ def cmd_sweep(a) -> int:
     args.check_output(a.out)
     cells = grid(a.models, a.conditions, a.pulses, a.seeds, a.max_batched_tokens or [None],
                  [True] if a.mixed_prompts else [False])
-    res = sweep(cells, a.out, workers=a.workers, ray_address=a.ray, progress=not a.quiet)
+    try:
+        res = sweep(cells, a.out, workers=a.workers, ray_address=a.ray, progress=not a.quiet)
+    except ResultsFileError as e:
+        raise args.UsageError(f"sweep: {e}") from None
     print(f"sweep: {res['total']} cells, {res['skipped']} already in {a.out}, ran {res['ran']} "
           f"in {res['wall_s']:.1f} s")
     return 0
@@ -59,11 +62,17 @@ def cmd_paper(a) -> int:
     if a.report_only:
         if not os.path.exists(os.path.join(a.out, "results.parquet")):
             raise args.UsageError(f"paper: no {os.path.join(a.out, 'results.parquet')} to report from")
-        print(f"paper: wrote {write_report(a.out, seeds=seeds)}")
+        try:
+            print(f"paper: wrote {write_report(a.out, seeds=seeds)}")
+        except ResultsFileError as e:
+            raise args.UsageError(f"paper: {e}") from None
         return 0
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         raise args.UsageError(f"paper: {a.out} exists and is not a directory")
-    res = paper(a.out, seeds=seeds, workers=a.workers, ray_address=a.ray, progress=not a.quiet)
+    try:
+        res = paper(a.out, seeds=seeds, workers=a.workers, ray_address=a.ray, progress=not a.quiet)
+    except ResultsFileError as e:
+        raise args.UsageError(f"paper: {e}") from None
     print(f"paper: {res['total']} cells, {res['skipped']} already done, ran {res['ran']} in "
           f"{res['wall_s']:.1f} s; wrote {res['report']}")
     return 0
