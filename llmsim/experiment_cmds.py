@@ -37,8 +37,8 @@ def cmd_sweep(a) -> int:
     for c in a.conditions:
         if c not in CONDITIONS:
             raise args.UsageError(f"sweep: unknown condition {c!r}; valid: {', '.join(CONDITIONS)}")
-    if any(not (math.isfinite(x) and x > 0) for x in a.pulses):
-        raise args.UsageError("sweep: pulses must be positive")
+    if any(not (math.isfinite(x) and 0 < x <= args.PULSE_MAX) for x in a.pulses):
+        raise args.UsageError(f"sweep: pulses must be positive and at most {args.PULSE_MAX:g}")
     if any(x <= 0 for x in a.max_batched_tokens or []):
         raise args.UsageError("sweep: --max-batched-tokens must be positive")
     if a.workers is not None and a.workers < 1:
@@ -84,9 +84,9 @@ def add_subcommands(sub) -> None:
     model_arg(p)
     p.add_argument("--cancel-rate", type=args.rates, default=[0.0, 0.1, 0.3], help="comma-separated, e.g. 0,0.1,0.3")
     p.add_argument("--stop-rate", type=args.rates, default=None, help="share of responses ended by a stop sequence (0.2)")
-    p.add_argument("--rate", type=args.positive(), default=None, help="calls/s (default: 90%% of the decode capacity)")
-    p.add_argument("--duration", type=args.positive(), default=600.0, help="seconds of arrivals (default 600)")
-    p.add_argument("--max-tokens", type=args.positive(int), default=2048)
+    p.add_argument("--rate", type=args.positive(most=args.RATE_MAX), default=None, help="calls/s (default: 90%% of the decode capacity)")
+    p.add_argument("--duration", type=args.positive(most=args.DURATION_MAX), default=600.0, help="seconds of arrivals (default 600)")
+    p.add_argument("--max-tokens", type=args.positive(int, most=2**20), default=2048)
     p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH", help="PNG of throughput and waste against cancellation rate")

@@ -196,7 +196,8 @@ def add_subcommands(sub) -> None:
     model_arg(p)
     p.add_argument("--condition", help=f"one of: {', '.join(CONDITIONS)} (default no-control when control "
                                       "flags are given; the flags change its settings)")
-    p.add_argument("--pulse", type=args.positive(), default=PAPER.pulse, help="pulse rate in multiples of capacity")
+    p.add_argument("--pulse", type=args.positive(most=args.PULSE_MAX), default=PAPER.pulse,
+                   help="pulse rate in multiples of capacity")
     p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
     p.add_argument("--max-batched-tokens", type=args.positive(int), default=None)
     p.add_argument("--mixed-prompts", action="store_true", help="half the calls get 3,000-token prompts")
@@ -210,15 +211,15 @@ def add_subcommands(sub) -> None:
     g.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
     g.add_argument("--seeds", type=args.seeds, default=None,
                    help="one protocol run per seed, e.g. 0-7: their mean and spread (one run's Ĉ is noisy)")
-    p.add_argument("--start-rate", type=args.positive(), default=1.0)
+    p.add_argument("--start-rate", type=args.positive(most=args.RATE_MAX), default=1.0)
     p.add_argument("--max-batched-tokens", type=args.positive(int), default=None)
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(fn=cmd_capacity)
 
     p = sub.add_parser("latency", help="steady Poisson load straight to the engine: TTFT and E2E percentiles")
     model_arg(p)
-    p.add_argument("--rate", type=args.positive(), required=True, help="calls/s")
-    p.add_argument("--duration", type=args.positive(), default=600.0, help="seconds of arrivals (default 600)")
+    p.add_argument("--rate", type=args.positive(most=args.RATE_MAX), required=True, help="calls/s")
+    p.add_argument("--duration", type=args.positive(most=args.DURATION_MAX), default=600.0, help="seconds of arrivals (default 600)")
     p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
     p.add_argument("--max-batched-tokens", type=args.positive(int), default=None)
     p.add_argument("--json", metavar="PATH")
@@ -227,7 +228,7 @@ def add_subcommands(sub) -> None:
     p = sub.add_parser("diagnose", help="the four diagnostic conditions on one trace, as a table; "
                                         "qwen2.5-7b at pulse 2.7 is compared with SPEC §7")
     model_arg(p)
-    p.add_argument("--pulse", type=args.positive(), default=PAPER.pulse)
+    p.add_argument("--pulse", type=args.positive(most=args.PULSE_MAX), default=PAPER.pulse)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
     g.add_argument("--seeds", type=args.seeds, default=None,
