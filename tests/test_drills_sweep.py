@@ -146,3 +146,38 @@ def test_two_sweeps_never_write_one_file_at_once(tmp_path):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(ResultsFileError, match="another sweep is writing"):
             sweep(grid(["vllm-cpu-tiny"], ["no-retry"], [2.0], [0]), str(out), workers=1, progress=False)
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(")") + 2:].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def test_a_sweep_killed_with_sigkill_leaves_no_worker_behind(tmp_path):
+    out = tmp_path / "out.parquet"
+    err = tmp_path / "err"
+    with open(err, "w") as f:
+        p = subprocess.Popen([sys.executable, "-m", "llmsim", *ARGS[:-2], "--workers", "2", "--out", str(out)],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=f)
+    t_end = time.monotonic() + 300
+    while not finished_seeds(err.read_text()) and p.poll() is None and time.monotonic() < t_end:
+        time.sleep(0.05)
+    workers = children(p.pid)
+    assert p.poll() is None and len(workers) >= 2, err.read_text()
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    t_end = time.monotonic() + 30                     # a bound for a slow machine, not a timing check
+    while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < t_end:
+        time.sleep(0.1)
+    left = [w for w in workers if Path(f"/proc/{w}").exists()]
+    for w in left:
+        os.kill(w, signal.SIGKILL)
+    assert not left, "pool workers outlived the killed sweep"

@@ -40,6 +40,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
@@ -310,13 +311,24 @@ def _pid_alive(pid: int) -> bool:
 
 
 # ------------------------------------------------------------------ executors
+def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """In a pool worker: exit when the sweep that started it is gone (even
+    killed by SIGKILL), instead of lingering with its memory."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _local(cells: list[Cell], workers: int) -> Iterator[dict]:
     if workers <= 1:
         for c in cells:
             yield run_cell(c)
         return
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_exit_with_parent,
+                             initargs=(os.getpid(),)) as ex:
         todo = iter(cells)
         live = set()
         try:
