@@ -64,7 +64,7 @@ async def main():
     print(f"fake vLLM serving on {port} ({mode})", flush=True)
     if mode.startswith("die-after:"):
         await asyncio.sleep(float(mode.split(":")[1]))
-        print("ERROR EngineCore encountered a fatal error (fake)", flush=True)
+        print("ERROR [core.py] EngineDeadError: EngineCore encountered a fatal error (fake)", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     await asyncio.Event().wait()
 

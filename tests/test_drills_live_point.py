@@ -53,6 +53,8 @@ def test_an_engine_killed_mid_point_fails_that_point_only_and_the_next_runs_on_a
     assert "live" in ok1 and "live" in ok3 and "failed" not in ok1 and "failed" not in ok3
     assert bad["failed"]["reason"].startswith("the engine process was killed by signal 9 at t=")
     assert any("EngineCore encountered a fatal error" in l for l in bad["failed"]["engine_log"])
+    assert bad["failed"]["engine_errors"] == ["EngineDeadError: EngineCore encountered a fatal error (fake)"]
+    assert bad["failed"]["reason"].endswith("(EngineDeadError: EngineCore encountered a fatal error (fake))")
     assert "live" not in bad and bad["sim"]["cohorts"]["hold"]["offered"] > 0
     assert len({e.pid for e in spec.started}) == 3 and not any(e.alive() for e in spec.started)
     assert ok3["live"]["cohorts"]["hold"]["delivered"] > 0

@@ -255,10 +255,17 @@ class Engine:
 
     def log_tail(self, n: int = 20) -> list[str]:
         """The last n non-empty lines of the engine's log."""
-        if not self.log_path or not Path(self.log_path).exists():
-            return []
-        lines = [l.rstrip() for l in Path(self.log_path).read_text(errors="replace").splitlines() if l.strip()]
-        return lines[-n:]
+        return _log_lines(self.log_path)[-n:]
+
+    def log_errors(self, n: int = 5) -> list[str]:
+        """The last n distinct exception lines (`SomeError: message`) of the
+        engine's log, without the logger's prefix: what killed it, usually."""
+        out: list[str] = []
+        for line in _log_lines(self.log_path):
+            m = _EXC.search(line)
+            if m and m.group(0) not in out:
+                out.append(m.group(0))
+        return out[-n:]
 
     def __enter__(self):
         return self
@@ -432,10 +439,17 @@ def start_server(args: list[str], url: str, log_path: Path, env: dict, cwd: Path
     return eng
 
 
+_EXC = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception): .*$")
+
+
+def _log_lines(path: Path | None) -> list[str]:
+    if not path or not Path(path).exists():
+        return []
+    return [l.rstrip() for l in Path(path).read_text(errors="replace").splitlines() if l.strip()]
+
+
 def _log_tail(path: Path | None, n: int = 3) -> str:
-    if not path or not path.exists():
-        return ""
-    lines = [l.strip() for l in path.read_text(errors="replace").splitlines() if l.strip()]
+    lines = [l.strip() for l in _log_lines(path)]
     errs = [l for l in lines if "Error" in l or "error" in l]
     return " | ".join((errs or lines)[-n:])
 

@@ -49,9 +49,9 @@ class ValidationError(Exception):
 class PointFailed(Exception):
     """A live point that could not finish: the reason and the engine's last log lines."""
 
-    def __init__(self, reason: str, engine_log: list[str]):
-        super().__init__(reason)
-        self.reason, self.engine_log = reason, engine_log
+    def __init__(self, reason: str, engine_log: list[str], engine_errors: list[str]):
+        super().__init__(reason + (f" ({engine_errors[-1]})" if engine_errors else ""))
+        self.engine_log, self.engine_errors = engine_log, engine_errors
 
 
 def engine_gone(eng: E.Engine) -> str | None:
@@ -162,7 +162,7 @@ def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, c
         try:
             rl = run.run()
         except EngineLost as e:
-            raise PointFailed(str(e), eng.log_tail(20)) from None
+            raise PointFailed(str(e), eng.log_tail(20), eng.log_errors()) from None
         rec = live_record(rl, sc, capacity, _inputs(profile, cond, vs) | {"engine": desc})
         rec["step_time_vs_profile"] = step_time_ratio(getattr(eng, "step_log", None), profile, steps0 or 0)
         return rec, desc
@@ -315,9 +315,11 @@ def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list
         except (PointFailed, E.EngineError) as e:
             # recorded as failed; the points done are kept and the next starts on a fresh engine
             tail = e.engine_log if isinstance(e, PointFailed) else []
-            doc["points"].append({"condition": name, "sim": sim, "failed": {"reason": str(e), "engine_log": tail}})
+            errors = e.engine_errors if isinstance(e, PointFailed) else []
+            doc["points"].append({"condition": name, "sim": sim, "failed": {"reason": str(e), "engine_errors": errors,
+                                                                             "engine_log": tail}})
             _save(json_path, doc)
-            log(f"point {k + 1}/{len(points)}: {name} FAILED: {e}" + "".join(f"\n  | {l}" for l in tail[-5:]))
+            log(f"point {k + 1}/{len(points)}: {name} FAILED: {e}" + "".join(f"\n  | {l}" for l in (errors or tail[-5:])))
             continue
         doc["engine"].update({"version": desc["version"], "model": desc["model"]})
         p = {"condition": name, "sim": sim, "live": live}
