@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from llmsim.cli import main
+from validate.engine import children
 from sim.experiments.sweep import ResultsFileError, grid, read_rows, sweep, cell_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,19 +147,6 @@ def test_two_sweeps_never_write_one_file_at_once(tmp_path):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(ResultsFileError, match="another sweep is writing"):
             sweep(grid(["vllm-cpu-tiny"], ["no-retry"], [2.0], [0]), str(out), workers=1, progress=False)
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rfind(")") + 2:].split()[1]) == pid:
-                out.append(int(d.name))
-    return out
 
 
 def test_a_sweep_killed_with_sigkill_leaves_no_worker_behind(tmp_path):

@@ -25,19 +25,6 @@ pytestmark = pytest.mark.live
 KILL_AFTER_S = 20
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rfind(")") + 2:].split()[1]) == pid:
-                out.append(int(d.name))
-    return out
-
-
 class KillFirst(V.EngineSpec):
     def __init__(self):
         super().__init__("cpu")
@@ -49,7 +36,7 @@ class KillFirst(V.EngineSpec):
         self.started.append(eng)
         if len(self.started) == 1:
             def kill():
-                core = [c for c in children(eng.pid) if "resource_tracker" not in
+                core = [c for c in E.children(eng.pid) if "resource_tracker" not in
                         Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
                 for c in core:
                     os.kill(c, signal.SIGKILL)

@@ -379,6 +379,20 @@ def _install_hooks() -> None:
                 signal.signal(sig, _raise_exit)
 
 
+def children(pid: int) -> list[int]:
+    """The pids of the live processes whose parent is pid (Linux /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(")") + 2:].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
 def tagged_processes(session: str | None = None) -> list[tuple[int, str]]:
     """(pid, command line) of live engine processes whose environment carries
     LLMSIM_ENGINE_OWNER (and, if given, LLMSIM_ENGINE_SESSION=session); Linux /proc."""
