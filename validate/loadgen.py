@@ -189,3 +189,74 @@ class LoadGen:
         for r in self.records:
             out[r.outcome] = out.get(r.outcome, 0) + 1
         return out
+
+
+# ------------------------------------------------------------- retry storm
+async def retry_storm(url: str, model: str, rate: float, duration_s: float, max_calls: int, deadline_s: float,
+                      retries: int, retry_wait_s: float, prompt_len: int, max_tokens: int, seed: int = 0) -> dict:
+    """A retry storm against a proxy (or engine) at `url`: call i is sent at
+    i / rate s (open loop, at most `max_calls`, within `duration_s`), as
+    attempts carrying `X-Call-Id: storm-i` and `X-Attempt`; each attempt is cut
+    at `deadline_s` and retried after `retry_wait_s`, `retries` times, then the
+    call gives up. Bounded in calls and time: everything ends within
+    duration_s + (retries + 1) x (deadline_s + retry_wait_s) + 30 s.
+    Returns counts of attempts by outcome."""
+    counts: dict[str, int] = {}
+
+    def count(k: str) -> None:
+        counts[k] = counts.get(k, 0) + 1
+
+    rng = np.random.default_rng(seed)
+    n = min(max_calls, int(rate * duration_s))
+    conn = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as s:
+        async def call(i: int) -> None:
+            body = request_body(model, rng.integers(VOCAB_LO, VOCAB_HI, prompt_len).tolist(), max_tokens)
+            for k in range(retries + 1):
+                count("attempts")
+                try:
+                    async with asyncio.timeout(deadline_s):
+                        async with s.post(url + "/v1/completions", json=body,
+                                          headers={"X-Call-Id": f"storm-{i}", "X-Attempt": str(k)}) as r:
+                            count(f"status_{r.status}")
+                            async for _ in r.content:
+                                pass
+                    count("complete")
+                    return
+                except TimeoutError:
+                    count("timeout")
+                except aiohttp.ClientError:
+                    count("error")
+                await asyncio.sleep(retry_wait_s)
+            count("gave_up")
+
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        tasks = []
+        for i in range(n):
+            await asyncio.sleep(max(0.0, t0 + i / rate - loop.time()))
+            tasks.append(asyncio.create_task(call(i)))
+        bound = duration_s + (retries + 1) * (deadline_s + retry_wait_s) + 30.0
+        done, pending = await asyncio.wait(tasks, timeout=max(1.0, t0 + bound - loop.time()))
+        for t in pending:
+            t.cancel()
+        counts["calls"] = n
+        counts["unfinished"] = len(pending)
+    return counts
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+    ap = argparse.ArgumentParser(prog="python -m validate.loadgen", description="a bounded retry storm (JSON out)")
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--model", required=True)
+    for flag, kind, default in (("--rate", float, 20.0), ("--duration", float, 15.0), ("--max-calls", int, 1000),
+                                ("--deadline", float, 0.3), ("--retries", int, 3), ("--retry-wait", float, 0.1),
+                                ("--prompt-len", int, 64), ("--max-tokens", int, 300), ("--seed", int, 0)):
+        ap.add_argument(flag, type=kind, default=default)
+    a = ap.parse_args()
+    res = asyncio.run(retry_storm(a.url, a.model, a.rate, a.duration, a.max_calls, a.deadline, a.retries,
+                                  a.retry_wait, a.prompt_len, a.max_tokens, a.seed))
+    json.dump(res, sys.stdout)
+    print()

@@ -34,15 +34,34 @@ running gauges, exported again by the proxy.
 The proxy's own `/metrics` (prometheus-client) counts attempts and
 executions created / attached / refused / cancelled / orphaned / dropped,
 the proxy queue depth, and the waste gauges (`abort_rate`, `completion_ratio`, `useful_token_ratio`) over the executions
-the engine accepted so far.
+the engine accepted so far. `GET /stats` gives, as JSON, the latency the proxy
+adds (p50 / p99 over its last `LATENCY_SAMPLES` samples of each kind):
+`dispatch` — request received to the upstream request sent, for attempts that
+create an execution sent at once; `forward` — a chunk read from upstream to
+the same chunk written to a subscriber that was waiting for it.
+
+Limits and exposure: the proxy binds 127.0.0.1 unless given another host; its
+upstream is fixed when it starts (nothing in a request names or changes it);
+a request body over `max_body_bytes` (default `MAX_BODY_BYTES`) is refused
+with 413, an `X-Call-Id` that is not 1-128 characters of `A-Za-z0-9._:-`, an
+`X-Attempt` that is not a whole number from 0 to 999,999, a body that is not
+a JSON object and a `max_tokens` that is not a positive whole number with 400.
+Memory is bounded by what is live: an execution's stream (its replay buffer)
+is released when the execution has ended and its last subscriber has left;
+the waste gauges keep running sums, not the streams; with
+`keep_records=False` (`llmsim proxy`) no per-execution or per-attempt record
+is kept either, and the per-call attempt counter holds the last
+`CALL_MEMORY` call ids.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import re
 import sys
 import time
+from collections import OrderedDict, deque
 
 import aiohttp
 from aiohttp import web
@@ -56,6 +75,11 @@ from sim.policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe,
 from .engine import parse_metrics
 
 DEFAULT_MAX_TOKENS = 16      # the OpenAI completions default
+MAX_BODY_BYTES = 4 * 1024 * 1024
+CALL_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+ATTEMPT_MAX = 999_999
+CALL_MEMORY = 100_000        # call ids whose attempt count is kept (oldest forgotten first)
+LATENCY_SAMPLES = 100_000
 
 
 def prompt_tokens(prompt) -> int:
@@ -89,6 +113,8 @@ class Stream:
         self.accepted = False
         self.fate = ""                    # completed | cancelled | refused | dropped
         self.record: ExecutionRecord | None = None   # the execution's entry in LiveProxy.executions
+        self.last_at = 0.0                # when the newest chunk was read from upstream (monotonic)
+        self.received: float | None = None   # when the attempt that created it arrived (monotonic)
 
     def notify(self) -> None:
         ev, self.changed = self.changed, asyncio.Event()
@@ -139,16 +165,20 @@ class LiveProxy:
     """The policy core on the asyncio clock, in front of `upstream`."""
 
     def __init__(self, upstream: str, condition: Condition, prompt_throughput: float | None = None,
-                 scrape_every_s: float = 1.0):
+                 scrape_every_s: float = 1.0, max_body_bytes: int = MAX_BODY_BYTES, keep_records: bool = True):
         self.upstream = upstream.rstrip("/")
+        self.max_body_bytes = max_body_bytes
+        self.keep_records = keep_records
         self.condition = condition
         self.scrape_every_s = scrape_every_s
         self.prompt_rate = PromptRate(60.0)
         self.proxy = Proxy(condition.proxy, engine_view=self._engine_view, prompt_throughput=prompt_throughput)
         self.streams: dict[int, Stream] = {}       # execution id -> stream
         self.waiters: dict[int, Waiter] = {}       # id(attempt) -> waiter
-        self.attempt_counts: dict[str, int] = {}
-        self.accepted: list[Stream] = []           # executions the engine accepted (waste gauges)
+        self.attempt_counts: OrderedDict[str, int] = OrderedDict()
+        self.accepted_live: set[Stream] = set()    # accepted by the engine, not ended (waste gauges)
+        self.accepted_ended = {"n": 0, "cancelled": 0, "max_tokens": 0, "tokens": 0, "useful": 0}
+        self.added_s = {"dispatch": deque(maxlen=LATENCY_SAMPLES), "forward": deque(maxlen=LATENCY_SAMPLES)}
         self.executions: list[ExecutionRecord] = []   # one per execution created, as the simulator keeps them
         self.subscriptions: dict[tuple[str, int], tuple[int, bool]] = {}   # (call, attempt) -> (execution, attached)
         self.awaiting_tokens = 0                   # prompt tokens dispatched, no first token yet
@@ -163,9 +193,10 @@ class LiveProxy:
         return time.monotonic() - self._t0
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=self.max_body_bytes)
         app.router.add_post("/v1/completions", self.handle_completion)
         app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/stats", self.handle_stats)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -207,7 +238,9 @@ class LiveProxy:
         for a in actions:
             if isinstance(a, Subscribe):
                 w = self.waiters[id(a.attempt)]
-                self.subscriptions[(str(a.attempt.call_id), a.attempt.number)] = (a.execution.id, a.attempt.attached)
+                if self.keep_records:
+                    self.subscriptions[(str(a.attempt.call_id), a.attempt.number)] = (a.execution.id,
+                                                                                      a.attempt.attached)
                 if a.attempt.attached:
                     m.attached.inc()
                 else:
@@ -216,11 +249,13 @@ class LiveProxy:
                     st.record = ExecutionRecord(id=a.execution.id, call=_call_number(a.attempt.call_id),
                                                 attempt=a.attempt.number, prompt_len=st.prompt_len,
                                                 max_tokens=st.max_tokens, created_at=t)
-                    self.executions.append(st.record)
+                    if self.keep_records:
+                        self.executions.append(st.record)
                 w.stream = self.streams[a.execution.id]
             elif isinstance(a, Dispatch):
                 st = self.streams[a.execution.id]
-                st.task = asyncio.create_task(self._upstream(a.execution, st))
+                at_once = st.record is not None and st.record.created_at == t     # not held in the proxy queue
+                st.task = asyncio.create_task(self._upstream(a.execution, st, st.received if at_once else None))
                 st.record.dispatched_at = t
                 self.awaiting_tokens += st.prompt_len
             elif isinstance(a, Cancel):
@@ -268,19 +303,40 @@ class LiveProxy:
                 st.record.first_token_at = t
 
     def _update_waste(self) -> None:
-        acc = self.accepted
-        mx = sum(s.max_tokens for s in acc)
+        e, live = self.accepted_ended, self.accepted_live
+        n = e["n"] + len(live)
+        mx = e["max_tokens"] + sum(s.max_tokens for s in live)
         m = self.metrics
-        m.abort_rate.set(sum(s.fate == "cancelled" for s in acc) / len(acc) if acc else 0.0)
-        m.completion_ratio.set(sum(s.tokens for s in acc) / mx if mx else 0.0)
-        m.useful_token_ratio.set(sum(s.tokens for s in acc if s.fate == "completed") / mx if mx else 0.0)
+        m.abort_rate.set(e["cancelled"] / n if n else 0.0)
+        m.completion_ratio.set((e["tokens"] + sum(s.tokens for s in live)) / mx if mx else 0.0)
+        m.useful_token_ratio.set(e["useful"] / mx if mx else 0.0)
 
-    async def _upstream(self, ex, st: Stream) -> None:
+    def _retire(self, st: Stream) -> None:
+        """An accepted execution has ended: fold it into the waste sums."""
+        if st in self.accepted_live:
+            self.accepted_live.discard(st)
+            e = self.accepted_ended
+            e["n"] += 1
+            e["cancelled"] += st.fate == "cancelled"
+            e["max_tokens"] += st.max_tokens
+            e["tokens"] += st.tokens
+            e["useful"] += st.tokens if st.fate == "completed" else 0
+
+    async def _upstream(self, ex, st: Stream, w_t0: float | None = None) -> None:
         """One execution at the engine: stream it, fan it out, report its end."""
+        try:
+            await self._stream_upstream(ex, st, w_t0)
+        finally:
+            self._retire(st)
+            self._update_waste()
+
+    async def _stream_upstream(self, ex, st: Stream, w_t0: float | None) -> None:
         body = dict(st.body, stream=True)
         body["stream_options"] = dict(body.get("stream_options") or {}, include_usage=True)
         resp = None
         try:
+            if w_t0 is not None:
+                self.added_s["dispatch"].append(time.monotonic() - w_t0)
             async with self.session.post(self.upstream + "/v1/completions", json=body) as resp:
                 if resp.status == 503:
                     await resp.read()
@@ -291,7 +347,7 @@ class LiveProxy:
                     self._finished(ex, st, "failed")
                     return
                 st.accepted = True
-                self.accepted.append(st)
+                self.accepted_live.add(st)
                 if st.record is not None:
                     st.record.accepted = True
                 async for line in resp.content:
@@ -309,6 +365,7 @@ class LiveProxy:
                         if d.get("usage"):
                             st.tokens = d["usage"].get("completion_tokens", st.tokens)
                     st.chunks.append(b"data: " + data + b"\n\n")
+                    st.last_at = time.monotonic()
                     st.notify()
                 self._finished(ex, st, "completed")
         except asyncio.CancelledError:
@@ -317,7 +374,6 @@ class LiveProxy:
             self._first_token_forget(st)
             st.done = True
             st.notify()
-            self._update_waste()
             raise
         except (aiohttp.ClientError, TimeoutError):
             if st.accepted:
@@ -346,6 +402,7 @@ class LiveProxy:
         st.fate = fate
         st.done = True
         self.metrics.completed.inc()
+        self._retire(st)
         self._update_waste()
         self.streams.pop(ex.id, None)
         t = self.now()
@@ -362,37 +419,52 @@ class LiveProxy:
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def handle_stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"added_latency_s": {k: _quantiles(v) for k, v in self.added_s.items()},
+                                  "live": {"streams": len(self.streams), "waiters": len(self.waiters),
+                                           "accepted_live": len(self.accepted_live),
+                                           "call_ids": len(self.attempt_counts)}})
+
     def _attempt(self, request: web.Request) -> Attempt:
         call = request.headers.get("X-Call-Id")
         if call is None:
             self._anon += 1
             call = f"anon-{self._anon}"
+        elif not CALL_ID.fullmatch(call):
+            raise web.HTTPBadRequest(text="X-Call-Id must be 1-128 characters of A-Za-z0-9._:-")
         n = request.headers.get("X-Attempt")
         if n is not None:
-            try:
-                number = int(n)
-            except ValueError:
-                raise web.HTTPBadRequest(text=f"X-Attempt must be a whole number, got {n!r}") from None
+            if not (n.isascii() and n.isdigit() and int(n) <= ATTEMPT_MAX):
+                raise web.HTTPBadRequest(text=f"X-Attempt must be a whole number from 0 to {ATTEMPT_MAX}")
+            number = int(n)
             self.attempt_counts[call] = max(self.attempt_counts.get(call, 0), number + 1)
         else:
             number = self.attempt_counts.get(call, 0)
             self.attempt_counts[call] = number + 1
+        self.attempt_counts.move_to_end(call)
+        while len(self.attempt_counts) > CALL_MEMORY:
+            self.attempt_counts.popitem(last=False)
         return Attempt(call, number)
 
     async def handle_completion(self, request: web.Request) -> web.StreamResponse:
+        received = time.monotonic()
         try:
             body = await request.json()
             if not isinstance(body, dict):
                 raise ValueError
         except ValueError:
             raise web.HTTPBadRequest(text="body must be a JSON object") from None
+        mt = body.get("max_tokens")
+        if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
+            raise web.HTTPBadRequest(text="max_tokens must be a positive whole number")
         att = self._attempt(request)
         self.metrics.attempts.labels("retry" if att.number > 0 else "first").inc()
         params = (json.dumps(body, sort_keys=True, separators=(",", ":")),)
         plen = prompt_tokens(body.get("prompt"))
         w = self.waiters[id(att)] = Waiter()
         t = self.now()
-        w.new_stream = Stream(body, plen, int(body.get("max_tokens") or DEFAULT_MAX_TOKENS))
+        w.new_stream = Stream(body, plen, mt or DEFAULT_MAX_TOKENS)
+        w.new_stream.received = received
         try:
             self._do(t, self.proxy.on_attempt(t, att, params, plen))
             return await self._serve(request, att, w, bool(body.get("stream")))
@@ -446,15 +518,28 @@ class LiveProxy:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **ids})
         await resp.prepare(request)
         i = 0
+        waited = False
         while True:
             while i < len(st.chunks):
                 await resp.write(st.chunks[i])
                 i += 1
+                if waited and i == len(st.chunks):
+                    self.added_s["forward"].append(time.monotonic() - st.last_at)
             if w.completed:
                 break
             await st.changed.wait()
+            waited = True
         await resp.write_eof()
         return resp
+
+
+def _quantiles(xs) -> dict:
+    """p50 / p99 (nearest rank) and the count of a sample."""
+    v = sorted(xs)
+    if not v:
+        return {"n": 0, "p50": None, "p99": None}
+    at = lambda q: v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]   # noqa: E731
+    return {"n": len(v), "p50": at(0.50), "p99": at(0.99)}
 
 
 def _call_number(call_id) -> int:
@@ -495,7 +580,7 @@ def _aggregate(chunks: list[bytes]) -> dict:
 async def serve(upstream: str, condition: Condition, port: int, host: str = "127.0.0.1",
                 prompt_throughput: float | None = None, ready=None) -> None:
     """Run the proxy until cancelled."""
-    lp = LiveProxy(upstream, condition, prompt_throughput)
+    lp = LiveProxy(upstream, condition, prompt_throughput, keep_records=False)
     runner = web.AppRunner(lp.app(), handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -33,7 +33,7 @@ from sim.workload import make_trace
 
 from . import engine as E
 from .step_log import steps_from_raw
-from .live_run import LiveRun, live_record
+from .live_run import EngineLost, LiveRun, live_record
 
 # the published figures' engine flags for a GPU engine (one H100 80 GB SXM there)
 GPU_FLAGS = ["--max-num-batched-tokens", "8192", "--max-num-seqs", "256", "--max-model-len", "32768",
@@ -44,6 +44,24 @@ GPU_MODELS = {"qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct", "qwen3-14b": "Qwen/Qwen3
 
 class ValidationError(Exception):
     pass
+
+
+class PointFailed(Exception):
+    """A live point that could not finish: the reason and the engine's last log lines."""
+
+    def __init__(self, reason: str, engine_log: list[str], engine_errors: list[str]):
+        super().__init__(reason + (f" ({engine_errors[-1]})" if engine_errors else ""))
+        self.engine_log, self.engine_errors = engine_log, engine_errors
+
+
+def engine_gone(eng: E.Engine) -> str | None:
+    """Why an engine llmsim started is gone (its server process exited), or None."""
+    rc = eng.proc.poll() if eng.proc is not None else None
+    if rc is None:
+        return None
+    if rc < 0:
+        return f"the engine process was killed by signal {-rc}"
+    return f"the engine process exited with code {rc}"
 
 
 def _say(msg: str) -> None:
@@ -139,8 +157,12 @@ def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, c
                 f"waiting {_n(st['waiting'])} running {_n(st['running'])}; proxy queue {st['proxy_queue']}")
         run = LiveRun(eng.url, desc["model"], trace, cond, sc, vs.seed,
                       prompt_throughput=profile.capacity * max(1.0, sc.prompt_mean - sc.shared_prefix),
-                      progress=progress, step_count=step_count)
-        rl = run.run()
+                      progress=progress, step_count=step_count,
+                      engine_lost=(lambda: engine_gone(eng)) if started else None)
+        try:
+            rl = run.run()
+        except EngineLost as e:
+            raise PointFailed(str(e), eng.log_tail(20), eng.log_errors()) from None
         rec = live_record(rl, sc, capacity, _inputs(profile, cond, vs) | {"engine": desc})
         rec["step_time_vs_profile"] = step_time_ratio(getattr(eng, "step_log", None), profile, steps0 or 0)
         return rec, desc
@@ -212,6 +234,9 @@ def table(points: list[dict]) -> str:
     known, the simulation with the profile's steps stretched to them (sim x k)."""
     lines = []
     for p in points:
+        if "failed" in p:
+            lines.append(f"{p['condition']}  FAILED: {p['failed']['reason']}")
+            continue
         adj = p.get("sim_step_adjusted")
         k = (p["live"].get("step_time_vs_profile") or {}).get("ratio")
         lines.append(f"{p['condition']}" + (f"  (engine steps took {k:.3f} x the profile's)" if k else ""))
@@ -269,7 +294,7 @@ def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list
         get_condition(name)                      # unknown names fail before any work
     doc = {"engine": {"kind": spec.kind, "version": None, "model": spec.model or spec.url},
            "scenario": vs.to_dict(), "profile": profile.name, "capacity": None, "points": []}
-    done = _load(json_path, doc)
+    done = [p for p in _load(json_path, doc) if "failed" not in p]       # a failed point runs again
     if done:
         doc["capacity"] = done[0]["sim"]["capacity"]
         log(f"resuming: {', '.join(p['condition'] for p in done)} already in {json_path}")
@@ -285,7 +310,17 @@ def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list
         sim = predict(profile, name, vs, cap)
         log(f"point {k + 1}/{len(points)}: {name} — live on a {'fresh ' if spec.kind != 'url' else ''}"
             f"{spec.kind} engine …")
-        live, desc = run_live(spec, profile, name, vs, cap, log)
+        try:
+            live, desc = run_live(spec, profile, name, vs, cap, log)
+        except (PointFailed, E.EngineError) as e:
+            # recorded as failed; the points done are kept and the next starts on a fresh engine
+            tail = e.engine_log if isinstance(e, PointFailed) else []
+            errors = e.engine_errors if isinstance(e, PointFailed) else []
+            doc["points"].append({"condition": name, "sim": sim, "failed": {"reason": str(e), "engine_errors": errors,
+                                                                             "engine_log": tail}})
+            _save(json_path, doc)
+            log(f"point {k + 1}/{len(points)}: {name} FAILED: {e}" + "".join(f"\n  | {l}" for l in (errors or tail[-5:])))
+            continue
         doc["engine"].update({"version": desc["version"], "model": desc["model"]})
         p = {"condition": name, "sim": sim, "live": live}
         p["agreement"] = agreement(p)

@@ -17,19 +17,31 @@ the 1 s time series `series_t`, `series_waiting`, `series_running`,
 `series_proxy_queue`, the per-60 s `series_delivered_per_60s`, and the hold
 windows `windows_*`.
 
-Resuming: at start the file's cells are read and skipped. The file is
-rewritten whole (temp file + os.replace, so it is never half-written) after
-finished cells, at most as often as keeps the rewriting under ~10% of the
-sweep's time, and always when the sweep stops (finished, error or Ctrl-C): a
-sweep killed outright loses at most the cells of the last few seconds.
+Resuming and kill -9: a cell is finished once its row is appended (one JSON
+line, flushed to the OS) to the journal `OUT.journal`, before its progress line
+is printed. The Parquet file is rewritten whole (temp file + os.replace, so it
+is never half-written) from its rows and the journal's, after which the journal
+is emptied; the rewrite runs after finished cells at most as often as keeps it
+under ~10% of the sweep's time, and always when the sweep stops (finished,
+error or Ctrl-C). At start the Parquet file's cells and the journal's are read
+and skipped, so a sweep killed at any point (even during the rewrite) and run
+again runs no finished cell twice and ends with the same table; a row cut off
+mid-line by the kill is the one cell not yet finished and is dropped. A
+results file or journal that cannot be read (truncated, corrupt, a directory)
+stops the sweep with `ResultsFileError` naming it and what to do; it is never
+overwritten. One sweep at a time writes a file (a lock on the journal).
 """
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
+import glob
+import json
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
@@ -209,11 +221,67 @@ def flatten(rec: dict) -> dict:
 
 
 # ------------------------------------------------------------------ storage
-def read_table(path: str):
-    """The results file as a pyarrow Table (None if there is none yet)."""
+class ResultsFileError(ValueError):
+    """A results file or its journal cannot be read; it is left as it is."""
+
+
+def _journal_path(path: str) -> str:
+    return path + ".journal"
+
+
+def _read_parquet(path: str):
     if not os.path.exists(path):
         return None
-    return pq.read_table(path)
+    if os.path.isdir(path):
+        raise ResultsFileError(f"{path} is a directory, not a results file; give another path")
+    try:
+        t = pq.read_table(path)
+        t.select(list(KEY))
+    except (pa.ArrowException, OSError, KeyError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ResultsFileError(f"{path} is not a readable results file ({why}); it was left untouched: move it "
+                               "aside to start afresh, or give another path") from None
+    return t
+
+
+def _read_journal(path: str, repair: bool = False) -> list[dict]:
+    """The journal's rows. A last line without its newline is a row cut off by
+    a kill (that cell did not finish): dropped, and with `repair` cut from the
+    file; any other unreadable line is a ResultsFileError."""
+    jp = _journal_path(path)
+    if not os.path.exists(jp):
+        return []
+    if os.path.isdir(jp):
+        raise ResultsFileError(f"{jp} is a directory, not a sweep journal; move it aside")
+    with open(jp, "rb") as f:
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    if repair and end < len(data):
+        with open(jp, "r+b") as f:
+            f.truncate(end)
+    rows = []
+    for n, line in enumerate(data[:end].splitlines(), 1):
+        try:
+            row = json.loads(line)
+            cell_key(row)
+        except (ValueError, KeyError, TypeError):
+            raise ResultsFileError(f"{jp}: line {n} is not a result row (the journal is corrupt); move it aside "
+                                   f"to drop its cells (they run again), then rerun") from None
+        rows.append(row)
+    return rows
+
+
+def read_table(path: str):
+    """The results as a pyarrow Table: the Parquet file's rows and any journal
+    rows not yet in it (None if there are none). ResultsFileError if either
+    cannot be read."""
+    t = _read_parquet(path)
+    done = set() if t is None else {cell_key(r) for r in t.select(list(KEY)).to_pylist()}
+    extra = [r for r in _read_journal(path) if cell_key(r) not in done]
+    if not extra:
+        return t
+    new = pa.Table.from_pylist(extra)
+    return new if t is None else pa.concat_tables([t, new], promote_options="permissive")
 
 
 def read_rows(path: str) -> list[dict]:
@@ -221,24 +289,48 @@ def read_rows(path: str) -> list[dict]:
     return [] if t is None else t.to_pylist()
 
 
+def _plain(v):
+    """JSON for the numpy scalars and arrays a row may hold."""
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    raise TypeError(f"cannot store {type(v).__name__} in a result row")
+
+
 class _Store:
-    """The rows of one Parquet file; rewritten atomically on flush."""
+    """The rows of one Parquet file and its journal (see the module docstring)."""
 
     def __init__(self, path: str):
         self.pa = pa
         self.path = path
+        jp = _journal_path(path)
+        t = _read_parquet(path)
+        self._journal = open(jp, "a")
+        try:
+            fcntl.flock(self._journal, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._journal.close()
+            raise ResultsFileError(f"another sweep is writing {path} (its journal {jp} is locked); wait for "
+                                   "it or give another path") from None
+        for tmp in glob.glob(glob.escape(path) + ".tmp-*"):    # a rewrite cut off by a kill
+            pid = tmp.rsplit("-", 1)[-1]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                os.unlink(tmp)
         self.tables = []
-        t = read_table(path)
         self.done: set[tuple] = set()
         if t is not None and t.num_rows:
             self.tables.append(t)
             cols = list(KEY) + (["scenario_hash"] if "scenario_hash" in t.column_names else [])
             self.done = {cell_key(r) for r in t.select(cols).to_pylist()}
-        self.pending: list[dict] = []
+        self.pending: list[dict] = [r for r in _read_journal(path, repair=True) if cell_key(r) not in self.done]
+        self.done |= {cell_key(r) for r in self.pending}
         self.write_s = 0.0
         self.last_flush = time.monotonic()
 
     def add(self, row: dict) -> None:
+        """Record a finished cell: its row is in the journal when this returns."""
+        line = json.dumps(row, default=_plain)
+        self._journal.write(line + "\n")
+        self._journal.flush()
         self.pending.append(row)
         self.done.add(cell_key(row))
 
@@ -254,13 +346,41 @@ class _Store:
         tmp = f"{self.path}.tmp-{os.getpid()}"
         pq.write_table(table, tmp)
         os.replace(tmp, self.path)
+        self._journal.seek(0)
+        self._journal.truncate()
         self.tables = [table]
         self.pending = []
         self.write_s = time.perf_counter() - t0
         self.last_flush = time.monotonic()
 
+    def close(self) -> None:
+        self.flush()
+        self._journal.close()
+        if os.path.exists(self.path) and os.path.getsize(_journal_path(self.path)) == 0:
+            os.unlink(_journal_path(self.path))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
 
 # ------------------------------------------------------------------ executors
+def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """In a pool worker: exit when the sweep that started it is gone (even
+    killed by SIGKILL), instead of lingering with its memory."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _local(cells: list, workers: int, fn: Callable = None) -> Iterator[dict]:
     """fn(cell) for each cell (default run_cell) on `workers` local processes, yielded as they finish."""
     fn = fn or run_cell
@@ -269,7 +389,8 @@ def _local(cells: list, workers: int, fn: Callable = None) -> Iterator[dict]:
             yield fn(c)
         return
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_exit_with_parent,
+                             initargs=(os.getpid(),)) as ex:
         todo = iter(cells)
         live = set()
         try:
@@ -347,7 +468,7 @@ def sweep(cells: Sequence[Cell], out: str, workers: int | None = None, ray_addre
             if store.due():
                 store.flush()
     finally:
-        store.flush()
+        store.close()
         close = getattr(rows, "close", None)
         if close:
             close()
@@ -359,5 +480,5 @@ def cells_of(rows: Iterable[dict]) -> list[tuple]:
     return sorted(cell_key(r) for r in rows)
 
 
-__all__ = ["Cell", "KEY", "GROUP", "grid", "parse_seeds", "run_cell", "flatten", "sweep", "read_table",
+__all__ = ["Cell", "KEY", "GROUP", "ResultsFileError", "grid", "parse_seeds", "run_cell", "flatten", "sweep", "read_table",
            "read_rows", "cells_of", "asdict"]

@@ -1,0 +1,72 @@
+"""A stand-in for a vLLM OpenAI server in the live-point drills (it is not
+vLLM): /health, /version, /v1/models, /metrics with vLLM's gauge names, and
+streamed /v1/completions (SLOTS requests at a time, one chunk per output token
+TOKEN_S apart). Modes:
+
+    python tests/fake_vllm.py PORT [serve|die-after:S|hang]
+
+`die-after:S` logs a line and SIGKILLs itself S seconds after start; `hang`
+sends a completion's headers and first chunk, then nothing (never ends).
+"""
+import asyncio
+import json
+import os
+import signal
+import sys
+
+from aiohttp import web
+
+SLOTS, TOKEN_S = 8, 0.005
+port, mode = int(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else "serve")
+state = {"running": 0, "waiting": 0, "prompt": 0}
+sem = asyncio.Semaphore(SLOTS)
+
+
+async def completions(request):
+    body = await request.json()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    state["waiting"] += 1
+    async with sem:
+        state["waiting"] -= 1
+        state["running"] += 1
+        state["prompt"] += len(body.get("prompt") or [])
+        try:
+            for i in range(int(body.get("max_tokens") or 16)):
+                await asyncio.sleep(TOKEN_S)
+                d = {"id": "cmpl-fake", "model": "fake", "choices": [{"index": 0, "text": "x", "finish_reason": None}]}
+                await resp.write(b"data: " + json.dumps(d).encode() + b"\n\n")
+                if mode == "hang":
+                    await asyncio.Event().wait()
+            await resp.write(b"data: [DONE]\n\n")
+        finally:
+            state["running"] -= 1
+    return resp
+
+
+async def metrics(request):
+    p = state["prompt"]
+    return web.Response(text=f"vllm:num_requests_running {state['running']}\nvllm:num_requests_waiting "
+                             f"{state['waiting']}\nvllm:prompt_tokens_total {p}\nvllm:prefix_cache_queries_total "
+                             f"{p}\nvllm:prefix_cache_hits_total 0\n")
+
+
+async def main():
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", lambda r: web.Response())
+    app.router.add_get("/version", lambda r: web.json_response({"version": "fake"}))
+    app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "fake"}]}))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    print(f"fake vLLM serving on {port} ({mode})", flush=True)
+    if mode.startswith("die-after:"):
+        await asyncio.sleep(float(mode.split(":")[1]))
+        print("ERROR [core.py] EngineDeadError: EngineCore encountered a fatal error (fake)", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    await asyncio.Event().wait()
+
+
+asyncio.run(main())

