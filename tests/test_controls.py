@@ -177,6 +177,13 @@ def test_prompt_rate_is_over_a_sliding_window():
     assert r.rate(200.0) is None
 
 
+
+def test_prompt_rate_holds_only_the_last_window_without_being_asked():
+    r = PromptRate(60.0)
+    for i in range(1000):
+        r.add(float(i), 100)
+    assert len(r.events) == 60 and r.rate(999.0) == 100.0
+
 # ------------------------------------------------------------------ proxy cap
 
 def test_proxy_cap_queues_and_dispatches_fifo():
