@@ -4,6 +4,7 @@ through the proxy policy, into the engine model — all in simulated time.
 result record from it."""
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import time
@@ -24,6 +25,19 @@ from .scenario import Scenario
 from .workload import Trace
 
 INF = float("inf")
+
+
+def uniform_draws(rng: np.random.Generator, chunk: int = 512):
+    """`uniform(a, b)` drawing from `rng` the values `rng.uniform(a, b)`
+    would, one call after another, with the generator's doubles taken
+    `chunk` at a time."""
+    buf: list[float] = []
+
+    def uniform(a: float, b: float) -> float:
+        if not buf:
+            buf.extend(reversed(rng.random(chunk).tolist()))
+        return a + (b - a) * buf.pop()
+    return uniform
 
 
 class Clock(simpy.Environment):
@@ -143,8 +157,7 @@ class Run:
         self.scenario = scenario
         self.done = env.event()
         self.timers = Timers(env, horizon=self._horizon, stop=lambda: self.done.triggered)
-        rng = np.random.default_rng([seed, 1])   # stream of client backoff draws
-        self.client = RetryingClient(condition.client_config(scenario), lambda a, b: float(rng.uniform(a, b)))
+        self.client = RetryingClient(condition.client_config(scenario), uniform_draws(np.random.default_rng([seed, 1])))
         # the proxy's prompt-throughput estimate: computed prompt tokens of the
         # executions that got their first token over the last 60 s; before
         # any, the profile's (capacity x computed prompt tokens per call)
@@ -342,6 +355,15 @@ class Run:
     # ------------------------------------------------------------------- run
     def run(self, until: float | None = None) -> RunLog:
         t0 = time.perf_counter()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()    # a run leaves no cyclic garbage until it ends; collection passes would only rescan its records
+        try:
+            return self._run(until, t0)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _run(self, until: float | None, t0: float) -> RunLog:
         if until is None:
             last = float(self.trace.arrival[-1]) if len(self.trace) else 0.0
             until = last + self.scenario.delivery_horizon_s
