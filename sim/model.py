@@ -20,11 +20,15 @@ from .engine.request import WAITING
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel, Complete,
                            Drop, Wake)
 from .profile import Profile
-from .runlog import RunLog, CallRecord, AttemptRecord, ExecutionRecord, Series, sample_log, refusal_outcome
+from .runlog import (RunLog, ExecutionRecord, Series, AttemptTable, CallTable, ATTEMPT_OUTCOMES, CALL_OUTCOMES,
+                     sample_log, refusal_outcome)
 from .scenario import Scenario
 from .workload import Trace
 
 INF = float("inf")
+_ATTEMPT_CODE = {o: i for i, o in enumerate(ATTEMPT_OUTCOMES)}
+_CALL_CODE = {o: i for i, o in enumerate(CALL_OUTCOMES)}
+_TIMEOUT, _COMPLETE, _DELIVERED = _ATTEMPT_CODE["timeout"], _ATTEMPT_CODE["complete"], _CALL_CODE["delivered"]
 
 
 def uniform_draws(rng: np.random.Generator, chunk: int = 512):
@@ -175,11 +179,11 @@ class Run:
         self.max_tokens = trace.max_tokens.tolist()
         self.prompt_len = trace.prompt_len.tolist()
         self.calls = [CallState(i, self.arrival[i]) for i in range(n)]
-        self.call_records = [CallRecord(i, self.arrival[i]) for i in range(n)]
-        self.attempts: list[AttemptRecord] = []
+        self.call_log = CallTable.planned(trace.arrival)
+        self.attempt_log = AttemptTable()
         self.executions: list[ExecutionRecord] = []
         self.requests: dict[int, Request] = {}
-        self.open: dict[int, tuple[AttemptRecord, list]] = {}   # id(attempt) -> (its record, its deadline timer)
+        self.open: dict[int, tuple[int, list]] = {}     # id(attempt) -> (its row in attempt_log, its deadline timer)
         self.outstanding = n
         self.counters_at: dict[float, dict] = {}
         self._handlers = {Subscribe: self._subscribe, Dispatch: self._dispatch_action, Cancel: self._cancel,
@@ -212,17 +216,15 @@ class Run:
         cs = self.calls[call_id]
         number = self.client.send(cs, t)
         att = Attempt(call_id, number, cs.deadline)
-        rec = AttemptRecord(call=call_id, number=number, sent_at=t)
-        self.attempts.append(rec)
-        self.call_records[call_id].attempts = cs.attempts
-        self.open[id(att)] = (rec, self.timers.at(cs.deadline, self._deadline, att))
+        row = self.attempt_log.add(call_id, number, t)
+        self.call_log.attempts[call_id] = cs.attempts
+        self.open[id(att)] = (row, self.timers.at(cs.deadline, self._deadline, att))
         self._do(t, self.proxy.on_attempt(t, att, (self.max_tokens[call_id],), self.prompt_len[call_id]))
 
     def _deadline(self, t: float, att: Attempt) -> None:
         if not att.open:
             return
-        rec = self.open.pop(id(att))[0]
-        rec.ended_at, rec.outcome = t, "timeout"
+        self._end_attempt(self.open.pop(id(att))[0], t, _TIMEOUT)
         self._do(t, self.proxy.on_attempt_left(t, att))
         ex = att.execution
         if ex is not None and ex.orphaned:
@@ -235,20 +237,25 @@ class Run:
         if type(decision) is Retry:
             self.timers.at(decision.at, self._send, call_id)
             return
-        crec = self.call_records[call_id]
+        calls = self.call_log
         if type(decision) is Delivered:
-            crec.delivered_at = decision.at
-            crec.outcome = "delivered"
+            calls.delivered_at[call_id] = decision.at
+            calls.outcome[call_id] = _DELIVERED
         else:
-            crec.outcome = "failed_" + decision.reason
+            calls.outcome[call_id] = _CALL_CODE["failed_" + decision.reason]
         self.outstanding -= 1
         if self.outstanding == 0 and not self.done.triggered:
             self.done.succeed()
 
-    def _close_attempt(self, att: Attempt) -> AttemptRecord:
-        rec, timer = self.open.pop(id(att))
+    def _close_attempt(self, att: Attempt, t: float, outcome: int) -> None:
+        row, timer = self.open.pop(id(att))
         timer[5] = False                    # Timers.cancel
-        return rec
+        self._end_attempt(row, t, outcome)
+
+    def _end_attempt(self, row: int, t: float, outcome: int) -> None:
+        log = self.attempt_log
+        log.ended_at[row] = t
+        log.outcome[row] = outcome
 
     # ------------------------------------------------------------- proxy side
     def _do(self, t: float, actions: list) -> None:
@@ -260,10 +267,10 @@ class Run:
             self.proxy_queue_log.append((t, q))
 
     def _subscribe(self, t: float, a: Subscribe) -> None:
-        rec = self.open[id(a.attempt)][0]
+        row = self.open[id(a.attempt)][0]
         ex = a.execution
-        rec.execution = ex.id
-        rec.attached = a.attempt.attached
+        self.attempt_log.execution[row] = ex.id
+        self.attempt_log.attached[row] = a.attempt.attached
         if ex.id == len(self.executions):        # created for this attempt
             i = ex.call_id
             self.executions.append(ExecutionRecord(
@@ -278,15 +285,12 @@ class Run:
         self.engine.abort_request(self.requests.pop(a.execution.id))
 
     def _refuse(self, t: float, a: Refuse) -> None:
-        rec = self._close_attempt(a.attempt)
-        rec.ended_at = t
-        rec.outcome = refusal_outcome(a.reason)
+        self._close_attempt(a.attempt, t, _ATTEMPT_CODE[refusal_outcome(a.reason)])
         self._decide(t, a.attempt.call_id,
                      self.client.on_refused(self.calls[a.attempt.call_id], t, a.status, a.retry_after))
 
     def _complete(self, t: float, a: Complete) -> None:
-        rec = self._close_attempt(a.attempt)
-        rec.ended_at, rec.outcome = t, "complete"
+        self._close_attempt(a.attempt, t, _COMPLETE)
         self._decide(t, a.attempt.call_id, self.client.on_complete(self.calls[a.attempt.call_id], t))
 
     def _drop(self, t: float, a: Drop) -> None:
@@ -382,7 +386,7 @@ class Run:
         series = Series(t=ts, waiting=waiting, running=running, proxy_queue=proxy_queue)
         s = eng.scheduler
         steps, busy = eng.work_by(end)
-        return RunLog(calls=self.call_records, attempts=self.attempts, executions=self.executions,
+        return RunLog(calls=self.call_log, attempts=self.attempt_log, executions=self.executions,
                       series=series, counters=dict(s.counters), counters_at=dict(self.counters_at),
                       engine={"steps": steps, "preemptions": s.num_preemptions,
                               "aborted_before_scheduled": eng.aborted_before_scheduled},
