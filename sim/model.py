@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import itertools
 import math
 import time
 
@@ -55,6 +56,13 @@ class Clock(simpy.Environment):
         ev._ok, ev._value = True, None
         ev.callbacks.append(callback)
         heapq.heappush(self._queue, (t, simpy.core.NORMAL, next(self._eid), ev))
+
+    @property
+    def events_scheduled(self) -> int:
+        """SimPy events scheduled so far (engine steps, timer batches, wake-ups)."""
+        n = next(self._eid)
+        self._eid = itertools.count(n)
+        return n
 
     def call_as_of(self, t: float, fn, *args) -> None:
         """Run `fn(*args)` with `now` set to `t`, then restore the clock."""
