@@ -186,7 +186,7 @@ class Run:
         self.arrival = trace.arrival.tolist()
         self.max_tokens = trace.max_tokens.tolist()
         self.prompt_len = trace.prompt_len.tolist()
-        self.calls = [CallState(i, self.arrival[i]) for i in range(n)]
+        self.calls: list[CallState | None] = [None] * n     # client state of the calls in progress
         self.call_log = CallTable.planned(trace.arrival)
         self.attempt_log = AttemptTable()
         self.executions: list[ExecutionRecord] = []
@@ -218,6 +218,7 @@ class Run:
         nxt = call_id + 1
         if self._in_order and nxt < len(self.arrival):
             self.timers.at(self.arrival[nxt], self._arrive, nxt, seq=self._arrival_seq + nxt)
+        self.calls[call_id] = CallState(call_id, self.arrival[call_id])
         self._send(t, call_id)
 
     def _send(self, t: float, call_id: int) -> None:
@@ -251,6 +252,7 @@ class Run:
             calls.outcome[call_id] = _DELIVERED
         else:
             calls.outcome[call_id] = _CALL_CODE["failed_" + decision.reason]
+        self.calls[call_id] = None          # the call is over: its client state goes
         self.outstanding -= 1
         if self.outstanding == 0 and not self.done.triggered:
             self.done.succeed()
