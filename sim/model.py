@@ -46,9 +46,9 @@ def uniform_draws(rng: np.random.Generator, chunk: int = 512):
 
 
 class Clock(simpy.Environment):
-    """The SimPy environment of a run, with two additions for the driver's
-    timers: an event scheduled at an exact time, and a callback run as of an
-    earlier time of the current batch (`env.now` reads that time)."""
+    """The SimPy environment of a run, with an event scheduled at an exact
+    time for the driver's timers (which also set `now` to a timer's own time
+    while it fires in a batch, see `Timers`)."""
 
     def schedule_at(self, t: float, callback) -> None:
         """Call `callback(event)` when the clock reaches `t` (>= now)."""
@@ -64,14 +64,6 @@ class Clock(simpy.Environment):
         self._eid = itertools.count(n)
         return n
 
-    def call_as_of(self, t: float, fn, *args) -> None:
-        """Run `fn(*args)` with `now` set to `t`, then restore the clock."""
-        now, self._now = self._now, t
-        try:
-            fn(*args)
-        finally:
-            self._now = now
-
 
 class Timers:
     """Driver-side timers on the SimPy clock, cancellable, with the time of
@@ -82,7 +74,7 @@ class Timers:
     and take one SimPy event per batch: when one comes due, every later one
     due before `horizon()` (the next time anything else can happen in the
     simulation: the end of the engine's step in flight) fires with it, each
-    in its own order and as of its own time (`Clock.call_as_of`), which is
+    in its own order and as of its own time (`env.now` reads it), which is
     what the policy core and the engine would see had it fired alone.
     `horizon()` returns -INF when timers must fire one instant at a time.
     Timers also stop batching once `stop()` is true."""
@@ -124,8 +116,9 @@ class Timers:
         env, h = self.env, self.heap
         now = heapq.heappop(self._armed)
         limit = min(self.horizon(), self.until)
-        limit -= 1e-9 * max(1.0, abs(limit))        # leave a tie with the horizon to the clock
-        pop, call_as_of, stop = heapq.heappop, env.call_as_of, self.stop
+        if -INF < limit < INF:
+            limit -= 1e-9 * max(1.0, abs(limit))    # leave a tie with the horizon to the clock
+        pop, stop = heapq.heappop, self.stop
         self._firing = True
         try:
             while h:
@@ -134,15 +127,15 @@ class Timers:
                     pop(h)
                     continue
                 tf = e[0]
-                if tf > now and (tf >= limit or stop()):
-                    break
+                if tf > now:
+                    if tf >= limit or stop():
+                        break
+                    env._now = tf           # as of its own time
                 pop(h)
                 e[5] = False
-                if tf > now:
-                    call_as_of(tf, e[3], e[2], e[4])
-                else:
-                    e[3](e[2], e[4])
+                e[3](e[2], e[4])
         finally:
+            env._now = now
             self._firing = False
         while h and not h[0][5]:
             pop(h)

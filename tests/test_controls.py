@@ -520,3 +520,31 @@ def test_cli_composes_a_condition_from_flags(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     listed = [ln.split()[0] for ln in lines if ln.split() and ln.split()[0] in CONDITIONS]
     assert listed == list(CONDITIONS) and any("deferred:10" in ln for ln in lines)
+
+
+def _timers(horizon):
+    from sim.model import Clock, Timers
+    env = Clock()
+    seen = []
+    timers = Timers(env, horizon=lambda: horizon)
+    fire = lambda t, arg: seen.append((t, env.now, arg))      # noqa: E731
+    entries = {t: timers.at(t, fire, f"t{t:g}") for t in (3.0, 1.0, 2.0, 12.0, 5.0)}
+    return env, timers, seen, entries
+
+
+def test_timers_fire_in_time_order_each_as_of_its_own_time():
+    for horizon in (10.0, -float("inf")):
+        env, timers, seen, entries = _timers(horizon)
+        timers.cancel(entries[5.0])
+        env.run()
+        assert seen == [(1.0, 1.0, "t1"), (2.0, 2.0, "t2"), (3.0, 3.0, "t3"), (12.0, 12.0, "t12")]
+        assert timers.next_time() == float("inf")
+
+
+def test_timers_due_before_the_horizon_share_one_event():
+    env, _, seen, _ = _timers(10.0)          # 1, 2, 3 and 5 in one batch; 12 after the horizon
+    env.run()
+    batched = env.events_scheduled
+    env, _, seen_alone, _ = _timers(-float("inf"))
+    env.run()
+    assert seen == seen_alone and batched < env.events_scheduled == 5
