@@ -187,18 +187,18 @@ class Attempt:
 
 
 # actions
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Subscribe:
     attempt: Attempt
     execution: Execution
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Dispatch:
     execution: Execution
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Refuse:
     attempt: Attempt
     status: int                   # 429 or 503
@@ -206,23 +206,23 @@ class Refuse:
     reason: str = ""              # budget | engine | deadline
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Cancel:
     execution: Execution
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Complete:
     attempt: Attempt
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Drop:
     """A queued execution leaves the proxy's queue without reaching the engine."""
     execution: Execution
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Wake:
     """Call `on_wake(at, execution)` at time `at`."""
     at: float
