@@ -22,7 +22,7 @@ from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Di
                            Drop, Wake)
 from .profile import Profile
 from .runlog import (RunLog, ExecutionRecord, Series, AttemptTable, CallTable, ATTEMPT_OUTCOMES, CALL_OUTCOMES,
-                     sample_log, refusal_outcome)
+                     sample_log, refusal_outcome, thin_log)
 from .scenario import Scenario
 from .workload import Trace
 
@@ -187,6 +187,7 @@ class Run:
         self.open: dict[int, tuple[int, list]] = {}     # id(attempt) -> (its row in attempt_log, its deadline timer)
         self.outstanding = n
         self.counters_at: dict[float, dict] = {}
+        self.thin_at = 0      # thin the gauge logs beyond this many entries (0: never; run() sets it)
         self._handlers = {Subscribe: self._subscribe, Dispatch: self._dispatch_action, Cancel: self._cancel,
                           Refuse: self._refuse, Complete: self._complete, Drop: self._drop, Wake: self._wake_at}
         for t in snapshot_times:
@@ -200,6 +201,12 @@ class Run:
         if n == 0:
             self.done.succeed()
 
+    def _thin(self) -> None:
+        """Thin the gauge logs to what the 1 s series needs (see `thin_log`)."""
+        thin_log(self.engine.gauge_log)
+        thin_log(self.proxy_queue_log)
+        self.thin_at = max(self.thin_at, 2 * (len(self.engine.gauge_log) + len(self.proxy_queue_log)))
+
     def _horizon(self) -> float:
         """The next time anything but a timer can happen: the end of the
         engine's step in flight (-INF while it is idle)."""
@@ -208,6 +215,8 @@ class Run:
 
     # ------------------------------------------------------------ client side
     def _arrive(self, t: float, call_id: int) -> None:
+        if self.thin_at and len(self.engine.gauge_log) + len(self.proxy_queue_log) > self.thin_at:
+            self._thin()
         nxt = call_id + 1
         if self._in_order and nxt < len(self.arrival):
             self.timers.at(self.arrival[nxt], self._arrive, nxt, seq=self._arrival_seq + nxt)
@@ -375,6 +384,7 @@ class Run:
             last = float(self.trace.arrival[-1]) if len(self.trace) else 0.0
             until = last + self.scenario.delivery_horizon_s
         self.timers.until = until
+        self.thin_at = self.thin_at or 8192     # the series samples whole seconds only
         self.env.run(until=simpy.AnyOf(self.env, [self.done, self.env.timeout(until)]))
         end = self.env.now
         wall = time.perf_counter() - t0

@@ -25,6 +25,17 @@ def sample_log(log, ts: np.ndarray, column: int = 1) -> np.ndarray:
     return np.where(idx >= 0, g[np.maximum(idx, 0), column], 0.0)
 
 
+def thin_log(log: list) -> None:
+    """Thin a change log in place to what `sample_log` needs at whole
+    seconds: the last entry of each second (k-1, k]. Sampling the thinned
+    log at integer times gives what the full log gives."""
+    if len(log) < 2:
+        return
+    second = np.ceil(np.fromiter((e[0] for e in log), dtype=float, count=len(log)))
+    keep = np.flatnonzero(np.append(second[1:] != second[:-1], True))
+    log[:] = [log[i] for i in keep.tolist()]
+
+
 def refusal_outcome(reason: str) -> str:
     """An attempt's outcome for a proxy refusal's reason (sim.policy.proxy.Refuse.reason)."""
     return {"budget": "refused_budget", "engine": "refused_engine"}.get(reason, "refused_proxy")

@@ -548,3 +548,36 @@ def test_timers_due_before_the_horizon_share_one_event():
     env, _, seen_alone, _ = _timers(-float("inf"))
     env.run()
     assert seen == seen_alone and batched < env.events_scheduled == 5
+
+
+def test_thinning_the_gauge_logs_keeps_the_1s_series():
+    import numpy as np
+    from sim.model import Run
+    from sim.profile import load_profile
+    from sim.scenario import PAPER
+    from sim.workload import make_trace
+    profile = load_profile("qwen2.5-7b")
+    sc = PAPER.with_(hold_s=200.0)
+    trace = make_trace(profile.capacity, sc, 0)
+    logs, sizes = [], []
+    for thin_at in (64, 10 ** 12):
+        run = Run(profile, trace, CONDITIONS["proxy-cap"], sc, 0)
+        run.thin_at = thin_at
+        logs.append(run.run())
+        sizes.append(len(run.engine.gauge_log))
+    thin, full = logs
+    assert sizes[0] < sizes[1]
+    for name in ("t", "waiting", "running", "proxy_queue"):
+        assert np.array_equal(getattr(thin.series, name), getattr(full.series, name)), name
+    assert thin.series.proxy_queue.any() and thin.series.waiting.any()
+
+
+def test_thin_log_keeps_the_last_entry_of_each_second():
+    import numpy as np
+    from sim.runlog import sample_log, thin_log
+    log = [(0.0, 1), (0.5, 2), (1.0, 3), (1.2, 4), (1.7, 5), (3.0, 6), (3.5, 7)]
+    ts = np.arange(0.0, 6.0)
+    before = sample_log(log, ts)
+    thin_log(log)
+    assert log == [(0.0, 1), (1.0, 3), (1.7, 5), (3.0, 6), (3.5, 7)]
+    assert np.array_equal(sample_log(log, ts), before)
