@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from sim.measures import recovery, window_stats, record, summary, REQUIRED_KEYS
 from sim.runlog import (AttemptRecord, AttemptTable, CallRecord, CallTable, ExecutionRecord, RunLog, Series, NAN,
                         ATTEMPT_OUTCOMES, CALL_OUTCOMES)
-from sim.scenario import PAPER, Scenario
+from sim.scenario import PAPER
 
 S = PAPER          # pulse end 227, hold end 947, primary from 347, 12 windows
 NW = 12
