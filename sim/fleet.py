@@ -163,6 +163,9 @@ class FleetRun(Run):
         self.sidecar_queues = self.replica_mode and condition.proxy.proxy_cap is not None   # sidecars may queue
 
     # ------------------------------------------------------------ engines
+    def _gauge_logs(self) -> list[list]:
+        return [e.gauge_log for e in self.engines]
+
     def _horizon(self) -> float:
         """The earliest end of a step in flight; -INF while an engine is idle
         (an input may start a step on it at once)."""
@@ -285,7 +288,7 @@ class FleetRun(Run):
         engine_r = [{"steps": w[0], "preemptions": e.scheduler.num_preemptions,
                      "aborted_before_scheduled": e.aborted_before_scheduled} for e, w in zip(self.engines, work)]
         extra_r = [{"busy_s": w[1], "step_events": e.num_step_events} for e, w in zip(self.engines, work)]
-        fleet = RunLog(calls=self.call_records, attempts=self.attempts, executions=self.executions,
+        fleet = RunLog(calls=self.call_log, attempts=self.attempt_log, executions=self.executions,
                        series=Series(t=ts, waiting=sum(waiting[1:], waiting[0]), running=sum(running[1:], running[0]),
                                      proxy_queue=fleet_pq),
                        counters=_sum_counters(e.scheduler.counters for e in self.engines),
@@ -295,9 +298,9 @@ class FleetRun(Run):
         if self.replica_mode:
             att_rep = np.asarray(self.proxy.landed, dtype=np.int64)
         else:
-            a_exec = np.fromiter((a.execution for a in self.attempts), dtype=np.int64, count=len(self.attempts))
+            a_exec = np.fromiter((a.execution for a in self.attempt_log), dtype=np.int64, count=len(self.attempt_log))
             att_rep = np.where(a_exec >= 0, ex_rep[np.maximum(a_exec, 0)] if len(ex_rep) else -1, -1)
-        call_rep = first_landing(self.attempts, att_rep, len(self.call_records))
+        call_rep = first_landing(self.attempt_log, att_rep, len(self.call_log))
         replicas = [replica_log(fleet, r, att_rep, ex_rep, call_rep,
                                 Series(t=ts, waiting=waiting[r], running=running[r], proxy_queue=pq[r]),
                                 dict(self.engines[r].scheduler.counters), self.counters_at_r[r], engine_r[r],

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .runlog import RunLog
+from .runlog import RunLog, AttemptTable, CallTable, ATTEMPT_OUTCOMES, CALL_OUTCOMES
 from .scenario import Scenario
 
 # Tolerance on the recovery thresholds: a share computed as 49/50 or a slope
@@ -78,9 +78,10 @@ class _Codes(dict):
 
 _FATES = _Codes({"": 0, "completed": 1, "aborted": 2, "dropped": 3, "refused": 4})
 _F_LIVE, _F_COMPLETED, _F_ABORTED, _F_DROPPED, _F_REFUSED = range(5)
-_OUTCOMES = _Codes({"": 0, "complete": 1, "timeout": 2, "refused_budget": 3, "refused_engine": 4,
-                    "refused_proxy": 5})
-_O_COMPLETE, _O_TIMEOUT, _O_BUDGET, _O_ENGINE, _O_PROXY = 1, 2, 3, 4, 5
+_OUTCOMES = _Codes({o: i for i, o in enumerate(ATTEMPT_OUTCOMES)})
+_O_COMPLETE, _O_TIMEOUT, _O_BUDGET, _O_ENGINE, _O_PROXY = (_OUTCOMES[o] for o in ATTEMPT_OUTCOMES[1:])
+_CALL_OUTCOMES = _Codes({o: i for i, o in enumerate(CALL_OUTCOMES)})
+_C_LIVE, _C_DELIVERED, _C_FAILED_ATTEMPTS, _C_FAILED_RETRY_AFTER = range(4)
 
 
 def _col(records: list, name: str, dtype) -> np.ndarray:
@@ -94,25 +95,28 @@ def _code(records: list, name: str, table: _Codes) -> np.ndarray:
                        dtype=np.int64, count=len(records))
 
 
+def _columns(records, spec: tuple) -> list[np.ndarray]:
+    """The columns `spec` ((name, dtype or a _Codes table), ...) of a table
+    or a list of records; a table's codes follow the same tables."""
+    if isinstance(records, (AttemptTable, CallTable)):
+        return [records.column(name) for name, _ in spec]
+    return [_code(records, name, kind) if isinstance(kind, _Codes) else _col(records, name, kind)
+            for name, kind in spec]
+
+
 class _Columns:
-    """The RunLog's record lists as numpy columns, built once."""
+    """The RunLog's records as numpy columns, built once."""
 
     def __init__(self, log: RunLog, calls: bool = True, rest: bool = True):
         F, I, B = np.float64, np.int64, np.bool_
         if calls:
-            c = log.calls
-            self.planned = _col(c, "planned_at", F)
-            self.delivered_at = _col(c, "delivered_at", F)
-            self.call_outcome = list(map(attrgetter("outcome"), c))
+            self.planned, self.delivered_at, self.call_attempts, self.call_outcome = _columns(
+                log.calls, (("planned_at", F), ("delivered_at", F), ("attempts", I), ("outcome", _CALL_OUTCOMES)))
         if not rest:
             return
-        a = log.attempts
-        self.a_call = _col(a, "call", I)
-        self.a_number = _col(a, "number", I)
-        self.a_sent = _col(a, "sent_at", F)
-        self.a_outcome = _code(a, "outcome", _OUTCOMES)
-        self.a_exec = _col(a, "execution", I)
-        self.a_attached = _col(a, "attached", B)
+        self.a_call, self.a_number, self.a_sent, self.a_outcome, self.a_exec, self.a_attached = _columns(
+            log.attempts, (("call", I), ("number", I), ("sent_at", F), ("outcome", _OUTCOMES), ("execution", I),
+                           ("attached", B)))
         e = log.executions
         self.e_id = _col(e, "id", I)
         self.e_call = _col(e, "call", I)
@@ -385,16 +389,15 @@ def _engine(log: RunLog) -> dict:
     return {k: log.engine.get(k) for k in ("aborted_before_scheduled", "preemptions", "steps")}
 
 
-def _calls_failed(c: _Columns, log: RunLog) -> dict:
+def _calls_failed(c: _Columns) -> dict:
     """Failed calls by reason, calls outstanding at run end, and failed calls
     whose last attempt was refused (429 or 503) rather than timed out."""
     outc = c.call_outcome
-    n_att = np.fromiter((cr.attempts for cr in log.calls), dtype=np.int64, count=len(log.calls))
-    failed = np.fromiter((o.startswith("failed") for o in outc), dtype=bool, count=len(outc))
-    is_last = c.a_number == n_att[c.a_call] - 1 if len(c.a_call) else np.zeros(0, dtype=bool)
+    failed = (outc == _C_FAILED_ATTEMPTS) | (outc == _C_FAILED_RETRY_AFTER)
+    is_last = c.a_number == c.call_attempts[c.a_call] - 1 if len(c.a_call) else np.zeros(0, dtype=bool)
     refused_calls = c.a_call[is_last & np.isin(c.a_outcome, (_O_BUDGET, _O_ENGINE, _O_PROXY))]
-    return {"attempts": outc.count("failed_attempts"), "retry_after": outc.count("failed_retry_after"),
-            "outstanding": outc.count(""), "by_refusal": int(failed[refused_calls].sum())}
+    return {"attempts": int((outc == _C_FAILED_ATTEMPTS).sum()), "retry_after": int((outc == _C_FAILED_RETRY_AFTER).sum()),
+            "outstanding": int((outc == _C_LIVE).sum()), "by_refusal": int(failed[refused_calls].sum())}
 
 
 def _attempts(c: _Columns) -> dict:
@@ -461,7 +464,7 @@ def record(log: RunLog, scenario: Scenario, capacity: float, inputs: dict) -> di
         "waste": _waste(c),
         "engine": _engine(log),
         "wall_s": float(log.wall_s),
-        "calls_failed": _calls_failed(c, log),
+        "calls_failed": _calls_failed(c),
         "attempts": _attempts(c),
         "executions": _executions(c),
         "series": _series(c, log, s),

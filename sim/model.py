@@ -4,7 +4,9 @@ through the proxy policy, into the engine model — all in simulated time.
 result record from it."""
 from __future__ import annotations
 
+import gc
 import heapq
+import itertools
 import math
 import time
 
@@ -19,17 +21,34 @@ from .engine.request import WAITING_STATUSES
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel, Complete,
                            Drop, Wake)
 from .profile import Profile
-from .runlog import RunLog, CallRecord, AttemptRecord, ExecutionRecord, Series, sample_log, refusal_outcome
+from .runlog import (RunLog, ExecutionRecord, Series, AttemptTable, CallTable, ATTEMPT_OUTCOMES, CALL_OUTCOMES,
+                     sample_log, refusal_outcome, thin_log)
 from .scenario import Scenario
 from .workload import Trace
 
 INF = float("inf")
+_ATTEMPT_CODE = {o: i for i, o in enumerate(ATTEMPT_OUTCOMES)}
+_CALL_CODE = {o: i for i, o in enumerate(CALL_OUTCOMES)}
+_TIMEOUT, _COMPLETE, _DELIVERED = _ATTEMPT_CODE["timeout"], _ATTEMPT_CODE["complete"], _CALL_CODE["delivered"]
+
+
+def uniform_draws(rng: np.random.Generator, chunk: int = 512):
+    """`uniform(a, b)` drawing from `rng` the values `rng.uniform(a, b)`
+    would, one call after another, with the generator's doubles taken
+    `chunk` at a time."""
+    buf: list[float] = []
+
+    def uniform(a: float, b: float) -> float:
+        if not buf:
+            buf.extend(reversed(rng.random(chunk).tolist()))
+        return a + (b - a) * buf.pop()
+    return uniform
 
 
 class Clock(simpy.Environment):
-    """The SimPy environment of a run, with two additions for the driver's
-    timers: an event scheduled at an exact time, and a callback run as of an
-    earlier time of the current batch (`env.now` reads that time)."""
+    """The SimPy environment of a run, with an event scheduled at an exact
+    time for the driver's timers (which also set `now` to a timer's own time
+    while it fires in a batch, see `Timers`)."""
 
     def schedule_at(self, t: float, callback) -> None:
         """Call `callback(event)` when the clock reaches `t` (>= now)."""
@@ -38,13 +57,12 @@ class Clock(simpy.Environment):
         ev.callbacks.append(callback)
         heapq.heappush(self._queue, (t, simpy.core.NORMAL, next(self._eid), ev))
 
-    def call_as_of(self, t: float, fn, *args) -> None:
-        """Run `fn(*args)` with `now` set to `t`, then restore the clock."""
-        now, self._now = self._now, t
-        try:
-            fn(*args)
-        finally:
-            self._now = now
+    @property
+    def events_scheduled(self) -> int:
+        """SimPy events scheduled so far (engine steps, timer batches, wake-ups)."""
+        n = next(self._eid)
+        self._eid = itertools.count(n)
+        return n
 
 
 class Timers:
@@ -56,7 +74,7 @@ class Timers:
     and take one SimPy event per batch: when one comes due, every later one
     due before `horizon()` (the next time anything else can happen in the
     simulation: the end of the engine's step in flight) fires with it, each
-    in its own order and as of its own time (`Clock.call_as_of`), which is
+    in its own order and as of its own time (`env.now` reads it), which is
     what the policy core and the engine would see had it fired alone.
     `horizon()` returns -INF when timers must fire one instant at a time.
     Timers also stop batching once `stop()` is true."""
@@ -98,8 +116,9 @@ class Timers:
         env, h = self.env, self.heap
         now = heapq.heappop(self._armed)
         limit = min(self.horizon(), self.until)
-        limit -= 1e-9 * max(1.0, abs(limit))        # leave a tie with the horizon to the clock
-        pop, call_as_of, stop = heapq.heappop, env.call_as_of, self.stop
+        if -INF < limit < INF:
+            limit -= 1e-9 * max(1.0, abs(limit))    # leave a tie with the horizon to the clock
+        pop, stop = heapq.heappop, self.stop
         self._firing = True
         try:
             while h:
@@ -108,15 +127,15 @@ class Timers:
                     pop(h)
                     continue
                 tf = e[0]
-                if tf > now and (tf >= limit or stop()):
-                    break
+                if tf > now:
+                    if tf >= limit or stop():
+                        break
+                    env._now = tf           # as of its own time
                 pop(h)
                 e[5] = False
-                if tf > now:
-                    call_as_of(tf, e[3], e[2], e[4])
-                else:
-                    e[3](e[2], e[4])
+                e[3](e[2], e[4])
         finally:
+            env._now = now
             self._firing = False
         while h and not h[0][5]:
             pop(h)
@@ -170,22 +189,22 @@ class Run:
         self.scenario = scenario
         self.done = env.event()
         self.timers = Timers(env, horizon=self._horizon, stop=lambda: self.done.triggered)
-        rng = np.random.default_rng([seed, 1])   # stream of client backoff draws
-        self.client = RetryingClient(condition.client_config(scenario), lambda a, b: float(rng.uniform(a, b)))
+        self.client = RetryingClient(condition.client_config(scenario), uniform_draws(np.random.default_rng([seed, 1])))
         self.proxy_queue_log: list[tuple[float, int]] = [(0.0, 0)]   # (t, proxy queue length) at changes
         self._build(profile, condition, scenario, max_batched_tokens, fast_forward)
         n = len(trace)
         self.arrival = trace.arrival.tolist()
         self.max_tokens = trace.max_tokens.tolist()
         self.prompt_len = trace.prompt_len.tolist()
-        self.calls = [CallState(i, self.arrival[i]) for i in range(n)]
-        self.call_records = [CallRecord(i, self.arrival[i]) for i in range(n)]
-        self.attempts: list[AttemptRecord] = []
+        self.calls: list[CallState | None] = [None] * n     # client state of the calls in progress
+        self.call_log = CallTable.planned(trace.arrival)
+        self.attempt_log = AttemptTable()
         self.executions: list[ExecutionRecord] = []
         self.requests: dict[int, Request] = {}
-        self.open: dict[int, tuple[AttemptRecord, list]] = {}   # id(attempt) -> (its record, its deadline timer)
+        self.open: dict[int, tuple[int, list]] = {}     # id(attempt) -> (its row in attempt_log, its deadline timer)
         self.outstanding = n
         self.counters_at: dict[float, dict] = {}
+        self.thin_at = 0      # thin the gauge logs beyond this many entries (0: never; run() sets it)
         self._handlers = {Subscribe: self._subscribe, Dispatch: self._dispatch_action, Cancel: self._cancel,
                           Refuse: self._refuse, Complete: self._complete, Drop: self._drop, Wake: self._wake_at}
         for t in snapshot_times:
@@ -214,6 +233,20 @@ class Run:
                                  on_first_token=self._on_first_token,
                                  next_input_time=self._next_input_time, fast_forward=fast_forward)
 
+    def _gauge_logs(self) -> list[list]:
+        """The engines' gauge logs (one engine here; a fleet has several)."""
+        return [self.engine.gauge_log]
+
+    def _log_entries(self) -> int:
+        return sum(len(log) for log in self._gauge_logs()) + len(self.proxy_queue_log)
+
+    def _thin(self) -> None:
+        """Thin the gauge logs to what the 1 s series needs (see `thin_log`)."""
+        for log in self._gauge_logs():
+            thin_log(log)
+        thin_log(self.proxy_queue_log)
+        self.thin_at = max(self.thin_at, 2 * self._log_entries())
+
     def _horizon(self) -> float:
         """The next time anything but a timer can happen: the end of the
         engine's step in flight (-INF while it is idle)."""
@@ -222,26 +255,27 @@ class Run:
 
     # ------------------------------------------------------------ client side
     def _arrive(self, t: float, call_id: int) -> None:
+        if self.thin_at and self._log_entries() > self.thin_at:
+            self._thin()
         nxt = call_id + 1
         if self._in_order and nxt < len(self.arrival):
             self.timers.at(self.arrival[nxt], self._arrive, nxt, seq=self._arrival_seq + nxt)
+        self.calls[call_id] = CallState(call_id, self.arrival[call_id])
         self._send(t, call_id)
 
     def _send(self, t: float, call_id: int) -> None:
         cs = self.calls[call_id]
         number = self.client.send(cs, t)
         att = Attempt(call_id, number, cs.deadline)
-        rec = AttemptRecord(call=call_id, number=number, sent_at=t)
-        self.attempts.append(rec)
-        self.call_records[call_id].attempts = cs.attempts
-        self.open[id(att)] = (rec, self.timers.at(cs.deadline, self._deadline, att))
+        row = self.attempt_log.add(call_id, number, t)
+        self.call_log.attempts[call_id] = cs.attempts
+        self.open[id(att)] = (row, self.timers.at(cs.deadline, self._deadline, att))
         self._do(t, self.proxy.on_attempt(t, att, (self.max_tokens[call_id],), self.prompt_len[call_id]))
 
     def _deadline(self, t: float, att: Attempt) -> None:
         if not att.open:
             return
-        rec = self.open.pop(id(att))[0]
-        rec.ended_at, rec.outcome = t, "timeout"
+        self._end_attempt(self.open.pop(id(att))[0], t, _TIMEOUT)
         self._do(t, self.proxy.on_attempt_left(t, att))
         ex = att.execution
         if ex is not None and ex.orphaned:
@@ -254,20 +288,26 @@ class Run:
         if type(decision) is Retry:
             self.timers.at(decision.at, self._send, call_id)
             return
-        crec = self.call_records[call_id]
+        calls = self.call_log
         if type(decision) is Delivered:
-            crec.delivered_at = decision.at
-            crec.outcome = "delivered"
+            calls.delivered_at[call_id] = decision.at
+            calls.outcome[call_id] = _DELIVERED
         else:
-            crec.outcome = "failed_" + decision.reason
+            calls.outcome[call_id] = _CALL_CODE["failed_" + decision.reason]
+        self.calls[call_id] = None          # the call is over: its client state goes
         self.outstanding -= 1
         if self.outstanding == 0 and not self.done.triggered:
             self.done.succeed()
 
-    def _close_attempt(self, att: Attempt) -> AttemptRecord:
-        rec, timer = self.open.pop(id(att))
+    def _close_attempt(self, att: Attempt, t: float, outcome: int) -> None:
+        row, timer = self.open.pop(id(att))
         timer[5] = False                    # Timers.cancel
-        return rec
+        self._end_attempt(row, t, outcome)
+
+    def _end_attempt(self, row: int, t: float, outcome: int) -> None:
+        log = self.attempt_log
+        log.ended_at[row] = t
+        log.outcome[row] = outcome
 
     # ------------------------------------------------------------- proxy side
     def _do(self, t: float, actions: list) -> None:
@@ -279,10 +319,10 @@ class Run:
             self.proxy_queue_log.append((t, q))
 
     def _subscribe(self, t: float, a: Subscribe) -> None:
-        rec = self.open[id(a.attempt)][0]
+        row = self.open[id(a.attempt)][0]
         ex = a.execution
-        rec.execution = ex.id
-        rec.attached = a.attempt.attached
+        self.attempt_log.execution[row] = ex.id
+        self.attempt_log.attached[row] = a.attempt.attached
         if ex.id == len(self.executions):        # created for this attempt
             i = ex.call_id
             self.executions.append(ExecutionRecord(
@@ -297,15 +337,12 @@ class Run:
         self.engine.abort_request(self.requests.pop(a.execution.id))
 
     def _refuse(self, t: float, a: Refuse) -> None:
-        rec = self._close_attempt(a.attempt)
-        rec.ended_at = t
-        rec.outcome = refusal_outcome(a.reason)
+        self._close_attempt(a.attempt, t, _ATTEMPT_CODE[refusal_outcome(a.reason)])
         self._decide(t, a.attempt.call_id,
                      self.client.on_refused(self.calls[a.attempt.call_id], t, a.status, a.retry_after))
 
     def _complete(self, t: float, a: Complete) -> None:
-        rec = self._close_attempt(a.attempt)
-        rec.ended_at, rec.outcome = t, "complete"
+        self._close_attempt(a.attempt, t, _COMPLETE)
         self._decide(t, a.attempt.call_id, self.client.on_complete(self.calls[a.attempt.call_id], t))
 
     def _drop(self, t: float, a: Drop) -> None:
@@ -364,10 +401,20 @@ class Run:
     # ------------------------------------------------------------------- run
     def run(self, until: float | None = None) -> RunLog:
         t0 = time.perf_counter()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()    # a run leaves no cyclic garbage until it ends; collection passes would only rescan its records
+        try:
+            return self._run(until, t0)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _run(self, until: float | None, t0: float) -> RunLog:
         if until is None:
             last = float(self.trace.arrival[-1]) if len(self.trace) else 0.0
             until = last + self.scenario.delivery_horizon_s
         self.timers.until = until
+        self.thin_at = self.thin_at or 8192     # the series samples whole seconds only
         self.env.run(until=simpy.AnyOf(self.env, [self.done, self.env.timeout(until)]))
         end = self.env.now
         wall = time.perf_counter() - t0
@@ -382,7 +429,7 @@ class Run:
         series = Series(t=ts, waiting=waiting, running=running, proxy_queue=proxy_queue)
         s = eng.scheduler
         steps, busy = eng.work_by(end)
-        return RunLog(calls=self.call_records, attempts=self.attempts, executions=self.executions,
+        return RunLog(calls=self.call_log, attempts=self.attempt_log, executions=self.executions,
                       series=series, counters=dict(s.counters), counters_at=dict(self.counters_at),
                       engine={"steps": steps, "preemptions": s.num_preemptions,
                               "aborted_before_scheduled": eng.aborted_before_scheduled},

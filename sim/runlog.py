@@ -1,8 +1,13 @@
 """What a run leaves behind: plain records of calls, attempts and executions,
 engine counters and 1 s time series. `sim.measures` turns a RunLog into the
-SPEC §8 result record; nothing here refers to live simulation state."""
+SPEC §8 result record; nothing here refers to live simulation state.
+
+Calls and attempts are lists of records or, as the simulator writes them,
+tables of columns (`CallTable`, `AttemptTable`) that read as the same
+records row by row."""
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +23,17 @@ def sample_log(log, ts: np.ndarray, column: int = 1) -> np.ndarray:
         return np.zeros(len(ts))
     idx = np.searchsorted(g[:, 0], ts, side="right") - 1
     return np.where(idx >= 0, g[np.maximum(idx, 0), column], 0.0)
+
+
+def thin_log(log: list) -> None:
+    """Thin a change log in place to what `sample_log` needs at whole
+    seconds: the last entry of each second (k-1, k]. Sampling the thinned
+    log at integer times gives what the full log gives."""
+    if len(log) < 2:
+        return
+    second = np.ceil(np.fromiter((e[0] for e in log), dtype=float, count=len(log)))
+    keep = np.flatnonzero(np.append(second[1:] != second[:-1], True))
+    log[:] = [log[i] for i in keep.tolist()]
 
 
 def refusal_outcome(reason: str) -> str:
@@ -72,6 +88,91 @@ class CallRecord:
     outcome: str = ""
 
 
+ATTEMPT_OUTCOMES = ("", "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy")
+CALL_OUTCOMES = ("", "delivered", "failed_attempts", "failed_retry_after")
+
+
+class _Table:
+    """Records of one kind as columns (`array.array`), one row a record.
+    `FIELDS`: (name, typecode, default) in the record's field order; a field
+    named in `CODES` holds the index of its value in that tuple; typecode
+    "b" without codes is a bool."""
+    FIELDS: tuple = ()
+    CODES: dict = {}
+    RECORD: type = object
+
+    def __init__(self):
+        for name, typecode, _ in self.FIELDS:
+            setattr(self, name, array(typecode))
+
+    def __len__(self) -> int:
+        return len(getattr(self, self.FIELDS[0][0]))
+
+    def __getitem__(self, i: int):
+        kw = {}
+        for name, typecode, _ in self.FIELDS:
+            v = getattr(self, name)[i]
+            if name in self.CODES:
+                v = self.CODES[name][v]
+            elif typecode == "b":
+                v = bool(v)
+            kw[name] = v
+        return self.RECORD(**kw)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def column(self, name: str) -> np.ndarray:
+        """A copy of one column as a numpy array (codes as int64, bools as bool)."""
+        typecode = next(f[1] for f in self.FIELDS if f[0] == name)
+        a = np.array(getattr(self, name))
+        if name in self.CODES:
+            return a.astype(np.int64)
+        return a.astype(bool) if typecode == "b" else a
+
+
+class AttemptTable(_Table):
+    """The attempts of a run in the order sent (`AttemptRecord` rows);
+    `outcome` holds indices into ATTEMPT_OUTCOMES."""
+    FIELDS = (("call", "q", 0), ("number", "q", 0), ("sent_at", "d", NAN), ("ended_at", "d", NAN),
+              ("outcome", "b", 0), ("execution", "q", -1), ("attached", "b", 0))
+    CODES = {"outcome": ATTEMPT_OUTCOMES}
+    RECORD = AttemptRecord
+
+    def add(self, call: int, number: int, sent_at: float) -> int:
+        """A new attempt, open; returns its row."""
+        i = len(self.call)
+        self.call.append(call)
+        self.number.append(number)
+        self.sent_at.append(sent_at)
+        self.ended_at.append(NAN)
+        self.outcome.append(0)
+        self.execution.append(-1)
+        self.attached.append(0)
+        return i
+
+
+class CallTable(_Table):
+    """The calls of a run by id (`CallRecord` rows); `outcome` holds
+    indices into CALL_OUTCOMES."""
+    FIELDS = (("id", "q", 0), ("planned_at", "d", NAN), ("delivered_at", "d", NAN), ("attempts", "q", 0),
+              ("outcome", "b", 0))
+    CODES = {"outcome": CALL_OUTCOMES}
+    RECORD = CallRecord
+
+    @classmethod
+    def planned(cls, planned_at: np.ndarray) -> "CallTable":
+        """One outstanding call per planned arrival."""
+        t = cls()
+        n = len(planned_at)
+        t.id = array("q", range(n))
+        t.planned_at = array("d", np.asarray(planned_at, dtype=float).tobytes())
+        t.delivered_at = array("d", [NAN]) * n
+        t.attempts = array("q", [0]) * n
+        t.outcome = array("b", [0]) * n
+        return t
+
+
 @dataclass
 class Series:
     """1 s samples over the run."""
@@ -83,8 +184,8 @@ class Series:
 
 @dataclass
 class RunLog:
-    calls: list[CallRecord]
-    attempts: list[AttemptRecord]
+    calls: list[CallRecord] | CallTable
+    attempts: list[AttemptRecord] | AttemptTable
     executions: list[ExecutionRecord]
     series: Series
     counters: dict[str, int]                    # vLLM counters at run end

@@ -177,6 +177,13 @@ def test_prompt_rate_is_over_a_sliding_window():
     assert r.rate(200.0) is None
 
 
+
+def test_prompt_rate_holds_only_the_last_window_without_being_asked():
+    r = PromptRate(60.0)
+    for i in range(1000):
+        r.add(float(i), 100)
+    assert len(r.events) == 60 and r.rate(999.0) == 100.0
+
 # ------------------------------------------------------------------ proxy cap
 
 def test_proxy_cap_queues_and_dispatches_fifo():
@@ -513,3 +520,64 @@ def test_cli_composes_a_condition_from_flags(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     listed = [ln.split()[0] for ln in lines if ln.split() and ln.split()[0] in CONDITIONS]
     assert listed == list(CONDITIONS) and any("deferred:10" in ln for ln in lines)
+
+
+def _timers(horizon):
+    from sim.model import Clock, Timers
+    env = Clock()
+    seen = []
+    timers = Timers(env, horizon=lambda: horizon)
+    fire = lambda t, arg: seen.append((t, env.now, arg))      # noqa: E731
+    entries = {t: timers.at(t, fire, f"t{t:g}") for t in (3.0, 1.0, 2.0, 12.0, 5.0)}
+    return env, timers, seen, entries
+
+
+def test_timers_fire_in_time_order_each_as_of_its_own_time():
+    for horizon in (10.0, -float("inf")):
+        env, timers, seen, entries = _timers(horizon)
+        timers.cancel(entries[5.0])
+        env.run()
+        assert seen == [(1.0, 1.0, "t1"), (2.0, 2.0, "t2"), (3.0, 3.0, "t3"), (12.0, 12.0, "t12")]
+        assert timers.next_time() == float("inf")
+
+
+def test_timers_due_before_the_horizon_share_one_event():
+    env, _, seen, _ = _timers(10.0)          # 1, 2, 3 and 5 in one batch; 12 after the horizon
+    env.run()
+    batched = env.events_scheduled
+    env, _, seen_alone, _ = _timers(-float("inf"))
+    env.run()
+    assert seen == seen_alone and batched < env.events_scheduled == 5
+
+
+def test_thinning_the_gauge_logs_keeps_the_1s_series():
+    import numpy as np
+    from sim.model import Run
+    from sim.profile import load_profile
+    from sim.scenario import PAPER
+    from sim.workload import make_trace
+    profile = load_profile("qwen2.5-7b")
+    sc = PAPER.with_(hold_s=200.0)
+    trace = make_trace(profile.capacity, sc, 0)
+    logs, sizes = [], []
+    for thin_at in (64, 10 ** 12):
+        run = Run(profile, trace, CONDITIONS["proxy-cap"], sc, 0)
+        run.thin_at = thin_at
+        logs.append(run.run())
+        sizes.append(len(run.engine.gauge_log))
+    thin, full = logs
+    assert sizes[0] < sizes[1]
+    for name in ("t", "waiting", "running", "proxy_queue"):
+        assert np.array_equal(getattr(thin.series, name), getattr(full.series, name)), name
+    assert thin.series.proxy_queue.any() and thin.series.waiting.any()
+
+
+def test_thin_log_keeps_the_last_entry_of_each_second():
+    import numpy as np
+    from sim.runlog import sample_log, thin_log
+    log = [(0.0, 1), (0.5, 2), (1.0, 3), (1.2, 4), (1.7, 5), (3.0, 6), (3.5, 7)]
+    ts = np.arange(0.0, 6.0)
+    before = sample_log(log, ts)
+    thin_log(log)
+    assert log == [(0.0, 1), (1.0, 3), (1.7, 5), (3.0, 6), (3.5, 7)]
+    assert np.array_equal(sample_log(log, ts), before)

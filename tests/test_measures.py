@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from sim.measures import recovery, window_stats, record, summary, REQUIRED_KEYS
-from sim.runlog import AttemptRecord, CallRecord, ExecutionRecord, RunLog, Series, NAN
-from sim.scenario import PAPER, Scenario
+from sim.runlog import (AttemptRecord, AttemptTable, CallRecord, CallTable, ExecutionRecord, RunLog, Series, NAN,
+                        ATTEMPT_OUTCOMES, CALL_OUTCOMES)
+from sim.scenario import PAPER
 
 S = PAPER          # pulse end 227, hold end 947, primary from 347, 12 windows
 NW = 12
@@ -399,3 +400,41 @@ def test_record_on_10k_executions_counts_every_one():
     assert ex["created"] == len(log.executions)
     assert ex["completed"] + ex["aborted"] == sum(e.fate in ("completed", "aborted") for e in log.executions)
     assert rec["prompt_tokens"]["computed"] == sum(e.prompt_computed for e in log.executions)
+
+
+def _as_tables(log: RunLog) -> RunLog:
+    calls = CallTable.planned(np.array([c.planned_at for c in log.calls]))
+    for c in log.calls:
+        calls.delivered_at[c.id] = c.delivered_at
+        calls.attempts[c.id] = c.attempts
+        calls.outcome[c.id] = CALL_OUTCOMES.index(c.outcome)
+    attempts = AttemptTable()
+    for a in log.attempts:
+        i = attempts.add(a.call, a.number, a.sent_at)
+        attempts.ended_at[i] = a.ended_at
+        attempts.outcome[i] = ATTEMPT_OUTCOMES.index(a.outcome)
+        attempts.execution[i] = a.execution
+        attempts.attached[i] = a.attached
+    return RunLog(calls, attempts, log.executions, log.series, log.counters, log.counters_at, log.engine,
+                  log.end_time, log.wall_s, log.extra)
+
+
+def _nan_none(x):
+    return json.loads(json.dumps(x, default=str).replace("NaN", "null"))
+
+
+def test_tables_read_as_the_records_they_hold():
+    log = hand_log()
+    t = _as_tables(log)
+    assert len(t.calls) == len(log.calls) and len(t.attempts) == len(log.attempts)
+    for a, b in zip(list(t.calls) + list(t.attempts), log.calls + log.attempts):
+        assert type(a) is type(b)
+        assert _nan_none(repr(a)) == _nan_none(repr(b))
+    assert t.attempts.column("attached").dtype == bool
+    assert list(t.attempts.column("outcome")) == [ATTEMPT_OUTCOMES.index(a.outcome) for a in log.attempts]
+
+
+@pytest.mark.parametrize("make", [hand_log, big_log], ids=["hand", "big"])
+def test_record_of_tables_is_the_record_of_the_same_records(make):
+    log = make()
+    assert record(_as_tables(log), S, 2.8, INPUTS) == record(log, S, 2.8, INPUTS)

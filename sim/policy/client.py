@@ -23,17 +23,17 @@ class ClientConfig:
             raise ValueError("need 0 <= backoff_min_s <= backoff_max_s")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Retry:
     at: float           # send the next attempt at this time
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class GiveUp:
     reason: str         # "attempts" (no retries left) or "retry_after" (429 wait too long)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Delivered:
     at: float
 

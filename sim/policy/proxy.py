@@ -92,22 +92,28 @@ class EngineView:
 
 class PromptRate:
     """Computed prompt tokens per second over a sliding window, fed with
-    (time, tokens) events; None while there is no history."""
+    (time, tokens) events in time order and asked at times no earlier than
+    the last event; None while there is no history. Holds only the events
+    of the last window."""
 
     def __init__(self, window_s: float = 60.0):
         self.window_s = window_s
         self.events: deque = deque()
         self.total = 0.0
 
+    def _trim(self, t: float) -> None:
+        ev = self.events
+        while ev and ev[0][0] <= t - self.window_s:
+            self.total -= ev.popleft()[1]
+
     def add(self, t: float, tokens: float) -> None:
+        self._trim(t)
         self.events.append((t, tokens))
         self.total += tokens
 
     def rate(self, t: float) -> float | None:
-        ev = self.events
-        while ev and ev[0][0] <= t - self.window_s:
-            self.total -= ev.popleft()[1]
-        if not ev or self.total <= 0:
+        self._trim(t)
+        if not self.events or self.total <= 0:
             return None
         return self.total / self.window_s
 
@@ -181,18 +187,18 @@ class Attempt:
 
 
 # actions
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Subscribe:
     attempt: Attempt
     execution: Execution
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Dispatch:
     execution: Execution
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Refuse:
     attempt: Attempt
     status: int                   # 429 or 503
@@ -200,23 +206,23 @@ class Refuse:
     reason: str = ""              # budget | engine | deadline
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Cancel:
     execution: Execution
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Complete:
     attempt: Attempt
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Drop:
     """A queued execution leaves the proxy's queue without reaching the engine."""
     execution: Execution
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Wake:
     """Call `on_wake(at, execution)` at time `at`."""
     at: float
