@@ -101,7 +101,7 @@ def cmd_paper(a) -> int:
 
 
 def add_subcommands(sub) -> None:
-    p = sub.add_parser("waste", help="steady-load cancellation waste (SPEC §10): KV policies x abort latencies")
+    p = sub.add_parser("waste", help="steady-load cancellation waste (docs/model.md): KV policies x abort latencies")
     model_arg(p)
     p.add_argument("--cancel-rate", type=args.rates, default=[0.0, 0.1, 0.3], help="comma-separated, e.g. 0,0.1,0.3")
     p.add_argument("--stop-rate", type=args.rates, default=None, help="share of responses ended by a stop sequence (0.2)")
@@ -141,7 +141,7 @@ def add_subcommands(sub) -> None:
                                      "then report.md and PNG figures from DIR/results.parquet")
     p.add_argument("--out", default="paper", metavar="DIR", help="output directory (default ./paper)")
     p.add_argument("--seeds", type=args.positive(int), default=None, metavar="N",
-                   help="seeds 0..N-1 per cell (default 3; the published counts are not in the SPEC)")
+                   help="seeds 0..N-1 per cell (default 3; the published counts are not known)")
     p.add_argument("--workers", type=args.positive(int), default=None, help="local processes (default: all cores)")
     p.add_argument("--ray", metavar="ADDRESS|auto", default=None, help="run on a Ray cluster instead")
     p.add_argument("--report-only", action="store_true", help="only rewrite the report from DIR/results.parquet")

@@ -259,7 +259,7 @@ def add_subcommands(sub) -> None:
     control_args(p)
     p.set_defaults(fn=cmd_run)
 
-    p = sub.add_parser("capacity", help="the capacity protocol (SPEC §6) on the simulator")
+    p = sub.add_parser("capacity", help="the capacity protocol on the simulator")
     model_arg(p, None)
     scenario_arg(p)
     g = p.add_mutually_exclusive_group()
@@ -282,7 +282,7 @@ def add_subcommands(sub) -> None:
     p.set_defaults(fn=cmd_latency)
 
     p = sub.add_parser("diagnose", help="the four diagnostic conditions on one trace, as a table; "
-                                        "qwen2.5-7b at pulse 2.7 is compared with SPEC §7")
+                                        "qwen2.5-7b at pulse 2.7 is compared with the published figures")
     model_arg(p, None)
     scenario_arg(p)
     p.add_argument("--pulse", type=args.positive(most=args.PULSE_MAX), default=None,

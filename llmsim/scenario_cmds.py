@@ -112,7 +112,7 @@ def cmd_check(a) -> int:
         print("no burst declared: run and diagnose need one ([measures] burst, or burst_start_s/burst_end_s)")
     else:
         verdict = ("beyond one deadline: retries of calls that time out in the backlog can keep the engine "
-                   "from recovering (SPEC §1)" if b["beyond_deadline"] else "within one deadline")
+                   "from recovering (docs/model.md)" if b["beyond_deadline"] else "within one deadline")
         print(f"burst {b['name']}: {b['start_s']:g}-{b['end_s']:g} s at {b['load']:.2f} x Ĉ; backlog at capacity "
               f"{b['backlog_s']:.0f} s of work against a {b['deadline_s']:g} s deadline: {verdict}")
     kv = imp["kv"]

@@ -1,4 +1,4 @@
-"""The capacity protocol of SPEC §6: one continuous run of 300 s stages
+"""The capacity protocol of docs/model.md: one continuous run of 300 s stages
 without retries, the first at `start_rate` calls/s and each later one 1.5x the
 previous, until the engine's waiting queue grows by at least 0.1 calls/s over
 a stage (least-squares slope of the queue sampled every second).

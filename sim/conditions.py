@@ -1,4 +1,4 @@
-"""Named conditions of SPEC §3: a client configuration, a proxy
+"""Named conditions of docs/model.md: a client configuration, a proxy
 configuration and an engine cap — and their composition from flags
 (`compose`)."""
 from __future__ import annotations

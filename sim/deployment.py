@@ -875,7 +875,7 @@ def to_toml(doc: dict, engine: dict | None = None) -> str:
     """A resolved document as a commented TOML file; `engine` (the profile's
     flags) is listed, commented out, under [engine]."""
     lines = [f"# llmsim scenario {doc['name']}" + (f": {doc['about']}" if doc.get("about") else ""),
-             "# every key is optional; an absent key takes the reference design's value (SPEC §1-§5)"]
+             "# every key is optional; an absent key takes the reference design's value (docs/model.md)"]
     for k in ("name", "about", "seed"):
         lines.append(f"{k} = {_toml_value(doc[k])}")
     for sec in ("model", "engine", "workload", "client", "proxy", "measures", "fleet"):

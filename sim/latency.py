@@ -1,4 +1,4 @@
-"""Latency at a steady load (SPEC §9 `llmsim latency`): calls sent straight
+"""Latency at a steady load (`llmsim latency`): calls sent straight
 to the engine at a Poisson rate — no retries, no proxy controls, no deadline —
 and their time to first token and to last token."""
 from __future__ import annotations

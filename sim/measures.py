@@ -1,4 +1,4 @@
-"""The measures of SPEC §5 and the result record of SPEC §8, computed from a
+"""The measures of docs/model.md and the result record, computed from a
 `RunLog`. Everything here is a pure function of the log and the scenario: the
 simulator and the live harness write the same record from the same kind of log.
 
@@ -53,7 +53,7 @@ def good_windows(window_delivery: Sequence[float], window_queue_mean: Sequence[f
 
 def recovery(window_delivery: Sequence[float], window_queue_mean: Sequence[float],
              window_queue_growth: Sequence[float], scenario: Scenario) -> tuple[bool, float | None]:
-    """SPEC §5 recovery rule over the hold's windows [pulse_end + w·k,
+    """The recovery rule over the hold's windows [pulse_end + w·k,
     pulse_end + w·(k+1)), k = 0, 1, ... (w = scenario.window_s).
 
     Recovered once two consecutive windows are good; the recovery time is the
@@ -446,7 +446,7 @@ def _proxy_queue(log: RunLog, s: Scenario) -> dict:
 
 
 def record(log: RunLog, scenario: Scenario, capacity: float, inputs: dict) -> dict:
-    """The SPEC §8 result record of one run, as plain JSON-able Python."""
+    """The result record of one run, as plain JSON-able Python."""
     s = scenario
     c = _Columns(log)
     win = _window_stats(c.planned, c.delivered_at, log, s)

@@ -6,13 +6,13 @@ Schema (all keys required unless marked optional):
   name                 str
   step_time            {fixed_s, per_request_s, per_token_s, per_prefill_pair_s, per_decode_ctx_s}  seconds
   engine               {max_num_seqs, max_num_batched_tokens, block_size, num_gpu_blocks, depth, max_model_len}
-  capacity             float, calls/s (Ĉ, SPEC §6) — of this profile's engine under the SPEC workload
+  capacity             float, calls/s (Ĉ) — of this profile's engine under the reference workload
   provenance           {kind: "measured" | "fitted to published figures" | ..., ...}
   model, hardware, kv_cache, fit   optional: shape, GPU, KV derivation, fit report
 
 Limits: step-time coefficients finite and >= 0; engine values whole numbers in
 [1, 2**31 - 1], `depth` at most 16; capacity finite, > 0 and at most 1,000
-calls/s (one engine; the SPEC workload's trace grows with it). A file that
+calls/s (one engine; the reference workload's trace grows with it). A file that
 breaks any of these, is not UTF-8 JSON, or is not a file raises ProfileError
 naming the file and the key.
 """

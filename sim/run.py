@@ -78,9 +78,9 @@ def _work(s: Scenario) -> float:
 
 
 def start_rate(profile: Profile, scenario: Scenario) -> float:
-    """The protocol's first stage: SPEC §6's 1.0 calls/s, or for a workload
+    """The protocol's first stage: 1.0 calls/s, or for a workload
     whose Ĉ is guessed (the profile's, scaled by the work of a call) above
-    8 calls/s, the stage of SPEC's schedule (1.0 x 1.5^k) a few stages
+    8 calls/s, the stage of the reference design's schedule (1.0 x 1.5^k) a few stages
     below that guess, so light workloads skip minutes of idle stages."""
     guess = profile.capacity * _work(profile_workload(profile)) / _work(scenario)
     k = max(0, math.floor(math.log(guess / 8.0) / math.log(1.5))) if guess > 8.0 else 0
@@ -90,7 +90,7 @@ def start_rate(profile: Profile, scenario: Scenario) -> float:
 def workload_capacity(profile: Profile, scenario: Scenario, seed: int = 0) -> dict:
     """Ĉ of `scenario`'s prompt and response mix on the profile's engine:
     {"capacity", "source", "key"}. The profile's own Ĉ where it was measured
-    on this mix with these flags (`needs_recalibration`); otherwise SPEC §6's
+    on this mix with these flags (`needs_recalibration`); otherwise the capacity
     protocol run on the simulator with this workload, once per content hash
     of the engine, the workload and the simulator's source (kept in memory
     and as JSON under `cache_dir()`)."""
@@ -129,7 +129,7 @@ def run_one(profile: Profile, condition: str | Condition, pulse: float, seed: in
     record. The scenario is the reference one at `pulse` unless `scenario`
     is given (then `pulse` is only recorded). Ĉ is `capacity` if given,
     else the workload's (`workload_capacity`: with mixed prompts the
-    protocol's Ĉ of the mix, SPEC §1). `extra` is added to the record's
+    protocol's Ĉ of the mix, docs/model.md). `extra` is added to the record's
     inputs."""
     cond = condition if isinstance(condition, Condition) else get_condition(condition)
     sc = scenario if scenario is not None else PAPER.with_(pulse=pulse)

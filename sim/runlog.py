@@ -1,6 +1,6 @@
 """What a run leaves behind: plain records of calls, attempts and executions,
 engine counters and 1 s time series. `sim.measures` turns a RunLog into the
-SPEC §8 result record; nothing here refers to live simulation state.
+result record; nothing here refers to live simulation state.
 
 Calls and attempts are lists of records or, as the simulator writes them,
 tables of columns (`CallTable`, `AttemptTable`) that read as the same

@@ -11,16 +11,16 @@ context length. Each is left out of `to_dict` while unset, so the reference
 scenarios read exactly as before; scenario files (`sim.deployment`) set them.
 
 Named scenarios:
-- `paper`: SPEC as written (947 s of arrivals, 120 s deadline) — the default
+- `paper`: the reference design as written (947 s of arrivals, 120 s deadline) — the default
   for `--engine gpu`, where a point takes ~17 minutes live.
 - `cpu-small`: the same dynamics on the tiny CPU engine in about 6 minutes a
-  point. All times are SPEC's divided by 4 (base 30 s, pulse 26.75 s at 2.7 Ĉ,
+  point. All times are the reference design's divided by 4 (base 30 s, pulse 26.75 s at 2.7 Ĉ,
   hold 180 s, deadline 30 s, 15 s recovery windows, horizon 210 s; the
   queue-growth bound of the recovery rule scales the other way, to 0.04/s), so
   the pulse's backlog still exceeds one deadline (1.7 x 26.75 s = 45 s of work
   at capacity against a 30 s deadline) and the hold still spans six deadlines. Prompts are 3,600 ±
   360 tokens with a 600-token shared prefix and responses median 90 / mean 120
-  tokens (SPEC's ratios, 30:1 prompt to response, at 0.3 of its lengths), which
+  tokens (the reference design's ratios, 30:1 prompt to response, at 0.3 of its lengths), which
   keeps the call rate at the CPU engine's capacity low enough (a few calls/s)
   that the load generator and proxy, sharing two cores with the engine, do not
   starve it. The client's backoff wait (0.25–3 s) is kept: it is a client
@@ -233,7 +233,7 @@ class NamedScenario:
     scenario: Scenario
     engine_args: list[str] = field(default_factory=list)   # extra flags for the live engine
     seed: int = 0
-    time_scale: float = 1.0          # SPEC's times are divided by this
+    time_scale: float = 1.0          # the reference design's times are divided by this
     about: str = ""
 
     def condition(self, cond):
@@ -267,9 +267,9 @@ SCENARIOS: dict[str, NamedScenario] = {s.name: s for s in [
     NamedScenario("scaled", SCALED, about="the reference workload at a tenth of its lengths, for the tiny CPU "
                                           "engine's capacity protocol"),
     NamedScenario("cpu-small", _scaled(SCALE), time_scale=SCALE,
-                  about="SPEC's times / 4, prompts and responses x 0.3, for the tiny CPU engine"),
+                  about="the reference design's times / 4, prompts and responses x 0.3, for the tiny CPU engine"),
     NamedScenario("cpu-tiny", _scaled(16.0), time_scale=16.0,
-                  about="cpu-small's workload at SPEC's times / 16 (7.5 s deadline): a smoke test of "
+                  about="cpu-small's workload at the reference design's times / 16 (7.5 s deadline): a smoke test of "
                         "the harness in about 3 minutes a point, not a validation"),
 ]}
 

@@ -1,4 +1,4 @@
-"""The open-loop trace of SPEC §1: every call's planned arrival, prompt and
+"""The open-loop trace of docs/model.md: every call's planned arrival, prompt and
 response length, fixed by a seed and replayed identically across conditions
 (`make_trace`), or read from a CSV file of recorded calls (`read_trace`)."""
 from __future__ import annotations

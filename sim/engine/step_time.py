@@ -1,4 +1,4 @@
-"""Step-time model (SPEC §6): a physically shaped linear function of a step's
+"""Step-time model (docs/model.md): a physically shaped linear function of a step's
 composition — fixed cost, per request, per token, prefill attention (query x
 key pairs) and decode attention (context tokens read)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The client of SPEC §2: per-attempt deadline, up to R retries after a
+"""The client of docs/model.md: per-attempt deadline, up to R retries after a
 uniform random wait, Retry-After on 429, the usual wait on 503; a refused
 attempt counts as one of the call's attempts."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The proxy of SPEC §3 as a clock-free state machine.
+"""The proxy of docs/model.md as a clock-free state machine.
 
 Every attempt goes through `on_attempt`; the proxy answers with actions for
 its driver: subscribe the attempt to an execution, dispatch an execution to
@@ -9,7 +9,7 @@ what happens (`on_engine_refused`, `on_attempt_left`, `on_finished`,
 every event carries its time, and what the proxy knows of the engine comes
 from an `EngineView` the driver supplies on request.
 
-Order of checks for one attempt (SPEC §3): the call's key; then the retry
+Order of checks for one attempt: the call's key; then the retry
 budget and the lookup of a live execution in the configured order
 (`budget-first` or `lookup-first`); unless refused or attached, under the
 `deadline` queue the deadline check; then a new execution, held in the
