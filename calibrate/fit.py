@@ -66,7 +66,9 @@ def load_sources(paths: list[str]) -> tuple[dict, list[dict], list[dict]]:
         meta, rs = read_steps(path)
         if not rs:
             raise ValueError(f"{path}: no steps")
-        kind = (meta.get("source") or {}).get("kind") or ("grid" if meta.get("grid") else "live run")
+        src = meta.get("source")
+        src = src if isinstance(src, dict) else ({"note": src} if src else {})
+        kind = src.get("kind") or ("grid" if meta.get("grid") else "live run")
         for k, r in enumerate(rs):
             cell = r.get("phase") or "other"
             if cell == "other":
@@ -74,7 +76,7 @@ def load_sources(paths: list[str]) -> tuple[dict, list[dict], list[dict]]:
             rows.append(dict(r, phase=f"{n}: {cell}" if len(paths) > 1 else cell))
         metas.append(meta)
         sources.append({"kind": kind, "path": str(path), "steps": len(rs), "date": meta.get("date"),
-                        **{k: v for k, v in (meta.get("source") or {}).items() if k != "kind"}})
+                        **{k: v for k, v in src.items() if k != "kind"}})
     meta = next((m for m in metas if (m.get("engine") or {}).get("kv_cache_tokens")), metas[0])
     return meta, rows, sources
 
@@ -157,7 +159,7 @@ def combine(forward: StepTimeModel, loop: dict) -> StepTimeModel:
 def _interval_errors(model: StepTimeModel, rows: list[dict], window: int) -> tuple[float, float]:
     ok = with_intervals(rows)
     if not ok:
-        return float("nan"), float("nan")
+        return None, None
     y = np.array([r["interval_s"] for r in ok])
     p = predict(model, ok)
     return mape(p, y), window_mape(p, y, window)
@@ -189,7 +191,7 @@ def fit_report(rows: list[dict], holdout_every: int = 4, window: int = 10,
     }
     report["weights"] = weights
     report["train_sum_ratio"] = float(ytr.sum() / predict(m, train).sum())
-    report["heldout_sum_ratio"] = float(yte.sum() / pte.sum()) if len(yte) else float("nan")
+    report["heldout_sum_ratio"] = float(yte.sum() / pte.sum()) if len(yte) else None
     full = nnls_fit(rows, weights)
     _, yall = design(rows)
     report["all_mape"] = mape(predict(full, rows), yall)
@@ -251,8 +253,7 @@ def build_profile(name: str, model: StepTimeModel, report: dict, meta: dict, cap
                            "engine_kind": eng_meta.get("kind"), "hardware": meta.get("hardware"),
                            "date": meta.get("date"),
                            "fit_error": {k: report[k] for k in FIT_ERROR_KEYS if k in report},
-                           "data": sources or [{"kind": (meta.get("source") or {}).get("kind", "grid"),
-                                                "steps": report["steps"], "date": meta.get("date")}],
+                           "data": sources or [{"kind": "grid", "steps": report["steps"], "date": meta.get("date")}],
                            "capture": {k: meta.get(k) for k in ("steps", "capture_wall_s", "seed")}}}
     prof.update(protocol_capacity(prof, scenario or default_capacity_scenario(meta), log=log,
                                   stage_s=capacity_stage_s))

@@ -116,11 +116,13 @@ def fit_summary(rep: dict, model) -> str:
              f"on {rep['window_steps']}-step sums {100 * rep['heldout_window_mape']:.1f}% held-out"]
     lp = rep.get("loop")
     if lp and lp.get("steps"):
+        held = rep.get("heldout_interval_mape")
         lines.append(f"  engine loop between steps ({lp['steps']} steps followed at once): "
                      f"{1e3 * lp['per_step_s']:.3f} ms per step + {1e6 * lp['per_request_s']:.1f} us per request "
-                     f"(mean gap {1e3 * lp['mean_gap_s']:.3f} ms); step-to-step interval MAPE "
-                     f"{100 * rep['heldout_interval_mape']:.1f}% held-out, "
-                     f"{100 * rep['heldout_interval_window_mape']:.1f}% on {rep['window_steps']}-step sums")
+                     f"(mean gap {1e3 * lp['mean_gap_s']:.3f} ms)" + (
+                         f"; step-to-step interval MAPE {100 * held:.1f}% held-out, "
+                         f"{100 * rep['heldout_interval_window_mape']:.1f}% on {rep['window_steps']}-step sums"
+                         if held is not None else ""))
     elif lp is not None:
         lines.append("  no step followed another at once: the engine loop's time between steps is not fitted")
     lines.append("  " + ", ".join(f"{k}={v:.3g}" for k, v in model.to_dict().items()))
