@@ -23,13 +23,17 @@ import asyncio
 import time
 
 import numpy as np
+from aiohttp import web
 
 from sim.capacity import CapacityProtocol, capacity_protocol
+from sim.conditions import get_condition
 from sim.profile import from_dict
 from sim.scenario import get_scenario
 from sim.workload import make_trace
 from validate import machine, step_log
+from validate.engine import free_port
 from validate.loadgen import LoadGen, TracePrompts
+from validate.proxy import LiveProxy
 
 from .fit import fit_profile
 
@@ -42,24 +46,30 @@ def live_scenario():
 
 
 def plan(profile_capacity: float, start_fraction: float = 0.25, stage_s: float = 20.0, factor: float = 1.5,
-         threshold: float = 0.1, max_stages: int = 7, seed: int = 0, deadline_s: float = 60.0) -> dict:
+         threshold: float = 0.1, max_stages: int = 7, seed: int = 0, deadline_s: float = 60.0,
+         via_proxy: bool = False) -> dict:
     """The time-scaled protocol's parameters for an engine whose profile
-    predicts `profile_capacity` calls/s on the scaled scenario."""
+    predicts `profile_capacity` calls/s on the protocol's workload (`via_proxy`:
+    the live calls go through the live proxy)."""
     if not profile_capacity > 0:
         raise ValueError(f"the profile's capacity must be positive, got {profile_capacity}")
     return {"start_rate": start_fraction * profile_capacity, "factor": factor, "stage_s": stage_s,
             "threshold": threshold, "max_stages": max_stages, "seed": seed, "deadline_s": deadline_s,
-            "start_fraction": start_fraction}
+            "start_fraction": start_fraction, "via_proxy": via_proxy}
 
 
 def live_capacity_protocol(url: str, model: str, scenario, start_rate: float, factor: float = 1.5,
                            stage_s: float = 20.0, threshold: float = 0.1, max_stages: int = 7, seed: int = 0,
-                           deadline_s: float = 60.0, progress=None, **_) -> dict:
-    """Run the protocol against the engine at `url` serving `model`."""
+                           deadline_s: float = 60.0, progress=None, via_proxy: bool = False, **_) -> dict:
+    """Run the protocol against the engine at `url` serving `model`. With
+    `via_proxy`, the calls go through the live proxy (`validate.proxy`,
+    condition no-retry: no controls) run in this process, as a validation
+    point's calls do, so the engine shares the machine with the same harness."""
     proto = CapacityProtocol(start_rate, factor, stage_s, threshold, max_stages, seed, progress)
     trace = make_trace(1.0, scenario, seed, phases=proto.phases())
-    gen = LoadGen(url.rstrip("/"), model, trace.arrival, TracePrompts(trace.prompt_len, trace.shared_prefix, seed),
-                  trace.max_tokens, deadline_s=deadline_s)
+    url = url.rstrip("/")
+    gen = LoadGen(url, model, trace.arrival, TracePrompts(trace.prompt_len, trace.shared_prefix, seed),
+                  trace.max_tokens, deadline_s=deadline_s, metrics_url=url)
 
     async def stages(g: LoadGen) -> bool:
         for k, a, b, _r in proto.schedule():
@@ -71,12 +81,27 @@ def live_capacity_protocol(url: str, model: str, scenario, start_rate: float, fa
                 return True
         return True
 
+    async def run() -> None:
+        runner = None
+        if via_proxy:
+            runner = web.AppRunner(LiveProxy(url, get_condition("no-retry")).app(), handler_cancellation=True)
+            await runner.setup()
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            gen.url = f"http://127.0.0.1:{port}"
+        try:
+            await gen.run(stage_hook=stages)
+        finally:
+            if runner is not None:
+                await runner.cleanup()
+
     t0 = time.monotonic()
-    asyncio.run(gen.run(stage_hook=stages))
+    asyncio.run(run())
     res = proto.result()
     res["wall_s"] = time.monotonic() - t0
     res["calls"] = gen.outcomes()
     res["protocol"]["deadline_s"] = deadline_s
+    res["protocol"]["via_proxy"] = via_proxy
     return res
 
 

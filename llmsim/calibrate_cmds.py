@@ -263,7 +263,8 @@ def cmd_calibrate_capacity(a) -> int:
              "this run's steps first")
     sc = live_capacity.live_scenario()
     params = live_capacity.plan(profile.capacity, start_fraction=a.start_fraction, stage_s=a.stage_s,
-                                max_stages=a.max_stages, seed=a.seed, deadline_s=a.deadline)
+                                max_stages=a.max_stages, seed=a.seed, deadline_s=a.deadline,
+                                via_proxy=a.via_proxy)
 
     def progress(tag):
         def f(st):
@@ -375,6 +376,8 @@ def add_subcommands(sub) -> None:
     q.add_argument("--no-recalibrate", action="store_true",
                    help="stop if the profile was measured on another machine instead of fitting it first")
     q.add_argument("--name", default=None, help="name of a profile fitted from the run (with --refit)")
+    q.add_argument("--via-proxy", action="store_true",
+                   help="send the live calls through the live proxy (no controls), as `validate` does")
     q.set_defaults(fn=cmd_calibrate_capacity)
     q = cs.add_parser("from-log", help="fit a profile from a vLLM server log's --enable-logging-iteration-details "
                                        "lines (no plugin, no capture grid)")

@@ -119,7 +119,7 @@ def _calibrate_first(spec: EngineSpec, prof, vs, json_path: str | None, diffs: l
         _say(f"validate: resuming with the profile fitted before ({prof_path})")
         return p, fitted["calibration"]
     steps = steps_path(base, "capacity")
-    params = live_capacity.plan(capacity_for(prof, vs))
+    params = live_capacity.plan(capacity_for(prof, vs), via_proxy=True)     # the points' harness, as they run
 
     def progress(tag):
         def f(st):
