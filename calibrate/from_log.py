@@ -5,7 +5,7 @@ no plugin and no capture grid.
 What the log identifies and what it cannot: each line gives a step's request
 and token counts, so the per-step, per-request and per-token terms are fitted
 to the elapsed times (nnls, weighted as `calibrate.fit` weights steps:
-``time`` by default, ``relative`` on request; held-out blocks of
+``time`` by default, ``relative`` on request; held-out blocks of up to
 `BLOCK_LINES` consecutive iterations, every `holdout_every`-th one). It does
 not give a prefill chunk's context before it nor a decode request's context
 length, so the attention terms (per prefill query-key pair, per decode context
@@ -92,7 +92,8 @@ def fit_log(its: list[dict], attention: tuple[float, float] = (0.0, 0.0), holdou
     """Fit per-step, per-request and per-token terms to the iterations'
     elapsed times with the attention terms `attention` = (per prefill pair,
     per decode context token) held fixed; held-out error on blocks of
-    BLOCK_LINES iterations (every `holdout_every`-th)."""
+    consecutive iterations (every `holdout_every`-th; BLOCK_LINES long, shorter
+    in a log too short for two held-out blocks of that length, `window` at least)."""
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}; valid: {', '.join(WEIGHTS)}")
     its = [d for d in its if d["elapsed_ms"] > 0 and d["ctx_tokens"] + d["gen_tokens"] > 0]
@@ -101,7 +102,8 @@ def fit_log(its: list[dict], attention: tuple[float, float] = (0.0, 0.0), holdou
     X, A, y, basis = features(its)
     att = A @ np.array(attention)
     r = np.maximum(y - att, 0.0)
-    held = np.array([(k // BLOCK_LINES) % holdout_every == holdout_every - 1 for k in range(len(its))])
+    block = min(BLOCK_LINES, max(window, len(its) // (2 * holdout_every)))     # at least two held-out blocks
+    held = np.array([(k // block) % holdout_every == holdout_every - 1 for k in range(len(its))])
     if held.all() or not held.any():
         held = np.arange(len(its)) % holdout_every == holdout_every - 1
     c_tr = _fit(X[~held], r[~held], y[~held], weights)
@@ -112,7 +114,7 @@ def fit_log(its: list[dict], attention: tuple[float, float] = (0.0, 0.0), holdou
     report = {
         "method": f"scipy.optimize.nnls on {'relative residuals' if weights == 'relative' else 'residuals in s'} "
                   "of vLLM's iteration elapsed times, attention terms "
-                  f"held fixed; held-out = every {holdout_every}th block of {BLOCK_LINES} consecutive iterations; "
+                  f"held fixed; held-out = every {holdout_every}th block of {block} consecutive iterations; "
                   f"window sums over {window} consecutive held-out iterations",
         "steps": len(its), "train_steps": int((~held).sum()), "heldout_steps": int(held.sum()),
         "train_mape": mape(X[~held] @ c_tr + att[~held], y[~held]),
