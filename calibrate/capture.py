@@ -9,9 +9,9 @@ Sources, both from the real engine process:
     requests, d generation tokens, iteration elapsed time: E ms``), joined by
     step index as a cross-check and for the model-execution time.
 
-File format (JSONL). The first line is ``{"meta": {...}}`` (engine url, kind,
-version, flags, KV cache size, hardware, date, grid); every further line is one
-step:
+File format (JSONL, `validate.step_log`). The first line is ``{"meta": {...}}``
+(engine url, kind, version, flags, KV cache size, hardware, date, source
+``{"kind": "grid"}``, grid); every further line is one step:
 
   i               step index in the engine process
   t_start, t_end  wall clock (s) around the engine-core step (schedule, execute, update)
@@ -24,48 +24,22 @@ step:
   prefill_chunks  [[q, ctx_before], ...]
   decode_reqs, decode_tokens, decode_ctx      decode requests, tokens, sum of their context before
   log_elapsed_ms  vLLM's iteration elapsed time for the same step (null if no log line matched)
+  pending         requests unfinished after the step (null where the recorder did not say)
+  interval_s      start of this step to start of the next where the next followed immediately, else null
 """
 from __future__ import annotations
 
 import datetime
 import json
-import os
-import platform
 import random
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sim.engine.step_time import prefill_pairs
 from validate.engine import Engine, EngineError
-from validate.step_log import steps_from_raw
-
-ITERATION_RE = re.compile(
-    r"Iteration\((\d+)\): (\d+) context requests, (\d+) context tokens, (\d+) generation requests, "
-    r"(\d+) generation tokens, iteration elapsed time: ([0-9.]+) ms")
-KV_TOKENS_RE = re.compile(r"KV cache size: ([0-9,]+) tokens")
-
-
-def parse_iteration_line(line: str) -> dict | None:
-    """One ``--enable-logging-iteration-details`` line, or None."""
-    m = ITERATION_RE.search(line)
-    if not m:
-        return None
-    i, cr, ct, gr, gt = (int(m.group(k)) for k in range(1, 6))
-    return {"i": i, "ctx_reqs": cr, "ctx_tokens": ct, "gen_reqs": gr, "gen_tokens": gt,
-            "elapsed_ms": float(m.group(6))}
-
-
-def parse_iteration_log(text: str) -> list[dict]:
-    return [d for d in map(parse_iteration_line, text.splitlines()) if d is not None]
-
-
-def parse_kv_tokens(text: str) -> int | None:
-    """The engine's KV cache size in tokens, from its start-up log."""
-    m = KV_TOKENS_RE.search(text)
-    return int(m.group(1).replace(",", "")) if m else None
-
+from validate.machine import describe as describe_machine
+from validate.step_log import (ITERATION_RE, parse_iteration_line, parse_iteration_log, parse_kv_tokens,  # noqa: F401
+                               read_steps, steps_from_raw, write_steps)
 
 # Grids. Prefill: one request at a time, prompt p (chunks of <= max batched
 # tokens, so later chunks see growing context). Decode: n requests sharing a
@@ -178,8 +152,8 @@ def capture(engine: Engine, out: str | Path, grid: str | dict = "full", seed: in
     kv_tokens = parse_kv_tokens(text)
     meta = {"engine": {"url": engine.url, "kind": engine.kind, "version": version, "model": engine.model,
                        "flags": engine.flags, "kv_cache_tokens": kv_tokens},
-            "hardware": {"machine": platform.machine(), "processor": platform.processor() or _cpu_name(),
-                         "cpus": _cpus(), "node": platform.node()},
+            "hardware": describe_machine(), "source": {"kind": "grid", "grid": grid if isinstance(grid, str)
+                                                        else "custom"},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "grid": g, "seed": seed, "capture_wall_s": wall, "steps": len(rows),
             "steps_with_log_line": sum(r["log_elapsed_ms"] is not None for r in rows),
@@ -188,41 +162,3 @@ def capture(engine: Engine, out: str | Path, grid: str | dict = "full", seed: in
                                         "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")}}
     write_steps(out, meta, rows)
     return meta
-
-
-def write_steps(path, meta: dict, rows: list[dict]) -> None:
-    with open(path, "w") as f:
-        f.write(json.dumps({"meta": meta}) + "\n")
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-
-
-def read_steps(path) -> tuple[dict, list[dict]]:
-    meta, rows = {}, []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if "meta" in d and n == 1:
-                meta = d["meta"]
-            else:
-                rows.append(d)
-    return meta, rows
-
-
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()

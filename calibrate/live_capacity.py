@@ -12,6 +12,10 @@ responses a tenth of the paper workload's), stages of `stage_s` (20 s) instead o
 the first stage at `start_fraction` (1/4) of the profile's simulated Ĉ, so
 that with factor 1.5 the engine saturates within about five stages
 (1/4 x 1.5^4 = 1.27): a run of ~2 minutes.
+
+The steps the engine's recorder wrote during the live run are kept as a steps
+file (`record_run`); `calibrate_under_load` fits a profile from them and runs
+the simulated protocol on it, so its Ĉ is a prediction of the live one.
 """
 from __future__ import annotations
 
@@ -19,11 +23,19 @@ import asyncio
 import time
 
 import numpy as np
+from aiohttp import web
 
 from sim.capacity import CapacityProtocol, capacity_protocol
+from sim.conditions import get_condition
+from sim.profile import from_dict
 from sim.scenario import get_scenario
 from sim.workload import make_trace
+from validate import machine, step_log
+from validate.engine import free_port
 from validate.loadgen import LoadGen, TracePrompts
+from validate.proxy import LiveProxy
+
+from .fit import fit_profile
 
 SCENARIO_KEYS = ("prompt_mean", "prompt_sd", "shared_prefix", "response_median", "response_mean")
 
@@ -34,24 +46,30 @@ def live_scenario():
 
 
 def plan(profile_capacity: float, start_fraction: float = 0.25, stage_s: float = 20.0, factor: float = 1.5,
-         threshold: float = 0.1, max_stages: int = 7, seed: int = 0, deadline_s: float = 60.0) -> dict:
+         threshold: float = 0.1, max_stages: int = 7, seed: int = 0, deadline_s: float = 60.0,
+         via_proxy: bool = False) -> dict:
     """The time-scaled protocol's parameters for an engine whose profile
-    predicts `profile_capacity` calls/s on the scaled scenario."""
+    predicts `profile_capacity` calls/s on the protocol's workload (`via_proxy`:
+    the live calls go through the live proxy)."""
     if not profile_capacity > 0:
         raise ValueError(f"the profile's capacity must be positive, got {profile_capacity}")
     return {"start_rate": start_fraction * profile_capacity, "factor": factor, "stage_s": stage_s,
             "threshold": threshold, "max_stages": max_stages, "seed": seed, "deadline_s": deadline_s,
-            "start_fraction": start_fraction}
+            "start_fraction": start_fraction, "via_proxy": via_proxy}
 
 
 def live_capacity_protocol(url: str, model: str, scenario, start_rate: float, factor: float = 1.5,
                            stage_s: float = 20.0, threshold: float = 0.1, max_stages: int = 7, seed: int = 0,
-                           deadline_s: float = 60.0, progress=None, **_) -> dict:
-    """Run the protocol against the engine at `url` serving `model`."""
+                           deadline_s: float = 60.0, progress=None, via_proxy: bool = False, **_) -> dict:
+    """Run the protocol against the engine at `url` serving `model`. With
+    `via_proxy`, the calls go through the live proxy (`validate.proxy`,
+    condition no-retry: no controls) run in this process, as a validation
+    point's calls do, so the engine shares the machine with the same harness."""
     proto = CapacityProtocol(start_rate, factor, stage_s, threshold, max_stages, seed, progress)
     trace = make_trace(1.0, scenario, seed, phases=proto.phases())
-    gen = LoadGen(url.rstrip("/"), model, trace.arrival, TracePrompts(trace.prompt_len, trace.shared_prefix, seed),
-                  trace.max_tokens, deadline_s=deadline_s)
+    url = url.rstrip("/")
+    gen = LoadGen(url, model, trace.arrival, TracePrompts(trace.prompt_len, trace.shared_prefix, seed),
+                  trace.max_tokens, deadline_s=deadline_s, metrics_url=url)
 
     async def stages(g: LoadGen) -> bool:
         for k, a, b, _r in proto.schedule():
@@ -63,12 +81,27 @@ def live_capacity_protocol(url: str, model: str, scenario, start_rate: float, fa
                 return True
         return True
 
+    async def run() -> None:
+        runner = None
+        if via_proxy:
+            runner = web.AppRunner(LiveProxy(url, get_condition("no-retry")).app(), handler_cancellation=True)
+            await runner.setup()
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            gen.url = f"http://127.0.0.1:{port}"
+        try:
+            await gen.run(stage_hook=stages)
+        finally:
+            if runner is not None:
+                await runner.cleanup()
+
     t0 = time.monotonic()
-    asyncio.run(gen.run(stage_hook=stages))
+    asyncio.run(run())
     res = proto.result()
     res["wall_s"] = time.monotonic() - t0
     res["calls"] = gen.outcomes()
     res["protocol"]["deadline_s"] = deadline_s
+    res["protocol"]["via_proxy"] = via_proxy
     return res
 
 
@@ -98,3 +131,50 @@ def store(prof: dict, live: dict, simulated: dict, scenario, params: dict, engin
     prof.setdefault("provenance", {})["capacity"] = ("live capacity protocol (time-scaled) against "
                                                      f"{engine_desc.get('url')}")
     return prof
+
+
+def record_run(eng, scenario, params: dict, steps_path, progress=None) -> dict:
+    """The live protocol on a started engine `eng`, keeping the steps its
+    recorder wrote during the run in `steps_path` (source ``live run``);
+    the result has `steps_file` and `steps` (0 where the engine records none)."""
+    skip = len(step_log.read_raw(getattr(eng, "step_log", None)))
+    live = live_capacity_protocol(eng.url, eng.served_model(), scenario, progress=progress, **params)
+    time.sleep(0.5)
+    n = step_log.record(eng, steps_path, skip, source={"kind": "live run", "run": "capacity protocol",
+                                                     "params": params, "capacity": live["capacity"]})
+    live["steps_file"], live["steps"] = (str(steps_path) if n else None), n
+    return live
+
+
+def calibrate_under_load(eng, prof: dict, params: dict, steps_path, name: str | None = None, progress=None,
+                         log=None, scenario=None) -> tuple[dict, dict, dict]:
+    """Run the live protocol on `eng` under `scenario`'s workload (default
+    `live_scenario()`), fit a profile from the steps it recorded, and run the
+    same protocol on the simulator with that profile: (the fitted profile with
+    both runs stored, the live result, the simulated one). `params` as from
+    `plan`. Raises RuntimeError if no steps were recorded."""
+    sc = scenario or live_scenario()
+    desc = {"url": eng.url, "kind": eng.kind, "version": eng.version(), "model": eng.served_model()}
+    live = record_run(eng, sc, params, steps_path, progress=progress("live") if progress else None)
+    if not live["steps"]:
+        raise RuntimeError("the engine recorded no steps (the step recorder runs only in engines llmsim starts)")
+    fitted = fit_profile([steps_path], name or f"{prof.get('name', 'profile')} (fitted under load)", log=log,
+                         scenario="scaled")
+    sim_res = simulated_capacity_protocol(from_dict(fitted), sc, progress=progress("simulated") if progress
+                                          else None, **params)
+    predicted, full = fitted["capacity"], fitted["capacity_protocol"]   # the simulator's, 300 s stages
+    fitted = store(fitted, live, sim_res, sc, params, desc)
+    fitted["capacity"] = predicted
+    fitted["capacity_protocol"]["full_stages"] = full
+    fitted["provenance"]["capacity"] = ("simulator capacity protocol (scaled scenario) on this profile; "
+                                        "the live run it was fitted from is under capacity_protocol.live")
+    return fitted, live, sim_res
+
+
+def machine_mismatch(prof: dict, gpu: bool = False) -> list[str]:
+    """How this machine differs from the one a measured profile was measured
+    on ([] for a profile that is not measured, or the same machine)."""
+    prov = prof.get("provenance") or {}
+    if prov.get("kind") != "measured":
+        return []
+    return machine.differences(prov.get("hardware"), machine.describe(), gpu=gpu)

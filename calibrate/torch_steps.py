@@ -76,6 +76,7 @@ import time
 from pathlib import Path
 
 from calibrate.prior import GPUS, MODELS, ModelShape, kv_cache, shape_from_config
+from validate.machine import describe as describe_machine
 from sim.engine.step_time import prefill_pairs     # stdlib only, like calibrate.prior
 
 GiB = 1024 ** 3
@@ -196,7 +197,8 @@ def build_meta(shape_name: str, shape: ModelShape, grid_kind: str, cells: list[C
             "model_shape": dataclasses.asdict(shape), "layers": shape.layers, "timed_layers": timed_layers,
             "attention": attention,
             "duration": "embed + timed layers * layers / timed_layers + final norm and LM head, per step",
-            "source": "calibrate/torch_steps.py: random-weight PyTorch forward passes, not a vLLM engine"}
+            "source": {"kind": "grid", "timer": "calibrate/torch_steps.py: random-weight PyTorch forward passes, "
+                                                "not a vLLM engine"}}
 
 
 def _cpu_name() -> str:
@@ -494,6 +496,7 @@ def run(a) -> int:
                     "cuda": torch.version.cuda}
     else:
         hardware = {"device": _cpu_name(), "machine": platform.machine(), "threads": torch.get_num_threads()}
+    hardware = {**describe_machine(), **hardware}
     device = torch.device(a.device)
     dtype = getattr(torch, dtype_name)
     t0 = time.monotonic()

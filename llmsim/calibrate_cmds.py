@@ -2,18 +2,24 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 from calibrate import live_capacity
-from calibrate.capture import capture, read_steps
-from calibrate.fit import build_profile, fit_report
+from calibrate.capture import capture
+from calibrate.fit import WEIGHTS, build_profile, fit_report, load_sources
+from calibrate.from_log import LogError, profile_from_log
 from calibrate.prior import GPUS, prior_profile, shape_from_config
 from sim.capacity import capacity_protocol
 from sim.profile import ProfileError, from_dict
 from validate import engine
 
 from . import args
+
+
+WEIGHTS_HELP = ("time: residuals in seconds, so the sum of step times (the rate the engine sustains) comes out "
+                "right; relative: residuals over the step's time, the least per-step MAPE")
 
 
 def _err(msg):
@@ -104,32 +110,90 @@ def cmd_calibrate_capture(a) -> int:
     return 0
 
 
+def fit_summary(rep: dict, model) -> str:
+    """The fit's held-out errors and coefficients, for the terminal."""
+    lines = [f"fit on {rep['train_steps']} steps, held out {rep['heldout_steps']}: forward step MAPE "
+             f"{100 * rep['heldout_mape']:.1f}% held-out ({100 * rep['train_mape']:.1f}% train), "
+             f"on {rep['window_steps']}-step sums {100 * rep['heldout_window_mape']:.1f}% held-out"]
+    lp = rep.get("loop")
+    if lp and lp.get("steps"):
+        held = rep.get("heldout_interval_mape")
+        lines.append(f"  engine loop between steps ({lp['steps']} steps followed at once): "
+                     f"{1e3 * lp['per_step_s']:.3f} ms per step + {1e6 * lp['per_request_s']:.1f} us per request "
+                     f"(mean gap {1e3 * lp['mean_gap_s']:.3f} ms)" + (
+                         f"; step-to-step interval MAPE {100 * held:.1f}% held-out, "
+                         f"{100 * rep['heldout_interval_window_mape']:.1f}% on {rep['window_steps']}-step sums"
+                         if held is not None else ""))
+    elif lp is not None:
+        lines.append("  no step followed another at once: the engine loop's time between steps is not fitted")
+    lines.append("  " + ", ".join(f"{k}={v:.3g}" for k, v in model.to_dict().items()))
+    return "\n".join(lines)
+
+
 def cmd_calibrate_fit(a) -> int:
     _check_dir(a.out)
     try:
-        meta, rows = read_steps(a.steps)
-    except (OSError, ValueError) as e:
+        meta, rows, sources = load_sources(a.steps)
+    except (OSError, ValueError, KeyError) as e:
         raise _err(f"calibrate fit: {e}") from None
     try:
-        model, rep = fit_report(rows, window=a.window)
+        model, rep = fit_report(rows, window=a.window, loop=not a.forward_only, weights=a.weights)
     except (ValueError, KeyError) as e:
         raise _err(f"calibrate fit: {e}") from None
-    print(f"fit on {rep['train_steps']} steps, held out {rep['heldout_steps']}: MAPE per step "
-          f"{100 * rep['heldout_mape']:.1f}% held-out ({100 * rep['train_mape']:.1f}% train), "
-          f"on {rep['window_steps']}-step sums {100 * rep['heldout_window_mape']:.1f}% held-out")
-    print("  " + ", ".join(f"{k}={v:.3g}" for k, v in model.to_dict().items()))
+    print(f"{len(rows)} steps from " + ", ".join(f"{s['path']} ({s['kind']}, {s['steps']})" for s in sources))
+    print(fit_summary(rep, model))
 
     def progress(st):
         _say(f"  capacity stage {st['stage']}: {st['rate']:.3f} calls/s, queue growth {st['queue_growth']:+.3f}/s")
     try:
         prof = build_profile(a.name, model, rep, meta, log=progress,
-                             scenario=a.capacity_scenario)
+                             scenario=a.capacity_scenario, sources=sources)
     except (ValueError, RuntimeError) as e:
         raise _err(f"calibrate fit: {e}") from None
     from_dict(prof, a.out)
     _write(a.out, prof)
     print(f"capacity {prof['capacity']:.4f} calls/s ({prof['capacity_protocol']['scenario_name']} scenario) "
           f"-> {a.out}")
+    return 0
+
+
+def cmd_calibrate_from_log(a) -> int:
+    _check_dir(a.out)
+    try:
+        with open(a.log, errors="replace") as f:
+            text = f.read()
+    except OSError as e:
+        raise _err(f"calibrate from-log: cannot read {a.log}: {e.strerror}") from None
+    shape = None
+    if a.config:
+        try:
+            with open(a.config) as f:
+                shape = shape_from_config(json.load(f))
+        except (OSError, json.JSONDecodeError, ValueError) as e:
+            raise _err(f"calibrate from-log: cannot read the model shape from {a.config}: {e}") from None
+    settings = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens", a.max_batched_tokens),
+                                  ("max_model_len", a.max_model_len)) if v is not None}
+
+    def progress(st):
+        _say(f"  capacity stage {st['stage']}: {st['rate']:.3f} calls/s, queue growth {st['queue_growth']:+.3f}/s")
+    name = a.name or os.path.splitext(os.path.basename(a.log))[0]
+    try:
+        prof, parsed = profile_from_log(text, name, shape, a.gpu, settings, source=a.log,
+                                        capacity=not a.no_capacity, log=progress, weights=a.weights)
+    except (LogError, ValueError, RuntimeError) as e:
+        raise _err(f"calibrate from-log: {a.log}: {e}") from None
+    from_dict(prof, a.out)
+    _write(a.out, prof)
+    rep = prof["fit"]
+    print(f"{parsed['iterations']} iteration lines ({parsed['malformed']} malformed, skipped) from {a.log}")
+    print(f"fit on {rep['train_steps']} iterations, held out {rep['heldout_steps']}: MAPE per iteration "
+          f"{100 * rep['heldout_mape']:.1f}% held-out ({100 * rep['train_mape']:.1f}% train), on "
+          f"{rep['window_steps']}-iteration sums {100 * rep['heldout_window_mape']:.1f}% held-out")
+    print(f"  attention terms: {rep['attention_from']} ({100 * rep['attention_share']:.1f}% of the logged time); "
+          "the log has no per-request context lengths, so they cannot be fitted from it")
+    print("  " + ", ".join(f"{k}={v:.3g}" for k, v in prof["step_time"].items()))
+    print((f"capacity {prof['capacity']:.4f} calls/s ({prof['capacity_protocol']['scenario_name']} scenario)"
+           if not a.no_capacity else "capacity not computed (--no-capacity): placeholder 1.0") + f" -> {a.out}")
     return 0
 
 
@@ -149,7 +213,7 @@ def cmd_calibrate_prior(a) -> int:
     if a.capacity:
         res = capacity_protocol(from_dict(prof, a.out))
         prof["capacity"] = res["capacity"]
-        prof["provenance"]["capacity"] = "simulator capacity protocol (SPEC §6) with this prior"
+        prof["provenance"]["capacity"] = "simulator capacity protocol with this prior"
     else:
         prof["provenance"]["capacity"] = "placeholder 1.0: rerun with --capacity to run the protocol"
     _write(a.out, prof)
@@ -160,10 +224,31 @@ def cmd_calibrate_prior(a) -> int:
     return 0
 
 
+def steps_path_for(out: str, tag: str = "steps") -> str:
+    """Where a run's recorded steps go beside its output file `out`."""
+    stem = out[:-5] if out.endswith(".json") else out
+    return f"{stem}.{tag}.jsonl"
+
+
+def recalibrate_needed(prof: dict, kind: str, no_recalibrate: bool, command: str) -> list[str]:
+    """How this machine differs from the measured profile's (engine `kind`
+    cpu or gpu); raises UsageError when it differs and the user said not to
+    recalibrate."""
+    diffs = live_capacity.machine_mismatch(prof, gpu=kind == "gpu") if kind in ("cpu", "gpu") else []
+    if diffs and no_recalibrate:
+        raise _err(f"{command}: profile {prof.get('name')!r} was measured on another machine ({'; '.join(diffs)}); "
+                   "drop --no-recalibrate to fit it from this machine's steps first, or give a profile measured here")
+    return diffs
+
+
 def cmd_calibrate_capacity(a) -> int:
-    """SPEC §6 capacity protocol, time-scaled, live and on the simulator; both go into the profile."""
+    """The capacity protocol, time-scaled, live and on the simulator; both go into the profile.
+    The live run's steps are kept; where the profile was measured on another machine (or with
+    --refit) the profile's step time is fitted from them before the simulated run."""
     out = a.out or a.profile
     _check_dir(out)
+    steps_out = a.steps or steps_path_for(out)
+    _check_dir(steps_out)
     try:
         with open(a.profile) as f:
             prof = json.load(f)
@@ -172,20 +257,28 @@ def cmd_calibrate_capacity(a) -> int:
         raise _err(f"calibrate capacity: {e}") from None
     if a.engine != "cpu" and not a.engine.startswith(("http://", "https://")):
         raise _err(f"calibrate capacity: --engine must be cpu or a URL, got {a.engine!r}")
+    diffs = recalibrate_needed(prof, a.engine, a.no_recalibrate, "calibrate capacity")
+    refit = a.refit or bool(diffs)
+    if diffs:
+        _say(f"profile {prof.get('name')!r} was measured on another machine ({'; '.join(diffs)}): fitting it from "
+             "this run's steps first")
     sc = live_capacity.live_scenario()
-    params = live_capacity.plan(profile.capacity, start_fraction=a.start_fraction, stage_s=a.stage_s, max_stages=a.max_stages,
-                    seed=a.seed, deadline_s=a.deadline)
+    params = live_capacity.plan(profile.capacity, start_fraction=a.start_fraction, stage_s=a.stage_s,
+                                max_stages=a.max_stages, seed=a.seed, deadline_s=a.deadline,
+                                via_proxy=a.via_proxy)
 
     def progress(tag):
         def f(st):
             _say(f"  {tag} stage {st['stage']}: planned {st['rate']:.2f} calls/s, sent {st['realised_rate']:.2f}/s, "
                  f"waiting queue growth {st['queue_growth']:+.3f}/s (ends at {st['queue_end']:.0f})")
         return f
-    _say(f"simulator: {params['stage_s']:.0f} s stages from {params['start_rate']:.2f} calls/s …")
-    try:
-        sim_res = live_capacity.simulated_capacity_protocol(profile, sc, progress=progress("simulated"), **params)
-    except RuntimeError as e:
-        raise _err(f"calibrate capacity (simulator): {e}") from None
+    sim_res = None
+    if not refit:
+        _say(f"simulator: {params['stage_s']:.0f} s stages from {params['start_rate']:.2f} calls/s …")
+        try:
+            sim_res = live_capacity.simulated_capacity_protocol(profile, sc, progress=progress("simulated"), **params)
+        except RuntimeError as e:
+            raise _err(f"calibrate capacity (simulator): {e}") from None
     started = None
     try:
         if a.engine == "cpu":
@@ -196,19 +289,28 @@ def cmd_calibrate_capacity(a) -> int:
         desc = {"url": eng.url, "kind": eng.kind, "version": eng.version(), "model": eng.served_model()}
         _say(f"live ({desc['kind']} vLLM {desc['version']} at {eng.url}): {params['stage_s']:.0f} s stages from "
              f"{params['start_rate']:.2f} calls/s …")
-        live = live_capacity.live_capacity_protocol(eng.url, desc["model"], sc, progress=progress("live"), **params)
+        if refit:
+            prof, live, sim_res = live_capacity.calibrate_under_load(eng, prof, params, steps_out, name=a.name,
+                                                                     progress=progress)
+        else:
+            live = live_capacity.record_run(eng, sc, params, steps_out, progress=progress("live"))
     except engine.EngineError as e:
         raise _err(f"calibrate capacity: {e}") from None
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         raise _err(f"calibrate capacity (live): {e}") from None
     finally:
         if started is not None:
             started.stop()
-    prof = live_capacity.store(prof, live, sim_res, sc, params, desc)
+    if refit:
+        print(fit_summary(prof["fit"], from_dict(prof).step_time))
+    else:
+        prof = live_capacity.store(prof, live, sim_res, sc, params, desc)
     from_dict(prof, out)
     _write(out, prof)
     print(f"capacity live {live['capacity']:.3f} calls/s ({live['wall_s']:.0f} s), simulated "
-          f"{sim_res['capacity']:.3f} calls/s; live/simulated = {live['capacity'] / sim_res['capacity']:.2f} -> {out}")
+          f"{sim_res['capacity']:.3f} calls/s{' with the profile fitted from its steps' if refit else ''}; "
+          f"live/simulated = {live['capacity'] / sim_res['capacity']:.2f} -> {out}"
+          + (f"; {live['steps']} steps -> {live['steps_file']}" if live.get("steps") else ""))
     return 0
 
 
@@ -245,15 +347,19 @@ def add_subcommands(sub) -> None:
     q.add_argument("-o", "--out", required=True, help="steps JSONL")
     q.set_defaults(fn=cmd_calibrate_capture)
     q = cs.add_parser("fit", help="fit the step-time model (NNLS) and write a profile")
-    q.add_argument("steps")
+    q.add_argument("steps", nargs="+", help="steps files: a capture grid, steps recorded under load "
+                                           "(calibrate capacity, validate), alone or combined")
     q.add_argument("-o", "--out", required=True)
+    q.add_argument("--weights", choices=WEIGHTS, default="time", help=WEIGHTS_HELP)
+    q.add_argument("--forward-only", action="store_true",
+                   help="fit the forward step only, without the engine loop's time between steps")
     q.add_argument("--name", default="vllm-cpu-tiny-qwen2")
     q.add_argument("--window", type=int, default=10, help="steps per window for the window-sum error")
     q.add_argument("--capacity-scenario", choices=("scaled", "paper"), default=None,
-                   help="workload of the capacity protocol: scaled (the small CPU engine's) or paper (SPEC's); "
+                   help="workload of the capacity protocol: scaled (the small CPU engine's) or paper (the reference design's); "
                         "default: paper for steps timed on a GPU, scaled otherwise")
     q.set_defaults(fn=cmd_calibrate_fit)
-    q = cs.add_parser("capacity", help="SPEC §6 capacity protocol (time-scaled) on a live engine and the "
+    q = cs.add_parser("capacity", help="the capacity protocol (time-scaled) on a live engine and the "
                                        "simulator; stores both in the profile")
     q.add_argument("--engine", default="cpu", help="cpu (start the CPU engine, stop it after) or an engine URL")
     q.add_argument("--profile", required=True, help="the engine's fitted profile (JSON)")
@@ -265,7 +371,30 @@ def add_subcommands(sub) -> None:
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--port", type=int, default=None)
     q.add_argument("-o", "--out", default=None, help="output profile (default: overwrite --profile)")
+    q.add_argument("--steps", default=None, help="steps file of the live run (default: OUT.steps.jsonl)")
+    q.add_argument("--refit", action="store_true",
+                   help="fit the profile's step time from the live run's steps even on the profile's machine")
+    q.add_argument("--no-recalibrate", action="store_true",
+                   help="stop if the profile was measured on another machine instead of fitting it first")
+    q.add_argument("--name", default=None, help="name of a profile fitted from the run (with --refit)")
+    q.add_argument("--via-proxy", action="store_true",
+                   help="send the live calls through the live proxy (no controls), as `validate` does")
     q.set_defaults(fn=cmd_calibrate_capacity)
+    q = cs.add_parser("from-log", help="fit a profile from a vLLM server log's --enable-logging-iteration-details "
+                                       "lines (no plugin, no capture grid)")
+    q.add_argument("log", help="the server's log")
+    q.add_argument("-o", "--out", required=True)
+    q.add_argument("--config", default=None, help="the model's HF config.json: attention terms from its "
+                                                  "roofline prior (the log cannot identify them)")
+    q.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="GPU of the roofline prior (with --config)")
+    q.add_argument("--name", default=None, help="profile name (default: the log file's name)")
+    q.add_argument("--max-num-seqs", type=int, default=None, help="the server's flag, where the log does not say")
+    q.add_argument("--max-batched-tokens", type=int, default=None,
+                   help="the server's --max-num-batched-tokens, where the log does not say")
+    q.add_argument("--max-model-len", type=int, default=None)
+    q.add_argument("--no-capacity", action="store_true", help="skip the simulator's capacity protocol (Ĉ = 1.0)")
+    q.add_argument("--weights", choices=WEIGHTS, default="time", help=WEIGHTS_HELP)
+    q.set_defaults(fn=cmd_calibrate_from_log)
     q = cs.add_parser("prior", help="roofline prior profile from a HF config.json and a GPU")
     q.add_argument("--config", required=True)
     q.add_argument("--gpu", choices=sorted(GPUS), default="h100")

@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
+from calibrate import live_capacity
 from sim.conditions import CONDITIONS
+from sim.profile import ProfileError, from_dict
 from sim.scenario import SCENARIOS, NamedScenario, get_scenario
 from validate import engine
 from validate.proxy import main as proxy_main
-from validate.validation import GPU_MODELS, EngineSpec, ValidationError, table, validate
+from validate.validation import GPU_MODELS, EngineSpec, ValidationError, capacity_for, steps_path, table, validate
 
 from . import args
+from .calibrate_cmds import fit_summary, recalibrate_needed
 from .model_cmds import condition, control_args
 from .scenario_cmds import deployment
 
@@ -79,12 +84,29 @@ def cmd_validate(a) -> int:
         except engine.EngineError as e:
             raise _err(f"validate: cannot reach the engine at {eng}: {e}") from None
         print(f"validate: the engine at {eng} is reused for every point (not fresh)", file=sys.stderr)
+    calibration = None
+    diffs = recalibrate_needed(prof.raw, kind, a.no_recalibrate, "validate")
+    if a.calibrate_from == "capacity" or diffs:
+        if kind == "url":
+            raise _err("validate --calibrate-from capacity: needs an engine llmsim starts (cpu or gpu), whose step "
+                       "recorder keeps the steps; an engine given by URL has none")
+        if diffs:
+            _say(f"validate: profile {prof.name!r} was measured on another machine ({'; '.join(diffs)}): "
+                 "fitting it from a live capacity run's steps first (--no-recalibrate to stop instead)")
+        prof, calibration = _calibrate_first(spec, prof, vs, a.json, diffs)
     try:
-        doc = validate(spec, prof, vs, a.points, a.json, a.capacity)
+        doc = validate(spec, prof, vs, a.points, a.json, a.capacity, calibration=calibration)
     except (ValidationError, engine.EngineError) as e:
         raise _err(f"validate: {e}") from None
     print(f"{vs.name} on {doc['engine']['kind']} vLLM {doc['engine']['version']} ({doc['engine']['model']}), "
           f"profile {prof.name}, Ĉ {doc['capacity']:.3f} calls/s, seed {vs.seed}")
+    if calibration:
+        c = calibration
+        print(f"profile fitted from the live capacity run's {c['steps']} steps ({c['steps_file']}): capacity "
+              f"protocol live {c['live_capacity']:.3f} calls/s, simulated with the fit {c['simulated_capacity']:.3f} "
+              f"({100 * (c['simulated_capacity'] / c['live_capacity'] - 1):+.1f}%)")
+    print("sim: the prediction with the profile; sim x k: a diagnostic only (the profile's steps stretched to "
+          "what the engine did during the point)")
     print(table(doc["points"]))
     failed = [p for p in doc["points"] if "failed" in p]
     for p in doc["points"]:
@@ -98,6 +120,60 @@ def cmd_validate(a) -> int:
     if a.json:
         print(f"-> {a.json}")
     return 1 if failed else 0
+
+
+def _say(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _calibrate_first(spec: EngineSpec, prof, vs, json_path: str | None, diffs: list[str]):
+    """The live capacity protocol on a fresh engine, a profile fitted from its
+    steps, the simulated protocol on that profile: (the fitted profile, the
+    record's `calibration`). With --json, the fitted profile is kept beside it
+    (JSON_STEM.profile.json) and reused when the record is resumed."""
+    base = json_path or os.path.join(str(engine.STATE_DIR), "validate", "validate.json")
+    os.makedirs(os.path.dirname(os.path.abspath(base)), exist_ok=True)
+    prof_path = (base[:-5] if base.endswith(".json") else base) + ".profile.json"
+    if json_path and os.path.exists(json_path) and os.path.exists(prof_path):
+        try:
+            with open(prof_path) as f:
+                fitted = json.load(f)
+            p = from_dict(fitted, prof_path)
+        except (OSError, ValueError, ProfileError) as e:
+            raise _err(f"validate: cannot resume with {prof_path}: {e}; remove it and {json_path}") from None
+        _say(f"validate: resuming with the profile fitted before ({prof_path})")
+        return p, fitted["calibration"]
+    steps = steps_path(base, "capacity")
+    params = live_capacity.plan(capacity_for(prof, vs), via_proxy=True)     # the points' harness, as they run
+
+    def progress(tag):
+        def f(st):
+            _say(f"  capacity ({tag}) stage {st['stage']}: planned {st['rate']:.2f} calls/s, queue growth "
+                 f"{st['queue_growth']:+.3f}/s")
+        return f
+    _say("validate: live capacity protocol on a fresh engine, to fit the profile from its steps …")
+    try:
+        eng, started = spec.start(list(vs.engine_args))
+    except engine.EngineError as e:
+        raise _err(f"validate: {e}") from None
+    try:
+        fitted, live, sim_res = live_capacity.calibrate_under_load(
+            eng, prof.raw, params, steps, name=f"{prof.name} (fitted under load here)", progress=progress,
+            scenario=vs.scenario)
+    except (engine.EngineError, RuntimeError, ValueError) as e:
+        raise _err(f"validate: calibrating from the capacity run: {e}") from None
+    finally:
+        if started:
+            eng.stop()
+    calibration = {"from": "capacity", "workload": vs.name, "params": params, "profile_before": prof.name, "machine_differences": diffs,
+                   "steps_file": steps, "steps": live["steps"], "profile_file": prof_path,
+                   "live_capacity": live["capacity"], "simulated_capacity": sim_res["capacity"],
+                   "live_wall_s": live["wall_s"], "fit_error": fitted["provenance"]["fit_error"]}
+    fitted["calibration"] = calibration
+    p = from_dict(fitted, prof_path)
+    args.write_json(prof_path, fitted)
+    print(fit_summary(fitted["fit"], p.step_time))
+    return p, calibration
 
 
 def cmd_proxy(a) -> int:
@@ -121,10 +197,16 @@ def add_subcommands(sub) -> None:
                    help="the engine's profile (default: vllm-cpu-tiny for cpu, the model's for gpu)")
     p.add_argument("--capacity", type=args.positive(), default=None,
                    help="Ĉ in calls/s (default: the simulator's capacity protocol on the profile)")
-    p.add_argument("--json", metavar="PATH", help="the record; an existing one is resumed")
+    p.add_argument("--json", metavar="PATH", help="the record; an existing one is resumed. Each point's "
+                                                 "recorded steps are kept beside it (PATH_STEM.POINT.steps.jsonl)")
+    p.add_argument("--calibrate-from", choices=("capacity",), default=None,
+                   help="capacity: run the live capacity protocol first, fit the profile from its recorded "
+                        "steps, and predict every point with that profile")
+    p.add_argument("--no-recalibrate", action="store_true",
+                   help="stop if the profile was measured on another machine, instead of fitting it first")
     p.set_defaults(fn=cmd_validate)
 
-    p = sub.add_parser("proxy", help="the live proxy (SPEC §3) in front of a vLLM OpenAI server, "
+    p = sub.add_parser("proxy", help="the live proxy in front of a vLLM OpenAI server, "
                                      "with Prometheus metrics on /metrics")
     p.add_argument("--upstream", required=True, metavar="URL", help="the engine, e.g. http://127.0.0.1:8000")
     p.add_argument("--condition", help=f"one of: {', '.join(CONDITIONS)} (the control flags change its settings)")

@@ -45,7 +45,8 @@ def test_fit_recovers_known_coefficients_exactly_without_noise():
 
 
 def test_fit_recovers_coefficients_within_tolerance_with_noise():
-    model, rep = fit_report(synthetic_rows(n=2000, noise=0.05, seed=1))
+    # multiplicative noise: the relative fit is its estimator
+    model, rep = fit_report(synthetic_rows(n=2000, noise=0.05, seed=1), weights="relative")
     for k, v in TRUE.to_dict().items():
         assert getattr(model, k) == pytest.approx(v, rel=0.1), k
     assert rep["heldout_steps"] > 0 and rep["train_steps"] > rep["heldout_steps"]
@@ -214,3 +215,134 @@ def test_capacity_scenario_follows_where_the_steps_were_timed():
     assert capacity_scenario("paper") == PAPER and capacity_scenario("scaled").prompt_mean == 1200.0
     with pytest.raises(ValueError, match="valid: scaled, paper"):
         capacity_scenario("huge")
+
+
+# ---------------------------------------------------- steps recorded under load
+def _raw(i, t0, dur, pending, prefill=(), dn=0, dctx=0):
+    return {"i": i, "t_start": t0, "t_end": t0 + dur, "prefill": [list(c) for c in prefill], "decode_n": dn,
+            "decode_tokens": dn, "decode_ctx": dctx, **({} if pending is None else {"pending": pending})}
+
+
+def test_intervals_only_where_the_next_step_followed_at_once():
+    raw = [_raw(0, 10.0, 0.010, 3, dn=3, dctx=300), _raw(1, 10.012, 0.010, 0, dn=3, dctx=303),
+           _raw(2, 11.0, 0.010, 2, prefill=[(64, 0)]), _raw(4, 11.02, 0.01, 1, dn=1, dctx=64)]
+    rows = steps_from_raw(raw, [])
+    assert rows[0]["interval_s"] == pytest.approx(0.012)          # work waiting: the loop went straight on
+    assert rows[1]["interval_s"] is None                          # nothing pending: the engine idled
+    assert rows[2]["interval_s"] is None                          # a step index missing in between
+    assert rows[3]["interval_s"] is None and rows[0]["pending"] == 3
+    # rows recorded without `pending`: a short gap counts, a long one does not
+    old = [_raw(0, 1.0, 0.01, None, dn=1), _raw(1, 1.011, 0.01, None, dn=1), _raw(2, 1.5, 0.01, None, dn=1)]
+    got = [r["interval_s"] for r in steps_from_raw(old, [])]
+    assert got[0] == pytest.approx(0.011) and got[1] is None and got[2] is None
+
+
+def _with_loop(rows, per_step, per_request):
+    t = 0.0
+    out = []
+    for r in rows:
+        gap = per_step + per_request * r["num_reqs"]
+        out.append(dict(r, t_start=t, t_end=t + r["duration_s"], interval_s=r["duration_s"] + gap))
+        t += r["duration_s"] + gap
+    return out
+
+
+@pytest.mark.parametrize("weights", ["time", "relative"])
+def test_loop_terms_add_to_the_forward_step(weights):
+    from calibrate.fit import loop_fit
+    rows = _with_loop(synthetic_rows(), 4e-4, 2e-5)
+    lp = loop_fit(rows)
+    assert lp["per_step_s"] == pytest.approx(4e-4, rel=1e-6) and lp["per_request_s"] == pytest.approx(2e-5, rel=1e-6)
+    model, rep = fit_report(rows, weights=weights)
+    assert model.fixed_s == pytest.approx(TRUE.fixed_s + 4e-4, rel=1e-6)
+    assert model.per_request_s == pytest.approx(TRUE.per_request_s + 2e-5, rel=1e-6)
+    assert model.per_token_s == pytest.approx(TRUE.per_token_s, rel=1e-6)
+    assert rep["forward"]["fixed_s"] == pytest.approx(TRUE.fixed_s, rel=1e-6)
+    assert rep["heldout_interval_mape"] < 1e-6 and rep["weights"] == weights
+    # forward only: the loop's time is left out
+    fwd, rep2 = fit_report(rows, loop=False)
+    assert fwd.fixed_s == pytest.approx(TRUE.fixed_s, rel=1e-6) and rep2["loop"] is None
+
+
+def test_time_weights_get_the_sum_of_step_times_right():
+    """Steps whose times the linear model cannot follow exactly (here: long
+    steps 30% slower than the model): a fit on seconds keeps the total, the
+    relative fit favours the many short steps and loses it."""
+    rows = synthetic_rows(n=800)
+    for r in rows:
+        if r["duration_s"] > 0.02:
+            r["duration_s"] *= 1.3
+    y = np.array([r["duration_s"] for r in rows])
+    t = predict(nnls_fit(rows, "time"), rows).sum()
+    rel = predict(nnls_fit(rows, "relative"), rows).sum()
+    assert abs(t / y.sum() - 1) < abs(rel / y.sum() - 1)
+    with pytest.raises(ValueError, match="valid: time, relative"):
+        nnls_fit(rows, "squared")
+
+
+def test_sources_combine_and_steps_under_load_are_held_out_in_blocks(tmp_path):
+    from calibrate.fit import BLOCK_STEPS, fit_profile, load_sources, split
+    grid = synthetic_rows(n=200)
+    live = [dict(r, phase="other") for r in _with_loop(synthetic_rows(n=4 * BLOCK_STEPS, seed=3), 3e-4, 1e-5)]
+    write_steps(tmp_path / "grid.jsonl", dict(_meta(), source={"kind": "grid"}), grid)
+    write_steps(tmp_path / "live.jsonl", {"source": {"kind": "live run", "run": "capacity protocol"},
+                                          "date": "2026-12-01"}, live)
+    meta, rows, sources = load_sources([str(tmp_path / "live.jsonl"), str(tmp_path / "grid.jsonl")])
+    assert meta["engine"]["kv_cache_tokens"] == 1_048_576           # from the file that has it
+    assert [s["kind"] for s in sources] == ["live run", "grid"] and len(rows) == 200 + 4 * BLOCK_STEPS
+    assert rows[0]["phase"] == "0: live run block 0" and rows[-1]["phase"].startswith("1: cell")
+    _, test = split(rows[:4 * BLOCK_STEPS])
+    assert {r["phase"] for r in test} == {"0: live run block 3"}
+    prof = fit_profile([str(tmp_path / "live.jsonl"), str(tmp_path / "grid.jsonl")], "combined")
+    assert [d["kind"] for d in prof["provenance"]["data"]] == ["live run", "grid"]
+    assert "heldout_interval_mape" in prof["provenance"]["fit_error"] and from_dict(prof).capacity > 0
+    with pytest.raises(ValueError, match="no steps"):
+        (tmp_path / "empty.jsonl").write_text(json.dumps({"meta": {}}) + "\n")
+        load_sources([str(tmp_path / "empty.jsonl")])
+
+
+def test_cli_fit_takes_several_steps_files(tmp_path, capsys):
+    write_steps(tmp_path / "a.jsonl", _meta(), _with_loop(synthetic_rows(n=300), 3e-4, 1e-5))
+    write_steps(tmp_path / "b.jsonl", _meta(), synthetic_rows(n=300, seed=5))
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "fit", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "600 steps from" in text and "engine loop between steps" in text
+    assert len(json.loads(out.read_text())["provenance"]["data"]) == 2
+    assert main(["calibrate", "fit", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "q.json")]) == 2
+    assert not (tmp_path / "q.json").exists()
+
+
+# ------------------------------------------------------------- whose machine
+def test_machine_differences():
+    from validate.machine import describe, differences
+    here = describe()
+    assert differences(here, here) == [] and here["cpus"] >= 1
+    other = dict(here, processor="Another CPU", cpus=here["cpus"] + 2)
+    d = differences(other, here)
+    assert len(d) == 2 and "Another CPU" in d[0]
+    assert differences(dict(here, cpu_flags=["fpu"]), dict(here, cpu_flags=["fpu", "avx512f"])) \
+        == ["CPU flags differ (0 missing here, 1 extra)"]
+    assert differences(None, here) == ["the profile records no hardware"]
+    assert differences({"gpu": {"names": ["H100"], "driver": "550"}}, {"gpu": {"names": ["H100"], "driver": "560"}},
+                       gpu=True) == ["GPU driver 550 here 560"]
+
+
+def test_measured_profile_from_another_machine_is_refused_when_told_not_to_recalibrate(monkeypatch, capsys, tmp_path):
+    from calibrate import live_capacity
+    from validate import engine as E
+    from validate import machine
+    monkeypatch.setattr(machine, "describe", lambda: {"processor": "Some other CPU", "cpus": 96})
+    monkeypatch.setattr(E, "cpu_installed", lambda venv=None: "0.32.0")
+    assert live_capacity.machine_mismatch(load_profile("vllm-cpu-tiny").raw)
+    assert live_capacity.machine_mismatch(load_profile("qwen2.5-7b").raw) == []      # not measured: no claim
+    assert main(["validate", "--engine", "cpu", "--scenario", "cpu-tiny", "--points", "no-retry",
+                 "--no-recalibrate"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "measured on another machine" in err and "Some other CPU" in err and len(err.splitlines()) == 1
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "capacity", "--profile", str(Path(__file__).parent.parent / "sim" / "profiles" /
+                                                            "vllm-cpu-tiny.json"), "--no-recalibrate",
+                 "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "measured on another machine" in err and len(err.splitlines()) == 1 and not out.exists()

@@ -150,3 +150,36 @@ def test_loadgen_is_open_loop_and_closes_at_the_deadline(stub):
     assert len(gen.samples) >= 2 and all(s[1] >= 0 for s in gen.samples)
     t, q = gen.queue_between(0.0, 5.0)
     assert t[0] == pytest.approx(0.0, abs=0.1) and np.all(np.diff(t) == pytest.approx(1.0, abs=0.15))
+
+
+class _CountingStub(_Stub):
+    """Its waiting gauge is every arrival so far: it grows at the arrival
+    rate, so the protocol saturates at its first stage with Ĉ near 0."""
+    def do_GET(self):
+        body = (f"vllm:num_requests_waiting{{model_name=\"m\"}} {len(self.log['arrivals'])}\n"
+                f"vllm:num_requests_running{{model_name=\"m\"}} 0\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.mark.parametrize("via_proxy", [False, True])
+def test_live_protocol_through_the_proxy_reads_the_engines_gauge(via_proxy):
+    from calibrate.live_capacity import live_capacity_protocol, live_scenario
+    _Stub.log = {"arrivals": [], "active": set(), "completed": [], "disconnects": []}
+    _Stub.tok_s = 0.001
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _CountingStub)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        res = live_capacity_protocol(f"http://127.0.0.1:{srv.server_address[1]}", "stub-model", live_scenario(),
+                                     start_rate=4.0, stage_s=3.0, max_stages=2, deadline_s=5.0, via_proxy=via_proxy)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        _Stub.tok_s = 0.02
+    assert res["protocol"]["via_proxy"] is via_proxy and res["saturated_stage"] == 0
+    st = res["stages"][0]
+    assert st["queue_growth"] == pytest.approx(st["realised_rate"], rel=0.35)       # the stub's count, not 0
+    assert len(_Stub.log["arrivals"]) >= 6 and res["calls"].get("ok", 0) >= 6

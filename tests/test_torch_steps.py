@@ -176,12 +176,14 @@ def test_calibrate_fit_accepts_the_steps_file(quick_steps, tmp_path, capsys):
     from sim.profile import load_profile
 
     out = tmp_path / "torch-tiny.json"
-    assert cmd_calibrate_fit(argparse.Namespace(steps=str(quick_steps[0]), out=str(out), name="torch-tiny",
-                                                window=10, capacity_scenario=None)) == 0
+    assert cmd_calibrate_fit(argparse.Namespace(steps=[str(quick_steps[0])], out=str(out), name="torch-tiny",
+                                                window=10, capacity_scenario=None, weights="time",
+                                                forward_only=False)) == 0
     assert "held out" in capsys.readouterr().out
     prof = load_profile(str(out))
     assert prof.provenance["kind"] == "measured"
     assert prof.provenance["engine_kind"] == "torch" and prof.engine["max_num_batched_tokens"] == 1024
+    assert [d["kind"] for d in prof.provenance["data"]] == ["grid"] and prof.provenance["hardware"]["cpus"] >= 1
     assert prof.engine["block_size"] == 16 and prof.engine["depth"] == 2
     assert prof.raw["fit"]["steps"] == len(read_steps(quick_steps[0])[1])
     st = prof.step_time

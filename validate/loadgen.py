@@ -78,6 +78,7 @@ class LoadGen:
     records: list[CallRecord] = field(default_factory=list)
     samples: list[tuple[float, float, float]] = field(default_factory=list)   # (t, waiting, running)
     t0: float = 0.0
+    metrics_url: str | None = None     # where the engine's gauges are read (default: url)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -123,7 +124,7 @@ class LoadGen:
             await asyncio.sleep(max(0.0, k * self.sample_every_s - self.now()))
             t = self.now()
             try:
-                async with session.get(self.url + "/metrics") as r:
+                async with session.get((self.metrics_url or self.url) + "/metrics") as r:
                     m = parse_metrics(await r.text())
                 self.samples.append((t, m.get("vllm:num_requests_waiting", 0.0),
                                      m.get("vllm:num_requests_running", 0.0)))

@@ -18,6 +18,10 @@ Line schema (raw, per step with scheduled tokens):
   decode_n   decode requests, decode_tokens their tokens (1 each without
              speculative decoding), decode_ctx the sum of their contexts
              (tokens already computed) before this step
+  pending    requests unfinished after the step (waiting or running): when it
+             is above 0 the engine loop goes straight on to the next step, so
+             the next step's t_start - this t_end is the loop's time outside
+             the forward pass while work is waiting
 """
 import json
 import os
@@ -59,11 +63,19 @@ def register():
         comp = sched._llmsim_last
         if comp is not None and (comp["prefill"] or comp["decode_n"]):
             self._llmsim_i = getattr(self, "_llmsim_i", -1) + 1
-            _out().write(json.dumps({"i": self._llmsim_i, "t_start": t0, "t_end": t1, **comp}) + "\n")
+            _out().write(json.dumps({"i": self._llmsim_i, "t_start": t0, "t_end": t1, **comp,
+                                     "pending": _pending(sched)}) + "\n")
         return result
 
     EngineCore.step = step
     EngineCore._llmsim_patched = True
+
+
+def _pending(sched):
+    try:
+        return int(sched.get_num_unfinished_requests())
+    except Exception:                   # a scheduler without the call: unknown
+        return None
 
 
 def _composition(sched, so):

@@ -32,6 +32,7 @@ from sim.steps import predict as predict_steps
 from sim.workload import make_trace
 
 from . import engine as E
+from . import step_log
 from .step_log import steps_from_raw
 from .live_run import EngineLost, LiveRun, live_record
 
@@ -133,8 +134,10 @@ def predict(profile: Profile, name: str, vs: NamedScenario, capacity: float) -> 
 
 
 def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, capacity: float,
-             log=_say) -> tuple[dict, dict]:
-    """One point on a live engine: (result record, engine description)."""
+             log=_say, steps_path: str | None = None) -> tuple[dict, dict]:
+    """One point on a live engine: (result record, engine description). With
+    `steps_path`, the steps the engine recorded during the run are kept there
+    (a steps file, `validate.step_log`) and the record names it (`steps_file`)."""
     cond = vs.condition(get_condition(name))
     sc = vs.scenario
     args = list(vs.engine_args)
@@ -165,6 +168,10 @@ def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, c
             raise PointFailed(str(e), eng.log_tail(20), eng.log_errors()) from None
         rec = live_record(rl, sc, capacity, _inputs(profile, cond, vs) | {"engine": desc})
         rec["step_time_vs_profile"] = step_time_ratio(getattr(eng, "step_log", None), profile, steps0 or 0)
+        if steps_path:
+            n = step_log.record(eng, steps_path, steps0 or 0, source={"kind": "live run", "run": f"validate {name}",
+                                                                     "scenario": vs.name})
+            rec["steps_file"] = steps_path if n else None
         return rec, desc
     finally:
         if started:
@@ -288,12 +295,25 @@ def _save(path: str | None, doc: dict) -> None:
         measures.write_json(path, doc)
 
 
+def steps_path(json_path: str | None, tag: str) -> str | None:
+    """Where the steps of the run `tag` go beside the record `json_path`."""
+    if not json_path:
+        return None
+    stem = json_path[:-5] if json_path.endswith(".json") else json_path
+    return f"{stem}.{tag}.steps.jsonl"
+
+
 def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list[str],
-             json_path: str | None = None, capacity: float | None = None, log=_say) -> dict:
+             json_path: str | None = None, capacity: float | None = None, log=_say,
+             calibration: dict | None = None) -> dict:
+    """Predict and run each point; `calibration`, when the profile was fitted
+    for this validation, describes how (kept in the record)."""
     for name in points:
         get_condition(name)                      # unknown names fail before any work
     doc = {"engine": {"kind": spec.kind, "version": None, "model": spec.model or spec.url},
            "scenario": vs.to_dict(), "profile": profile.name, "capacity": None, "points": []}
+    if calibration is not None:
+        doc["calibration"] = calibration
     done = [p for p in _load(json_path, doc) if "failed" not in p]       # a failed point runs again
     if done:
         doc["capacity"] = done[0]["sim"]["capacity"]
@@ -311,7 +331,7 @@ def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list
         log(f"point {k + 1}/{len(points)}: {name} — live on a {'fresh ' if spec.kind != 'url' else ''}"
             f"{spec.kind} engine …")
         try:
-            live, desc = run_live(spec, profile, name, vs, cap, log)
+            live, desc = run_live(spec, profile, name, vs, cap, log, steps_path=steps_path(json_path, name))
         except (PointFailed, E.EngineError) as e:
             # recorded as failed; the points done are kept and the next starts on a fresh engine
             tail = e.engine_log if isinstance(e, PointFailed) else []
