@@ -242,8 +242,9 @@ class FleetRun(Run):
             tried = [self.router.pick(ex.call_id)]
         while True:
             r = tried[-1]
-            req = Request(ex.id, ex.call_id, erec.prompt_len, erec.max_tokens, self.trace.shared_prefix,
-                          record=erec)
+            prefix, group = self.trace.prefix_of(ex.call_id)
+            req = Request(ex.id, ex.call_id, erec.prompt_len, erec.max_tokens, prefix, record=erec,
+                          prefix_group=group)
             self.exec_replica[ex.id], self.exec_placed[ex.id] = r, t
             if self.engines[r].add_request(req):
                 erec.accepted = True
@@ -263,7 +264,7 @@ class FleetRun(Run):
 
     def _do(self, t: float, actions: list) -> None:
         super()._do(t, actions)
-        if self.sidecar_queues:
+        if self.sidecar_queues and not self._action_stack:     # once the actions are all carried out
             for p, log in zip(self.sidecars, self.queue_logs):
                 if p.queued != log[-1][1]:
                     log.append((t, p.queued))

@@ -205,6 +205,7 @@ class Run:
         self.outstanding = n
         self.counters_at: dict[float, dict] = {}
         self.thin_at = 0      # thin the gauge logs beyond this many entries (0: never; run() sets it)
+        self._action_stack: list = []       # (t, actions) lists being carried out (see _do)
         self._handlers = {Subscribe: self._subscribe, Dispatch: self._dispatch_action, Cancel: self._cancel,
                           Refuse: self._refuse, Complete: self._complete, Drop: self._drop, Wake: self._wake_at}
         for t in snapshot_times:
@@ -311,12 +312,26 @@ class Run:
 
     # ------------------------------------------------------------- proxy side
     def _do(self, t: float, actions: list) -> None:
+        """Carry out the proxy's actions in order. Actions that a handler's
+        own call produces (an engine refusal's, which dispatches the next
+        queued execution) run next, before the rest of the outer list, as a
+        nested call would run them, but from one loop: a long chain of
+        refusals does not grow the stack."""
+        stack = self._action_stack
+        stack.append((t, iter(actions)))
+        if len(stack) > 1:
+            return                          # the loop below, running already, takes it next
         handlers = self._handlers
-        for a in actions:
-            handlers[type(a)](t, a)
-        q = self.proxy.queued
-        if q != self.proxy_queue_log[-1][1]:
-            self.proxy_queue_log.append((t, q))
+        while stack:
+            at, it = stack[-1]
+            a = next(it, None)
+            if a is None:
+                stack.pop()
+                q = self.proxy.queued
+                if q != self.proxy_queue_log[-1][1]:
+                    self.proxy_queue_log.append((at, q))
+                continue
+            handlers[type(a)](at, a)
 
     def _subscribe(self, t: float, a: Subscribe) -> None:
         row = self.open[id(a.attempt)][0]

@@ -581,3 +581,16 @@ def test_thin_log_keeps_the_last_entry_of_each_second():
     thin_log(log)
     assert log == [(0.0, 1), (1.0, 3), (1.7, 5), (3.0, 6), (3.5, 7)]
     assert np.array_equal(sample_log(log, ts), before)
+
+
+def test_a_long_chain_of_engine_refusals_runs_without_growing_the_stack():
+    """Proxy cap and engine cap at the same 100 with cancellation: an aborted
+    execution still counts in the engine until its step boundary, so the seat
+    the proxy frees is refused and each refusal dispatches the next queued
+    execution — a chain as long as the proxy queue, carried out from one loop."""
+    from sim.profile import load_profile
+    from sim.run import run_one
+    rec = run_one(load_profile("qwen2.5-7b"), compose("no-control", proxy_cap=100, engine_cap=100, cancel="now"),
+                  2.7, 0)
+    assert rec["retries"]["refused_engine"] > 0
+    assert rec["cohorts"]["hold"]["offered"] > 0
