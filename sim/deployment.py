@@ -85,8 +85,10 @@ PROXY_KEYS = ("condition", "retries", "cancel", "coalesce", "budget", "order", "
               "defer_s", "budget_window_s")
 FLAT_PHASE_KEYS = ("base_s", "pulse_s", "hold_s", "base_load", "pulse", "hold_load")
 SCHEMA = {
-    "": ("name", "about", "seed", "model", "engine", "workload", "client", "proxy", "measures", "fleet"),
+    "": ("name", "about", "seed", "model", "engine", "workload", "client", "proxy", "measures", "faults", "fleet"),
     "fleet": FLEET_KEYS,
+    "faults": ("stalls", "leak_blocks_on_abort"),
+    "stall": ("start_s", "duration_s"),
     "model": ("profile", "hf_config", "gpu", "capacity"),
     "engine": ENGINE_FLAGS + ("max_num_queued_reqs",),
     "workload": ("phases", "prompt", "response", "shared_prefix", "prefix_groups", "mixed_share", "mixed_prompt_len", "trace",
@@ -318,6 +320,8 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
     else:
         (sc, burst), trace_src = _generated(w, me, base_dir), None
     scenario = _scenario(sc, secs["client"], me, prof, trace_src is None)
+    if doc.has("faults"):
+        scenario = scenario.with_(**_faults(doc.sub("faults", "faults")))
     _check_lengths(w, scenario, trace_src, prof)
     cond, proxy_doc = _proxy(secs["proxy"])
     fleet = None
@@ -331,6 +335,25 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
     return Deployment(name=name, about=about, profile=prof, model=model_doc, scenario=scenario, condition=cond,
                       engine_cap=engine_cap, proxy=proxy_doc, seed=int(seed), trace_source=trace_src, burst=burst,
                       base_dir=base_dir, build_prior=build_prior, fleet=fleet)
+
+
+def _faults(f: _Doc) -> dict:
+    """[faults]: engine stalls as [[T, S], ...] (the engine does nothing for S
+    seconds from T) and a KV block leak on abort."""
+    out: dict = {}
+    if f.has("stalls"):
+        v = f.d["stalls"]
+        if not isinstance(v, list) or not all(isinstance(x, list) and len(x) == 2 for x in v):
+            raise f.err("stalls", f"must be a list of [start_s, duration_s] pairs, got {v!r}")
+        stalls = []
+        for i, (t, d) in enumerate(v):
+            pair = _Doc(f.source, f"{f.where('stalls')}[{i}]", {"start_s": t, "duration_s": d}, "stall")
+            stalls.append((float(pair.num("start_s", positive=True)),
+                           float(pair.num("duration_s", positive=True, allow_zero=False))))
+        out["stalls"] = tuple(sorted(stalls))
+    if f.has("leak_blocks_on_abort"):
+        out["leak_blocks_on_abort"] = f.bool_("leak_blocks_on_abort") or None
+    return out
 
 
 def _engine(eng: _Doc, prof: Profile) -> tuple[Profile, int | None]:
@@ -630,6 +653,13 @@ class Deployment:
         doc["proxy"] = dict(self.proxy)
         me.update({k: getattr(s, k) for k in MEASURE_KEYS})
         doc["measures"] = me
+        faults = {}
+        if s.stalls:
+            faults["stalls"] = [list(x) for x in s.stalls]
+        if s.leak_blocks_on_abort:
+            faults["leak_blocks_on_abort"] = True
+        if faults:
+            doc["faults"] = faults
         if self.fleet is not None:
             doc["fleet"] = self.fleet.document()
         return doc
@@ -862,6 +892,8 @@ COMMENTS = {
               "# honoured up to max_retry_after_s",
     "proxy": "a named condition (llmsim conditions) and changes to it: retries, cancel, coalesce, budget,\n"
              "# order, proxy_cap, queue; defer_s and budget_window_s set the proxy's own times",
+    "faults": "engine faults: stalls = [[start_s, duration_s], ...] (the engine does nothing meanwhile); "
+              "leak_blocks_on_abort = true (aborted requests' KV blocks are never returned)",
     "fleet": "replicas behind a router: router = round-robin | least-outstanding | least-kv | prefix-affinity |\n"
              "# call-affinity; router_retries: other replicas tried on a 503; proxy = deployment (one proxy before\n"
              "# the router) | replica (a sidecar proxy before each engine); profiles: one per replica (default the\n"
@@ -878,7 +910,7 @@ def to_toml(doc: dict, engine: dict | None = None) -> str:
              "# every key is optional; an absent key takes the reference design's value (docs/model.md)"]
     for k in ("name", "about", "seed"):
         lines.append(f"{k} = {_toml_value(doc[k])}")
-    for sec in ("model", "engine", "workload", "client", "proxy", "measures", "fleet"):
+    for sec in ("model", "engine", "workload", "client", "proxy", "measures", "faults", "fleet"):
         if sec not in doc:
             continue
         lines += ["", f"[{sec}]", f"# {COMMENTS[sec]}"]

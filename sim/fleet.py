@@ -139,7 +139,7 @@ class FleetRun(Run):
         self.router = Router(self.router_config, n, view=self._replica_view)
         self.prompt_rate = PromptRate(60.0)                 # the fleet's
         self.prompt_rates = [PromptRate(60.0) for _ in range(n)]
-        self.engines = [EngineCore(env, engine_config(p, condition, max_batched_tokens), p.step_time,
+        self.engines = [EngineCore(env, engine_config(p, condition, max_batched_tokens, scenario), p.step_time,
                                    on_finished=self._on_finished,
                                    on_first_token=(lambda req, t, r=r: self._on_first_token_at(r, req, t)),
                                    next_input_time=(lambda r=r: self._next_input_time_of(r)),

@@ -159,9 +159,16 @@ def prompt_throughput(profile: Profile, scenario: Scenario) -> float:
     return profile.capacity * max(1.0, scenario.prompt_mean - scenario.shared_prefix)
 
 
-def engine_config(profile: Profile, condition: Condition, max_batched_tokens: int | None = None) -> EngineConfig:
-    """The engine of `profile` with the condition's engine cap."""
-    return EngineConfig(profile.scheduler_config(max_batched_tokens), profile.depth, condition.engine_cap)
+def engine_config(profile: Profile, condition: Condition, max_batched_tokens: int | None = None,
+                  scenario: Scenario | None = None) -> EngineConfig:
+    """The engine of `profile` with the condition's engine cap and the
+    scenario's engine faults (stalls, a KV block leak on abort), if any."""
+    faults = {}
+    if scenario is not None and scenario.stalls:
+        faults["stalls"] = scenario.stalls
+    if scenario is not None and scenario.leak_blocks_on_abort:
+        faults["leak_blocks_on_abort"] = True
+    return EngineConfig(profile.scheduler_config(max_batched_tokens), profile.depth, condition.engine_cap, **faults)
 
 
 def uncomputed_prompt_tokens(eng: EngineCore) -> float:
@@ -229,7 +236,7 @@ class Run:
         self.prompt_rate = PromptRate(60.0)
         self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
                            prompt_throughput=prompt_throughput(profile, scenario))
-        self.engine = EngineCore(self.env, engine_config(profile, condition, max_batched_tokens),
+        self.engine = EngineCore(self.env, engine_config(profile, condition, max_batched_tokens, scenario),
                                  profile.step_time, on_finished=self._on_finished,
                                  on_first_token=self._on_first_token,
                                  next_input_time=self._next_input_time, fast_forward=fast_forward)

@@ -155,6 +155,10 @@ class Scenario:
     mixed_share: float | None = None    # share of calls given mixed_prompt_len-token prompts
     max_call_tokens: int | None = None  # prompt + response cut to this (the engine's max_model_len)
     prefix_groups: tuple[tuple[int, float], ...] | None = None   # (prefix tokens, share): unset, one shared_prefix
+    # faults of the engine: stalls (T, S), the engine doing nothing for S seconds from T (a long GC pause, a
+    # device hiccup); leak_blocks_on_abort, an aborted request's KV blocks never returned. Unset: none
+    stalls: tuple[tuple[float, float], ...] | None = None
+    leak_blocks_on_abort: bool | None = None
 
     @property
     def pulse_start(self) -> float:
@@ -213,13 +217,16 @@ class Scenario:
             d["phases"] = [p.to_dict() for p in self.phases]
         if self.prefix_groups is not None:
             d["prefix_groups"] = [list(g) for g in self.prefix_groups]
+        if self.stalls is not None:
+            d["stalls"] = [list(x) for x in self.stalls]
         for k in ("prompt", "response"):
             if d.get(k) is not None:
                 d[k] = d[k].to_dict()
         return d
 
 
-_EXTENDED = ("phases", "prompt", "response", "mixed_share", "max_call_tokens", "prefix_groups")
+_EXTENDED = ("phases", "prompt", "response", "mixed_share", "max_call_tokens", "prefix_groups", "stalls",
+             "leak_blocks_on_abort")
 
 
 PAPER = Scenario()
