@@ -12,46 +12,22 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from drills import KILL_IN_REWRITE, rows_by_cell
 from llmsim.cli import main
 from validate.engine import children
-from sim.experiments.sweep import ResultsFileError, grid, read_rows, sweep, cell_key
+from sim.experiments.sweep import ResultsFileError, grid, read_rows, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = "0-7"
 ARGS = ["sweep", "--models", "qwen2.5-7b", "--conditions", "no-retry", "--pulses", "2", "--seeds", SEEDS,
         "--workers", "1"]
 DONE = re.compile(r"^\[\d+/\d+\] qwen2.5-7b no-retry pulse 2 seed (\d+) ", re.M)
-# A sweep whose Parquet rewrite is cut off by SIGKILL halfway through the temp file.
-KILL_IN_REWRITE = textwrap.dedent("""
-    import os, signal, sys
-    import pyarrow.parquet as pq
-    from sim.experiments import sweep as S
-    real = pq.write_table
-    def write_half_then_die(table, where, **kw):
-        real(table, where, **kw)
-        with open(where, "r+b") as f:
-            f.truncate(os.path.getsize(where) // 2)
-        os.kill(os.getpid(), signal.SIGKILL)
-    S.pq.write_table = write_half_then_die
-    from llmsim.cli import main
-    sys.exit(main(sys.argv[1:]))
-""")
-
-
-def rows_by_cell(path) -> dict:
-    out = {}
-    for r in read_rows(str(path)):
-        r = dict(r)
-        r.pop("wall_s")                         # the simulator's own wall time differs from run to run
-        out[cell_key(r)] = r
-    return out
 
 
 def finished_seeds(text: str) -> list[int]:
