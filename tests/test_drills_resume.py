@@ -11,9 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from drills import kill_and_resume, rows_by_cell
 from sim.experiments.paper import paper
-from sim.experiments.sweep import read_rows
+from sim.experiments.sweep import grid, read_rows, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,3 +69,16 @@ def test_paper_killed_with_sigkill_resumes_to_the_same_table_and_report(tmp_path
     assert "paper: 99 cells, " in stdout
     assert (out / "report.md").read_text() == (ref / "report.md").read_text()
     assert not (out / "results.parquet.journal").exists()
+
+
+def test_a_column_only_later_rows_have_survives_the_journal_and_the_rewrite(tmp_path):
+    # the paper's mixed cells alone carry scenario_mixed_share, and a resumed run's journal may begin
+    # with a cell without it
+    out = tmp_path / "res.parquet"
+    cell = {"model": "m", "condition": "c", "pulse": 2.0, "max_batched_tokens": 1, "mixed_prompts": False}
+    rows = [{**cell, "seed": 0}, {**cell, "seed": 1, "mixed_prompts": True, "later": 0.5}]
+    Path(str(out) + ".journal").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r["later"] for r in read_rows(str(out))] == [None, 0.5]
+    sweep(grid(["vllm-cpu-tiny"], ["no-retry"], [2.0], [0]), str(out), workers=1, progress=False)
+    got = {(r["model"], r["seed"]): r["later"] for r in pq.read_table(out).to_pylist()}
+    assert got == {("m", 0): None, ("m", 1): 0.5, ("vllm-cpu-tiny", 0): None}

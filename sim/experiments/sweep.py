@@ -280,8 +280,16 @@ def read_table(path: str):
     extra = [r for r in _read_journal(path) if cell_key(r) not in done]
     if not extra:
         return t
-    new = pa.Table.from_pylist(extra)
+    new = _table(extra)
     return new if t is None else pa.concat_tables([t, new], promote_options="permissive")
+
+
+def _table(rows: Sequence[dict]):
+    """The rows as a pyarrow Table with a column for every key of any row (a
+    row without it holds null there), in the order the keys first appear;
+    pa.Table.from_pylist keeps only the first row's keys."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return pa.Table.from_pydict({k: [r.get(k) for r in rows] for k in keys})
 
 
 def read_rows(path: str) -> list[dict]:
@@ -341,7 +349,7 @@ class _Store:
         if not self.pending:
             return
         t0 = time.perf_counter()
-        new = self.pa.Table.from_pylist(self.pending)
+        new = _table(self.pending)
         table = self.pa.concat_tables(self.tables + [new], promote_options="permissive") if self.tables else new
         tmp = f"{self.path}.tmp-{os.getpid()}"
         pq.write_table(table, tmp)
