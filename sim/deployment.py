@@ -570,6 +570,11 @@ def load(path_or_name: str, build_prior=None, trace_speedup: float | None = None
             d = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(f"{path_or_name}: not valid TOML ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ScenarioError(f"{path_or_name}: not a text file (a byte that is not UTF-8 at offset {e.start}); "
+                            "a scenario file is TOML") from None
+    except RecursionError:
+        raise ScenarioError(f"{path_or_name}: nested too deeply to be a scenario file") from None
     except OSError as e:
         raise ScenarioError(f"cannot read {path_or_name}: {e.strerror or e}") from None
     return from_document(d, path_or_name, os.path.dirname(os.path.abspath(path_or_name)), build_prior,

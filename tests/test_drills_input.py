@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import string
 from importlib import resources
 
@@ -21,7 +22,7 @@ from sim.engine.step_time import COEFFICIENTS
 from sim.profile import CAPACITY_MAX, DEPTH_MAX, ENGINE_KEYS, ENGINE_MAX, ProfileError, load_profile
 
 VALID = json.loads((resources.files("sim") / "profiles" / "vllm-cpu-tiny.json").read_text())
-SETTINGS = settings(max_examples=60, deadline=None,
+SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 NAN, INF = float("nan"), float("inf")
 JUNK_VALUES = st.one_of(st.none(), st.booleans(), st.text(max_size=6), st.lists(st.integers(), max_size=2),
@@ -186,3 +187,96 @@ def test_a_bad_flag_value_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert flag in err or "condition" in err or "pulses" in err or "cancel" in err, err
     assert not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------- scenario and trace files
+def _scenario_refused_or_ok(capsys, tmp_path, path: str) -> None:
+    """`llmsim scenario check` on a file: fine (0), or one line naming the
+    file, exit 2 — never a traceback. `run` on it writes nothing when refused."""
+    code = main(["scenario", "check", path])
+    err = capsys.readouterr().err.strip()
+    assert code in (0, 2)
+    if code == 2:
+        assert len(err.splitlines()) == 1 and err.startswith("llmsim") and "Traceback" not in err, err
+        assert path in err or os.path.basename(path) in err, err
+        out = tmp_path / "r.json"
+        assert main(["run", "--scenario", path, "--json", str(out)]) == 2 and not out.exists()
+        capsys.readouterr()
+
+
+@SETTINGS
+@given(data=st.binary(max_size=300))
+def test_a_scenario_file_of_binary_junk_is_refused_naming_the_file(tmp_path, capsys, data):
+    f = tmp_path / "junk.toml"
+    f.write_bytes(data)
+    _scenario_refused_or_ok(capsys, tmp_path, str(f))
+
+
+TOML_VALUES = st.one_of(st.booleans(), st.integers(-10, 10**6), st.floats(allow_nan=False, allow_infinity=False),
+                        st.sampled_from(["nan", "inf", "-inf", "1e400"]).map(float),
+                        st.text(string.ascii_letters + "_-", max_size=8),
+                        st.lists(st.integers(-5, 100), max_size=3))
+SCENARIO_KEYS = {"model": ["profile", "capacity", "gpu"], "engine": ["max_num_seqs", "num_gpu_blocks", "block_size",
+                                                                     "max_num_queued_reqs", "kv_cache_tokens"],
+                 "workload": ["shared_prefix", "mixed_share", "trace", "pulse", "hold_s"],
+                 "client": ["deadline_s", "max_retries", "backoff_min_s", "backoff_max_s"],
+                 "proxy": ["condition", "proxy_cap", "budget", "cancel"],
+                 "measures": ["burst", "window_s", "recovery_delivery"], "faults": ["stalls", "leak_blocks_on_abort"]}
+
+
+def _toml(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return "nan" if v != v else ("inf" if v == float("inf") else "-inf" if v == float("-inf") else repr(v))
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return str(v)
+
+
+@SETTINGS
+@given(section=st.sampled_from(sorted(SCENARIO_KEYS)), data=st.data())
+def test_a_scenario_file_with_a_wrong_value_is_one_line_exit_2(tmp_path, capsys, section, data):
+    key = data.draw(st.sampled_from(SCENARIO_KEYS[section]))
+    value = data.draw(TOML_VALUES)
+    body = '[model]\nprofile = "vllm-cpu-tiny"\ncapacity = 4.0\n' if section != "model" else "[model]\n"
+    f = tmp_path / "s.toml"
+    f.write_text(body.replace("[model]\n", "") if section == "model" else body)
+    with open(f, "a") as fh:
+        fh.write(f"\n[{section}]\n" if section != "model" else "[model]\n")
+        if section == "model":
+            fh.write('profile = "vllm-cpu-tiny"\n' if key != "profile" else "")
+            if key != "capacity":
+                fh.write("capacity = 4.0\n")
+        fh.write(f"{key} = {_toml(value)}\n")
+    _scenario_refused_or_ok(capsys, tmp_path, str(f))
+
+
+TRACE_CELLS = st.one_of(st.integers(-5, 5000).map(str), st.floats(allow_nan=True, allow_infinity=True).map(repr),
+                        st.text(string.printable.replace("\n", "").replace(",", "").replace("\r", ""), max_size=5))
+
+
+@SETTINGS
+@given(rows=st.lists(st.tuples(TRACE_CELLS, TRACE_CELLS, TRACE_CELLS), max_size=6),
+       header=st.sampled_from(["arrived_at,num_prefill_tokens,num_decode_tokens",
+                               "TIMESTAMP,ContextTokens,GeneratedTokens", "a,b,c", ""]))
+def test_a_trace_file_with_bad_rows_is_one_line_exit_2(tmp_path, capsys, rows, header):
+    trace = tmp_path / "calls.csv"
+    trace.write_text("\n".join([header] + [",".join(r) for r in rows]) + "\n")
+    f = tmp_path / "t.toml"
+    f.write_text('[model]\nprofile = "vllm-cpu-tiny"\ncapacity = 4.0\n[workload]\ntrace = "calls.csv"\n'
+                 '[measures]\nburst_start_s = 0.0\nburst_end_s = 1.0\n')
+    _scenario_refused_or_ok(capsys, tmp_path, str(f))
+
+
+def test_a_directory_given_as_a_scenario_or_a_trace_is_refused(tmp_path, capsys):
+    d = tmp_path / "dir.toml"
+    d.mkdir()
+    _scenario_refused_or_ok(capsys, tmp_path, str(d))
+    (tmp_path / "calls.csv").mkdir()
+    f = tmp_path / "t.toml"
+    f.write_text('[model]\nprofile = "vllm-cpu-tiny"\ncapacity = 4.0\n[workload]\ntrace = "calls.csv"\n')
+    assert main(["scenario", "check", str(f)]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
