@@ -36,7 +36,6 @@ and for the profile (forward + loop, against intervals).
 from __future__ import annotations
 
 import datetime
-import math
 
 import numpy as np
 from scipy.optimize import nnls

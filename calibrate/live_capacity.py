@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import numpy as np
 from aiohttp import web
 
 from sim.capacity import CapacityProtocol, capacity_protocol

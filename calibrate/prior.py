@@ -13,7 +13,6 @@ KV capacity (vLLM's profiling run): blocks = floor((total memory * utilization
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, asdict
 
 GiB = 1024 ** 3

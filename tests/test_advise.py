@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 
-from sim import verdict
 from sim.conditions import CONDITIONS
 from sim.experiments import advise as A
 from sim.experiments.margin import cell

@@ -12,7 +12,6 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
 
 from sim.conditions import get_condition
 from sim.profile import load_profile

@@ -14,7 +14,6 @@ import weakref
 
 import aiohttp
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from sim.conditions import get_condition

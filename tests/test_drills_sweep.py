@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from drills import KILL_IN_REWRITE, rows_by_cell

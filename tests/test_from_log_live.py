@@ -26,9 +26,7 @@ pytestmark = pytest.mark.live
 MAPE_BOUND = 0.5
 
 
-def test_from_log_on_a_real_cpu_engine_log(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "llmsim", "engine", "install", "--cpu"], timeout=1500)
-    assert r.returncode == 0
+def test_from_log_on_a_real_cpu_engine_log(tmp_path, cpu_engine_installed):
     eng = E.start_cpu(timeout=600)
     try:
         with ThreadPoolExecutor(16) as pool:

