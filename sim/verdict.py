@@ -17,11 +17,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from . import measures
 from .conditions import Condition
 from .engine.step_time import COEFFICIENTS, StepTimeModel
-from .model import simulate
 from .profile import Profile
+from .run import run_one
 from .scenario import Scenario
 from .workload import Trace, make_trace
 
@@ -67,14 +66,10 @@ def perturbed(profile: Profile, speed: float = 1.0, kv: float = 1.0) -> Profile:
 def run_record(profile: Profile, scenario: Scenario, condition: Condition, seed: int,
                trace: Trace | None = None, inputs: dict | None = None) -> dict:
     """One run of `condition` on `scenario` with the trace of `seed` (drawn at
-    the profile's capacity unless given) — the result record."""
-    if trace is None:
-        trace = make_trace(profile.capacity, scenario, seed)
-    log = simulate(profile, trace, condition, scenario, seed)
-    base = {"model": profile.name, "condition": condition.name, "pulse": scenario.pulse, "seed": seed,
-            "max_batched_tokens": profile.engine["max_num_batched_tokens"], "mixed_prompts": False,
-            "condition_settings": condition.settings(), "profile_provenance": profile.provenance.get("kind")}
-    return measures.record(log, scenario, profile.capacity, dict(base, **(inputs or {})))
+    the profile's capacity unless given) — the result record (`run_one` at
+    the profile's Ĉ; `inputs` join the record's)."""
+    return run_one(profile, condition, scenario.pulse, seed, trace=trace, scenario=scenario,
+                   capacity=profile.capacity, extra=inputs)
 
 
 def run_seeds(profile: Profile, scenario: Scenario, condition: Condition, seeds: Iterable[int],
