@@ -118,13 +118,24 @@ def engine(tmp_path_factory, cpu_engine_installed):
     assert not eng.healthy()
 
 
+SETTLED = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_success_total")
+
+
 def wait_idle(eng: E.Engine, timeout: float = 10.0) -> float:
     """Wait until the engine has nothing waiting or running; seconds waited."""
     t0 = time.monotonic()
+    last = None
     while True:
         m = eng.metrics()
+        # idle, and the counters settled: the API server counts a request's last tokens after the
+        # engine core has already reported it finished (the gauges lead the counters)
+        counters = tuple(m.get(k, 0.0) for k in SETTLED)
         if m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0) == 0:
-            return time.monotonic() - t0
+            if counters == last:
+                return time.monotonic() - t0
+            last = counters
+        else:
+            last = None
         if time.monotonic() - t0 > timeout:
             raise AssertionError(f"engine still busy after {timeout} s: running "
                                  f"{m.get('vllm:num_requests_running')} waiting {m.get('vllm:num_requests_waiting')}")
