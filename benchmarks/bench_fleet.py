@@ -13,17 +13,21 @@ single-engine runs.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
-from sim.conditions import get_condition
-from sim.fleet import fleet_record, simulate_fleet
-from sim.model import simulate
-from sim.policy.router import RouterConfig
-from sim.profile import load_profile
-from sim.run import run_inputs
-from sim.scenario import PAPER
-from sim.workload import make_trace
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sim.conditions import get_condition  # noqa: E402
+from sim.fleet import fleet_record, simulate_fleet  # noqa: E402
+from sim.model import simulate  # noqa: E402
+from sim.policy.router import RouterConfig  # noqa: E402
+from sim.profile import load_profile  # noqa: E402
+from sim.run import run_inputs  # noqa: E402
+from sim.scenario import PAPER  # noqa: E402
+from sim.workload import make_trace  # noqa: E402
 
 
 def timed(fn):

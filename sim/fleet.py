@@ -23,6 +23,7 @@ summed; Ĉ the sum of the replicas') with two more keys,
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,7 +37,7 @@ from .policy.proxy import EngineView, PromptRate, Proxy
 from .policy.router import ReplicaProxies, ReplicaView, Router, RouterConfig
 from .profile import Profile
 from .run import run_inputs, workload_capacity
-from .runlog import CallRecord, RunLog, Series, sample_log
+from .runlog import CALL_OUTCOMES, AttemptTable, CallTable, RunLog, Series, sample_log
 from .scenario import Scenario
 from .workload import Trace
 
@@ -299,13 +300,17 @@ class FleetRun(Run):
         if self.replica_mode:
             att_rep = np.asarray(self.proxy.landed, dtype=np.int64)
         else:
-            a_exec = np.fromiter((a.execution for a in self.attempt_log), dtype=np.int64, count=len(self.attempt_log))
+            a_exec = column(self.attempt_log, "execution")
             att_rep = np.where(a_exec >= 0, ex_rep[np.maximum(a_exec, 0)] if len(ex_rep) else -1, -1)
         call_rep = first_landing(self.attempt_log, att_rep, len(self.call_log))
-        replicas = [replica_log(fleet, r, att_rep, ex_rep, call_rep,
+        by_replica: list[list] = [[] for _ in range(n)]
+        for e, x in zip(self.executions, ex_rep.tolist()):
+            if x >= 0:
+                by_replica[x].append(e)
+        replicas = [replica_log(fleet, r, att_rep, call_rep,
                                 Series(t=ts, waiting=waiting[r], running=running[r], proxy_queue=pq[r]),
                                 dict(self.engines[r].scheduler.counters), self.counters_at_r[r], engine_r[r],
-                                extra_r[r]) for r in range(n)]
+                                extra_r[r], by_replica[r]) for r in range(n)]
         rerouted = self.rerouted + (self.proxy.rerouted if self.replica_mode else 0)
         return FleetLog(fleet, replicas, att_rep, ex_rep, np.asarray(self.exec_placed, dtype=float), call_rep,
                         rerouted, {"replicas": n, "router": self.router_config.policy,
@@ -330,31 +335,68 @@ def _sum_counters(dicts) -> dict:
     return out
 
 
-def first_landing(attempts: list, attempt_replica: np.ndarray, n_calls: int) -> np.ndarray:
+_DTYPES = {"q": np.int64, "d": np.float64, "b": np.int8}
+
+
+def column(records, name: str) -> np.ndarray:
+    """One field of a table (`AttemptTable`, `CallTable`: a view of its
+    column, codes as stored) or of a list of records, as a numpy array."""
+    if isinstance(records, (AttemptTable, CallTable)):
+        typecode = next(f[1] for f in records.FIELDS if f[0] == name)
+        col = getattr(records, name)
+        return np.frombuffer(col, dtype=_DTYPES[typecode]) if len(col) else np.zeros(0, _DTYPES[typecode])
+    return np.array([getattr(x, name) for x in records])
+
+
+def _table_of(cls, columns: dict):
+    """A table of class `cls` with the given numpy columns (one per field)."""
+    out = cls()
+    for name, typecode, _ in cls.FIELDS:
+        col = array(typecode)
+        col.frombytes(np.ascontiguousarray(columns[name], dtype=_DTYPES[typecode]).tobytes())
+        setattr(out, name, col)
+    return out
+
+
+class ReplicaCallTable(CallTable):
+    """A replica's calls: the fleet's calls by id, those that landed first on
+    another replica standing as rows with id -1, no planned time and outcome
+    `elsewhere` (no cohort counts them)."""
+    CODES = {"outcome": CALL_OUTCOMES + (ELSEWHERE,)}
+
+
+_ELSEWHERE_CODE = len(CALL_OUTCOMES)
+
+
+def first_landing(attempts, attempt_replica: np.ndarray, n_calls: int) -> np.ndarray:
     """Each call's replica: where its first attempt that reached a replica
     landed (-1: none did). Attempts are in the order they were sent."""
     out = np.full(n_calls, -1, dtype=np.int64)
     if not len(attempts):
         return out
-    calls = np.fromiter((a.call for a in attempts), dtype=np.int64, count=len(attempts))
+    calls = column(attempts, "call")
     landed = attempt_replica >= 0
     c, r = calls[landed][::-1], attempt_replica[landed][::-1]
     out[c] = r                          # the earliest one is written last
     return out
 
 
-def replica_log(fleet: RunLog, r: int, attempt_replica: np.ndarray, execution_replica: np.ndarray,
-                call_replica: np.ndarray, series: Series, counters: dict, counters_at: dict, engine: dict,
-                extra: dict) -> RunLog:
+def replica_log(fleet: RunLog, r: int, attempt_replica: np.ndarray, call_replica: np.ndarray, series: Series,
+                counters: dict, counters_at: dict, engine: dict, extra: dict, executions: list) -> RunLog:
     """Replica r's RunLog: the attempts that landed on it, the executions it
-    ran, its engine's series, counters and work; its calls are those that
-    landed on it first (each call belongs to one replica). A call that
-    reached r only after another replica stands in its list as a record
-    with no planned time and outcome `elsewhere` (no cohort counts it)."""
-    elsewhere = CallRecord(-1, NAN, outcome=ELSEWHERE)
-    calls = [c if call_replica[i] == r else elsewhere for i, c in enumerate(fleet.calls)]
-    attempts = [a for a, x in zip(fleet.attempts, attempt_replica) if x == r]
-    executions = [e for e in fleet.executions if execution_replica[e.id] == r]
+    ran (`executions`, in id order), its engine's series, counters and work;
+    its calls are those that landed on it first (each call belongs to one
+    replica), the others standing in its `ReplicaCallTable` as `elsewhere`."""
+    here = call_replica == r
+    cl = fleet.calls
+    calls = _table_of(ReplicaCallTable, {
+        "id": np.where(here, column(cl, "id"), -1),
+        "planned_at": np.where(here, column(cl, "planned_at"), NAN),
+        "delivered_at": np.where(here, column(cl, "delivered_at"), NAN),
+        "attempts": np.where(here, column(cl, "attempts"), 0),
+        "outcome": np.where(here, column(cl, "outcome"), _ELSEWHERE_CODE)})
+    rows = attempt_replica == r
+    attempts = _table_of(AttemptTable, {name: column(fleet.attempts, name)[rows] for name, _, _ in AttemptTable.FIELDS})
     return RunLog(calls=calls, attempts=attempts, executions=executions, series=series, counters=counters,
                   counters_at=counters_at, engine=engine, end_time=fleet.end_time, wall_s=0.0, extra=extra)
 
@@ -406,7 +448,7 @@ def moved_attempts(log: FleetLog) -> int:
     att = log.fleet.attempts
     if not att:
         return 0
-    calls = np.fromiter((a.call for a in att), dtype=np.int64, count=len(att))
+    calls = column(att, "call")
     rep = log.attempt_replica
     landed = rep >= 0
     calls, rep = calls[landed], rep[landed]
