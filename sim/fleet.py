@@ -22,7 +22,9 @@ summed; Ĉ the sum of the replicas') with two more keys,
 """
 from __future__ import annotations
 
+import heapq
 import math
+import types
 from array import array
 from dataclasses import dataclass, field
 
@@ -32,7 +34,7 @@ from . import measures
 from .conditions import Condition, get_condition
 from .engine.core import EngineCore
 from .engine.request import Request
-from .model import Run, engine_config, prompt_throughput, uncomputed_prompt_tokens
+from .model import Run, Timers, engine_config, prompt_throughput, uncomputed_prompt_tokens
 from .policy.proxy import EngineView, PromptRate, Proxy
 from .policy.router import ReplicaProxies, ReplicaView, Router, RouterConfig
 from .profile import Profile
@@ -162,6 +164,39 @@ class FleetRun(Run):
             self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
                                prompt_throughput=sum(prompt_throughput(p, scenario) for p in self.profiles))
         self.sidecar_queues = self.replica_mode and condition.proxy.proxy_cap is not None   # sidecars may queue
+        if not self.sidecar_queues:         # no sidecar queue to log: the driver's own loop
+            self._do = types.MethodType(Run._do, self)
+        self._routed_timers = None
+        if n > 1 and self._calls_stay_home(condition):
+            # every input a timer brings reaches the replica of its call alone
+            self.home = [self.router.home(c) for c in range(len(self.trace))]
+            # a call's arrival, retry (the timer's argument: its id), an
+            # attempt's deadline and an execution's wake (its call_id)
+            by_call = {type(self)._arrive: False, type(self)._send: False, type(self)._deadline: True,
+                       type(self)._wake: True}
+            self._routed_timers = _RoutedTimers(env, self.timers.horizon, self.timers.stop, n, self.home, by_call)
+            self.timers = self._routed_timers
+            self._calls_of = [[] for _ in range(n)]          # call ids by home replica, in arrival order
+            for c, r in enumerate(self.home):
+                self._calls_of[r].append(c)
+            self._calls_at = [0] * n                         # first of them not yet arrived
+            self._next_call = 0                              # first call whose arrival has not fired
+
+    def _calls_stay_home(self, condition: Condition) -> bool:
+        """Whether every request of a call goes to one replica known in
+        advance (`Router.home`), and what happens to a call touches no other
+        replica: a hashing router that never moves a request on 503, and no
+        deployment proxy queue (one that dispatches, when a seat frees, the
+        queued execution of any call)."""
+        moves = self.router_config.retries > 0 and (
+            condition.engine_cap is not None or (self.replica_mode and condition.proxy.queue == "deadline"))
+        deployment_queue = not self.replica_mode and condition.proxy.proxy_cap is not None
+        return self.router.home(0) is not None and not moves and not deployment_queue
+
+    def _arrive(self, t: float, call_id: int) -> None:
+        if self._routed_timers is not None:
+            self._next_call = call_id + 1
+        super()._arrive(t, call_id)
 
     # ------------------------------------------------------------ engines
     def _gauge_logs(self) -> list[list]:
@@ -189,8 +224,19 @@ class FleetRun(Run):
         not scheduled yet may finish one just after); with sidecars, an
         engine's 503 to an execution its sidecar dispatched from its queue
         sends the attempt on to another replica, so where the router retries
-        and engines have a cap, another sidecar's queue counts likewise."""
-        t = self.timers.next_time()
+        and engines have a cap, another sidecar's queue counts likewise.
+        Where every call stays on its home replica, only the timers of r's
+        calls count, and the arrival of the next call r is home to."""
+        if self._routed_timers is not None:
+            t = self._routed_timers.next_time_of(r)
+            calls, i = self._calls_of[r], self._calls_at[r]
+            while i < len(calls) and calls[i] < self._next_call:
+                i += 1
+            self._calls_at[r] = i
+            if i < len(calls) and self.arrival[calls[i]] < t:
+                t = self.arrival[calls[i]]
+        else:
+            t = self.timers.next_time()
         if self.replica_mode:
             if self.sidecars[r].queued:
                 t = min(t, _next_finish(self.engines[r]))
@@ -235,27 +281,30 @@ class FleetRun(Run):
             self.exec_placed.append(t if r >= 0 else NAN)
 
     def _dispatch(self, t: float, ex) -> None:
-        erec = self.executions[ex.id]
+        ex_id, call_id = ex.id, ex.call_id
+        erec = self.executions[ex_id]
         erec.dispatched_at = t
-        if self.replica_mode:
-            tried = [self.exec_replica[ex.id]]
-        else:
-            tried = [self.router.pick(ex.call_id)]
+        prefix, group = self.trace.prefix_of(call_id)
+        req = Request(ex_id, call_id, erec.prompt_len, erec.max_tokens, prefix, record=erec, prefix_group=group)
+        r = self.exec_replica[ex_id] if self.replica_mode else self.router.pick(call_id)
+        tried = None
         while True:
-            r = tried[-1]
-            prefix, group = self.trace.prefix_of(ex.call_id)
-            req = Request(ex.id, ex.call_id, erec.prompt_len, erec.max_tokens, prefix, record=erec,
-                          prefix_group=group)
-            self.exec_replica[ex.id], self.exec_placed[ex.id] = r, t
+            self.exec_replica[ex_id] = r
+            self.exec_placed[ex_id] = t
             if self.engines[r].add_request(req):
                 erec.accepted = True
-                self.requests[ex.id] = req
+                self.requests[ex_id] = req
                 self.proxy.on_dispatched(t, ex)
                 return
-            if self.replica_mode or not self.router.may_retry(tried):
+            if self.replica_mode:
+                break
+            if tried is None:
+                tried = [r]
+            if not self.router.may_retry(tried):
                 break
             self.rerouted += 1
-            tried.append(self.router.pick(ex.call_id, tried))
+            r = self.router.pick(call_id, tried)
+            tried.append(r)
         erec.fate, erec.finished_at = "refused", t
         self._do(t, self.proxy.on_engine_refused(t, ex))
 
@@ -265,7 +314,7 @@ class FleetRun(Run):
 
     def _do(self, t: float, actions: list) -> None:
         super()._do(t, actions)
-        if self.sidecar_queues and not self._action_stack:     # once the actions are all carried out
+        if not self._action_stack:          # once the actions are all carried out
             for p, log in zip(self.sidecars, self.queue_logs):
                 if p.queued != log[-1][1]:
                     log.append((t, p.queued))
@@ -316,6 +365,41 @@ class FleetRun(Run):
                         rerouted, {"replicas": n, "router": self.router_config.policy,
                                    "router_retries": self.router_config.retries, "proxy": self.router_config.proxy,
                                    "profiles": [p.name for p in self.profiles]})
+
+
+class _RoutedTimers(Timers):
+    """The driver's timers, each also filed under the replica its firing may
+    reach, so that a replica's next input skips the timers of the others. A
+    timer whose function is in `by_call` reaches its call's replica
+    (`home[call id]`), the call id being its argument (`by_call[fn]`
+    False) or the argument's `call_id` (True); any other timer (a counter
+    snapshot) may reach every replica."""
+
+    def __init__(self, env, horizon, stop, n: int, home: list[int], by_call: dict):
+        super().__init__(env, horizon, stop)
+        self.home = home
+        self.by_call = by_call
+        self.due: list[list] = [[] for _ in range(n)]
+        self.due_any: list = []
+
+    def at(self, t: float, fn, arg=None, seq: int | None = None) -> list:
+        entry = Timers.at(self, t, fn, arg, seq)
+        attr = self.by_call.get(getattr(fn, "__func__", None))
+        if attr is None:
+            heapq.heappush(self.due_any, entry)
+        else:
+            heapq.heappush(self.due[self.home[arg.call_id if attr else arg]], entry)
+        return entry
+
+    def next_time_of(self, r: int) -> float:
+        """The time of the next live timer that may reach replica r (INF: none)."""
+        t = INF
+        for h in (self.due[r], self.due_any):
+            while h and not h[0][5]:
+                heapq.heappop(h)
+            if h and h[0][2] < t:
+                t = h[0][2]
+        return t
 
 
 def _next_finish(e: EngineCore) -> float:

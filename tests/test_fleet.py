@@ -16,6 +16,7 @@ import golden
 from llmsim.cli import main
 from sim.conditions import compose
 from sim.deployment import load
+from sim.model import simulate
 from sim.fleet import RECORD_KEYS, run_fleet, simulate_fleet
 from sim.policy.router import ROUTERS, ReplicaView, Router, RouterConfig
 from sim.profile import load_profile
@@ -135,6 +136,32 @@ def test_fast_forward_matches_stepping_in_small_fleets(case, deadline, n, placem
     assert golden.differences(_no_step_events(fast), _no_step_events(slow)) == []
 
 
+def test_with_call_affinity_and_sidecars_a_replica_runs_as_one_engine_on_its_calls(tiny3):
+    """No retries, a sidecar per replica and call affinity: nothing one
+    replica does reaches another, so each runs as a single engine fed only
+    the calls it is home to, step event for step event (another replica's
+    arrivals do not cut its fast-forwards)."""
+    caps, trace = tiny3
+    cond = compose("no-retry+cancel")
+    n = 3
+    router = Router(RouterConfig("call-affinity"), n)
+    home = np.array([router.home(c) for c in range(len(trace))])
+    log = simulate_fleet([PROFILE] * n, trace, cond, TINY, RouterConfig("call-affinity", 0, "replica"))
+    assert (log.call_replica == home).all()
+    for r in range(n):
+        mine = np.flatnonzero(home == r)
+        sub = Trace(trace.arrival[mine], trace.prompt_len[mine], trace.max_tokens[mine], trace.shared_prefix)
+        single = simulate(PROFILE, sub, cond, TINY)
+        rl = log.replicas[r]
+        assert rl.engine == single.engine and rl.counters == single.counters
+        assert rl.extra["step_events"] == single.extra["step_events"]
+        assert rl.extra["busy_s"] == pytest.approx(single.extra["busy_s"], rel=1e-12)   # a sum of step times
+        assert [(e.call, e.fate, e.first_token_at, e.finished_at, e.tokens_generated) for e in rl.executions] == \
+            [(int(mine[e.call]), e.fate, e.first_token_at, e.finished_at, e.tokens_generated)
+             for e in single.executions]
+    assert sum(rl.extra["step_events"] for rl in log.replicas) == log.fleet.extra["step_events"]
+
+
 # ----------------------------------------------------------------- conservation
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("policy", ["round-robin", "least-outstanding", "call-affinity"])
@@ -239,11 +266,16 @@ def test_router_policies_pick_as_documented():
     pa = Router(RouterConfig("prefix-affinity"), 4, prefix_group=lambda c: c % 2)
     assert pa.pick(0) == pa.pick(2) and pa.pick(1) == pa.pick(3)
     ca = Router(RouterConfig("call-affinity", retries=1), 4)
+    assert ca.home(7) == ca.home(7) and ca.last == {}         # home reads and changes nothing
     home = ca.pick(7)
+    assert ca.home(7) == home
     assert ca.pick(7) == home
     moved = ca.pick(7, exclude=[home])
     assert moved != home and ca.pick(7) == moved          # a retry follows the call's last replica
     assert ca.may_retry([home]) and not ca.may_retry([home, moved])
+    assert ca.home(7) == moved and pa.home(2) == pa.pick(2)
+    assert rr.home(0) is None and lo.home(0) is None and kv.home(0) is None   # their pick depends on the moment
+    assert Router(RouterConfig("least-kv"), 1).home(5) == 0
     with pytest.raises(ValueError, match="router must be one of"):
         RouterConfig("random")
 

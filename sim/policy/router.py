@@ -91,8 +91,10 @@ class Router:
         self.next = 0                         # round-robin pointer
         self.last: dict[int, int] = {}        # call id -> replica of its last request (call-affinity)
         self._pick = {"round-robin": self._round_robin, "least-outstanding": self._least_outstanding,
-                      "least-kv": self._least_kv, "prefix-affinity": self._prefix,
-                      "call-affinity": self._call}[config.policy]
+                      "least-kv": self._least_kv, "prefix-affinity": self._hashed,
+                      "call-affinity": self._hashed}[config.policy]
+        self._home = {"prefix-affinity": self._prefix_home, "call-affinity": self._call_home}.get(config.policy)
+        self._affinity = config.policy == "call-affinity"
 
     def may_retry(self, tried: Sequence[int]) -> bool:
         """Whether the router retries a request refused (503) on every
@@ -104,7 +106,7 @@ class Router:
         if self.n == 1:
             return 0
         r = self._pick(call_id, exclude)
-        if self.config.policy == "call-affinity":
+        if self._affinity:
             self.last[call_id] = r
         return r
 
@@ -147,14 +149,26 @@ class Router:
                 return r
         raise ValueError("every replica is excluded")
 
-    def _prefix(self, call_id, exclude) -> int:
-        return self._walk(mix64(self.prefix_group(call_id)) % self.n, exclude)
+    def home(self, call_id: int) -> int | None:
+        """The replica `pick(call_id)` names now when nothing is excluded,
+        for the hashing policies, whose pick depends on the call alone (and,
+        for call-affinity, on where its previous request went); None for the
+        others, whose pick depends on the moment it is made. No state
+        changes."""
+        if self.n == 1:
+            return 0
+        return self._home(call_id) if self._home is not None else None
 
-    def _call(self, call_id, exclude) -> int:
+    def _prefix_home(self, call_id) -> int:
+        return mix64(self.prefix_group(call_id)) % self.n
+
+    def _call_home(self, call_id) -> int:
         home = self.last.get(call_id)
-        if home is None:
-            home = mix64(call_id) % self.n
-        return self._walk(home, exclude)
+        return mix64(call_id) % self.n if home is None else home
+
+    def _hashed(self, call_id, exclude) -> int:
+        home = self._home(call_id)
+        return self._walk(home, exclude) if exclude else home
 
 
 class _Routed:
