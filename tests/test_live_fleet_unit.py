@@ -56,11 +56,12 @@ async def _fleet(mocks):
     return servers, [str(s.make_url("")).rstrip("/") for s in servers]
 
 
-async def _with_proxy(mocks, router: RouterConfig, condition: str, fn, scrape_every_s: float = 0.05):
-    """Run `fn(lp, post)` with a LiveProxy before the mock engines; `post(call,
-    attempt, prompt_head, max_tokens)` sends one request and returns (status,
-    headers) once its response has ended."""
-    servers, urls = await _fleet(mocks)
+async def proxy_before(urls, router: RouterConfig, condition: str, fn, scrape_every_s: float = 0.05,
+                       extra: dict | None = None):
+    """Run `fn(lp, post)` with a LiveProxy before the engines at `urls`;
+    `post(call, attempt, head, max_tokens)` sends one streamed request (prompt
+    [head, 1, 2, 3], `extra` body fields) and returns (status, headers) once
+    its response has ended."""
     lp = LiveProxy(urls, get_condition(condition), prompt_throughput=1000.0, router=router,
                    scrape_every_s=scrape_every_s)
     front = TestServer(lp.app())
@@ -68,8 +69,8 @@ async def _with_proxy(mocks, router: RouterConfig, condition: str, fn, scrape_ev
     try:
         async with ClientSession() as session:
             async def post(call, attempt=0, head=None, max_tokens=5):
-                body = {"model": "m", "prompt": [head if head is not None else int(call), 1, 2, 3],
-                        "max_tokens": max_tokens, "stream": True}
+                body = {"model": "tiny-qwen2", "prompt": [head if head is not None else int(call), 1, 2, 3],
+                        "max_tokens": max_tokens, "stream": True, **(extra or {})}
                 async with session.post(str(front.make_url("/v1/completions")), json=body,
                                         headers={"X-Call-Id": str(call), "X-Attempt": str(attempt)}) as r:
                     await r.read()
@@ -77,6 +78,13 @@ async def _with_proxy(mocks, router: RouterConfig, condition: str, fn, scrape_ev
             return await fn(lp, post)
     finally:
         await front.close()
+
+
+async def _with_proxy(mocks, router: RouterConfig, condition: str, fn, scrape_every_s: float = 0.05):
+    servers, urls = await _fleet(mocks)
+    try:
+        return await proxy_before(urls, router, condition, fn, scrape_every_s)
+    finally:
         for s in servers:
             await s.close()
 

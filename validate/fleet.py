@@ -93,9 +93,11 @@ def fleet_problem(n: int, kv_space_gib: float = float(E.CPU_KV_SPACE_GIB)) -> st
     return None
 
 
-def start_cpu_fleet(n: int, extra_args: list[str] | None = None, timeout: float = 300.0) -> list[E.Engine]:
-    """N CPU engines started at once, engine r on core r of `cores()`; if any
-    fails to start, those started are stopped and EngineError raised."""
+def start_cpu_fleet(n: int, extra_args: list[str] | None = None, timeout: float = 300.0,
+                    **kw) -> list[E.Engine]:
+    """N CPU engines started at once (`validate.engine.start_cpu`, `kw` passed
+    on), engine r on core r of `cores()`; if any fails to start, those
+    started are stopped and EngineError raised."""
     problem = fleet_problem(n)
     if problem is not None:
         raise E.EngineError(problem)
@@ -106,7 +108,7 @@ def start_cpu_fleet(n: int, extra_args: list[str] | None = None, timeout: float 
     def start(r):
         try:
             out[r] = E.start_cpu(extra_args=extra_args, timeout=timeout, cpus=[have[r]] if n > 1 else None,
-                                 dev_mode=True)
+                                 dev_mode=True, **kw)
         except BaseException as e:       # noqa: BLE001 - handed to the caller below
             out[r] = e
     threads = [threading.Thread(target=start, args=(r,), daemon=True) for r in range(n)]
