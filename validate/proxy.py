@@ -31,6 +31,25 @@ the prompt tokens of executions that got their first token over the last
 any. The engine's `/metrics` is scraped every second for its waiting and
 running gauges, exported again by the proxy.
 
+A fleet: given several engine URLs, the proxy routes with the simulator's
+own `sim.policy.router.Router` (`RouterConfig`: policy, retries K,
+placement). With `proxy = "deployment"` the one policy core places each
+execution it dispatches on the replica the router picks; with `"replica"`
+a sidecar policy core stands before each engine (`ReplicaProxies`, as the
+simulator drives it) and the router places each attempt. Either way an
+engine's 503 is retried on another replica while the router's retries allow
+(the sidecar's 503 passes through `ReplicaProxies`, the deployment's is
+re-sent here). The router's views of replica r: `outstanding` is the
+executions this proxy has sent to r and not seen end (plus r's sidecar
+queue), `kv_usage` the engine's `vllm:kv_cache_usage_perc` at the last
+scrape of its `/metrics`. A sidecar's estimator sees its own engine (prompt
+tokens awaiting their first token there, the prompt throughput seen there).
+Call ids are the `X-Call-Id` strings; the hashing policies hash a numeric
+one as its number, so a live call goes where the simulated call does.
+`exec_replica` / `exec_placed` (execution id -> replica, when it got it) and
+`attempt_index` (call and attempt -> its entry in `ReplicaProxies.landed`)
+record where things went, with `keep_records`.
+
 The proxy's own `/metrics` (prometheus-client) counts attempts and
 executions created / attached / refused / cancelled / orphaned / dropped,
 the proxy queue depth, and the waste gauges (`abort_rate`, `completion_ratio`, `useful_token_ratio`) over the executions
