@@ -263,3 +263,10 @@ def test_fleet_validate_bad_input_exits_2_with_one_line_reason(args, words, caps
     assert len(err.splitlines()) == 1 and err.startswith("llmsim")
     for w in words:
         assert w in err
+
+
+def test_fleet_problem_names_replicas_beyond_the_memory(monkeypatch):
+    import validate.fleet as F
+    monkeypatch.setattr(F, "available_gib", lambda: 4.0)
+    assert F.fleet_problem(1) is None
+    assert "GiB" in F.fleet_problem(2) and "4.0 GiB is available" in F.fleet_problem(2)
