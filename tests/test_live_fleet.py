@@ -25,7 +25,7 @@ from tests.test_live_fleet_unit import proxy_before
 
 pytestmark = pytest.mark.live
 
-LONG = 1500            # tokens: the first attempt still streams when its retry comes
+LONG = 3000            # tokens (~10 s of decode): the first attempt still streams when its retry comes
 EXTRA = {"ignore_eos": True, "temperature": 0.0}
 SUCCESS = "vllm:request_success_total"
 
