@@ -291,7 +291,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--capacity", type=args.positive(), default=None,
                    help="Ĉ in calls/s (default: the simulator's capacity protocol on the profile)")
     p.add_argument("--json", metavar="PATH", help="the record; an existing one is resumed. Each point's "
-                                                 "recorded steps are kept beside it (PATH_STEM.POINT.steps.jsonl)")
+                                                 "recorded steps are kept beside it (PATH_STEM.POINT.steps.jsonl; "
+                                                 "one engine only)")
     p.add_argument("--calibrate-from", choices=("capacity",), default=None,
                    help="capacity: run the live capacity protocol first, fit the profile from its recorded "
                         "steps, and predict every point with that profile")
