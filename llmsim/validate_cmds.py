@@ -10,7 +10,9 @@ from calibrate import live_capacity
 from sim.conditions import CONDITIONS
 from sim.profile import ProfileError, from_dict
 from sim.scenario import SCENARIOS, NamedScenario, get_scenario
+from sim.policy.router import PROXY_PLACEMENTS, ROUTERS
 from validate import engine
+from validate import fleet as live_fleet
 from validate.proxy import main as proxy_main
 from validate.validation import GPU_MODELS, EngineSpec, ValidationError, capacity_for, steps_path, table, validate
 
@@ -52,26 +54,37 @@ def _scenario_file(a):
     return NamedScenario(dep.name, dep.scenario, seed=dep.seed, time_scale=scale, about=dep.about), dep
 
 
+def _scenario_and_profile(a, kind: str, default: str):
+    """The named scenario the points run (a scenario file's, or a named one,
+    `default` if none given) and the engine's profile."""
+    if a.scenario and a.scenario not in SCENARIOS:
+        vs, dep = _scenario_file(a)
+        return vs, args.profile(a.profile) if a.profile else dep.profile
+    try:
+        vs = get_scenario(a.scenario or default)
+    except ValueError as e:
+        raise _err(f"validate: {e}") from None
+    return vs, _profile_for(a, kind)
+
+
 def cmd_validate(a) -> int:
     eng = a.engine
+    if a.replicas is not None or a.routers is not None:
+        return cmd_validate_fleet(a)
+    if a.points is None:
+        raise _err("validate: give --points (comma-separated conditions, e.g. no-control,coalesce)")
     if eng in ("cpu", "gpu"):
         kind = eng
     elif eng.startswith(("http://", "https://")):
+        if "," in eng:
+            raise _err("validate: several engine URLs make a fleet: give --replicas N with N URLs")
         kind = "url"
     else:
         raise _err(f"validate: --engine must be cpu, gpu or an engine URL (http://HOST:PORT), got {eng!r}")
     unknown = [p for p in a.points if p not in CONDITIONS]
     if unknown:
         raise _err(f"validate: unknown condition {unknown[0]!r}; valid: {', '.join(CONDITIONS)}")
-    if a.scenario and a.scenario not in SCENARIOS:
-        vs, dep = _scenario_file(a)
-        prof = args.profile(a.profile) if a.profile else dep.profile
-    else:
-        try:
-            vs = get_scenario(a.scenario or ("cpu-small" if kind == "cpu" else "paper"))
-        except ValueError as e:
-            raise _err(f"validate: {e}") from None
-        prof = _profile_for(a, kind)
+    vs, prof = _scenario_and_profile(a, kind, "cpu-small" if kind == "cpu" else "paper")
     if kind == "cpu" and engine.cpu_installed() is None:
         raise _err("validate: the CPU engine is not installed: run `llmsim engine install --cpu` first")
     if kind == "gpu" and (problem := engine.gpu_problem()) is not None:
@@ -108,22 +121,90 @@ def cmd_validate(a) -> int:
     print("sim: the prediction with the profile; sim x k: a diagnostic only (the profile's steps stretched to "
           "what the engine did during the point)")
     print(table(doc["points"]))
-    failed = [p for p in doc["points"] if "failed" in p]
-    for p in doc["points"]:
+    return _verdicts(doc["points"], lambda p: p["condition"], a.json)
+
+
+def _verdicts(points: list[dict], tag, json_path: str | None) -> int:
+    """Print each point's agreement (named by `tag(point)`); 1 if a point failed, else 0."""
+    failed = [p for p in points if "failed" in p]
+    for p in points:
         if "failed" in p:
-            print(f"{p['condition']}: FAILED ({p['failed']['reason']}); rerun the command to retry it")
+            print(f"{tag(p)}: FAILED ({p['failed']['reason']}); rerun the command to retry it")
             continue
         ag = p["agreement"]
-        print(f"{p['condition']}: recovered {'agrees' if ag['recovered'] else 'DIFFERS'}; delivery live - sim: "
+        print(f"{tag(p)}: recovered {'agrees' if ag['recovered'] else 'DIFFERS'}; delivery live - sim: "
               f"pulse {ag['pulse_delivered_diff']:+.1f}, hold {ag['hold_delivered_diff']:+.1f} points"
               f"{'' if ag['all'] else '  (beyond the 15-point bar)'}")
-    if a.json:
-        print(f"-> {a.json}")
+    if json_path:
+        print(f"-> {json_path}")
     return 1 if failed else 0
 
 
 def _say(msg):
     print(msg, file=sys.stderr, flush=True)
+
+
+def cmd_validate_fleet(a) -> int:
+    """`validate --replicas N [--routers ...]`: one point per routing policy
+    (and condition) on a fleet of N engines behind the live proxy's router."""
+    n = a.replicas if a.replicas is not None else 2
+    if n < 1:
+        raise _err(f"validate: --replicas must be at least 1, got {n}")
+    routers = a.routers or list(live_fleet.DEFAULT_ROUTERS)
+    unknown = [r for r in routers if r not in ROUTERS]
+    if unknown:
+        raise _err(f"validate: unknown router {unknown[0]!r}; valid: {', '.join(ROUTERS)}")
+    points = a.points or ["coalesce"]
+    unknown = [p for p in points if p not in CONDITIONS]
+    if unknown:
+        raise _err(f"validate: unknown condition {unknown[0]!r}; valid: {', '.join(CONDITIONS)}")
+    eng, urls = a.engine, None
+    if eng == "cpu":
+        kind = "cpu"
+    elif eng == "gpu":
+        raise _err("validate --replicas: a fleet runs on the CPU engine (--engine cpu) or on engines given by "
+                   "URL (--engine URL1,URL2,...)")
+    elif eng.startswith(("http://", "https://")):
+        kind = "url"
+        urls = [u.strip() for u in eng.split(",") if u.strip()]
+        if len(urls) != n:
+            raise _err(f"validate --replicas {n}: an engine given by URL is one replica; give {n} comma-separated "
+                       f"URLs (got {len(urls)})")
+    else:
+        raise _err(f"validate: --engine must be cpu or engine URLs (http://HOST:PORT,...), got {eng!r}")
+    vs, prof = _scenario_and_profile(a, kind, "cpu-tiny")
+    if kind == "cpu":
+        if (problem := live_fleet.fleet_problem(n)) is not None:
+            raise _err(f"validate: {problem}")
+        if engine.cpu_installed() is None:
+            raise _err("validate: the CPU engine is not installed: run `llmsim engine install --cpu` first")
+    spec = EngineSpec(kind, url=urls[0] if urls else None)
+    if kind == "url":
+        try:
+            spec.model = engine.connect(urls[0]).served_model()
+            for u in urls[1:]:
+                engine.connect(u)
+        except engine.EngineError as e:
+            raise _err(f"validate: cannot reach an engine: {e}") from None
+        print(f"validate: the engines at {', '.join(urls)} are reused for every point (not fresh)", file=sys.stderr)
+    diffs = recalibrate_needed(prof.raw, kind, a.no_recalibrate, "validate")
+    if a.calibrate_from == "capacity" or diffs:
+        if kind == "url":
+            raise _err("validate --calibrate-from capacity: needs an engine llmsim starts (cpu)")
+        if diffs:
+            _say(f"validate: profile {prof.name!r} was measured on another machine ({'; '.join(diffs)}): "
+                 "fitting it from a live capacity run's steps on one engine first (--no-recalibrate to stop instead)")
+        prof, _ = _calibrate_first(spec, prof, vs, a.json, diffs)
+    try:
+        doc = live_fleet.validate_fleet(spec, prof, vs, n, routers, points, a.json, a.capacity,
+                                        retries=a.router_retries, proxy=a.fleet_proxy, urls=urls)
+    except (ValidationError, engine.EngineError) as e:
+        raise _err(f"validate: {e}") from None
+    print(f"{vs.name} on {n} x {doc['engine']['kind']} vLLM {doc['engine']['version']} ({doc['engine']['model']}), "
+          f"profile {prof.name}, Ĉ {doc['capacity']:.3f} calls/s ({doc['capacity_per_replica']:.3f} a replica), "
+          f"proxy per {a.fleet_proxy}, router retries {a.router_retries}, seed {vs.seed}")
+    print(live_fleet.fleet_table(doc["points"]))
+    return _verdicts(doc["points"], lambda p: live_fleet.point_name(p["router"], p["condition"]), a.json)
 
 
 def _calibrate_first(spec: EngineSpec, prof, vs, json_path: str | None, diffs: list[str]):
@@ -189,8 +270,20 @@ def add_subcommands(sub) -> None:
     p.add_argument("--scenario", default=None, metavar="FILE|NAME",
                    help="cpu-small (default for cpu), paper (default otherwise), another named scenario, or a "
                         "scenario file (its profile unless --profile)")
-    p.add_argument("--points", type=args.comma_list(str, "condition names"), required=True,
-                   help="comma-separated conditions, e.g. no-control,no-retry,coalesce")
+    p.add_argument("--points", type=args.comma_list(str, "condition names"), default=None,
+                   help="comma-separated conditions, e.g. no-control,no-retry,coalesce (with --replicas: "
+                        "default coalesce)")
+    p.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="a fleet: N engines (cpu: each pinned to a core of its own; or N comma-separated URLs "
+                        "in --engine) behind the router in the live proxy, one point per router; default "
+                        "scenario cpu-tiny")
+    p.add_argument("--routers", type=args.comma_list(str, "router names"), default=None,
+                   help=f"with --replicas: the routing policies, one point each (default all: {', '.join(ROUTERS)})")
+    p.add_argument("--router-retries", type=args.positive(int, allow_zero=True), default=1, metavar="K",
+                   help="with --replicas: on an engine's 503 the router tries up to K other replicas (default 1)")
+    p.add_argument("--fleet-proxy", choices=PROXY_PLACEMENTS, default="replica",
+                   help="with --replicas: replica (default): a sidecar proxy before each engine, the router before "
+                        "them; deployment: one proxy before the router")
     p.add_argument("--model", default="qwen2.5-7b",
                    help="gpu: the model to serve (an embedded profile name or a HF id; default qwen2.5-7b)")
     p.add_argument("--profile", default=None, metavar="NAME|PATH",
@@ -198,7 +291,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--capacity", type=args.positive(), default=None,
                    help="Ĉ in calls/s (default: the simulator's capacity protocol on the profile)")
     p.add_argument("--json", metavar="PATH", help="the record; an existing one is resumed. Each point's "
-                                                 "recorded steps are kept beside it (PATH_STEM.POINT.steps.jsonl)")
+                                                 "recorded steps are kept beside it (PATH_STEM.POINT.steps.jsonl; "
+                                                 "one engine only)")
     p.add_argument("--calibrate-from", choices=("capacity",), default=None,
                    help="capacity: run the live capacity protocol first, fit the profile from its recorded "
                         "steps, and predict every point with that profile")

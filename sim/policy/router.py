@@ -34,6 +34,7 @@ last answer.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -42,6 +43,18 @@ from .proxy import Attempt, Complete, Execution, Proxy, Refuse
 ROUTERS = ("round-robin", "least-outstanding", "least-kv", "prefix-affinity", "call-affinity")
 PROXY_PLACEMENTS = ("deployment", "replica")
 _MASK = (1 << 64) - 1
+
+
+def call_key(call_id) -> int:
+    """A call id as the integer the hashing policies hash: an int as it is; a
+    string (the live proxy's `X-Call-Id`) as its whole number when it is one
+    (call "12" goes where call 12 goes in a simulated run), else a fixed
+    64-bit digest of its text."""
+    if isinstance(call_id, int):
+        return call_id
+    if call_id.isascii() and call_id.isdigit():
+        return int(call_id)
+    return int.from_bytes(hashlib.blake2b(call_id.encode(), digest_size=8).digest(), "little")
 
 
 def mix64(x: int) -> int:
@@ -164,7 +177,7 @@ class Router:
 
     def _call_home(self, call_id) -> int:
         home = self.last.get(call_id)
-        return mix64(call_id) % self.n if home is None else home
+        return mix64(call_key(call_id)) % self.n if home is None else home
 
     def _hashed(self, call_id, exclude) -> int:
         home = self._home(call_id)

