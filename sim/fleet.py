@@ -516,17 +516,34 @@ def split_calls(log: FleetLog) -> int:
     r = rep[ids]
     ok = (r >= 0) & ~np.isnan(start) & (stop > start)
     call, start, stop, r = call[ok], start[ok], stop[ok], r[ok]
+    if not len(call):
+        return 0
     # only calls with executions on two replicas need a look
     order = np.lexsort((start, call))
     call, start, stop, r = call[order], start[order], stop[order], r[order]
-    bounds = np.flatnonzero(np.diff(call)) + 1
+    first = np.r_[0, np.flatnonzero(np.diff(call)) + 1]
+    size = np.diff(np.r_[first, len(call)])
+    mixed = np.minimum.reduceat(r, first) != np.maximum.reduceat(r, first)
     n = 0
-    for c_start, c_end in zip(np.r_[0, bounds], np.r_[bounds, len(call)]):
-        if c_end - c_start < 2 or (r[c_start:c_end] == r[c_start]).all():
-            continue
+    small = mixed & (size <= _PAIRWISE)
+    if small.any():
+        # each such call's executions side by side (k at most), every pair compared at once
+        k = int(size[small].max())
+        pos = np.arange(k)
+        valid = pos[None, :] < size[small][:, None]
+        idx = np.where(valid, first[small][:, None] + pos[None, :], 0)
+        s0, s1, rr = start[idx], stop[idx], r[idx]
+        pair = ((rr[:, :, None] != rr[:, None, :]) & (s0[:, None, :] < s1[:, :, None])
+                & (s0[:, :, None] < s1[:, None, :]) & valid[:, :, None] & valid[:, None, :])
+        n += int(pair.any(axis=(1, 2)).sum())
+    for c_start, c_size in zip(first[mixed & ~small].tolist(), size[mixed & ~small].tolist()):
+        c_end = c_start + c_size
         if _overlap_across(start[c_start:c_end], stop[c_start:c_end], r[c_start:c_end]):
             n += 1
     return n
+
+
+_PAIRWISE = 16          # calls with more executions are compared pair by pair in a loop
 
 
 def _overlap_across(start: np.ndarray, stop: np.ndarray, rep: np.ndarray) -> bool:

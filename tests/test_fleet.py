@@ -243,6 +243,15 @@ def test_the_record_counts_split_calls_as_the_records_show_them(case, n, placeme
     assert split_calls(log) == split_by_hand(log)
 
 
+def test_split_calls_compared_at_once_or_pair_by_pair_agree(tiny3, monkeypatch):
+    import sim.fleet as fleet_module
+    caps, trace = tiny3
+    log = simulate_fleet([PROFILE] * 3, trace, compose("no-control"), TINY, RouterConfig("round-robin"))
+    at_once = fleet_module.split_calls(log)
+    monkeypatch.setattr(fleet_module, "_PAIRWISE", 1)
+    assert at_once == fleet_module.split_calls(log) == split_by_hand(log) > 0
+
+
 def test_without_affinity_a_call_can_run_on_two_replicas(tiny3):
     caps, trace = tiny3
     for placement in PLACEMENTS:
