@@ -474,7 +474,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
                      "gives_up": gives_up(scored[n], scored[alt], m, margins[alt]) if alt != n else []})
     res = {"model": profile.name, "scenario": scenario.to_dict(), "deployment": key, "objective": objective_name,
            "only": only, "seeds": seeds, "screen_seeds": seeds[:max(1, min(screen, len(seeds)))],
-           "screen_cut": list(cut) if cut else None, "rounds": rounds, "candidates": n_cands,
+           "screen_cut": list(cut) if cut else None, "margin_axes": list(margin_axes or ()), "rounds": rounds, "candidates": n_cands,
            "ranking": [{"condition": n, **{k: scored[n][k] for k in ("p", "lo", "hi", "tipping", *OBJECTIVES)}}
                        for n in ranking],
            "top": tops, "wall_s": time.perf_counter() - t0}
@@ -607,6 +607,8 @@ def report(res: dict) -> str:
                      f"{100 * (s['delivered'] or 0):.1f}%, pulse delivered {100 * (s['burst'] or 0):.1f}%")
         if t["margin"]:
             lines.append(f"   margin: {t['margin']['sentence'].split('; ', 1)[-1]}")
+        elif res.get("margin_axes") and note:
+            lines.append("   margin: not computed on a fleet (a margin perturbs one engine)")
         if t["against"]:
             gu = "; ".join(t["gives_up"]) or "nothing"
             lines.append(f"   gives up against {t['against']}: {gu}")
