@@ -153,7 +153,7 @@ def add_subcommands(sub) -> None:
                    help="seeds of the screen (default 2): every setting runs on the first, the best third on these")
     p.add_argument("--screen-cut", metavar="BASE,HOLD|none", default=None,
                    help="screening runs simulate the arrivals from BASE s before the burst to HOLD s after it "
-                        "(default: two deadlines before, six recovery windows after); none: the whole scenario")
+                        "(default: half a deadline before, two recovery windows after); none: the whole scenario")
     p.add_argument("--finalists", type=args.positive(int), default=12,
                    help="settings run on all seeds after the screen (default 12)")
     p.add_argument("--margin-axes", default="speed",

@@ -84,7 +84,7 @@ def test_pick_skips_a_setting_that_adds_controls_for_nothing():
 # ------------------------------------------------------------------ the search's rounds and screening runs
 def test_the_rounds_halve_towards_the_finalists():
     cut = (10.0, 100.0)
-    assert A.stages(10, 2, 12, cut) == [(1, False, None), (2, False, 36), (2, True, 12), (10, True, 0)]
+    assert A.stages(10, 2, 12, cut) == [(1, False, None), (2, False, 24), (2, True, 12), (10, True, 0)]
     assert A.stages(10, 2, 12, None) == [(1, True, None), (2, True, 12), (10, True, 0)]
     assert A.stages(3, 1, 3, None) == [(1, True, 3), (3, True, 0)]
     assert A.stages(1, 2, 3, cut) == [(1, False, None), (1, True, 3), (1, True, 0)]

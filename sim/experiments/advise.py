@@ -24,14 +24,17 @@ searches the router alone; it needs a fleet.
 
 Search (successive halving; `stages`): every candidate runs on the first
 seed; the best third of the distinct outcomes go on to the first `screen`
-seeds, the best 3 x `finalists` of those are rerun in full on the same
+seeds, the best 2 x `finalists` of those are rerun in full on the same
 seeds, and the `finalists` best of those run on all seeds. Screening runs
-(every round before the full rerun) simulate a shorter horizon
-(`screen_cut`): the trace of the seed kept from `screen_base_s` before the
-burst to `screen_hold_s` after it, so a screening run costs a fraction of a
-full one and sees the same burst calls. Settings with the same outcome on a
-round's runs are one (the simplest stands for them); a round ranks by
-recoveries, then the objective's mean. The finalists' ranking, on all seeds
+(every round before the full rerun) may simulate a shorter stretch
+(`screen_cut`): the seed's calls from `screen_base_s` before the burst to
+`screen_hold_s` after it, so a screening run costs a fraction of a full one
+and replays the same burst calls. Settings with the same outcome on a
+round's runs are one (the simplest stands for them); a round of full runs
+ranks by recoveries, then the objective's mean; a round of screening runs
+by the objective's mean alone (the slower recoveries cannot show in it, and
+on the same calls the share served ranks settings as the whole run does).
+The finalists' ranking, on all seeds
 and the full horizon, puts first the candidates whose P(recovered) interval
 lies above 1/2 (they restore service with high probability), then the rest
 by P; within each group by the objective's mean over the seeds:
@@ -204,11 +207,13 @@ def screen_cut(scenario: Scenario, base_s: float | None, hold_s: float | None) -
     """(from, to): the stretch of the trace a screening run keeps, `base_s`
     before the burst to `hold_s` after it (None: either as in the scenario);
     None when that is the whole scenario or the scenario has engine faults
-    (their times are the scenario's own)."""
+    (their times are the scenario's own). The cut keeps at least the
+    primary cohort's first window."""
     if scenario.stalls:
         return None
     start = max(0.0, scenario.pulse_start - base_s) if base_s is not None else 0.0
-    end = min(scenario.hold_end, scenario.pulse_end + hold_s) if hold_s is not None else scenario.hold_end
+    least = scenario.primary_skip_s + scenario.window_s
+    end = min(scenario.hold_end, scenario.pulse_end + max(hold_s, least)) if hold_s is not None else scenario.hold_end
     if start <= 0.0 and end >= scenario.hold_end:
         return None
     return start, end
@@ -216,10 +221,10 @@ def screen_cut(scenario: Scenario, base_s: float | None, hold_s: float | None) -
 
 def default_cut(scenario: Scenario) -> tuple[float, float]:
     """The screening runs' default stretch (seconds before the burst, after
-    it): two deadlines before, enough for the steady load's queues and prefix
-    cache to settle; six recovery windows after, three pairs of windows for
-    the recovery rule."""
-    return 2 * scenario.deadline_s, 6 * scenario.window_s
+    it): half a deadline before, for the steady load to fill the engine;
+    two recovery windows after, for the burst's backlog to show in the
+    share of calls served."""
+    return scenario.deadline_s / 2, 2 * scenario.window_s
 
 
 def cut_scenario(scenario: Scenario, cut: tuple[float, float]) -> Scenario:
@@ -331,15 +336,15 @@ def _rank_key(s: dict, obj: str) -> tuple:
 
 def stages(n_seeds: int, screen: int, finalists: int, cut) -> list[tuple[int, bool, int | None]]:
     """The rounds of the search as (seeds, full horizon, how many go on:
-    None for the third of the round's distinct outcomes): the first seed,
-    the first `screen`, those again in full (when screening runs are cut),
-    and all seeds for the `finalists`."""
+    None for the third of the round's distinct outcomes, at least 2 x
+    `finalists`): the first seed, the first `screen`, those again in full
+    (when screening runs are cut), and all seeds for the `finalists`."""
     screen = max(1, min(screen, n_seeds))
     out = [(1, cut is None, None)]
     if screen > 1:
-        out.append((screen, cut is None, 3 * finalists))
+        out.append((screen, cut is None, 2 * finalists))
     if cut is not None:
-        out.append((screen, True, 3 * finalists))
+        out.append((screen, True, 2 * finalists))
     out[-1] = (out[-1][0], out[-1][1], finalists)
     out.append((n_seeds, True, 0))
     return out
@@ -452,7 +457,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
             n_cands += len(more)
         names = distinct(names, by_name, [[rows[(n, s, tag)] for s in ss] for n in names], size)
         ranked = _order(names, rows, ss, tag, objective_name)
-        go_on = max(3 * finalists, math.ceil(len(ranked) / 3)) if keep is None else keep
+        go_on = max(2 * finalists, math.ceil(len(ranked) / 3)) if keep is None else keep
         rounds.append({"seeds": n_s, "full": full, "settings": len(names), "kept": min(go_on, len(ranked))})
         names = ranked[:max(top, go_on)]
     final = names
@@ -484,9 +489,13 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
 
 
 def _order(names: Sequence[str], rows: dict, ss: Sequence[int], tag: str, obj: str) -> list[str]:
-    """A screening round's order: recoveries over its seeds, then the objective's mean."""
+    """A round's order: the objective's mean over its seeds, after the
+    recoveries where the runs are full ones (a screening run ends before
+    the slower recoveries could show; on the same calls, the share it
+    serves ranks the settings as the whole run does)."""
     sc = {n: score([rows[(n, s, tag)] for s in ss], obj) for n in names}
-    return sorted(names, key=lambda n: (-sc[n]["recovered"], -(sc[n][obj] or 0.0)))
+    full = tag == ""
+    return sorted(names, key=lambda n: (-sc[n]["recovered"] if full else 0, -(sc[n][obj] or 0.0)))
 
 
 def describe(n: str, by_name: dict, routers: dict) -> str:
