@@ -43,6 +43,8 @@ def test_candidates_prune_settings_without_effect():
     cands = A.candidates(NS.scenario, PROF.capacity)
     names = [c.name for c in cands]
     assert len(names) == len(set(names))
+    assert len({dataclasses.replace(c, name="") for c in cands}) == len(cands)     # no setting runs twice
+    assert set(CONDITIONS) <= set(names)
     for c in cands:
         s = c.settings()
         if s["retries"] == "off" and c.name not in CONDITIONS:
@@ -189,3 +191,26 @@ def test_a_fleets_full_search_puts_the_named_conditions_under_every_router():
 def test_only_router_needs_a_fleet():
     with pytest.raises(ValueError, match="--only router"):
         A.advise(PROF, NS.scenario, SEEDS, only="router", margin_axes=(), progress=False)
+
+
+def test_a_fleets_full_search_crosses_the_best_controls_with_every_router(monkeypatch, tmp_path):
+    """On a smaller grid: the first round runs the grid under the scenario's
+    router and the named conditions under every router; the best controls
+    then meet every router too, and the rows say which router each ran."""
+    for k, v in (("CANCELS", ("now",)), ("BUDGETS", (0.0,)), ("QUEUES", (("fifo", None),)),
+                 ("CAP_FRACTIONS", (1.0,))):
+        monkeypatch.setattr(A, k, v)
+    prof, sc, fleet, dep = slow_fleet()
+    out = str(tmp_path / "fleet.parquet")
+    r = A.advise(prof, sc, range(2), adapt=dep.condition_for, base=CONDITIONS["no-retry"], fleet=fleet, out=out,
+                 margin_axes=("speed",), progress=False, finalists=3, screen=1)
+    routers = A.router_settings(fleet)
+    conds = A.candidates(sc, prof.capacity, None, dep.condition_for, CONDITIONS["no-retry"])
+    first = len(conds) + len(CONDITIONS) * (len(routers) - 1)
+    assert first < r["candidates"] <= first + A.CROSSED * (len(routers) - 1)
+    from sim.experiments.sweep import read_rows
+    ran = {x["condition"] for x in read_rows(out)}
+    grid_routed = {n for n in ran if ";router=" in n and n.split(";")[0] not in CONDITIONS}
+    assert grid_routed                                  # a grid setting crossed with the routers
+    assert r["top"][0]["summary"]["p"] == 1.0 and r["top"][0]["margin"] is None
+    assert "not computed on a fleet" in A.report(r) and "router: " in A.report(r)

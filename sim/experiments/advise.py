@@ -102,7 +102,8 @@ def candidates(scenario: Scenario, capacity: float, only: str | None = None,
                base: Condition | None = None) -> list[Condition]:
     """The named conditions and the grid (see the module docstring), each
     passed through `adapt` (e.g. a named scenario's time scaling of the
-    proxy's own times); unique names. `base`, the deployment's own
+    proxy's own times); unique names and settings (a named condition
+    stands for the grid point with its settings). `base`, the deployment's own
     condition, joins them; with `only = "router"` the controls stay the
     deployment's: `base` (default no-control) alone."""
     if only is not None and only not in LAYERS:
@@ -147,8 +148,11 @@ def candidates(scenario: Scenario, capacity: float, only: str | None = None,
                 if p["after"] is not None:
                     c = replace(c, proxy=replace(c.proxy, lifo_after=p["after"]))
                 out.setdefault(name, c)
-    conds = list(out.values())
-    return [adapt(c) for c in conds] if adapt else conds
+    conds = [adapt(c) for c in out.values()] if adapt else list(out.values())
+    same: dict[Condition, Condition] = {}
+    for c in conds:                     # a grid point that is a named condition runs once, by that name
+        same.setdefault(replace(c, name=""), c)
+    return list(same.values())
 
 
 def router_settings(fleet: FleetSpec) -> list[RouterConfig]:
