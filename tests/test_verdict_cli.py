@@ -48,7 +48,13 @@ def test_advise_on_the_client_layer(tiny, tmp_path, capsys):
     assert main(["advise", "--model", tiny, "--scenario", "cpu-tiny", "--only", "client", "--seeds", "6",
                  "--margin-axes", "none", "--workers", "1", "--quiet", "--out", str(out), "--json", str(js)]) == 0
     d = json.loads(js.read_text())
-    assert d["top"][0]["summary"]["lo"] > 0.5 and out.exists()
+    assert d["top"][0]["summary"]["lo"] > 0.5 and out.exists() and d["screen_cut"] is not None
+    whole = tmp_path / "w.json"
+    assert main(["advise", "--model", tiny, "--scenario", "cpu-tiny", "--only", "client", "--seeds", "6",
+                 "--margin-axes", "none", "--workers", "1", "--quiet", "--screen-cut", "none", "--json",
+                 str(whole)]) == 0
+    w = json.loads(whole.read_text())
+    assert w["screen_cut"] is None and w["top"][0]["condition"] == d["top"][0]["condition"]
     assert "1. " in capsys.readouterr().out
 
 

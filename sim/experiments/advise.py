@@ -363,7 +363,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     """Search the controls for the deployment (profile, scenario; with
     `fleet`, its replicas behind a router, Ĉ the profile's); see the module
     docstring. `base` is the deployment's own condition (`only = "router"`
-    keeps it). Returns {"ranking": [...], "top": [...], ...} with, for each
+    keeps it). Screening runs are cut to `screen_base_s` before the burst and
+    `screen_hold_s` after it (`screen_cut`; both None: whole runs). Returns {"ranking": [...], "top": [...], ...} with, for each
     of the top settings, its summary, margin (along `margin_axes`; none for a
     fleet) and what it gives up against the best alternative."""
     if objective_name not in OBJECTIVES:
