@@ -364,9 +364,10 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     `fleet`, its replicas behind a router, Ĉ the profile's); see the module
     docstring. `base` is the deployment's own condition (`only = "router"`
     keeps it). Screening runs are cut to `screen_base_s` before the burst and
-    `screen_hold_s` after it (`screen_cut`; both None: whole runs). Returns {"ranking": [...], "top": [...], ...} with, for each
-    of the top settings, its summary, margin (along `margin_axes`; none for a
-    fleet) and what it gives up against the best alternative."""
+    `screen_hold_s` after it (`screen_cut`; both None: whole runs). Returns
+    {"ranking": [...], "top": [...], ...} with, for each of the top
+    settings, its summary, margin (along `margin_axes`; none for a fleet)
+    and what it gives up against the best alternative."""
     if objective_name not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective_name!r}")
     if only == "router" and fleet is None:
@@ -477,14 +478,16 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         alt = shown[1] if i == 0 and len(shown) > 1 else shown[0]
         m = margins[n]
         tops.append({"rank": i + 1, "condition": n, "settings": by_name[n].settings(),
-                     "router": None if routers[n] is None else vars(routers[n]).copy(), "describe": describe(n,
-                     by_name, routers), "summary": scored[n], "verdict": verdict.verdict(scored[n]),
+                     "router": None if routers[n] is None else vars(routers[n]).copy(),
+                     "describe": describe(n, by_name, routers), "summary": scored[n],
+                     "verdict": verdict.verdict(scored[n]),
                      "margin": None if m is None else {"sentence": m["sentence"], "axes": m["axes"]},
                      "against": alt if alt != n else None,
                      "gives_up": gives_up(scored[n], scored[alt], m, margins[alt]) if alt != n else []})
     res = {"model": profile.name, "scenario": scenario.to_dict(), "deployment": key, "objective": objective_name,
            "only": only, "seeds": seeds, "screen_seeds": seeds[:max(1, min(screen, len(seeds)))],
-           "screen_cut": list(cut) if cut else None, "margin_axes": list(margin_axes or ()), "rounds": rounds, "candidates": n_cands,
+           "screen_cut": list(cut) if cut else None, "margin_axes": list(margin_axes or ()), "rounds": rounds,
+           "candidates": n_cands,
            "ranking": [{"condition": n, **{k: scored[n][k] for k in ("p", "lo", "hi", "tipping", *OBJECTIVES)}}
                        for n in ranking],
            "top": tops, "wall_s": time.perf_counter() - t0}
