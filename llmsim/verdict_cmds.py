@@ -4,6 +4,7 @@ settings bring service back, and P(recovered) over two parameters."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 
@@ -55,16 +56,38 @@ def cmd_margin(a) -> int:
     return 0
 
 
+def _screen_cut(text: str) -> tuple[float | None, float | None] | None:
+    """--screen-cut BASE,HOLD (seconds) or none."""
+    if text == "none":
+        return None
+    try:
+        b, h = (float(x) for x in text.split(","))
+    except ValueError:
+        raise args.UsageError(f"advise: --screen-cut takes BASE,HOLD in seconds (e.g. 120,360) or none; got {text!r}") \
+            from None
+    if not (b > 0 and h > 0 and math.isfinite(b) and math.isfinite(h)):
+        raise args.UsageError(f"advise: --screen-cut: both times must be positive seconds; got {text!r}")
+    return b, h
+
+
 def cmd_advise(a) -> int:
-    prof, sc, adapt = deployment(a)
+    dep = scenario_deployment(a)
+    if dep.trace_source is not None:
+        raise args.UsageError(f"advise: works on a generated workload; {dep.name} has a replayed trace")
+    if a.only == "router" and dep.fleet is None:
+        raise args.UsageError(f"advise: --only router searches a fleet's router, and {dep.name} has one engine: give "
+                              "a scenario with a [fleet] section (examples/fleet.toml) or --only client|proxy|engine")
+    prof, sc = dataclasses.replace(dep.profile, capacity=dep.capacity), dep.scenario
+    cut = _screen_cut(a.screen_cut) if a.screen_cut is not None else advise_mod.default_cut(sc)
     args.check_output(a.out)
     axes = [] if a.margin_axes == "none" else a.margin_axes
     try:
         if axes:
             axes = margin_mod.parse_axes(axes)
-        res = advise_mod.advise(prof, sc, a.seeds, a.objective, a.only, a.out, adapt, screen=a.screen,
+        res = advise_mod.advise(prof, sc, a.seeds, a.objective, a.only, a.out, dep.condition_for, screen=a.screen,
                                 finalists=a.finalists, workers=a.workers, ray_address=a.ray, margin_axes=axes,
-                                progress=not a.quiet)
+                                progress=not a.quiet, fleet=dep.fleet, base=dep.condition,
+                                screen_base_s=cut[0] if cut else None, screen_hold_s=cut[1] if cut else None)
     except ValueError as e:
         raise args.UsageError(f"advise: {e}") from None
     print(advise_mod.report(res))
@@ -124,8 +147,13 @@ def add_subcommands(sub) -> None:
     _common(p, condition=False)
     p.add_argument("--objective", choices=advise_mod.OBJECTIVES, default="timely",
                    help="timely: calls within deadline; delivered: calls delivered; burst: pulse calls delivered")
-    p.add_argument("--only", choices=advise_mod.LAYERS, default=None, help="search one layer's settings only")
-    p.add_argument("--screen", type=args.positive(int), default=2, help="seeds every setting runs on (default 2)")
+    p.add_argument("--only", choices=advise_mod.LAYERS, default=None,
+                   help="search one layer's settings only (router: a fleet's router, the scenario's controls kept)")
+    p.add_argument("--screen", type=args.positive(int), default=2,
+                   help="seeds of the screen (default 2): every setting runs on the first, the best third on these")
+    p.add_argument("--screen-cut", metavar="BASE,HOLD|none", default=None,
+                   help="screening runs simulate the arrivals from BASE s before the burst to HOLD s after it "
+                        "(default: half a deadline before, two recovery windows after); none: the whole scenario")
     p.add_argument("--finalists", type=args.positive(int), default=12,
                    help="settings run on all seeds after the screen (default 12)")
     p.add_argument("--margin-axes", default="speed",

@@ -48,7 +48,13 @@ def test_advise_on_the_client_layer(tiny, tmp_path, capsys):
     assert main(["advise", "--model", tiny, "--scenario", "cpu-tiny", "--only", "client", "--seeds", "6",
                  "--margin-axes", "none", "--workers", "1", "--quiet", "--out", str(out), "--json", str(js)]) == 0
     d = json.loads(js.read_text())
-    assert d["top"][0]["summary"]["lo"] > 0.5 and out.exists()
+    assert d["top"][0]["summary"]["lo"] > 0.5 and out.exists() and d["screen_cut"] is not None
+    whole = tmp_path / "w.json"
+    assert main(["advise", "--model", tiny, "--scenario", "cpu-tiny", "--only", "client", "--seeds", "6",
+                 "--margin-axes", "none", "--workers", "1", "--quiet", "--screen-cut", "none", "--json",
+                 str(whole)]) == 0
+    w = json.loads(whole.read_text())
+    assert w["screen_cut"] is None and w["top"][0]["condition"] == d["top"][0]["condition"]
     assert "1. " in capsys.readouterr().out
 
 
@@ -81,3 +87,29 @@ def test_sweep_ends_with_p_recovered_per_cell(tmp_path, capsys):
                  "--out", out, "--workers", "1", "--quiet"]) == 0
     text = capsys.readouterr().out
     assert "P(recovered)" in text and "qwen3-14b no-retry pulse 1.5" in text
+
+
+def test_advise_only_router_on_one_engine_is_a_usage_error(tiny, tmp_path, capsys):
+    out = tmp_path / "a.parquet"
+    assert main(["advise", "--model", tiny, "--scenario", "cpu-tiny", "--only", "router", "--out", str(out)]) == 2
+    err = _one_line_error(capsys)
+    assert "--only router" in err and "[fleet]" in err and not out.exists()
+    assert main(["advise", "--model", tiny, "--scenario", "cpu-tiny", "--screen-cut", "10"]) == 2
+    assert "--screen-cut" in _one_line_error(capsys)
+
+
+def test_advise_searches_a_fleets_router(tmp_path, capsys):
+    import subprocess
+    import sys
+    toml = subprocess.run([sys.executable, "-m", "llmsim", "scenario", "show", "cpu-tiny"], capture_output=True,
+                          text=True, check=True).stdout
+    path = tmp_path / "fleet.toml"
+    path.write_text(toml + '\n[fleet]\nreplicas = 2\nrouter = "round-robin"\nproxy = "deployment"\n')
+    js = tmp_path / "a.json"
+    assert main(["advise", "--scenario", str(path), "--only", "router", "--seeds", "2", "--screen", "1",
+                 "--finalists", "3", "--workers", "1", "--quiet", "--json", str(js)]) == 0
+    d = json.loads(js.read_text())
+    assert d["candidates"] == 20 and d["top"] and d["router"]["chosen"] == d["top"][0]["router"]
+    assert all(";router=" in x["condition"] or x["router"] == d["router"]["scenario"] for x in d["top"])
+    assert d["top"][0]["margin"] is None
+    assert "router: " in capsys.readouterr().out

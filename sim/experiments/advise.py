@@ -11,22 +11,44 @@ retries). Cap levels are fractions of ⌈deadline · Ĉ⌉, the queue a deadline
 worth of capacity drains. `only` keeps the grid to one layer (the others
 off) and the named conditions that touch only that layer.
 
-Search: every candidate runs on the first `screen` seeds; settings with the
-same outcome on those are one (the simplest stands for them); the `finalists`
-best of those (by recoveries, then the objective) run on all seeds; the
-ranking puts first the candidates whose P(recovered) interval lies above 1/2
-(they restore service with high probability), then the rest by P; within
-each group by the objective's mean over the seeds:
+A fleet (replicas behind a router) adds the router's layer
+(`router_settings`): every policy, the router's own retries on 503 (none or
+one other replica) and where the proxy stands (one before the router, or a
+sidecar before each replica). A setting whose router differs from the
+scenario's is named `CONDITION;router=POLICY,router_retries=K,proxy=WHERE`.
+The full search runs the control grid under the scenario's router and the
+named conditions (and the scenario's own) under every router; after the
+first screening round the best three control settings are crossed with
+every router too. `only = "router"` keeps the scenario's controls and
+searches the router alone; it needs a fleet.
+
+Search (successive halving; `stages`): every candidate runs on the first
+seed; the best third of the distinct outcomes go on to the first `screen`
+seeds, the best 2 x `finalists` of those are rerun in full on the same
+seeds, and the `finalists` best of those run on all seeds. Screening runs
+(every round before the full rerun) may simulate a shorter stretch
+(`screen_cut`): the seed's calls from `screen_base_s` before the burst to
+`screen_hold_s` after it, so a screening run costs a fraction of a full one
+and replays the same burst calls. Settings with the same outcome on a
+round's runs are one (the simplest stands for them); a round of full runs
+ranks by recoveries, then the objective's mean; a round of screening runs
+by the objective's mean alone (the slower recoveries cannot show in it, and
+on the same calls the share served ranks settings as the whole run does).
+The finalists' ranking, on all seeds
+and the full horizon, puts first the candidates whose P(recovered) interval
+lies above 1/2 (they restore service with high probability), then the rest
+by P; within each group by the objective's mean over the seeds:
   timely     calls of the pulse and the hold delivered within the deadline
   delivered  calls of the pulse and the hold delivered at all
   burst      pulse calls delivered
-The top settings shown skip one that adds controls to a setting ranked
-above it for a like outcome (`pick`); each comes with its margin and what it
-gives up against the best alternative (`gives_up`). All runs of one seed share its trace (common random numbers).
+The top settings shown skip one that adds settings to a setting ranked
+above it for a like outcome (`pick`); each comes with its margin (one
+engine only) and what it gives up against the best alternative
+(`gives_up`). All runs of one seed share its trace (common random numbers).
 
-Results are rows of one Parquet file (the sweep's atomic store): a rerun
-with the same file skips the runs it holds; a file made for another
-deployment is refused.
+Results are rows of one Parquet file (the sweep's atomic store; screening
+rows carry the cut in `scenario_hash`): a rerun with the same file skips
+the runs it holds; a file made for another deployment is refused.
 """
 from __future__ import annotations
 
@@ -41,20 +63,25 @@ from typing import Callable, Iterable, Sequence
 
 from .. import verdict
 from ..conditions import CONDITIONS, Condition, compose, engine_cap_for
+from ..fleet import FleetSpec, run_fleet
+from ..policy.router import PROXY_PLACEMENTS, ROUTERS, RouterConfig
 from ..profile import Profile
 from ..scenario import Scenario
+from ..workload import Trace, make_trace
 from . import margin as margin_mod
 from .sweep import _local, _ray, _Store, flatten, read_table
 
 OBJECTIVES = ("timely", "delivered", "burst")
-LAYERS = ("client", "proxy", "engine")
+LAYERS = ("client", "proxy", "engine", "router")
 RETRIES = (True, False)
 CANCELS = ("off", "now", "deferred:10", "deferred:30")
 BUDGETS = (0.0, 0.1, 0.2)
 ORDERS = ("budget-first", "lookup-first")
 CAP_FRACTIONS = (1 / 3, 1.0)          # of ⌈deadline · Ĉ⌉
 QUEUES = (("fifo", None), ("deadline", None), ("lifo", 0), ("lifo", 0.5))   # (order, LIFO threshold / N)
-
+ROUTER_RETRIES = (0, 1)
+CROSSED = 3                           # control settings crossed with every router after the first round
+BATCH = 4                             # runs per pool task
 
 # ------------------------------------------------------------------ candidates
 def _layers(c: Condition) -> set[str]:
@@ -71,12 +98,19 @@ def _layers(c: Condition) -> set[str]:
 
 
 def candidates(scenario: Scenario, capacity: float, only: str | None = None,
-               adapt: Callable[[Condition], Condition] | None = None) -> list[Condition]:
+               adapt: Callable[[Condition], Condition] | None = None,
+               base: Condition | None = None) -> list[Condition]:
     """The named conditions and the grid (see the module docstring), each
     passed through `adapt` (e.g. a named scenario's time scaling of the
-    proxy's own times); unique names."""
+    proxy's own times); unique names and settings (a named condition
+    stands for the grid point with its settings). `base`, the deployment's own
+    condition, joins them; with `only = "router"` the controls stay the
+    deployment's: `base` (default no-control) alone."""
     if only is not None and only not in LAYERS:
         raise ValueError(f"--only must be one of {', '.join(LAYERS)}, got {only!r}")
+    if only == "router":
+        c = base or CONDITIONS["no-control"]
+        return [adapt(c) if adapt else c]
     full = engine_cap_for(capacity, scenario)
     caps = sorted({max(1, math.ceil(full * f)) for f in CAP_FRACTIONS})
     layer = {"client": only in (None, "client"), "proxy": only in (None, "proxy"), "engine": only in (None, "engine")}
@@ -84,6 +118,8 @@ def candidates(scenario: Scenario, capacity: float, only: str | None = None,
     for c in CONDITIONS.values():
         if only is None or _layers(c) <= {only}:
             out[c.name] = c
+    if base is not None and (only is None or _layers(base) <= {only}):
+        out.setdefault(base.name, base)
     proxies: list[tuple[str, dict]] = []
     for cancel in CANCELS if layer["proxy"] else ("off",):
         for coalesce in (False, True) if layer["proxy"] else (False,):
@@ -112,27 +148,167 @@ def candidates(scenario: Scenario, capacity: float, only: str | None = None,
                 if p["after"] is not None:
                     c = replace(c, proxy=replace(c.proxy, lifo_after=p["after"]))
                 out.setdefault(name, c)
-    conds = list(out.values())
-    return [adapt(c) for c in conds] if adapt else conds
+    conds = [adapt(c) for c in out.values()] if adapt else list(out.values())
+    same: dict[Condition, Condition] = {}
+    for c in conds:                     # a grid point that is a named condition runs once, by that name
+        same.setdefault(replace(c, name=""), c)
+    return list(same.values())
+
+
+def router_settings(fleet: FleetSpec) -> list[RouterConfig]:
+    """The router's layer: the scenario's router first, then every policy
+    with none or one retry on 503 and the proxy before the router or beside
+    each replica (see the module docstring)."""
+    own = fleet.router
+    out = [own]
+    for policy in ROUTERS:
+        for k in ROUTER_RETRIES:
+            for where in PROXY_PLACEMENTS:
+                r = RouterConfig(policy, k, where)
+                if r not in out:
+                    out.append(r)
+    return out
+
+
+def first_settings(conds: Sequence[Condition], fleet: FleetSpec | None, only: str | None,
+                   base: Condition | None = None) -> list[tuple[Condition, RouterConfig | None]]:
+    """The settings of the first round as (controls, router): on one engine
+    the conditions (router None); on a fleet the conditions under the
+    scenario's router, and with no `only` the named conditions and `base`
+    under every router too; with `only = "router"` the one condition (the
+    deployment's) under every router."""
+    if fleet is None:
+        return [(c, None) for c in conds]
+    if only == "router":
+        return [(conds[0], r) for r in router_settings(fleet)]
+    out = [(c, fleet.router) for c in conds]
+    if only is None:
+        firsts = [c for c in conds if c.name in CONDITIONS or (base is not None and c.name == base.name)]
+        out += [(c, r) for c in firsts for r in router_settings(fleet)[1:]]
+    return out
+
+
+def routed(c: Condition, router: RouterConfig, own: RouterConfig) -> Condition:
+    """`c` under `router`: renamed `NAME;router=...` unless it is the scenario's own."""
+    if router == own:
+        return c
+    return replace(c, name=f"{c.name};router={router.policy},router_retries={router.retries},proxy={router.proxy}")
+
+
+def describe_router(r: RouterConfig) -> str:
+    return f"router {r.policy} (retries {r.retries}), proxy " + ("per deployment" if r.proxy == "deployment"
+                                                                 else "per replica")
+
+
+def _router_changes(r: RouterConfig | None, own: RouterConfig | None) -> int:
+    if r is None or own is None:
+        return 0
+    return (r.policy != own.policy) + (r.retries != own.retries) + (r.proxy != own.proxy)
+
+
+# ------------------------------------------------------------------ screening horizon
+def screen_cut(scenario: Scenario, base_s: float | None, hold_s: float | None) -> tuple[float, float] | None:
+    """(from, to): the stretch of the trace a screening run keeps, `base_s`
+    before the burst to `hold_s` after it (None: either as in the scenario);
+    None when that is the whole scenario or the scenario has engine faults
+    (their times are the scenario's own). The cut keeps at least the
+    primary cohort's first window."""
+    if scenario.stalls:
+        return None
+    start = max(0.0, scenario.pulse_start - base_s) if base_s is not None else 0.0
+    least = scenario.primary_skip_s + scenario.window_s
+    end = min(scenario.hold_end, scenario.pulse_end + max(hold_s, least)) if hold_s is not None else scenario.hold_end
+    if start <= 0.0 and end >= scenario.hold_end:
+        return None
+    return start, end
+
+
+def default_cut(scenario: Scenario) -> tuple[float, float]:
+    """The screening runs' default stretch (seconds before the burst, after
+    it): half a deadline before, for the steady load to fill the engine;
+    two recovery windows after, for the burst's backlog to show in the
+    share of calls served."""
+    return scenario.deadline_s / 2, 2 * scenario.window_s
+
+
+def cut_scenario(scenario: Scenario, cut: tuple[float, float]) -> Scenario:
+    """The scenario of a screening run: the arrivals from cut[0] to cut[1],
+    shifted to start at 0 (phases clipped likewise)."""
+    a, b = cut
+    phases = None
+    if scenario.phases is not None:
+        phases, t = [], 0.0
+        for p in scenario.phases:
+            lo, hi = max(t, a), min(t + p.duration_s, b)
+            if hi > lo:
+                phases.append(replace(p, duration_s=hi - lo))
+            t += p.duration_s
+        phases = tuple(phases)
+    return scenario.with_(base_s=scenario.base_s - a, hold_s=b - scenario.pulse_end, phases=phases)
+
+
+def cut_trace(trace: Trace, cut: tuple[float, float]) -> Trace:
+    """The calls of `trace` planned in [cut[0], cut[1]), times shifted by -cut[0]."""
+    i, j = (int(x) for x in trace.arrival.searchsorted(cut, side="left"))
+    pick = lambda v: None if v is None else v[i:j]
+    return Trace(arrival=trace.arrival[i:j] - cut[0], prompt_len=trace.prompt_len[i:j],
+                 max_tokens=trace.max_tokens[i:j], shared_prefix=trace.shared_prefix,
+                 prefix_len=pick(trace.prefix_len), prefix_group=pick(trace.prefix_group))
+
+
+def cut_tag(cut: tuple[float, float] | None) -> str:
+    """What a screening row carries as its scenario_hash ('' for a full run)."""
+    return "" if cut is None else f"advise-screen:{cut[0]:g}-{cut[1]:g}"
 
 
 # ------------------------------------------------------------------ runs and storage
 DROP = ("series_", "windows_")
 
 
-def deployment_key(profile: Profile, scenario: Scenario) -> str:
+def deployment_key(profile: Profile, scenario: Scenario, fleet: FleetSpec | None = None) -> str:
     """A digest of what the runs depend on besides the condition and seed."""
     d = {"profile": profile.raw or profile.name, "step_time": profile.step_time.to_dict(), "engine": profile.engine,
          "capacity": profile.capacity, "scenario": scenario.to_dict()}
+    if fleet is not None:
+        d["fleet"] = {"replicas": [{"profile": p.raw or p.name, "step_time": p.step_time.to_dict(),
+                                    "engine": p.engine} for p in fleet.profiles]}
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _row_task(task: tuple) -> dict:
-    profile, scenario, condition, seed, key = task
-    rec = verdict.run_record(profile, scenario, condition, seed)
-    row = {k: v for k, v in flatten(rec).items() if not k.startswith(DROP)}
-    row["deployment"] = key
-    return row
+_TRACES: dict = {}
+
+
+def _trace(key: str, capacity: float, scenario: Scenario, seed: int, cut) -> Trace:
+    """The seed's trace (cut for a screening run), kept per process: every
+    setting of a seed replays the same calls."""
+    k = (key, seed, cut)
+    if k not in _TRACES:
+        if len(_TRACES) >= 32:
+            _TRACES.clear()
+        tr = make_trace(capacity, scenario, seed)
+        _TRACES[k] = tr if cut is None else cut_trace(tr, cut)
+    return _TRACES[k]
+
+
+def _rows_task(task: tuple) -> list[dict]:
+    """A batch of runs: (profile, scenario, fleet (profiles, capacities) or
+    None, deployment key, cut, [(condition, router, seed), ...]) -> rows."""
+    profile, scenario, fleet, key, cut, items = task
+    sc = scenario if cut is None else cut_scenario(scenario, cut)
+    out = []
+    for cond, router, seed in items:
+        tr = _trace(key, profile.capacity, scenario, seed, cut)
+        if fleet is None:
+            rec = verdict.run_record(profile, sc, cond, seed, tr)
+        else:
+            rec = run_fleet(list(fleet[0]), cond, tr, sc, fleet[1], router, seed, scenario.pulse)
+            rec.pop("replicas")
+        row = {k: v for k, v in flatten(rec).items() if not k.startswith(DROP)}
+        row["deployment"] = key
+        if cut is not None:
+            row["scenario_hash"] = cut_tag(cut)
+        out.append(row)
+    return out
 
 
 def objective(r: dict, name: str) -> float | None:
@@ -162,25 +338,66 @@ def _rank_key(s: dict, obj: str) -> tuple:
     return (not high, -s["p"] if not high else 0.0, -(s[obj] if s[obj] is not None else -1.0))
 
 
+def stages(n_seeds: int, screen: int, finalists: int, cut) -> list[tuple[int, bool, int | None]]:
+    """The rounds of the search as (seeds, full horizon, how many go on:
+    None for the third of the round's distinct outcomes, at least 2 x
+    `finalists`): the first seed, the first `screen`, those again in full
+    (when screening runs are cut), and all seeds for the `finalists`."""
+    screen = max(1, min(screen, n_seeds))
+    out = [(1, cut is None, None)]
+    if screen > 1:
+        out.append((screen, cut is None, 2 * finalists))
+    if cut is not None:
+        out.append((screen, True, 2 * finalists))
+    out[-1] = (out[-1][0], out[-1][1], finalists)
+    out.append((n_seeds, True, 0))
+    return out
+
+
 def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective_name: str = "timely",
            only: str | None = None, out: str | None = None, adapt: Callable[[Condition], Condition] | None = None,
            screen: int = 2, finalists: int = 12, top: int = 3, workers: int | None = 1,
-           ray_address: str | None = None, margin_axes: Sequence[str] = ("speed",), progress: bool = True) -> dict:
-    """Search the controls for the deployment (profile, scenario); see the
-    module docstring. Returns {"ranking": [...], "top": [...], ...} with, for
-    each of the top settings, its summary, margin (along `margin_axes`) and
-    what it gives up against the best alternative."""
+           ray_address: str | None = None, margin_axes: Sequence[str] = ("speed",), progress: bool = True,
+           fleet: FleetSpec | None = None, base: Condition | None = None,
+           screen_base_s: float | None = None, screen_hold_s: float | None = None) -> dict:
+    """Search the controls for the deployment (profile, scenario; with
+    `fleet`, its replicas behind a router, Ĉ the profile's); see the module
+    docstring. `base` is the deployment's own condition (`only = "router"`
+    keeps it). Screening runs are cut to `screen_base_s` before the burst and
+    `screen_hold_s` after it (`screen_cut`; both None: whole runs). Returns
+    {"ranking": [...], "top": [...], ...} with, for each of the top
+    settings, its summary, margin (along `margin_axes`; none for a fleet)
+    and what it gives up against the best alternative."""
     if objective_name not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective_name!r}")
+    if only == "router" and fleet is None:
+        raise ValueError("--only router searches a fleet's router: the scenario has one engine (give a scenario "
+                         "with a [fleet] section, or --only client|proxy|engine)")
     seeds = list(seeds)
     if not seeds:
         raise ValueError("advise needs at least one seed")
+    for x, what in ((screen_base_s, "screen_base_s"), (screen_hold_s, "screen_hold_s")):
+        if x is not None and not x > 0:
+            raise ValueError(f"{what} must be positive, got {x!r}")
     t0 = time.perf_counter()
-    key = deployment_key(profile, scenario)
-    cands = candidates(scenario, profile.capacity, only, adapt)
-    by_name = {c.name: c for c in cands}
+    key = deployment_key(profile, scenario, fleet)
+    own = fleet.router if fleet is not None else None
+    conds = candidates(scenario, profile.capacity, only, adapt, base)
+    by_name: dict[str, Condition] = {}
+    routers: dict[str, RouterConfig | None] = {}
+
+    def add(c: Condition, r: RouterConfig | None) -> str:
+        c = routed(c, r, own) if r is not None else c
+        if c.name not in by_name:
+            by_name[c.name], routers[c.name] = c, r
+        return c.name
+
+    names = list(dict.fromkeys(add(c, r) for c, r in first_settings(conds, fleet, only, base)))
+    n_cands = len(names)
+    fleet_task = None if fleet is None else (tuple(fleet.profiles), fleet.capacities(scenario))
+    cut = screen_cut(scenario, screen_base_s, screen_hold_s)
     store = None
-    rows: dict[tuple[str, int], dict] = {}
+    rows: dict[tuple[str, int, str], dict] = {}
     if out:
         t = read_table(out)
         if t is not None and t.num_rows:
@@ -189,24 +406,30 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
                 raise ValueError(f"{out} holds runs of another deployment (profile, scenario); give another --out")
         store = _Store(out)
         for r in ([] if t is None else t.to_pylist()):
-            rows[(r["condition"], int(r["seed"]))] = r
+            rows[(r["condition"], int(r["seed"]), r.get("scenario_hash") or "")] = r
 
-    def run(names: Sequence[str], ss: Sequence[int], stage: str) -> None:
-        todo = [(profile, scenario, by_name[n], s, key) for n in names for s in ss if (n, s) not in rows]
+    def run(names: Sequence[str], ss: Sequence[int], c, stage: str) -> None:
+        tag = cut_tag(c)
+        todo = [(n, s) for s in ss for n in names if (n, s, tag) not in rows]
         if not todo:
             return
-        it = _ray(todo, ray_address, fn=_row_task) if ray_address is not None else \
-            _local(todo, workers if workers else (os.cpu_count() or 1), fn=_row_task)
+        tasks = [(profile, scenario, fleet_task, key, c,
+                  [(by_name[n], routers[n], s) for n, s in todo[i:i + BATCH]]) for i in range(0, len(todo), BATCH)]
+        it = _ray(tasks, ray_address, fn=_rows_task) if ray_address is not None else \
+            _local(tasks, workers if workers else (os.cpu_count() or 1), fn=_rows_task)
         t1 = time.perf_counter()
         shown = [t1]
         tty = sys.stderr.isatty()
+        i = 0
         try:
-            for i, r in enumerate(it, 1):
-                rows[(r["condition"], int(r["seed"]))] = r
-                if store is not None:
-                    store.add(r)
-                    if store.due():
-                        store.flush()
+            for batch in it:
+                for r in batch:
+                    i += 1
+                    rows[(r["condition"], int(r["seed"]), tag)] = r
+                    if store is not None:
+                        store.add(r)
+                        if store.due():
+                            store.flush()
                 if progress and (time.perf_counter() - shown[0] >= 1.0 or i == len(todo)):
                     shown[0] = time.perf_counter()
                     el = shown[0] - t1
@@ -218,47 +441,110 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
             if store is not None:
                 store.flush()
 
-    names = [c.name for c in cands]
-    first = seeds[:max(1, min(screen, len(seeds)))]
-    run(names, first, f"screen {len(names)} settings x {len(first)} seeds")
-    names = distinct(names, by_name, [[rows[(n, s)] for s in first] for n in names])
-    screened = {n: score([rows[(n, s)] for s in first], objective_name) for n in names}
-    best = sorted(names, key=lambda n: (-screened[n]["recovered"], -(screened[n][objective_name] or 0.0)))
-    final = best[:max(top, finalists)]
-    run(final, seeds, f"final {len(final)} settings x {len(seeds)} seeds")
-    scored = {n: score([rows[(n, s)] for s in seeds], objective_name) for n in final}
+    size = lambda n: len(by_name[n].describe().split(", ")) + _router_changes(routers[n], own)
+    plan = stages(len(seeds), screen, finalists, cut)
+    rounds = []
+    for k, (n_s, full, keep) in enumerate(plan):
+        ss, c = seeds[:n_s], (None if full else cut)
+        label = "final" if keep == 0 else ("screen" if not full else "rerun in full")
+        run(names, ss, c, f"{label} {len(names)} settings x {len(ss)} seeds" + ("" if full else " (cut)"))
+        tag = cut_tag(c)
+        if keep == 0:
+            break
+        if k == 0 and fleet is not None and only is None:     # the best controls under every router
+            best = _order(distinct(names, by_name, [[rows[(n, s, tag)] for s in ss] for n in names], size),
+                          rows, ss, tag, objective_name)
+            crossed = [n for n in best if routers[n] == own][:CROSSED]
+            more = [add(by_name[n], r) for n in crossed for r in router_settings(fleet)[1:]]
+            more = [n for n in dict.fromkeys(more) if n not in names]
+            run(more, ss, c, f"{label} {len(more)} settings x {len(ss)} seeds (best controls x routers)"
+                + ("" if full else " (cut)"))
+            names += more
+            n_cands += len(more)
+        names = distinct(names, by_name, [[rows[(n, s, tag)] for s in ss] for n in names], size)
+        ranked = _order(names, rows, ss, tag, objective_name)
+        go_on = max(2 * finalists, math.ceil(len(ranked) / 3)) if keep is None else keep
+        rounds.append({"seeds": n_s, "full": full, "settings": len(names), "kept": min(go_on, len(ranked))})
+        names = ranked[:max(top, go_on)]
+    final = names
+    scored = {n: score([rows[(n, s, "")] for s in seeds], objective_name) for n in final}
     ranking = sorted(final, key=lambda n: _rank_key(scored[n], objective_name))
-    shown = pick(ranking, scored, by_name, top)
-    margins = {n: margin_mod.margin(profile, scenario, by_name[n], seeds, margin_axes, rel_tol=0.05, workers=workers)
-               if margin_axes else None for n in shown}
+    shown = pick(ranking, scored, by_name, top, size)
+    margins = {n: margin_mod.margin(profile, scenario, by_name[n], seeds, margin_axes, rel_tol=0.05, workers=workers,
+                                    base=verdict.summarize([rows[(n, s, "")] for s in seeds]))
+               if margin_axes and fleet is None else None for n in shown}
     tops = []
     for i, n in enumerate(shown):
         alt = shown[1] if i == 0 and len(shown) > 1 else shown[0]
         m = margins[n]
-        tops.append({"rank": i + 1, "condition": n, "settings": by_name[n].settings(), "describe": by_name[n].describe(),
-                     "summary": scored[n], "verdict": verdict.verdict(scored[n]),
+        tops.append({"rank": i + 1, "condition": n, "settings": by_name[n].settings(),
+                     "router": None if routers[n] is None else vars(routers[n]).copy(),
+                     "describe": describe(n, by_name, routers), "summary": scored[n],
+                     "verdict": verdict.verdict(scored[n]),
                      "margin": None if m is None else {"sentence": m["sentence"], "axes": m["axes"]},
                      "against": alt if alt != n else None,
                      "gives_up": gives_up(scored[n], scored[alt], m, margins[alt]) if alt != n else []})
-    return {"model": profile.name, "scenario": scenario.to_dict(), "deployment": key, "objective": objective_name,
-            "only": only, "seeds": seeds, "screen_seeds": first, "candidates": len(cands),
-            "ranking": [{"condition": n, **{k: scored[n][k] for k in ("p", "lo", "hi", "tipping", *OBJECTIVES)}}
-                        for n in ranking],
-            "top": tops, "wall_s": time.perf_counter() - t0}
+    res = {"model": profile.name, "scenario": scenario.to_dict(), "deployment": key, "objective": objective_name,
+           "only": only, "seeds": seeds, "screen_seeds": seeds[:max(1, min(screen, len(seeds)))],
+           "screen_cut": list(cut) if cut else None, "margin_axes": list(margin_axes or ()), "rounds": rounds,
+           "candidates": n_cands,
+           "ranking": [{"condition": n, **{k: scored[n][k] for k in ("p", "lo", "hi", "tipping", *OBJECTIVES)}}
+                       for n in ranking],
+           "top": tops, "wall_s": time.perf_counter() - t0}
+    if fleet is not None:
+        res["router"] = router_note(fleet.router, shown, scored, by_name, routers, objective_name)
+    return res
+
+
+def _order(names: Sequence[str], rows: dict, ss: Sequence[int], tag: str, obj: str) -> list[str]:
+    """A round's order: the objective's mean over its seeds, after the
+    recoveries where the runs are full ones (a screening run ends before
+    the slower recoveries could show; on the same calls, the share it
+    serves ranks the settings as the whole run does)."""
+    sc = {n: score([rows[(n, s, tag)] for s in ss], obj) for n in names}
+    full = tag == ""
+    return sorted(names, key=lambda n: (-sc[n]["recovered"] if full else 0, -(sc[n][obj] or 0.0)))
+
+
+def describe(n: str, by_name: dict, routers: dict) -> str:
+    """A setting's controls in words, with its router on a fleet."""
+    r = routers.get(n)
+    return by_name[n].describe() + ("" if r is None else ", " + describe_router(r))
+
+
+def router_note(own: RouterConfig, shown: Sequence[str], scored: dict, by_name: dict, routers: dict,
+                obj: str) -> dict:
+    """Which router the best setting takes and whether it matters: the
+    finalists with the best setting's controls under another router, each
+    with its P(recovered) and objective."""
+    best = shown[0]
+    controls = by_name[best].settings()
+    others = [n for n in scored if n != best and by_name[n].settings() == controls]
+    r = routers[best]
+    return {"chosen": vars(r).copy(), "scenario": vars(own).copy(), "changed": r != own,
+            "alternatives": [{"router": vars(routers[n]).copy(), "p": scored[n]["p"], obj: scored[n][obj]}
+                             for n in others]}
 
 
 SIGNATURE = ("recovered", "recovery_time_s", "pulse_delivered", "pulse_within_deadline", "hold_delivered",
              "hold_within_deadline", "primary_delivered", "primary_within_deadline")
 
 
-def distinct(names: Sequence[str], by_name: dict, rows: Sequence[Sequence[dict]]) -> list[str]:
+def _describe_size(by_name: dict) -> Callable[[str], int]:
+    return lambda n: len(by_name[n].describe().split(", "))
+
+
+def distinct(names: Sequence[str], by_name: dict, rows: Sequence[Sequence[dict]],
+             size: Callable[[str], int] | None = None) -> list[str]:
     """One name per outcome: settings whose runs agree on every SIGNATURE
-    measure stand as one, the one with the fewest settings changed (a named
-    condition on a tie) — first-seen order kept."""
+    measure stand as one, the one with the fewest settings changed (`size`;
+    default the conditions' settings; a named condition on a tie) —
+    first-seen order kept."""
+    size = size or _describe_size(by_name)
     groups: dict[tuple, list[str]] = {}
     for n, rs in zip(names, rows):
         groups.setdefault(tuple(tuple(r[k] for k in SIGNATURE) for r in rs), []).append(n)
-    keep = {min(g, key=lambda n: (len(by_name[n].describe().split(", ")), n not in CONDITIONS)) for g in groups.values()}
+    keep = {min(g, key=lambda n: (size(n), n not in CONDITIONS)) for g in groups.values()}
     return [n for n in names if n in keep]
 
 
@@ -268,11 +554,13 @@ def _alike(a: dict, b: dict) -> bool:
                                     for o in OBJECTIVES)
 
 
-def pick(ranking: Sequence[str], scored: dict, by_name: dict, top: int) -> list[str]:
+def pick(ranking: Sequence[str], scored: dict, by_name: dict, top: int,
+         size: Callable[[str], int] | None = None) -> list[str]:
     """The first `top` of the ranking, skipping a setting that changes more
-    than one ranked above it and does alike (it adds settings for nothing)."""
+    (`size`, as in `distinct`) than one ranked above it and does alike (it
+    adds settings for nothing)."""
     out: list[str] = []
-    size = lambda n: len(by_name[n].describe().split(", "))
+    size = size or _describe_size(by_name)
     for n in ranking:
         if not any(_alike(scored[n], scored[m]) and size(n) > size(m) for m in out):
             out.append(n)
@@ -311,8 +599,23 @@ def gives_up(s: dict, alt: dict, margin: dict | None = None, alt_margin: dict | 
 
 def report(res: dict) -> str:
     """The top settings in words."""
-    lines = [f"{res['model']}: {res['candidates']} settings screened on {len(res['screen_seeds'])} seed(s), "
-             f"{len(res['ranking'])} finalists on {len(res['seeds'])}; objective: {res['objective']}"]
+    cut = res.get("screen_cut")
+    steps = [f"{r['settings']} distinct on {r['seeds']} seed(s)" + ("" if r["full"] else " (screening runs)")
+             for r in res.get("rounds", [])]
+    lines = [f"{res['model']}: {res['candidates']} settings; " + ", ".join(steps)
+             + f"; {len(res['ranking'])} finalists on {len(res['seeds'])}; objective: {res['objective']}"]
+    if cut:
+        lines.append(f"(screening runs simulate {cut[0]:g}-{cut[1]:g} s of the scenario's arrivals; the finalists "
+                     "the whole scenario)")
+    note = res.get("router")
+    if note:
+        r, own = note["chosen"], note["scenario"]
+        head = (f"router: {r['policy']} (retries {r['retries']}, proxy per {r['proxy']})"
+                + (f" instead of the scenario's {own['policy']} (retries {own['retries']}, proxy per {own['proxy']})"
+                   if note["changed"] else ", the scenario's own"))
+        alts = [f"{a['router']['policy']}/{a['router']['retries']}/{a['router']['proxy']}: P {a['p']:.2f}, "
+                f"{res['objective']} {100 * (a[res['objective']] or 0):.1f}%" for a in note["alternatives"]]
+        lines.append(head + ("; the same controls under " + "; ".join(alts) if alts else ""))
     for t in res["top"]:
         s = t["summary"]
         lines.append(f"{t['rank']}. {t['condition']}")
@@ -321,6 +624,8 @@ def report(res: dict) -> str:
                      f"{100 * (s['delivered'] or 0):.1f}%, pulse delivered {100 * (s['burst'] or 0):.1f}%")
         if t["margin"]:
             lines.append(f"   margin: {t['margin']['sentence'].split('; ', 1)[-1]}")
+        elif res.get("margin_axes") and note:
+            lines.append("   margin: not computed on a fleet (a margin perturbs one engine)")
         if t["against"]:
             gu = "; ".join(t["gives_up"]) or "nothing"
             lines.append(f"   gives up against {t['against']}: {gu}")

@@ -181,16 +181,17 @@ def cell(profile: Profile, scenario: Scenario, condition: Condition, seeds: Sequ
 # ------------------------------------------------------------------ the margin
 def margin(profile: Profile, scenario: Scenario, condition: Condition, seeds: Sequence[int],
            axes: Sequence[str] = AXES, rel_tol: float = 0.02, workers: int | None = 1,
-           progress: Callable[[str], None] | None = None) -> dict:
+           progress: Callable[[str], None] | None = None, base: dict | None = None) -> dict:
     """The margin of `condition` on (profile, scenario) along each axis.
     Returns a JSON-able record: the baseline cell's summary, and per axis the
-    crossing, its bracket and every probe (x, P, Wilson interval)."""
+    crossing, its bracket and every probe (x, P, Wilson interval). `base`:
+    the baseline cell's summary when the caller has it (the same seeds)."""
     t0 = time.perf_counter()
     seeds = list(seeds)
     if not seeds:
         raise ValueError("margin needs at least one seed")
     axes = parse_axes(axes)
-    base = cell(profile, scenario, condition, seeds, workers)
+    base = base if base is not None else cell(profile, scenario, condition, seeds, workers)
     out_axes = []
     for name in axes:
         ax = AXIS[name]
