@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from drills import kill_and_resume, rows_by_cell
@@ -82,3 +83,13 @@ def test_a_column_only_later_rows_have_survives_the_journal_and_the_rewrite(tmp_
     sweep(grid(["vllm-cpu-tiny"], ["no-retry"], [2.0], [0]), str(out), workers=1, progress=False)
     got = {(r["model"], r["seed"]): r["later"] for r in pq.read_table(out).to_pylist()}
     assert got == {("m", 0): None, ("m", 1): 0.5, ("vllm-cpu-tiny", 0): None}
+
+
+def test_a_scenario_row_in_both_the_parquet_file_and_the_journal_is_read_once(tmp_path):
+    # a kill between the rewrite's rename and the journal's truncation leaves the journal's rows in both
+    out = tmp_path / "res.parquet"
+    rows = [{"model": "m", "condition": "c", "pulse": 2.0, "max_batched_tokens": 1, "mixed_prompts": False,
+             "seed": s, "scenario_hash": "h", "x": float(s)} for s in (0, 1)]
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    Path(str(out) + ".journal").write_text(json.dumps(rows[1]) + "\n")
+    assert [r["seed"] for r in read_rows(str(out))] == [0, 1]

@@ -276,12 +276,17 @@ def read_table(path: str):
     rows not yet in it (None if there are none). ResultsFileError if either
     cannot be read."""
     t = _read_parquet(path)
-    done = set() if t is None else {cell_key(r) for r in t.select(list(KEY)).to_pylist()}
+    done = set() if t is None else {cell_key(r) for r in t.select(_key_columns(t)).to_pylist()}
     extra = [r for r in _read_journal(path) if cell_key(r) not in done]
     if not extra:
         return t
     new = _table(extra)
     return new if t is None else pa.concat_tables([t, new], promote_options="permissive")
+
+
+def _key_columns(t) -> list[str]:
+    """The columns of a table that `cell_key` reads."""
+    return list(KEY) + (["scenario_hash"] if "scenario_hash" in t.column_names else [])
 
 
 def _table(rows: Sequence[dict]):
@@ -327,8 +332,7 @@ class _Store:
         self.done: set[tuple] = set()
         if t is not None and t.num_rows:
             self.tables.append(t)
-            cols = list(KEY) + (["scenario_hash"] if "scenario_hash" in t.column_names else [])
-            self.done = {cell_key(r) for r in t.select(cols).to_pylist()}
+            self.done = {cell_key(r) for r in t.select(_key_columns(t)).to_pylist()}
         self.pending: list[dict] = [r for r in _read_journal(path, repair=True) if cell_key(r) not in self.done]
         self.done |= {cell_key(r) for r in self.pending}
         self.write_s = 0.0
