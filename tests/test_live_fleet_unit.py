@@ -17,7 +17,6 @@ from sim.policy.router import RouterConfig, call_key, mix64
 from sim.scenario import PAPER
 from sim.workload import Trace
 from validate.fleet import FleetLiveRun, fleet_problem, live_fleet_record
-from llmsim.cli import main
 from validate.proxy import LiveProxy
 
 from tests.test_live_run_unit import SlotStub
@@ -243,26 +242,6 @@ def test_fleet_live_run_records_each_replica_and_conserves_calls():
 def test_fleet_problem_names_replicas_beyond_the_cores():
     assert fleet_problem(0) is not None
     assert "core" in fleet_problem(10_000)
-
-
-@pytest.mark.parametrize("args, words", [
-    (["--engine", "cpu", "--replicas", "0"], ["--replicas must be at least 1"]),
-    (["--engine", "cpu", "--replicas", "100000"], ["--replicas 100000", "core of its own"]),
-    (["--engine", "cpu", "--replicas", "2", "--routers", "round-robin,fastest"], ["unknown router 'fastest'",
-                                                                                  "call-affinity"]),
-    (["--engine", "cpu", "--replicas", "2", "--points", "nope"], ["unknown condition 'nope'"]),
-    (["--engine", "http://127.0.0.1:9", "--replicas", "2", "--profile", "vllm-cpu-tiny"],
-     ["give 2 comma-separated URLs (got 1)"]),
-    (["--engine", "http://127.0.0.1:9,http://127.0.0.1:10", "--points", "coalesce"], ["give --replicas N"]),
-    (["--engine", "gpu", "--replicas", "2"], ["a fleet runs on the CPU engine"]),
-    (["--engine", "cpu"], ["give --points"]),
-])
-def test_fleet_validate_bad_input_exits_2_with_one_line_reason(args, words, capsys):
-    assert main(["validate", *args]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("llmsim")
-    for w in words:
-        assert w in err
 
 
 def test_fleet_problem_names_replicas_beyond_the_memory(monkeypatch):

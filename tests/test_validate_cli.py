@@ -20,6 +20,17 @@ from sim.profile import load_profile
      ["cannot reach the engine at http://127.0.0.1:9"]),
     (["--engine", "gpu", "--model", "some/model", "--points", "no-control"], ["no embedded profile", "--profile"]),
     (["--engine", "cpu", "--points", "no-control", "--capacity", "-1"], ["must be positive"]),
+    # fleets (--replicas)
+    (["--engine", "cpu", "--replicas", "0"], ["--replicas must be at least 1"]),
+    (["--engine", "cpu", "--replicas", "100000"], ["--replicas 100000", "core of its own"]),
+    (["--engine", "cpu", "--replicas", "2", "--routers", "round-robin,fastest"], ["unknown router 'fastest'",
+                                                                                  "call-affinity"]),
+    (["--engine", "cpu", "--replicas", "2", "--points", "nope"], ["unknown condition 'nope'"]),
+    (["--engine", "http://127.0.0.1:9", "--replicas", "2", "--profile", "vllm-cpu-tiny"],
+     ["give 2 comma-separated URLs (got 1)"]),
+    (["--engine", "http://127.0.0.1:9,http://127.0.0.1:10", "--points", "coalesce"], ["give --replicas N"]),
+    (["--engine", "gpu", "--replicas", "2"], ["a fleet runs on the CPU engine"]),
+    (["--engine", "cpu"], ["give --points"]),
 ])
 def test_bad_input_exits_2_with_one_line_reason(args, words, capsys):
     assert main(["validate", *args]) == 2
