@@ -213,7 +213,7 @@ class LiveProxy:
         self.condition = condition
         self.scrape_every_s = scrape_every_s
         self.prompt_rate = PromptRate(60.0)
-        # per replica: prompt tokens awaiting their first token, executions sent and not ended, the
+        # per replica: prompt tokens dispatched and awaiting their first token, executions sent and not ended, the
         # engine's scraped gauges, the prompt throughput seen
         self.awaiting = [0] * n
         self.held = [0] * n
@@ -228,8 +228,10 @@ class LiveProxy:
         else:
             self.router = Router(router, n, view=self._replica_view)
             if self.replica_mode:
-                self.proxy = ReplicaProxies([Proxy(condition.proxy, engine_view=(lambda t, r=r: self._engine_view_of(r, t)),
-                                                   prompt_throughput=prompt_throughput) for r in range(n)], self.router)
+                self.proxy = ReplicaProxies([Proxy(condition.proxy,
+                                                   engine_view=(lambda t, r=r: self._engine_view_of(r, t)),
+                                                   prompt_throughput=prompt_throughput) for r in range(n)],
+                                            self.router)
             else:
                 self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
                                    prompt_throughput=prompt_throughput * n if prompt_throughput else prompt_throughput)
@@ -244,7 +246,6 @@ class LiveProxy:
         self.added_s = {"dispatch": deque(maxlen=LATENCY_SAMPLES), "forward": deque(maxlen=LATENCY_SAMPLES)}
         self.executions: list[ExecutionRecord] = []   # one per execution created, as the simulator keeps them
         self.subscriptions: dict[tuple[str, int], tuple[int, bool]] = {}   # (call, attempt) -> (execution, attached)
-        self.awaiting_tokens = 0                   # prompt tokens dispatched, no first token yet
         self.metrics = Metrics()
         self.session: aiohttp.ClientSession | None = None
         self._scraper: asyncio.Task | None = None
@@ -293,7 +294,7 @@ class LiveProxy:
             await asyncio.sleep(self.scrape_every_s)
 
     def _engine_view(self, t: float) -> EngineView:
-        return EngineView(float(self.awaiting_tokens), self.prompt_rate.rate(t))
+        return EngineView(float(sum(self.awaiting)), self.prompt_rate.rate(t))
 
     def _engine_view_of(self, r: int, t: float) -> EngineView:
         """A sidecar's view: its own engine."""
@@ -344,7 +345,6 @@ class LiveProxy:
                     self._place(st, self.router.pick(a.execution.call_id), t)
                 st.task = asyncio.create_task(self._upstream(a.execution, st, st.received if at_once else None))
                 st.record.dispatched_at = t
-                self.awaiting_tokens += st.prompt_len
                 self.awaiting[st.replica] += st.prompt_len
                 self.held[st.replica] += 1
             elif isinstance(a, Cancel):
@@ -407,7 +407,6 @@ class LiveProxy:
     def _first_token(self, st: Stream) -> None:
         if not st.first_token:
             st.first_token = True
-            self.awaiting_tokens -= st.prompt_len
             self.awaiting[st.replica] -= st.prompt_len
             t = self.now()
             self.prompt_rate.add(t, st.prompt_len)
@@ -503,7 +502,6 @@ class LiveProxy:
     def _first_token_forget(self, st: Stream) -> None:
         if not st.first_token:
             st.first_token = True            # no longer awaited
-            self.awaiting_tokens -= st.prompt_len
             self.awaiting[st.replica] -= st.prompt_len
 
     def _engine_refused(self, ex, st: Stream) -> None:
