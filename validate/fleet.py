@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import sys
 import threading
 import time
 
@@ -45,16 +44,12 @@ from sim.workload import make_trace
 
 from . import engine as E
 from .live_run import EngineLost, LiveRun, live_record
-from .validation import (PointFailed, ValidationError, _inputs, _load, _save, _steps, agreement, capacity_for,
-                         engine_gone, table)
+from .validation import (PointFailed, ValidationError, _inputs, _load, _save, _say, _steps, agreement,
+                         capacity_for, engine_gone, table)
 
 ENGINE_MEMORY_GIB = 1.5          # one tiny CPU engine's processes beyond its KV cache space
 DEFAULT_ROUTERS = ROUTERS
 IDLE_WAIT_S = 60.0
-
-
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------- engines
