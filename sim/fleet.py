@@ -322,7 +322,7 @@ class FleetRun(Run):
     def _snapshot(self, t: float, _arg=None) -> None:
         for r, e in enumerate(self.engines):
             self.counters_at_r[r][t] = dict(e.scheduler.counters)
-        self.counters_at[t] = _sum_counters(self.counters_at_r[r][t] for r in range(self.n))
+        self.counters_at[t] = sum_counters(self.counters_at_r[r][t] for r in range(self.n))
 
     # ---------------------------------------------------------------- log
     def _log(self, end: float, wall: float) -> FleetLog:
@@ -342,9 +342,9 @@ class FleetRun(Run):
         fleet = RunLog(calls=self.call_log, attempts=self.attempt_log, executions=self.executions,
                        series=Series(t=ts, waiting=sum(waiting[1:], waiting[0]), running=sum(running[1:], running[0]),
                                      proxy_queue=fleet_pq),
-                       counters=_sum_counters(e.scheduler.counters for e in self.engines),
-                       counters_at=dict(self.counters_at), engine=_sum_counters(engine_r), end_time=end, wall_s=wall,
-                       extra=_sum_counters(extra_r))
+                       counters=sum_counters(e.scheduler.counters for e in self.engines),
+                       counters_at=dict(self.counters_at), engine=sum_counters(engine_r), end_time=end, wall_s=wall,
+                       extra=sum_counters(extra_r))
         ex_rep = np.asarray(self.exec_replica, dtype=np.int64)
         if self.replica_mode:
             att_rep = np.asarray(self.proxy.landed, dtype=np.int64)
@@ -410,7 +410,7 @@ def _next_finish(e: EngineCore) -> float:
     return INF
 
 
-def _sum_counters(dicts) -> dict:
+def sum_counters(dicts) -> dict:
     """Key-wise sum of counter dicts (keys in first-seen order)."""
     out: dict = {}
     for d in dicts:

@@ -43,6 +43,7 @@ from aiohttp import web
 
 from sim import measures
 from sim.conditions import Condition
+from sim.fleet import sum_counters
 from sim.policy.client import CallState, RetryingClient, Retry, Delivered
 from sim.runlog import AttemptRecord, CallRecord, RunLog, Series, refusal_outcome
 from sim.scenario import Scenario
@@ -202,12 +203,8 @@ class LiveRun:
                     q = self.proxy.proxy.proxies[r].queued if self.proxy.replica_mode else 0
                     per.append((m.get("vllm:num_requests_waiting", 0.0), m.get("vllm:num_requests_running", 0.0), q,
                                 {v: m[c] for c, v in COUNTERS.items() if c in m}))
-                counters = {}
-                for p in per:
-                    for name, v in p[3].items():
-                        counters[name] = counters.get(name, 0.0) + v
                 self.samples.append(Sample(t, sum(p[0] for p in per), sum(p[1] for p in per), self.proxy.proxy.queued,
-                                           counters, per if len(per) > 1 else None))
+                                           sum_counters(p[3] for p in per), per if len(per) > 1 else None))
                 failing = 0
             except (aiohttp.ClientError, TimeoutError, ValueError):
                 self.errors["metrics"] = self.errors.get("metrics", 0) + 1
