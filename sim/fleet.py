@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import types
 from array import array
 from dataclasses import dataclass, field
 
@@ -164,8 +163,6 @@ class FleetRun(Run):
             self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
                                prompt_throughput=sum(prompt_throughput(p, scenario) for p in self.profiles))
         self.sidecar_queues = self.replica_mode and condition.proxy.proxy_cap is not None   # sidecars may queue
-        if not self.sidecar_queues:         # no sidecar queue to log: the driver's own loop
-            self._do = types.MethodType(Run._do, self)
         self._routed_timers = None
         if n > 1 and self._calls_stay_home(condition):
             # every input a timer brings reaches the replica of its call alone
@@ -314,7 +311,7 @@ class FleetRun(Run):
 
     def _do(self, t: float, actions: list) -> None:
         super()._do(t, actions)
-        if not self._action_stack:          # once the actions are all carried out
+        if self.sidecar_queues and not self._action_stack:     # once the actions are all carried out
             for p, log in zip(self.sidecars, self.queue_logs):
                 if p.queued != log[-1][1]:
                     log.append((t, p.queued))
