@@ -14,7 +14,7 @@ first's by more than RSS_GROWTH_MB (a leak of replay buffers — every stream
 kept, as the waste gauges once did — adds tens of MB a storm). Prints the RSS
 over the storms, the fd counts and the latency the proxy adds (p50 / p99).
 Deselect with `-m "not live"`. Time: engine start-up ~50-130 s, each storm 12 s
-plus the engine's drain (~30-90 s on two shared cores)."""
+plus the engine's drain (~90-100 s on two shared cores)."""
 from __future__ import annotations
 
 import json
@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -49,15 +50,26 @@ def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
+def get_json(url: str, timeout: float = 10) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
 
 
 def wait_drained(proxy_url: str, limit_s: float = 400.0) -> dict:
+    """Poll /stats until the proxy holds nothing live. While the engine
+    drains a storm, the proxy reads hundreds of streams on two shared cores
+    and one /stats answer can take over 10 s (seen once in CI); a slow answer
+    is waited for again within `limit_s`, since the promise checked here is
+    what the proxy holds once drained, not how fast it answers meanwhile."""
     t_end = time.monotonic() + limit_s
     while True:
-        st = get_json(proxy_url + "/stats")
+        try:
+            st = get_json(proxy_url + "/stats", timeout=60)
+        except (TimeoutError, urllib.error.URLError) as e:
+            if not isinstance(getattr(e, "reason", e), TimeoutError):
+                raise
+            assert time.monotonic() < t_end, f"the proxy did not answer /stats within {limit_s} s"
+            continue
         if st["live"]["streams"] == 0 and st["live"]["waiters"] == 0 and st["live"]["accepted_live"] == 0:
             return st
         assert time.monotonic() < t_end, f"the proxy still holds live work after {limit_s} s: {st['live']}"
