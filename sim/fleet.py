@@ -33,7 +33,7 @@ from . import measures
 from .conditions import Condition, get_condition
 from .engine.core import EngineCore
 from .engine.request import Request
-from .model import Run, Timers, engine_config, prompt_throughput, uncomputed_prompt_tokens
+from .model import Run, Timers, engine_config, prompt_throughput
 from .policy.proxy import EngineView, PromptRate, Proxy
 from .policy.router import ReplicaProxies, ReplicaView, Router, RouterConfig
 from .profile import Profile
@@ -256,11 +256,11 @@ class FleetRun(Run):
 
     def _engine_view(self, t: float) -> EngineView:
         """The deployment proxy's view: the whole fleet."""
-        return EngineView(sum(uncomputed_prompt_tokens(e) for e in self.engines), self.prompt_rate.rate(t))
+        return EngineView(float(sum(e.uncomputed_prompt_tokens() for e in self.engines)), self.prompt_rate.rate(t))
 
     def _engine_view_of(self, r: int, t: float) -> EngineView:
         """A sidecar's view: its own engine."""
-        return EngineView(uncomputed_prompt_tokens(self.engines[r]), self.prompt_rates[r].rate(t))
+        return EngineView(float(self.engines[r].uncomputed_prompt_tokens()), self.prompt_rates[r].rate(t))
 
     def _on_first_token_at(self, r: int, req: Request, t: float) -> None:
         rec = req.record

@@ -171,22 +171,6 @@ def engine_config(profile: Profile, condition: Condition, max_batched_tokens: in
     return EngineConfig(profile.scheduler_config(max_batched_tokens), profile.depth, condition.engine_cap, **faults)
 
 
-def uncomputed_prompt_tokens(eng: EngineCore) -> float:
-    """Prompt tokens not yet computed of the requests waiting or running in
-    the engine, or on their way in."""
-    s = eng.scheduler
-    tok = 0
-    for r in s.waiting:
-        if r.status in WAITING_STATUSES:
-            tok += r.num_prompt_tokens - min(r.num_prompt_tokens, r.num_computed_tokens)
-    for r in s.prefilling:
-        tok += max(0, r.num_prompt_tokens - r.num_computed_tokens)
-    for kind, r in eng.inbox:
-        if kind == "add":
-            tok += r.num_prompt_tokens
-    return float(tok)
-
-
 class Run:
     def __init__(self, profile: Profile, trace: Trace, condition: Condition, scenario: Scenario,
                  seed: int = 0, max_batched_tokens: int | None = None, fast_forward: bool = True,
@@ -405,7 +389,7 @@ class Run:
     def _engine_view(self, t: float) -> EngineView:
         """Uncomputed prompt tokens of the executions waiting or running in
         the engine (or on their way in), and the recent prompt throughput."""
-        return EngineView(uncomputed_prompt_tokens(self.engine), self.prompt_rate.rate(t))
+        return EngineView(float(self.engine.uncomputed_prompt_tokens()), self.prompt_rate.rate(t))
 
     def _on_first_token(self, req: Request, t: float) -> None:
         rec = req.record

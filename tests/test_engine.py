@@ -355,3 +355,39 @@ def test_decode_group_aggregates():
     g.leave(b, 5)
     assert (b.num_computed_tokens, b.num_output_tokens) == (11, 3)
     assert g.num_reqs == 1 and g.outputs_through(a, 4) == a.outputs_done + 2
+
+
+def test_uncomputed_prompt_tokens_counted_once_between_boundaries_equals_a_fresh_count():
+    """The engine counts the scheduler's uncomputed prompt tokens once per
+    step boundary and keeps the inbox's share as requests come in; at every
+    wait estimate of a run under the deadline queue (overload, preemption,
+    aborts) the figure equals a count made from scratch."""
+    from sim.engine.request import WAITING_STATUSES
+    from sim.model import Run
+    from sim.profile import load_profile
+    from sim.run import make_trace, workload_capacity
+    from sim.scenario import PAPER
+    from sim.conditions import get_condition
+
+    def fresh(eng):
+        s = eng.scheduler
+        tok = sum(r.num_prompt_tokens - min(r.num_prompt_tokens, r.num_computed_tokens)
+                  for r in s.waiting if r.status in WAITING_STATUSES)
+        tok += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.prefilling)
+        return tok + sum(r.num_prompt_tokens for k, r in eng.inbox if k == "add")
+
+    profile = load_profile("qwen2.5-7b")
+    sc = PAPER.with_(pulse=2.7)
+    cap = workload_capacity(profile, sc)["capacity"]
+    run = Run(profile, make_trace(cap, sc, 3), get_condition("deadline-check"), sc, 3)
+    seen = []
+    counted = run.engine.uncomputed_prompt_tokens
+
+    def checked():
+        got = counted()
+        seen.append((got, fresh(run.engine)))
+        return got
+    run.engine.uncomputed_prompt_tokens = checked
+    run.run(until=900.0)
+    assert len(seen) > 1000 and any(g > 0 for g, _ in seen)
+    assert [g for g, _ in seen] == [f for _, f in seen]

@@ -83,6 +83,8 @@ class EngineCore:
         self.fast_forward = fast_forward
         self.pending: deque[SchedulerOutput] = deque()
         self.inbox: list[tuple[str, Request]] = []
+        self._inbox_prompt_tokens = 0        # prompt tokens of the requests added to the inbox
+        self._scheduled_uncomputed = None    # uncomputed prompt tokens in the scheduler (None: to count)
         self.processed = -1          # index of the last step whose output was processed
         self.now = 0.0               # the engine's own clock: end of the last processed step
         self._wake = None
@@ -107,6 +109,22 @@ class EngineCore:
         s = self.scheduler
         return s.num_waiting + len(s.running) + sum(1 for k, _ in self.inbox if k == "add")
 
+    def uncomputed_prompt_tokens(self) -> int:
+        """Prompt tokens not yet computed of the requests waiting or running,
+        or on their way in. The scheduler's part is counted once between
+        step boundaries (it changes only there), not at every call."""
+        tok = self._scheduled_uncomputed
+        if tok is None:
+            s = self.scheduler
+            tok = 0
+            for r in s.waiting:
+                if r.status in WAITING_STATUSES:
+                    tok += r.num_prompt_tokens - min(r.num_prompt_tokens, r.num_computed_tokens)
+            for r in s.prefilling:
+                tok += max(0, r.num_prompt_tokens - r.num_computed_tokens)
+            self._scheduled_uncomputed = tok
+        return tok + self._inbox_prompt_tokens
+
     def add_request(self, r: Request) -> bool:
         """An execution arrives; False if the engine cap refuses it (503)."""
         q = self.config.max_queued
@@ -116,6 +134,7 @@ class EngineCore:
         if r.num_prompt_tokens + r.max_tokens > mx:
             raise ValueError(f"request of {r.num_prompt_tokens}+{r.max_tokens} tokens exceeds max_model_len {mx}")
         self.inbox.append(("add", r))
+        self._inbox_prompt_tokens += r.num_prompt_tokens
         self._poke()
         return True
 
@@ -169,6 +188,7 @@ class EngineCore:
                 yield env.timeout(start + length - env.now)
 
     def _fill(self) -> None:
+        self._scheduled_uncomputed = None
         sched = self.scheduler
         limit = self._fast_forward_limit if self.fast_forward else None
         while len(self.pending) < self.depth:
@@ -270,6 +290,7 @@ class EngineCore:
 
     # -------------------------------------------------------------- output
     def _process(self, output: SchedulerOutput) -> None:
+        self._scheduled_uncomputed = None
         sched = self.scheduler
         t = self.now
         self.processed = output.last
@@ -337,6 +358,8 @@ class EngineCore:
             return
         sched = self.scheduler
         items, self.inbox = self.inbox, []
+        self._inbox_prompt_tokens = 0
+        self._scheduled_uncomputed = None
         for kind, r in items:
             if kind == "add":
                 sched.add_request(r)
