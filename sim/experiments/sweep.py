@@ -22,7 +22,8 @@ line, flushed to the OS) to the journal `OUT.journal`, before its progress line
 is printed. The Parquet file is rewritten whole (temp file + os.replace, so it
 is never half-written) from its rows and the journal's, after which the journal
 is emptied; the rewrite runs after finished cells at most as often as keeps it
-under ~10% of the sweep's time, and always when the sweep stops (finished,
+under ~3% of the sweep's time (the sweep's process shares the cores with its
+workers), and always when the sweep stops (finished,
 error or Ctrl-C). At start the Parquet file's cells and the journal's are read
 and skipped, so a sweep killed at any point (even during the rewrite) and run
 again runs no finished cell twice and ends with the same table; a row cut off
@@ -347,7 +348,7 @@ class _Store:
         self.done.add(cell_key(row))
 
     def due(self) -> bool:
-        return bool(self.pending) and time.monotonic() - self.last_flush >= 10.0 * self.write_s
+        return bool(self.pending) and time.monotonic() - self.last_flush >= 30.0 * self.write_s
 
     def flush(self) -> None:
         if not self.pending:
