@@ -10,10 +10,10 @@ from calibrate import live_capacity
 from sim.conditions import CONDITIONS
 from sim.profile import ProfileError, from_dict
 from sim.scenario import SCENARIOS, NamedScenario, get_scenario
-from sim.policy.router import PROXY_PLACEMENTS, ROUTERS
+from sim.policy.router import PROXY_PLACEMENTS, ROUTERS, RouterConfig
 from validate import engine
 from validate import fleet as live_fleet
-from validate.proxy import main as proxy_main
+from validate.proxy import main as proxy_main, upstream_url
 from validate.validation import GPU_MODELS, EngineSpec, ValidationError, capacity_for, steps_path, table, validate
 
 from . import args
@@ -258,7 +258,27 @@ def _calibrate_first(spec: EngineSpec, prof, vs, json_path: str | None, diffs: l
 
 
 def cmd_proxy(a) -> int:
-    return proxy_main(a.upstream, condition(a), a.host, a.port, a.prompt_throughput)
+    ups = []
+    for given in a.upstream:
+        for u in given.split(","):
+            try:
+                ups.append(upstream_url(u.strip()))
+            except ValueError as e:
+                raise _err(f"proxy: --upstream {e}") from None
+    if len(set(ups)) < len(ups):
+        raise _err(f"proxy: an engine is given twice in --upstream ({', '.join(ups)})")
+    fleet_flags = [f for f, v in (("--router", a.router), ("--router-retries", a.router_retries),
+                                  ("--fleet-proxy", a.fleet_proxy)) if v is not None]
+    router = None
+    if len(ups) > 1:
+        if a.router_retries is not None and a.router_retries > len(ups) - 1:
+            raise _err(f"proxy: --router-retries {a.router_retries} exceeds the {len(ups) - 1} other engines")
+        router = RouterConfig(a.router or "call-affinity", 1 if a.router_retries is None else a.router_retries,
+                              a.fleet_proxy or "replica")
+    elif fleet_flags:
+        raise _err(f"proxy: {', '.join(fleet_flags)} need{'s' if len(fleet_flags) == 1 else ''} two or more engines "
+                   "in --upstream (got one)")
+    return proxy_main(ups, condition(a), a.host, a.port, a.prompt_throughput, router)
 
 
 def add_subcommands(sub) -> None:
@@ -302,7 +322,18 @@ def add_subcommands(sub) -> None:
 
     p = sub.add_parser("proxy", help="the live proxy in front of a vLLM OpenAI server, "
                                      "with Prometheus metrics on /metrics")
-    p.add_argument("--upstream", required=True, metavar="URL", help="the engine, e.g. http://127.0.0.1:8000")
+    p.add_argument("--upstream", required=True, action="append", metavar="URL[,URL...]",
+                   help="the engine, e.g. http://127.0.0.1:8000; several (comma-separated or the flag repeated): "
+                        "a fleet, behind the router")
+    p.add_argument("--router", choices=ROUTERS, default=None,
+                   help="with several engines: the routing policy (default call-affinity: a retry reaches the "
+                        "engine holding its call's execution)")
+    p.add_argument("--router-retries", type=args.positive(int, allow_zero=True), default=None, metavar="K",
+                   help="with several engines: on an engine's 503 the router tries up to K other engines "
+                        "(default 1)")
+    p.add_argument("--fleet-proxy", choices=PROXY_PLACEMENTS, default=None,
+                   help="with several engines: replica (default): the controls per engine (a sidecar each), "
+                        "the router before them; deployment: the controls once, before the router")
     p.add_argument("--condition", help=f"one of: {', '.join(CONDITIONS)} (the control flags change its settings)")
     p.add_argument("--port", type=args.positive(int), default=8001)
     p.add_argument("--host", default="127.0.0.1")

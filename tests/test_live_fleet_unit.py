@@ -249,3 +249,48 @@ def test_fleet_problem_names_replicas_beyond_the_memory(monkeypatch):
     monkeypatch.setattr(F, "available_gib", lambda: 4.0)
     assert F.fleet_problem(1) is None
     assert "GiB" in F.fleet_problem(2) and "4.0 GiB is available" in F.fleet_problem(2)
+
+
+def test_llmsim_proxy_before_several_engines_routes_by_call_and_names_an_engine_that_does_not_answer(capsys):
+    """`llmsim proxy` with two --upstream engines (mocks) and call affinity:
+    every attempt of a call reaches the engine its call id hashes to; an
+    engine that does not answer at start is named on stderr."""
+    import socket
+    from validate import proxy as P
+    mocks = [MockEngine(), MockEngine()]
+
+    async def scenario():
+        servers, urls = await _fleet(mocks)
+        ports = []
+        for _ in range(2):              # the proxy's, and one where nothing listens
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                ports.append(sock.getsockname()[1])
+        port, closed = ports
+        started = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(P.serve(urls, get_condition("coalesce"), port,
+                                           ready=lambda lp, site: started.set_result(lp),
+                                           router=RouterConfig("call-affinity", 1, "replica")))
+        try:
+            lp = await asyncio.wait_for(started, 10)
+            async with ClientSession() as s:
+                for c in range(8):
+                    for attempt in (0, 1):
+                        body = {"model": "m", "prompt": [c, 1, 2, 3], "max_tokens": 3, "stream": True}
+                        async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+                                          headers={"X-Call-Id": str(c), "X-Attempt": str(attempt)}) as r:
+                            assert r.status == 200
+                            await r.read()
+            assert lp.router is not None and lp.replica_mode
+            missing = await P.unreachable([urls[0], f"http://127.0.0.1:{closed}"], 2.0)
+            return missing
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            for srv in servers:
+                await srv.close()
+    missing = asyncio.run(scenario())
+    for r in (0, 1):
+        want = [c for c in range(8) if mix64(c) % 2 == r]
+        assert want and sorted(set(mocks[r].seen)) == want
+    assert len(missing) == 1 and "does not answer" in missing[0]

@@ -75,3 +75,22 @@ def test_gpu_engine_missing_is_refused_before_any_work(monkeypatch, capsys):
     assert main(["validate", "--engine", "gpu", "--points", "no-control"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "llmsim: validate --engine gpu: no CUDA GPU found (nvidia-smi lists none)"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--upstream", "notaurl"], ["--upstream 'notaurl' is not an engine URL", "http://127.0.0.1:8000"]),
+    (["--upstream", "ftp://127.0.0.1:8000"], ["not an engine URL"]),
+    (["--upstream", "http://127.0.0.1:99999"], ["not an engine URL", "Port out of range"]),
+    (["--upstream", "http://127.0.0.1:8000,http://127.0.0.1:8000/"], ["given twice"]),
+    (["--upstream", "http://127.0.0.1:8000", "--router", "least-kv"], ["--router needs two or more engines"]),
+    (["--upstream", "http://127.0.0.1:8000", "--router-retries", "1", "--fleet-proxy", "replica"],
+     ["--router-retries, --fleet-proxy need two or more engines"]),
+    (["--upstream", "http://127.0.0.1:8000,http://127.0.0.1:8001", "--router-retries", "2"],
+     ["--router-retries 2 exceeds the 1 other engines"]),
+])
+def test_proxy_bad_input_exits_2_with_one_line_reason(args, words, capsys):
+    assert main(["proxy", "--condition", "coalesce", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("llmsim")
+    for w in words:
+        assert w in err

@@ -696,10 +696,43 @@ def _aggregate(chunks: list[bytes]) -> dict:
     return out
 
 
-async def serve(upstream: str, condition: Condition, port: int, host: str = "127.0.0.1",
-                prompt_throughput: float | None = None, ready=None) -> None:
-    """Run the proxy until cancelled."""
-    lp = LiveProxy(upstream, condition, prompt_throughput, keep_records=False)
+def upstream_url(u: str) -> str:
+    """An engine URL as the proxy uses it (no trailing slash); ValueError
+    naming the problem unless it is http(s)://HOST[:PORT][/PATH]."""
+    from urllib.parse import urlsplit
+    try:
+        parts = urlsplit(u)
+        parts.port                           # noqa: B018 (raises on a bad port)
+    except ValueError as e:
+        raise ValueError(f"{u!r} is not an engine URL ({e}); give http://HOST:PORT, e.g. "
+                         "http://127.0.0.1:8000") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{u!r} is not an engine URL; give http://HOST:PORT, e.g. http://127.0.0.1:8000")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{u!r}: an engine URL takes no query or fragment")
+    return u.rstrip("/")
+
+
+async def unreachable(upstreams: Sequence[str], timeout_s: float = 3.0) -> list[str]:
+    """For each engine that does not answer GET /metrics within `timeout_s`, a
+    line saying so (empty: every engine answered)."""
+    async def probe(session, u):
+        try:
+            async with session.get(u + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                if r.status != 200:
+                    return f"{u}/metrics answered {r.status}: is this a vLLM OpenAI server?"
+                return None
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            return f"{u} does not answer ({type(e).__name__}: {e or 'timed out'})"
+    async with aiohttp.ClientSession() as session:
+        found = await asyncio.gather(*[probe(session, u) for u in upstreams])
+    return [x for x in found if x]
+
+
+async def serve(upstream: str | Sequence[str], condition: Condition, port: int, host: str = "127.0.0.1",
+                prompt_throughput: float | None = None, ready=None, router: RouterConfig | None = None) -> None:
+    """Run the proxy until cancelled (before several engines: behind `router`)."""
+    lp = LiveProxy(upstream, condition, prompt_throughput, keep_records=False, router=router)
     runner = web.AppRunner(lp.app(), handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -712,11 +745,20 @@ async def serve(upstream: str, condition: Condition, port: int, host: str = "127
         await runner.cleanup()
 
 
-def main(upstream: str, condition: Condition, host: str, port: int, prompt_throughput: float | None = None) -> int:
-    """`llmsim proxy`: serve until interrupted."""
+def main(upstream: str | Sequence[str], condition: Condition, host: str, port: int,
+         prompt_throughput: float | None = None, router: RouterConfig | None = None) -> int:
+    """`llmsim proxy`: serve until interrupted. An engine that does not
+    answer at start is named on stderr (the proxy serves all the same: an
+    engine may come up after it; until then its attempts are refused)."""
+    ups = [upstream] if isinstance(upstream, str) else list(upstream)
+    for line in asyncio.run(unreachable(ups)):
+        print(f"llmsim proxy: warning: {line}", file=sys.stderr, flush=True)
 
     def ready(lp, site):
-        print(f"llmsim proxy at http://{host}:{port} -> {upstream} ({condition.name}: {condition.describe()}); "
+        to = ups[0] if len(ups) == 1 else \
+            f"{len(ups)} engines ({', '.join(ups)}) by {router.policy}, proxy per {router.proxy}, " \
+            f"router retries {router.retries}"
+        print(f"llmsim proxy at http://{host}:{port} -> {to} ({condition.name}: {condition.describe()}); "
               f"metrics at /metrics", file=sys.stderr, flush=True)
-    asyncio.run(serve(upstream, condition, port, host, prompt_throughput, ready))
+    asyncio.run(serve(ups if len(ups) > 1 else ups[0], condition, port, host, prompt_throughput, ready, router))
     return 0
