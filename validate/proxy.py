@@ -82,6 +82,7 @@ import sys
 import time
 from collections import OrderedDict, deque
 from typing import Sequence
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -699,7 +700,6 @@ def _aggregate(chunks: list[bytes]) -> dict:
 def upstream_url(u: str) -> str:
     """An engine URL as the proxy uses it (no trailing slash); ValueError
     naming the problem unless it is http(s)://HOST[:PORT][/PATH]."""
-    from urllib.parse import urlsplit
     try:
         parts = urlsplit(u)
         parts.port                           # noqa: B018 (raises on a bad port)
