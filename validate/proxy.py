@@ -641,8 +641,11 @@ class LiveProxy:
         waited = False
         while True:
             while i < len(st.chunks):
-                await resp.write(st.chunks[i])
-                i += 1
+                # what has come since the last write, in one write: a retry that
+                # attaches replays the whole buffer so far without a write per token
+                n = len(st.chunks)
+                await resp.write(st.chunks[i] if n - i == 1 else b"".join(st.chunks[i:n]))
+                i = n
                 if waited and i == len(st.chunks):
                     self.added_s["forward"].append(time.monotonic() - st.last_at)
             if w.completed:
