@@ -14,7 +14,7 @@ first's by more than RSS_GROWTH_MB (a leak of replay buffers — every stream
 kept, as the waste gauges once did — adds tens of MB a storm). Prints the RSS
 over the storms, the fd counts and the latency the proxy adds (p50 / p99).
 Deselect with `-m "not live"`. Time: engine start-up ~50-130 s, each storm 12 s
-plus the engine's drain (~90-100 s on two shared cores)."""
+plus the engine's drain (~80-100 s on two cores)."""
 from __future__ import annotations
 
 import json
@@ -57,10 +57,11 @@ def get_json(url: str, timeout: float = 10) -> dict:
 
 def wait_drained(proxy_url: str, limit_s: float = 400.0) -> dict:
     """Poll /stats until the proxy holds nothing live. While the engine
-    drains a storm, the proxy reads hundreds of streams on two shared cores
-    and one /stats answer can take over 10 s (seen once in CI); a slow answer
-    is waited for again within `limit_s`, since the promise checked here is
-    what the proxy holds once drained, not how fast it answers meanwhile."""
+    drains a storm, the proxy reads hundreds of streams on two cores shared
+    with the engine; an answer slower than 10 s (seen once in CI, when a
+    retry's replay took a write per token) is waited for again within
+    `limit_s`: the promise checked here is what the proxy holds once
+    drained, not how fast it answers meanwhile (README: the storm, measured)."""
     t_end = time.monotonic() + limit_s
     while True:
         try:
