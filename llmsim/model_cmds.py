@@ -143,9 +143,8 @@ def cmd_diagnose(a) -> int:
         seeds = list(range(dep.seed, dep.seed + DIAGNOSE_SEEDS))
     axes = None
     if a.margin:
-        if dep.fleet is not None or dep.trace_source is not None:
-            raise args.UsageError("diagnose: --margin works on one engine with a generated workload "
-                                  "(not a fleet or a replayed trace)")
+        if dep.trace_source is not None:
+            raise args.UsageError("diagnose: --margin works on a generated workload (not a replayed trace)")
         try:
             axes = parse_axes(a.margin)
         except ValueError as e:
@@ -169,7 +168,8 @@ def cmd_diagnose(a) -> int:
     margins = None
     if axes:
         prof_c = dataclasses.replace(prof, capacity=dep.capacity)
-        margins = {c: margin_cell(margin(prof_c, sc, dep.condition_for(c), seeds, axes, rel_tol=0.05, workers=None))
+        margins = {c: margin_cell(margin(prof_c, sc, dep.condition_for(c), seeds, axes, rel_tol=0.05, workers=None,
+                                         fleet=dep.fleet))
                    for c in DIAGNOSTIC}
     if len(seeds) > 1:
         print(f"{len(seeds)} seeds ({_seed_list(seeds)})")

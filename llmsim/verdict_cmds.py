@@ -21,15 +21,17 @@ from .scenario_cmds import deployment as scenario_deployment
 DEFAULT_SEEDS = 10
 
 
-def deployment(a):
-    """(profile, scenario, adapt) of --model and --scenario (a named scenario or
-    a scenario file): the profile carries the workload's Ĉ, and adapt gives a
-    condition the deployment's proxy times and engine cap."""
+def deployment(a, fleet_ok: bool = False):
+    """(profile, scenario, adapt, fleet) of --model and --scenario (a named
+    scenario or a scenario file): the profile carries the workload's Ĉ (a
+    fleet's: the sum of its replicas'), adapt gives a condition the
+    deployment's proxy times and engine cap, fleet is the scenario's [fleet]
+    (None: one engine; refused unless `fleet_ok`)."""
     dep = scenario_deployment(a)
-    if dep.fleet is not None or dep.trace_source is not None:
+    if (dep.fleet is not None and not fleet_ok) or dep.trace_source is not None:
         raise args.UsageError(f"{a.command}: works on one engine with a generated workload; {dep.name} has "
                               f"{'a [fleet]' if dep.fleet is not None else 'a replayed trace'}")
-    return dataclasses.replace(dep.profile, capacity=dep.capacity), dep.scenario, dep.condition_for
+    return dataclasses.replace(dep.profile, capacity=dep.capacity), dep.scenario, dep.condition_for, dep.fleet
 
 
 def _progress(line: str) -> None:
@@ -37,16 +39,17 @@ def _progress(line: str) -> None:
 
 
 def cmd_margin(a) -> int:
-    prof, sc, adapt = deployment(a)
+    prof, sc, adapt, fleet = deployment(a, fleet_ok=True)
     cond = adapt(get_condition(a.condition))
     try:
         axes = margin_mod.parse_axes(a.axes)
     except ValueError as e:
         raise args.UsageError(f"margin: --axes: {e}") from None
-    print(f"{prof.name} / {a.scenario or 'paper'} / {cond.name}: {len(a.seeds)} seeds, axes {', '.join(axes)}",
+    on = "" if fleet is None else f" ({fleet.replicas} replicas, router {fleet.router.policy})"
+    print(f"{prof.name}{on} / {a.scenario or 'paper'} / {cond.name}: {len(a.seeds)} seeds, axes {', '.join(axes)}",
           file=sys.stderr, flush=True)
     res = margin_mod.margin(prof, sc, cond, a.seeds, axes, rel_tol=a.rel_tol, workers=a.workers,
-                            progress=None if a.quiet else _progress)
+                            progress=None if a.quiet else _progress, fleet=fleet)
     print(res["sentence"])
     for ax in res["axes"]:
         pr = ", ".join(f"{p['x']:.3g}: {p['p']:.2f}" for p in ax["probes"])
@@ -97,7 +100,7 @@ def cmd_advise(a) -> int:
 
 
 def cmd_map(a) -> int:
-    prof, sc, adapt = deployment(a)
+    prof, sc, adapt, _ = deployment(a)
     cond = adapt(get_condition(a.condition))
     try:
         x, y = phasemap.parse_range(a.x), phasemap.parse_range(a.y)

@@ -212,5 +212,7 @@ def test_a_fleets_full_search_crosses_the_best_controls_with_every_router(monkey
     ran = {x["condition"] for x in read_rows(out)}
     grid_routed = {n for n in ran if ";router=" in n and n.split(";")[0] not in CONDITIONS}
     assert grid_routed                                  # a grid setting crossed with the routers
-    assert r["top"][0]["summary"]["p"] == 1.0 and r["top"][0]["margin"] is None
-    assert "not computed on a fleet" in A.report(r) and "router: " in A.report(r)
+    # the margin of a fleet's setting: its controls on the fleet under the setting's router
+    assert r["top"][0]["summary"]["p"] == 1.0 and r["top"][0]["margin"]["axes"][0]["axis"] == "speed"
+    assert r["top"][0]["margin"]["axes"][0]["probes"][0]["p"] == 1.0
+    assert "   margin: " in A.report(r) and "router: " in A.report(r)

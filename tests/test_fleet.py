@@ -363,3 +363,54 @@ def test_queues_figure_needs_a_fleet(tmp_path, capsys):
     png = tmp_path / "q.png"
     assert main(["run", "--scenario", "cpu-tiny", "--queues-png", str(png)]) == 2
     assert "[fleet]" in capsys.readouterr().err and not png.exists()
+
+
+def test_margin_of_a_fleet_of_one_is_the_single_engines_and_perturbs_every_replica(tmp_path, monkeypatch):
+    """`llmsim margin` on a fleet: a fleet of one replica gives the single
+    engine's margin (the same probes, P and crossing); on two replicas a
+    probe of the speed axis is the fleet run with every replica's step times
+    scaled (checked against runs made here)."""
+    import dataclasses
+    from sim import verdict
+    from sim.experiments.margin import margin
+    one, single = tmp_path / "one.toml", tmp_path / "single.toml"
+    one.write_text(FLEET_TOML + 'replicas = 1\nrouter = "round-robin"\n')
+    single.write_text(FLEET_TOML.replace("[fleet]\n", ""))
+    recs = []
+    for f in (one, single):
+        out = tmp_path / (f.stem + ".json")
+        assert main(["margin", "--scenario", str(f), "--condition", "cancel", "--seeds", "3", "--axes", "speed",
+                     "--workers", "1", "--quiet", "--json", str(out)]) == 0
+        recs.append(json.loads(out.read_text()))
+    fl, sg = recs
+    assert fl["fleet"]["replicas"] == 1 and "fleet" not in sg
+    fa, sa = fl["axes"][0], sg["axes"][0]
+    assert [(p["x"], p["p"]) for p in fa["probes"]] == [(p["x"], p["p"]) for p in sa["probes"]]
+    assert len(fa["probes"]) > 2 and (fa["crossing"] is None) == (sa["crossing"] is None)
+    if fa["crossing"] is not None:
+        assert fa["crossing"] == pytest.approx(sa["crossing"], rel=1e-12)
+
+    two = tmp_path / "two.toml"
+    two.write_text(FLEET_TOML + 'replicas = 2\nrouter = "call-affinity"\nproxy = "replica"\n')
+    dep = load(str(two))
+    prof = dataclasses.replace(dep.profile, capacity=dep.capacity)
+    cond = dep.condition_for("cancel")
+    from sim.experiments import margin as margin_mod
+    seen = []
+    run_many = margin_mod.run_many
+
+    def spy(tasks, *a, **k):
+        seen.extend(tasks)
+        return run_many(tasks, *a, **k)
+    monkeypatch.setattr(margin_mod, "run_many", spy)
+    res = margin(prof, dep.scenario, cond, [0, 1], ["speed"], fleet=dep.fleet)
+    xs = [p["x"] for p in res["axes"][0]["probes"]]
+    assert len(xs) > 2 and len(seen) == 2 * len(xs)
+    base_fixed = [p.step_time.fixed_s for p in dep.fleet.profiles]
+    for i, x in enumerate(xs):                            # the probes' runs, two seeds each, in probe order
+        for task in seen[2 * i:2 * i + 2]:
+            profiles, caps, router = task[5]
+            assert [q.step_time.fixed_s for q in profiles] == pytest.approx([f * x for f in base_fixed], rel=1e-12)
+            assert router == dep.fleet.router and task[4] == pytest.approx(dep.capacity, rel=1e-12)
+    runs = [dep.run(s, cond, trace=dep.trace(s)) for s in (0, 1)]
+    assert res["baseline"]["p"] == verdict.summarize(runs)["p"]

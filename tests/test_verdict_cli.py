@@ -111,5 +111,6 @@ def test_advise_searches_a_fleets_router(tmp_path, capsys):
     d = json.loads(js.read_text())
     assert d["candidates"] == 20 and d["top"] and d["router"]["chosen"] == d["top"][0]["router"]
     assert all(";router=" in x["condition"] or x["router"] == d["router"]["scenario"] for x in d["top"])
-    assert d["top"][0]["margin"] is None
-    assert "router: " in capsys.readouterr().out
+    assert d["top"][0]["margin"]["axes"][0]["probes"][0]["p"] == d["top"][0]["summary"]["p"]
+    out = capsys.readouterr().out
+    assert "router: " in out and "   margin: " in out

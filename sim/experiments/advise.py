@@ -52,6 +52,7 @@ the runs it holds; a file made for another deployment is refused.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -366,7 +367,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     keeps it). Screening runs are cut to `screen_base_s` before the burst and
     `screen_hold_s` after it (`screen_cut`; both None: whole runs). Returns
     {"ranking": [...], "top": [...], ...} with, for each of the top
-    settings, its summary, margin (along `margin_axes`; none for a fleet)
+    settings, its summary, margin (along `margin_axes`)
     and what it gives up against the best alternative."""
     if objective_name not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective_name!r}")
@@ -471,8 +472,9 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     ranking = sorted(final, key=lambda n: _rank_key(scored[n], objective_name))
     shown = pick(ranking, scored, by_name, top, size)
     margins = {n: margin_mod.margin(profile, scenario, by_name[n], seeds, margin_axes, rel_tol=0.05, workers=workers,
-                                    base=verdict.summarize([rows[(n, s, "")] for s in seeds]))
-               if margin_axes and fleet is None else None for n in shown}
+                                    base=verdict.summarize([rows[(n, s, "")] for s in seeds]),
+                                    fleet=None if fleet is None else dataclasses.replace(fleet, router=routers[n]))
+               if margin_axes else None for n in shown}
     tops = []
     for i, n in enumerate(shown):
         alt = shown[1] if i == 0 and len(shown) > 1 else shown[0]
@@ -624,8 +626,6 @@ def report(res: dict) -> str:
                      f"{100 * (s['delivered'] or 0):.1f}%, pulse delivered {100 * (s['burst'] or 0):.1f}%")
         if t["margin"]:
             lines.append(f"   margin: {t['margin']['sentence'].split('; ', 1)[-1]}")
-        elif res.get("margin_axes") and note:
-            lines.append("   margin: not computed on a fleet (a margin perturbs one engine)")
         if t["against"]:
             gu = "; ".join(t["gives_up"]) or "nothing"
             lines.append(f"   gives up against {t['against']}: {gu}")

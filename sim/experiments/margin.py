@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 from .. import verdict
 from ..conditions import Condition
+from ..fleet import FleetSpec, run_fleet
 from ..profile import Profile
 from ..scenario import Scenario
 from ..workload import make_trace
@@ -143,11 +144,18 @@ def slim(rec: dict) -> dict:
 
 
 def run_task(task: tuple, full: bool = False) -> dict:
-    """One run: (profile, scenario, condition, seed, trace capacity) -> the
-    slim record (the full one with `full`)."""
-    profile, scenario, condition, seed, trace_capacity = task
+    """One run: (profile, scenario, condition, seed, trace capacity[, fleet])
+    -> the slim record (the full one with `full`, less a fleet's per-replica
+    records). `fleet`, (profiles, capacities, router), runs the replicas
+    behind the router instead of `profile`."""
+    profile, scenario, condition, seed, trace_capacity, *on = task
     trace = make_trace(trace_capacity, scenario, seed)
-    rec = verdict.run_record(profile, scenario, condition, seed, trace)
+    if on and on[0] is not None:            # a fleet: (replicas' profiles, their Ĉ, router)
+        profiles, capacities, router = on[0]
+        rec = run_fleet(list(profiles), condition, trace, scenario, list(capacities), router, seed, scenario.pulse)
+        rec.pop("replicas", None)
+    else:
+        rec = verdict.run_record(profile, scenario, condition, seed, trace)
     return rec if full else slim(rec)
 
 
@@ -172,26 +180,39 @@ def run_conditions(profile: Profile, scenario: Scenario, conditions: Sequence[Co
 
 
 def cell(profile: Profile, scenario: Scenario, condition: Condition, seeds: Sequence[int],
-         workers: int | None = 1, trace_capacity: float | None = None) -> dict:
-    """summarize() of `condition` over `seeds`, traces drawn at `trace_capacity` (default the profile's)."""
+         workers: int | None = 1, trace_capacity: float | None = None, fleet: tuple | None = None) -> dict:
+    """summarize() of `condition` over `seeds`, traces drawn at `trace_capacity`
+    (default the profile's); on `fleet` (see run_task) if given."""
     cap = trace_capacity or profile.capacity
-    return verdict.summarize(run_many([(profile, scenario, condition, s, cap) for s in seeds], workers))
+    return verdict.summarize(run_many([(profile, scenario, condition, s, cap, fleet) for s in seeds], workers))
 
 
 # ------------------------------------------------------------------ the margin
 def margin(profile: Profile, scenario: Scenario, condition: Condition, seeds: Sequence[int],
            axes: Sequence[str] = AXES, rel_tol: float = 0.02, workers: int | None = 1,
-           progress: Callable[[str], None] | None = None, base: dict | None = None) -> dict:
+           progress: Callable[[str], None] | None = None, base: dict | None = None,
+           fleet: FleetSpec | None = None) -> dict:
     """The margin of `condition` on (profile, scenario) along each axis.
     Returns a JSON-able record: the baseline cell's summary, and per axis the
     crossing, its bracket and every probe (x, P, Wilson interval). `base`:
-    the baseline cell's summary when the caller has it (the same seeds)."""
+    the baseline cell's summary when the caller has it (the same seeds).
+    With `fleet`, the replicas behind its router run instead of `profile`
+    (whose capacity is then the fleet's Ĉ, the traces' rate): the speed and
+    kv axes perturb every replica alike."""
     t0 = time.perf_counter()
     seeds = list(seeds)
     if not seeds:
         raise ValueError("margin needs at least one seed")
     axes = parse_axes(axes)
-    base = base if base is not None else cell(profile, scenario, condition, seeds, workers)
+    caps = tuple(fleet.capacities(scenario)) if fleet is not None else ()
+
+    def on(x_axis=None, x: float = 1.0):
+        """The fleet's run spec at x on an axis (None: one engine)."""
+        if fleet is None:
+            return None
+        profs = tuple(x_axis.apply(p, scenario, x)[0] for p in fleet.profiles) if x_axis else tuple(fleet.profiles)
+        return profs, caps, fleet.router
+    base = base if base is not None else cell(profile, scenario, condition, seeds, workers, fleet=on())
     out_axes = []
     for name in axes:
         ax = AXIS[name]
@@ -201,7 +222,8 @@ def margin(profile: Profile, scenario: Scenario, condition: Condition, seeds: Se
         def p(x: float) -> float:
             if x not in seen:
                 prof, sc = ax.apply(profile, scenario, x)
-                seen[x] = cell(prof, sc, condition, seeds, workers, trace_capacity=profile.capacity)
+                seen[x] = cell(prof, sc, condition, seeds, workers, trace_capacity=profile.capacity,
+                               fleet=on(ax, x))
                 if progress:
                     s = seen[x]
                     progress(f"  {name} {x:.4g}: P = {s['p']:.2f} [{s['lo']:.2f}, {s['hi']:.2f}]")
@@ -218,6 +240,8 @@ def margin(profile: Profile, scenario: Scenario, condition: Condition, seeds: Se
     res = {"model": profile.name, "condition": condition.name, "condition_settings": condition.settings(),
            "scenario": scenario.to_dict(), "seeds": seeds, "rel_tol": rel_tol, "baseline": base,
            "verdict": verdict.verdict(base), "axes": out_axes, "wall_s": time.perf_counter() - t0}
+    if fleet is not None:
+        res["fleet"] = fleet.document()
     res["sentence"] = sentence(res)
     return res
 
