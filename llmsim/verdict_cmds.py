@@ -21,16 +21,15 @@ from .scenario_cmds import deployment as scenario_deployment
 DEFAULT_SEEDS = 10
 
 
-def deployment(a, fleet_ok: bool = False):
+def deployment(a):
     """(profile, scenario, adapt, fleet) of --model and --scenario (a named
     scenario or a scenario file): the profile carries the workload's Ĉ (a
     fleet's: the sum of its replicas'), adapt gives a condition the
     deployment's proxy times and engine cap, fleet is the scenario's [fleet]
-    (None: one engine; refused unless `fleet_ok`)."""
+    (None: one engine)."""
     dep = scenario_deployment(a)
-    if (dep.fleet is not None and not fleet_ok) or dep.trace_source is not None:
-        raise args.UsageError(f"{a.command}: works on one engine with a generated workload; {dep.name} has "
-                              f"{'a [fleet]' if dep.fleet is not None else 'a replayed trace'}")
+    if dep.trace_source is not None:
+        raise args.UsageError(f"{a.command}: works on a generated workload; {dep.name} has a replayed trace")
     return dataclasses.replace(dep.profile, capacity=dep.capacity), dep.scenario, dep.condition_for, dep.fleet
 
 
@@ -39,7 +38,7 @@ def _progress(line: str) -> None:
 
 
 def cmd_margin(a) -> int:
-    prof, sc, adapt, fleet = deployment(a, fleet_ok=True)
+    prof, sc, adapt, fleet = deployment(a)
     cond = adapt(get_condition(a.condition))
     try:
         axes = margin_mod.parse_axes(a.axes)
@@ -100,7 +99,7 @@ def cmd_advise(a) -> int:
 
 
 def cmd_map(a) -> int:
-    prof, sc, adapt, _ = deployment(a)
+    prof, sc, adapt, fleet = deployment(a)
     cond = adapt(get_condition(a.condition))
     try:
         x, y = phasemap.parse_range(a.x), phasemap.parse_range(a.y)
@@ -112,7 +111,7 @@ def cmd_map(a) -> int:
     args.check_output(a.out)
     args.check_output(png)
     rows = phasemap.phase_map(prof, sc, cond, x, y, a.seeds, workers=a.workers,
-                              progress=None if a.quiet else _progress)
+                              progress=None if a.quiet else _progress, fleet=fleet)
     phasemap.write_table(rows, a.out)
     line = phasemap.plot(rows, sc, png, f"{prof.name} / {a.scenario or 'paper'} / {cond.name}: P(recovered) over "
                                         f"{len(a.seeds)} seeds; T: tipping point")

@@ -414,3 +414,22 @@ def test_margin_of_a_fleet_of_one_is_the_single_engines_and_perturbs_every_repli
             assert router == dep.fleet.router and task[4] == pytest.approx(dep.capacity, rel=1e-12)
     runs = [dep.run(s, cond, trace=dep.trace(s)) for s in (0, 1)]
     assert res["baseline"]["p"] == verdict.summarize(runs)["p"]
+
+
+def test_phase_map_of_a_fleet_of_one_is_the_single_engines(tmp_path):
+    """`llmsim map` on a fleet: one replica gives the single engine's map."""
+    import pyarrow.parquet as pq
+    one, single = tmp_path / "one.toml", tmp_path / "single.toml"
+    one.write_text(FLEET_TOML + 'replicas = 1\nrouter = "least-kv"\n')
+    single.write_text(FLEET_TOML.replace("[fleet]\n", ""))
+    tables = []
+    for f in (one, single):
+        out = tmp_path / (f.stem + ".parquet")
+        assert main(["map", "--scenario", str(f), "--condition", "cancel", "--x", "speed=0.8,1.6",
+                     "--y", "hold_load=0.4,0.8", "--seeds", "2", "--workers", "1", "--quiet", "--out", str(out)]) == 0
+        tables.append(pq.read_table(out).to_pylist())
+    a, b = tables
+    assert len(a) == 4 and [(r["x"], r["y"], r["p"]) for r in a] == [(r["x"], r["y"], r["p"]) for r in b]
+    assert [r["hold_within_deadline_median"] for r in a] == pytest.approx(
+        [r["hold_within_deadline_median"] for r in b], rel=1e-12)
+    assert len({r["p"] for r in a}) > 1 or len({r["hold_within_deadline_median"] for r in a}) > 1

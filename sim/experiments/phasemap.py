@@ -76,18 +76,24 @@ def apply(profile: Profile, scenario: Scenario, name: str, v: float) -> tuple[Pr
 
 def phase_map(profile: Profile, scenario: Scenario, condition: Condition, x: tuple[str, Sequence[float]],
               y: tuple[str, Sequence[float]], seeds: Sequence[int], workers: int | None = 1,
-              progress: Callable[[str], None] | None = None) -> list[dict]:
-    """The grid's rows (see the module docstring), x varying fastest."""
+              progress: Callable[[str], None] | None = None, fleet=None) -> list[dict]:
+    """The grid's rows (see the module docstring), x varying fastest. With
+    `fleet` (a FleetSpec), the replicas behind its router run instead of
+    `profile` (whose capacity is the fleet's Ĉ); speed and kv apply to every
+    replica."""
     (xn, xs), (yn, ys) = x, y
     if xn == yn:
         raise ValueError(f"the two axes must differ, both are {xn}")
     seeds = list(seeds)
+    caps = tuple(fleet.capacities(scenario)) if fleet is not None else ()
     tasks, points = [], []
     for yv in ys:
         for xv in xs:
             prof, sc = apply(*apply(profile, scenario, xn, xv), yn, yv)
+            on = None if fleet is None else (
+                tuple(apply(*apply(q, scenario, xn, xv), yn, yv)[0] for q in fleet.profiles), caps, fleet.router)
             points.append((xv, yv))
-            tasks += [(prof, sc, condition, s, profile.capacity) for s in seeds]
+            tasks += [(prof, sc, condition, s, profile.capacity, on) for s in seeds]
     t0 = time.perf_counter()
     recs = run_many(tasks, workers)
     rows = []
