@@ -286,8 +286,6 @@ def cmd_proxy(a) -> int:
                                   ("--fleet-proxy", a.fleet_proxy)) if v is not None]
     router = None
     if len(ups) > 1:
-        if a.router_retries is not None and a.router_retries > len(ups) - 1:
-            raise _err(f"proxy: --router-retries {a.router_retries} exceeds the {len(ups) - 1} other engines")
         router = RouterConfig(a.router or "call-affinity", 1 if a.router_retries is None else a.router_retries,
                               a.fleet_proxy or "replica")
     elif fleet_flags:
