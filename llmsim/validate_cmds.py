@@ -69,9 +69,9 @@ def _scenario_and_profile(a, kind: str, default: str):
 
 def cmd_validate(a) -> int:
     eng = a.engine
-    fleet = _scenario_file(a)[1].fleet if a.scenario and a.scenario not in SCENARIOS else None
-    if a.replicas is not None or a.routers is not None or fleet is not None:
-        return cmd_validate_fleet(a, fleet)
+    dep = _scenario_file(a)[1] if a.scenario and a.scenario not in SCENARIOS else None
+    if a.replicas is not None or a.routers is not None or (dep is not None and dep.fleet is not None):
+        return cmd_validate_fleet(a, dep)
     if a.router_retries is not None or a.fleet_proxy is not None:
         raise _err("validate: --router-retries and --fleet-proxy are for a fleet: give --replicas N (or a scenario "
                    "file with [fleet])")
@@ -148,11 +148,18 @@ def _say(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def cmd_validate_fleet(a, fleet=None) -> int:
+def cmd_validate_fleet(a, dep=None) -> int:
     """`validate --replicas N [--routers ...]`: one point per routing policy
     (and condition) on a fleet of N engines behind the live proxy's router.
-    A scenario file's [fleet] (`fleet`, a FleetSpec) gives the replicas,
-    router, router retries and proxy placement the flags do not."""
+    A scenario file's [fleet] (`dep`, its Deployment) gives the replicas,
+    router, router retries and proxy placement the flags do not, and its
+    [proxy] condition the point when --points is not given."""
+    fleet = dep.fleet if dep is not None else None
+    if fleet is not None and a.points is None:
+        if set(dep.proxy) != {"condition"}:
+            raise _err(f"validate: {a.scenario}: its [proxy] changes the {dep.proxy['condition']!r} condition, "
+                       "which a live point cannot run; give --points (named conditions)")
+        a.points = [dep.proxy["condition"]]
     if fleet is not None and len({p.name for p in fleet.profiles}) > 1:
         raise _err(f"validate: {a.scenario}: [fleet] gives the replicas different profiles "
                    f"({', '.join(fleet.profile_names or ())}); a live fleet is N identical engines: give one profile")

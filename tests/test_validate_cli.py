@@ -99,7 +99,7 @@ def test_proxy_bad_input_exits_2_with_one_line_reason(args, words, capsys):
         assert w in err
 
 
-def test_validate_takes_a_scenario_files_fleet_unless_flags_say_otherwise(tmp_path, monkeypatch):
+def test_validate_takes_a_scenario_files_fleet_unless_flags_say_otherwise(tmp_path, monkeypatch, capsys):
     """A scenario file with [fleet] makes `validate` a fleet validation with
     the file's replicas, router, router retries and proxy placement; a flag
     given wins over the file. (The live run itself is replaced here: it is
@@ -127,5 +127,11 @@ def test_validate_takes_a_scenario_files_fleet_unless_flags_say_otherwise(tmp_pa
                        "--fleet-proxy", "replica"]):
         with pytest.raises(Stop):
             main(["validate", "--engine", "cpu", "--scenario", str(path), *extra])
-    assert seen == [(2, ["least-kv"], ["coalesce"], 0, "deployment"),
-                    (1, ["round-robin"], ["coalesce"], 1, "replica")]
+    assert seen == [(2, ["least-kv"], ["cancel"], 0, "deployment"),          # [proxy] condition = "cancel"
+                    (1, ["round-robin"], ["cancel"], 1, "replica")]
+    with pytest.raises(Stop):
+        main(["validate", "--engine", "cpu", "--scenario", str(path), "--points", "coalesce"])
+    assert seen[-1][2] == ["coalesce"]
+    path.write_text(doc.replace('condition = "cancel"', 'condition = "cancel"\nproxy_cap = 10'))
+    assert main(["validate", "--engine", "cpu", "--scenario", str(path)]) == 2
+    assert "give --points" in capsys.readouterr().err
