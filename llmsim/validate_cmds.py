@@ -54,11 +54,12 @@ def _scenario_file(a):
     return NamedScenario(dep.name, dep.scenario, seed=dep.seed, time_scale=scale, about=dep.about), dep
 
 
-def _scenario_and_profile(a, kind: str, default: str):
-    """The named scenario the points run (a scenario file's, or a named one,
-    `default` if none given) and the engine's profile."""
-    if a.scenario and a.scenario not in SCENARIOS:
-        vs, dep = _scenario_file(a)
+def _scenario_and_profile(a, kind: str, default: str, from_file=None):
+    """The named scenario the points run (a scenario file's, `from_file` as
+    `_scenario_file` read it; or a named one, `default` if none given) and
+    the engine's profile."""
+    if from_file is not None:
+        vs, dep = from_file
         return vs, args.profile(a.profile) if a.profile else dep.profile
     try:
         vs = get_scenario(a.scenario or default)
@@ -69,9 +70,9 @@ def _scenario_and_profile(a, kind: str, default: str):
 
 def cmd_validate(a) -> int:
     eng = a.engine
-    dep = _scenario_file(a)[1] if a.scenario and a.scenario not in SCENARIOS else None
-    if a.replicas is not None or a.routers is not None or (dep is not None and dep.fleet is not None):
-        return cmd_validate_fleet(a, dep)
+    from_file = _scenario_file(a) if a.scenario and a.scenario not in SCENARIOS else None
+    if a.replicas is not None or a.routers is not None or (from_file is not None and from_file[1].fleet is not None):
+        return cmd_validate_fleet(a, from_file)
     if a.router_retries is not None or a.fleet_proxy is not None:
         raise _err("validate: --router-retries and --fleet-proxy are for a fleet: give --replicas N (or a scenario "
                    "file with [fleet])")
@@ -88,7 +89,7 @@ def cmd_validate(a) -> int:
     unknown = [p for p in a.points if p not in CONDITIONS]
     if unknown:
         raise _err(f"validate: unknown condition {unknown[0]!r}; valid: {', '.join(CONDITIONS)}")
-    vs, prof = _scenario_and_profile(a, kind, "cpu-small" if kind == "cpu" else "paper")
+    vs, prof = _scenario_and_profile(a, kind, "cpu-small" if kind == "cpu" else "paper", from_file)
     if kind == "cpu" and engine.cpu_installed() is None:
         raise _err("validate: the CPU engine is not installed: run `llmsim engine install --cpu` first")
     if kind == "gpu" and (problem := engine.gpu_problem()) is not None:
@@ -148,12 +149,13 @@ def _say(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def cmd_validate_fleet(a, dep=None) -> int:
+def cmd_validate_fleet(a, from_file=None) -> int:
     """`validate --replicas N [--routers ...]`: one point per routing policy
     (and condition) on a fleet of N engines behind the live proxy's router.
-    A scenario file's [fleet] (`dep`, its Deployment) gives the replicas,
-    router, router retries and proxy placement the flags do not, and its
-    [proxy] condition the point when --points is not given."""
+    A scenario file's [fleet] (`from_file`, as `_scenario_file` read it)
+    gives the replicas, router, router retries and proxy placement the flags
+    do not, and its [proxy] condition the point when --points is not given."""
+    dep = from_file[1] if from_file is not None else None
     fleet = dep.fleet if dep is not None else None
     if fleet is not None and a.points is None:
         if set(dep.proxy) != {"condition"}:
@@ -194,7 +196,7 @@ def cmd_validate_fleet(a, dep=None) -> int:
                        f"URLs (got {len(urls)})")
     else:
         raise _err(f"validate: --engine must be cpu or engine URLs (http://HOST:PORT,...), got {eng!r}")
-    vs, prof = _scenario_and_profile(a, kind, "cpu-tiny")
+    vs, prof = _scenario_and_profile(a, kind, "cpu-tiny", from_file)
     if kind == "cpu":
         if (problem := live_fleet.fleet_problem(n)) is not None:
             raise _err(f"validate: {problem}")
