@@ -365,17 +365,25 @@ def test_queues_figure_needs_a_fleet(tmp_path, capsys):
     assert "[fleet]" in capsys.readouterr().err and not png.exists()
 
 
+def _one_replica_and_single(tmp_path, router: str):
+    """Two scenario files of FLEET_TOML's deployment: a fleet of one replica
+    behind `router`, and the single engine (no [fleet])."""
+    one, single = tmp_path / "one.toml", tmp_path / "single.toml"
+    one.write_text(FLEET_TOML + f'replicas = 1\nrouter = "{router}"\n')
+    single.write_text(FLEET_TOML.replace("[fleet]\n", ""))
+    return one, single
+
+
 def test_margin_of_a_fleet_of_one_is_the_single_engines_and_perturbs_every_replica(tmp_path, monkeypatch):
     """`llmsim margin` on a fleet: a fleet of one replica gives the single
     engine's margin (the same probes, P and crossing); on two replicas a
-    probe of the speed axis is the fleet run with every replica's step times
-    scaled (checked against runs made here)."""
+    probe of the speed axis runs the fleet with every replica's step times
+    scaled by the probe's factor (the runs' tasks are read as they are
+    handed to the workers)."""
     import dataclasses
     from sim import verdict
     from sim.experiments.margin import margin
-    one, single = tmp_path / "one.toml", tmp_path / "single.toml"
-    one.write_text(FLEET_TOML + 'replicas = 1\nrouter = "round-robin"\n')
-    single.write_text(FLEET_TOML.replace("[fleet]\n", ""))
+    one, single = _one_replica_and_single(tmp_path, "round-robin")
     recs = []
     for f in (one, single):
         out = tmp_path / (f.stem + ".json")
@@ -419,9 +427,7 @@ def test_margin_of_a_fleet_of_one_is_the_single_engines_and_perturbs_every_repli
 def test_phase_map_of_a_fleet_of_one_is_the_single_engines(tmp_path):
     """`llmsim map` on a fleet: one replica gives the single engine's map."""
     import pyarrow.parquet as pq
-    one, single = tmp_path / "one.toml", tmp_path / "single.toml"
-    one.write_text(FLEET_TOML + 'replicas = 1\nrouter = "least-kv"\n')
-    single.write_text(FLEET_TOML.replace("[fleet]\n", ""))
+    one, single = _one_replica_and_single(tmp_path, "least-kv")
     tables = []
     for f in (one, single):
         out = tmp_path / (f.stem + ".parquet")

@@ -143,6 +143,12 @@ def slim(rec: dict) -> dict:
                                 "rates_xC", "wall_s")}
 
 
+def fleet_run(fleet: FleetSpec, capacities: tuple, profile_at: Callable[[Profile], Profile]) -> tuple:
+    """run_task's fleet part: every replica's profile through `profile_at`
+    (a probe's perturbation), the replicas' Ĉ and the router."""
+    return tuple(profile_at(p) for p in fleet.profiles), capacities, fleet.router
+
+
 def run_task(task: tuple, full: bool = False) -> dict:
     """One run: (profile, scenario, condition, seed, trace capacity[, fleet])
     -> the slim record (the full one with `full`, less a fleet's per-replica
@@ -206,12 +212,11 @@ def margin(profile: Profile, scenario: Scenario, condition: Condition, seeds: Se
     axes = parse_axes(axes)
     caps = tuple(fleet.capacities(scenario)) if fleet is not None else ()
 
-    def on(x_axis=None, x: float = 1.0):
-        """The fleet's run spec at x on an axis (None: one engine)."""
+    def on(ax: Axis | None = None, x: float = 1.0):
+        """The fleet's run at x on an axis (None: one engine)."""
         if fleet is None:
             return None
-        profs = tuple(x_axis.apply(p, scenario, x)[0] for p in fleet.profiles) if x_axis else tuple(fleet.profiles)
-        return profs, caps, fleet.router
+        return fleet_run(fleet, caps, (lambda p: ax.apply(p, scenario, x)[0]) if ax else (lambda p: p))
     base = base if base is not None else cell(profile, scenario, condition, seeds, workers, fleet=on())
     out_axes = []
     for name in axes:

@@ -32,7 +32,7 @@ from .. import verdict  # noqa: E402
 from ..conditions import Condition  # noqa: E402
 from ..profile import Profile  # noqa: E402
 from ..scenario import Scenario  # noqa: E402
-from .margin import run_many  # noqa: E402
+from .margin import fleet_run, run_many  # noqa: E402
 
 ENGINE_PARAMS = ("speed", "kv")
 
@@ -90,8 +90,8 @@ def phase_map(profile: Profile, scenario: Scenario, condition: Condition, x: tup
     for yv in ys:
         for xv in xs:
             prof, sc = apply(*apply(profile, scenario, xn, xv), yn, yv)
-            on = None if fleet is None else (
-                tuple(apply(*apply(q, scenario, xn, xv), yn, yv)[0] for q in fleet.profiles), caps, fleet.router)
+            on = None if fleet is None else fleet_run(
+                fleet, caps, lambda q: apply(*apply(q, scenario, xn, xv), yn, yv)[0])
             points.append((xv, yv))
             tasks += [(prof, sc, condition, s, profile.capacity, on) for s in seeds]
     t0 = time.perf_counter()
