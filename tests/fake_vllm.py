@@ -3,21 +3,27 @@ vLLM): /health, /version, /v1/models, /metrics with vLLM's gauge names, and
 streamed /v1/completions (SLOTS requests at a time, one chunk per output token
 TOKEN_S apart). Modes:
 
-    python tests/fake_vllm.py PORT [serve|die-after:S|hang]
+    python tests/fake_vllm.py PORT [serve|die-after:S|hang|slow-after:S] [STEP_LOG]
 
 `die-after:S` logs a line and SIGKILLs itself S seconds after start; `hang`
-sends a completion's headers and first chunk, then nothing (never ends).
+sends a completion's headers and first chunk, then nothing (never ends);
+`slow-after:S` answers /version only after 20 s once S seconds have passed
+(an overloaded server still draining). With STEP_LOG, every completed request
+appends one step row in the step recorder's format.
 """
 import asyncio
 import json
 import os
 import signal
 import sys
+import time
 
 from aiohttp import web
 
 SLOTS, TOKEN_S = 8, 0.005
 port, mode = int(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else "serve")
+step_log = sys.argv[3] if len(sys.argv) > 3 else None
+t_start = time.monotonic()
 state = {"running": 0, "waiting": 0, "prompt": 0}
 sem = asyncio.Semaphore(SLOTS)
 
@@ -39,6 +45,11 @@ async def completions(request):
                 if mode == "hang":
                     await asyncio.Event().wait()
             await resp.write(b"data: [DONE]\n\n")
+            if step_log:
+                t = time.time()
+                with open(step_log, "a") as f:
+                    f.write(json.dumps({"i": state["prompt"], "t_start": t - TOKEN_S, "t_end": t,
+                                        "prefill": [], "decode_n": 1, "decode_tokens": 1, "decode_ctx": 1}) + "\n")
         finally:
             state["running"] -= 1
     return resp
@@ -51,12 +62,18 @@ async def metrics(request):
                              f"{p}\nvllm:prefix_cache_hits_total 0\n")
 
 
+async def version(request):
+    if mode.startswith("slow-after:") and time.monotonic() - t_start > float(mode.split(":")[1]):
+        await asyncio.sleep(20.0)
+    return web.json_response({"version": "fake"})
+
+
 async def main():
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", lambda r: web.Response())
-    app.router.add_get("/version", lambda r: web.json_response({"version": "fake"}))
+    app.router.add_get("/version", version)
     app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "fake"}]}))
     runner = web.AppRunner(app)
     await runner.setup()

@@ -18,6 +18,7 @@ from sim.profile import load_profile
 from sim.scenario import NamedScenario, _scaled
 from sim.workload import make_trace
 from validate import engine as E
+from validate import step_log
 from validate import validation as V
 from validate.live_run import LiveRun
 
@@ -35,8 +36,10 @@ class FakeSpec(V.EngineSpec):
         port = E.free_port()
         d = self.tmp / f"engine{len(self.started)}"
         d.mkdir()
-        eng = E.start_server([sys.executable, str(FAKE), str(port), self.modes.pop(0)],
-                             f"http://127.0.0.1:{port}", d / "server.log", dict(os.environ), d, 60, kind="cpu")
+        steps = d / "steps.jsonl"
+        eng = E.start_server([sys.executable, str(FAKE), str(port), self.modes.pop(0), str(steps)],
+                             f"http://127.0.0.1:{port}", d / "server.log", dict(os.environ), d, 60, kind="cpu",
+                             step_log=steps)
         self.started.append(eng)
         return eng, True
 
@@ -65,6 +68,33 @@ def test_an_engine_killed_mid_point_fails_that_point_only_and_the_next_runs_on_a
     doc2 = V.validate(again, prof, DRILL, points, str(out), capacity=CAPACITY, log=lambda m: None)
     assert len(again.started) == 1 and all("live" in p for p in doc2["points"])
     assert doc2["points"][0]["live"] == ok1["live"]
+
+
+def test_an_engine_slow_to_answer_after_its_run_still_gives_the_point_and_its_steps(tmp_path):
+    """Once the run ends an overloaded engine is still draining and answers
+    slowly; what the record needs from it was asked before the run."""
+    out = tmp_path / "v.json"
+    spec = FakeSpec(tmp_path, ["slow-after:3"])
+    doc = V.validate(spec, load_profile("vllm-cpu-tiny"), DRILL, ["no-retry"], str(out), capacity=CAPACITY,
+                     log=lambda m: None)
+    (p,) = doc["points"]
+    assert "failed" not in p, p.get("failed")
+    assert p["live"]["cohorts"]["hold"]["delivered"] > 0
+    meta, rows = step_log.read_steps(p["live"]["steps_file"])
+    assert meta["engine"]["version"] == "fake" and rows
+
+
+def test_the_errors_of_an_engine_log_are_its_exceptions_not_warnings_that_quote_one(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(APIServer pid=17458) WARNING 12-01 10:29:50 [system_utils.py:255] Found ulimit of 20000 and failed to "
+        "automatically increase. This can cause fd limit errors like `OSError: [Errno 24] Too many open files`.\n"
+        "(EngineCore_DP0 pid=17600) ERROR 12-01 10:31:02 [core.py:710] ValueError: bad shape\n"
+        "Traceback (most recent call last):\n"
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n")
+    eng = E.Engine(url="http://127.0.0.1:9", log_path=log)
+    assert eng.log_errors() == ["ValueError: bad shape",
+                                "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."]
 
 
 def test_an_engine_that_never_becomes_ready_fails_its_point_with_a_clear_error(tmp_path, monkeypatch):

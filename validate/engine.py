@@ -208,12 +208,18 @@ class Engine:
     proc: subprocess.Popen | None = field(default=None, repr=False)
     pid: int | None = None
     flags: dict = field(default_factory=dict)
+    _version: str | None = field(default=None, repr=False)
 
     def metrics(self) -> dict[str, float]:
         return parse_metrics(http_get(self.url + "/metrics"))
 
     def version(self) -> str:
-        return json.loads(http_get(self.url + "/version")).get("version", "unknown")
+        """The server's vLLM version, asked once: a later call (a record
+        written after a run, while an overloaded engine is still draining and
+        slow to answer) reuses the first answer."""
+        if self._version is None:
+            self._version = json.loads(http_get(self.url + "/version")).get("version", "unknown")
+        return self._version
 
     def served_model(self) -> str:
         if self.model is None:
@@ -264,6 +270,8 @@ class Engine:
         engine's log, without the logger's prefix: what killed it, usually."""
         out: list[str] = []
         for line in _log_lines(self.log_path):
+            if _NOT_AN_ERROR.match(line):
+                continue
             m = _EXC.search(line)
             if m and m.group(0) not in out:
                 out.append(m.group(0))
@@ -456,6 +464,9 @@ def start_server(args: list[str], url: str, log_path: Path, env: dict, cwd: Path
 
 
 _EXC = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception): .*$")
+# a vLLM log record below ERROR ("(APIServer pid=1) WARNING 12-01 10:29:50 [...] ..."): its
+# text may quote an exception (the fd-limit warning at start-up does) without one happening
+_NOT_AN_ERROR = re.compile(r"^(?:\([^)]*\)\s*)?(?:WARNING|INFO|DEBUG)\s+\d\d-\d\d ")
 
 
 def _log_lines(path: Path | None) -> list[str]:

@@ -254,6 +254,7 @@ def run_live_fleet(engines: list[E.Engine], started: bool, profile: Profile, rou
     cond = vs.condition(get_condition(name))
     sc = vs.scenario
     model = engines[0].served_model()
+    version = engines[0].version()        # asked before the run: a drained fleet may answer slowly after it
     trace = make_trace(capacity * n, sc, vs.seed)
     steps0 = [_steps(e) for e in engines]
 
@@ -284,7 +285,7 @@ def run_live_fleet(engines: list[E.Engine], started: bool, profile: Profile, rou
     except EngineLost as e:
         raise PointFailed(str(e), [l for x in engines for l in x.log_tail(5)],
                           [l for x in engines for l in x.log_errors()]) from None
-    desc = {"kind": engines[0].kind, "version": engines[0].version(), "model": model,
+    desc = {"kind": engines[0].kind, "version": version, "model": model,
             "urls": [e.url for e in engines], "fresh": started}
     return live_fleet_record(flog, sc, [capacity] * n, _inputs(profile, cond, vs) | {"engine": desc}), desc
 
