@@ -5,6 +5,7 @@ not vLLM). Loopback only; a few seconds of wall time."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -16,7 +17,8 @@ from sim.fleet import FLEET_KEYS
 from sim.policy.router import RouterConfig, call_key, mix64
 from sim.scenario import PAPER
 from sim.workload import Trace
-from validate.fleet import FleetLiveRun, fleet_problem, live_fleet_record
+from validate import engine as E
+from validate.fleet import FleetLiveRun, fleet_problem, live_fleet_record, settle
 from validate.proxy import LiveProxy
 
 from tests.test_live_run_unit import SlotStub
@@ -294,3 +296,12 @@ def test_llmsim_proxy_before_several_engines_routes_by_call_and_names_an_engine_
         want = [c for c in range(8) if mix64(c) % 2 == r]
         assert want and sorted(set(mocks[r].seen)) == want
     assert len(missing) == 1 and "does not answer" in missing[0]
+
+
+def test_settle_waits_out_an_engine_too_busy_to_answer_its_metrics():
+    """Between points an engine still draining may not answer /metrics in
+    time: settle keeps waiting (up to its limit) instead of failing the fleet."""
+    gone = E.Engine(url=f"http://127.0.0.1:{E.free_port()}")     # nothing listens: no answer
+    t0 = time.monotonic()
+    settle([gone], wait_s=1.0, reset=False)
+    assert time.monotonic() - t0 >= 1.0

@@ -131,13 +131,21 @@ def stop_fleet(engines: list[E.Engine]) -> None:
         eng.stop(timeout=10.0)
 
 
+def _idle(eng: E.Engine) -> bool:
+    """No request waiting or running; an engine too busy to answer /metrics is not idle."""
+    try:
+        m = eng.metrics()
+    except E.EngineError:
+        return False
+    return m.get("vllm:num_requests_waiting", 0) + m.get("vllm:num_requests_running", 0) == 0
+
+
 def settle(engines: list[E.Engine], wait_s: float = IDLE_WAIT_S, reset: bool = True) -> None:
     """Wait until no engine holds a request (up to wait_s), then empty the
     prefix caches of the engines llmsim started."""
     t_end = time.monotonic() + wait_s
     while time.monotonic() < t_end:
-        m = [e.metrics() for e in engines]
-        if all(x.get("vllm:num_requests_waiting", 0) + x.get("vllm:num_requests_running", 0) == 0 for x in m):
+        if all(_idle(e) for e in engines):
             break
         time.sleep(0.5)
     if reset:
