@@ -137,6 +137,7 @@ def record_run(eng, scenario, params: dict, steps_path, progress=None) -> dict:
     recorder wrote during the run in `steps_path` (source ``live run``);
     the result has `steps_file` and `steps` (0 where the engine records none)."""
     skip = len(step_log.read_raw(getattr(eng, "step_log", None)))
+    eng.version()       # kept for the steps file: asked now, the engine may answer slowly once overloaded
     live = live_capacity_protocol(eng.url, eng.served_model(), scenario, progress=progress, **params)
     time.sleep(0.5)
     n = step_log.record(eng, steps_path, skip, source={"kind": "live run", "run": "capacity protocol",
