@@ -1,5 +1,6 @@
 """A stand-in for a vLLM OpenAI server in the live-point drills (it is not
-vLLM): /health, /version, /v1/models, /metrics with vLLM's gauge names, and
+vLLM): /health, /version, /v1/models, /metrics with vLLM's gauge names,
+/reset_prefix_cache, and
 streamed /v1/completions (SLOTS requests at a time, one chunk per output token
 TOKEN_S apart). Modes:
 
@@ -74,6 +75,7 @@ async def main():
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", lambda r: web.Response())
     app.router.add_get("/version", version)
+    app.router.add_post("/reset_prefix_cache", lambda r: web.Response())
     app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "fake"}]}))
     runner = web.AppRunner(app)
     await runner.setup()

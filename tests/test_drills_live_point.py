@@ -18,6 +18,7 @@ from sim.profile import load_profile
 from sim.scenario import NamedScenario, _scaled
 from sim.workload import make_trace
 from validate import engine as E
+from validate import fleet as F
 from validate import step_log
 from validate import validation as V
 from validate.live_run import LiveRun
@@ -123,3 +124,26 @@ def test_a_hanging_stream_still_ends_each_attempt_at_its_deadline_mock_server(tm
     for a in log.attempts:
         assert a.ended_at - a.sent_at <= sc.deadline_s + 2.0        # the deadline, with slack for a loaded machine
     assert all(c.outcome.startswith("failed") for c in log.calls)
+
+
+def test_a_fleet_point_gives_the_prediction_with_the_engines_own_step_times_too(tmp_path, monkeypatch):
+    """Two stand-in engines llmsim starts (their step rows recorded): the
+    fleet's point carries the steps' ratio to the profile, per replica and
+    summed, and the prediction with the profile stretched by it (sim x k)."""
+    spec = FakeSpec(tmp_path, ["serve", "serve"])
+    monkeypatch.setattr(F, "start_cpu_fleet", lambda n, args: [spec.start(args)[0] for _ in range(n)])
+    prof = load_profile("vllm-cpu-tiny")
+    doc = F.validate_fleet(V.EngineSpec("cpu"), prof, DRILL, 2, ["round-robin"], ["no-retry"], str(tmp_path / "f.json"),
+                           capacity=CAPACITY, log=lambda m: None)
+    (p,) = doc["points"]
+    assert "failed" not in p, p.get("failed")
+    st = p["live"]["step_time_vs_profile"]
+    reps = st["replicas"]
+    assert len(reps) == 2 and all(r is not None and r["steps"] > 0 for r in reps)
+    assert st["steps"] == sum(r["steps"] for r in reps)
+    assert abs(st["ratio"] - sum(r["actual_s"] for r in reps) / sum(r["predicted_s"] for r in reps)) < 1e-12
+    adj = p["sim_step_adjusted"]
+    assert adj["fleet"]["replicas"] == 2 and adj["model"].endswith(f"x{st['ratio']:.3f}")
+    assert set(p["agreement_step_adjusted"]) == set(p["agreement"])
+    assert "sim x k" in F.fleet_table(doc["points"])
+    assert not any(e.alive() for e in spec.started)

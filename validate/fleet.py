@@ -45,7 +45,7 @@ from sim.workload import make_trace
 from . import engine as E
 from .live_run import EngineLost, LiveRun, live_record
 from .validation import (PointFailed, ValidationError, _inputs, _load, _save, _say, _steps, agreement,
-                         capacity_for, engine_gone, table)
+                         capacity_for, engine_gone, scaled_profile, step_time_ratio, table)
 
 ENGINE_MEMORY_GIB = 1.5          # one tiny CPU engine's processes beyond its KV cache space
 DEFAULT_ROUTERS = ROUTERS
@@ -295,7 +295,23 @@ def run_live_fleet(engines: list[E.Engine], started: bool, profile: Profile, rou
                           [l for x in engines for l in x.log_errors()]) from None
     desc = {"kind": engines[0].kind, "version": version, "model": model,
             "urls": [e.url for e in engines], "fresh": started}
-    return live_fleet_record(flog, sc, [capacity] * n, _inputs(profile, cond, vs) | {"engine": desc}), desc
+    rec = live_fleet_record(flog, sc, [capacity] * n, _inputs(profile, cond, vs) | {"engine": desc})
+    rec["step_time_vs_profile"] = fleet_step_time_ratio(
+        [step_time_ratio(getattr(e, "step_log", None), profile, s0 or 0) for e, s0 in zip(engines, steps0)])
+    return rec, desc
+
+
+def fleet_step_time_ratio(ratios: list[dict | None]) -> dict | None:
+    """The fleet's steps against the profile: recorded over predicted time
+    summed over every replica whose steps were recorded (`step_time_ratio`
+    per replica, None where unknown), with the replicas' own; None if no
+    replica recorded a step."""
+    known = [r for r in ratios if r is not None]
+    if not known:
+        return None
+    actual, pred = sum(r["actual_s"] for r in known), sum(r["predicted_s"] for r in known)
+    return {"ratio": actual / pred, "steps": sum(r["steps"] for r in known), "actual_s": actual,
+            "predicted_s": pred, "replicas": ratios}
 
 
 def fleet_table(points: list[dict]) -> str:
@@ -368,16 +384,26 @@ def validate_fleet(spec, profile: Profile, vs: NamedScenario, n: int, routers: l
                 live, desc = run_live_fleet(engines, started, profile, configs[router], name, vs, cap, log)
             except (PointFailed, E.EngineError) as e:
                 errors = e.engine_errors if isinstance(e, PointFailed) else []
+                tail = e.engine_log if isinstance(e, PointFailed) else []
                 doc["points"].append({"router": router, "condition": name, "sim": sim,
-                                      "failed": {"reason": str(e), "engine_errors": errors}})
+                                      "failed": {"reason": str(e), "engine_errors": errors, "engine_log": tail}})
                 _save(json_path, doc)
-                log(f"point {k + 1}/{len(todo)}: {tag} FAILED: {e}")
+                log(f"point {k + 1}/{len(todo)}: {tag} FAILED: {e}"
+                    + "".join(f"\n  | {l}" for l in (errors or tail[-5:])))
                 if started and any(engine_gone(x) for x in engines):
                     break                  # a lost engine ends the fleet's points
                 continue
             doc["engine"].update({"version": desc["version"], "model": desc["model"]})
             p = {"router": router, "condition": name, "sim": sim, "live": live}
             p["agreement"] = agreement(p)
+            st = live.get("step_time_vs_profile")
+            if st is not None:
+                # as for one engine: the prediction with the profile's steps stretched to the
+                # fleet's, separating step-time error from the rest
+                adj = predict_fleet(scaled_profile(profile, st["ratio"]), n, configs[router], name, vs, cap)
+                p["sim_step_adjusted"] = adj
+                p["agreement_step_adjusted"] = agreement({"sim": adj, "live": live})
+                log(f"  the engines' steps took {st['ratio']:.3f} x the profile's over the run")
             doc["points"].append(p)
             _save(json_path, doc)
             log(f"point {k + 1}/{len(todo)}: {tag} done in {time.monotonic() - t0:.0f} s")
