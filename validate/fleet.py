@@ -44,8 +44,8 @@ from sim.workload import make_trace
 
 from . import engine as E
 from .live_run import EngineLost, LiveRun, live_record
-from .validation import (PointFailed, ValidationError, _inputs, _load, _save, _say, _steps, agreement,
-                         capacity_for, engine_gone, scaled_profile, step_time_ratio, table)
+from .validation import (PointFailed, ValidationError, _inputs, _load, _say, _steps, capacity_for, engine_gone,
+                         run_point, scaled_profile, step_time_ratio, table)
 
 ENGINE_MEMORY_GIB = 1.5          # one tiny CPU engine's processes beyond its KV cache space
 DEFAULT_ROUTERS = ROUTERS
@@ -374,39 +374,18 @@ def validate_fleet(spec, profile: Profile, vs: NamedScenario, n: int, routers: l
         engines, started = start_cpu_fleet(n, eng_args), True
     try:
         for k, (router, name) in enumerate(todo):
-            tag = point_name(router, name)
-            t0 = time.monotonic()
-            log(f"point {k + 1}/{len(todo)}: {tag} — simulating …")
-            sim = predict_fleet(profile, n, configs[router], name, vs, cap)
-            settle(engines, reset=started)
-            log(f"point {k + 1}/{len(todo)}: {tag} — live on {n} engines …")
-            try:
-                live, desc = run_live_fleet(engines, started, profile, configs[router], name, vs, cap, log)
-            except (PointFailed, E.EngineError) as e:
-                errors = e.engine_errors if isinstance(e, PointFailed) else []
-                tail = e.engine_log if isinstance(e, PointFailed) else []
-                doc["points"].append({"router": router, "condition": name, "sim": sim,
-                                      "failed": {"reason": str(e), "engine_errors": errors, "engine_log": tail}})
-                _save(json_path, doc)
-                log(f"point {k + 1}/{len(todo)}: {tag} FAILED: {e}"
-                    + "".join(f"\n  | {l}" for l in (errors or tail[-5:])))
-                if started and any(engine_gone(x) for x in engines):
-                    break                  # a lost engine ends the fleet's points
-                continue
-            doc["engine"].update({"version": desc["version"], "model": desc["model"]})
-            p = {"router": router, "condition": name, "sim": sim, "live": live}
-            p["agreement"] = agreement(p)
-            st = live.get("step_time_vs_profile")
-            if st is not None:
-                # as for one engine: the prediction with the profile's steps stretched to the
-                # fleet's, separating step-time error from the rest
-                adj = predict_fleet(scaled_profile(profile, st["ratio"]), n, configs[router], name, vs, cap)
-                p["sim_step_adjusted"] = adj
-                p["agreement_step_adjusted"] = agreement({"sim": adj, "live": live})
-                log(f"  the engines' steps took {st['ratio']:.3f} x the profile's over the run")
-            doc["points"].append(p)
-            _save(json_path, doc)
-            log(f"point {k + 1}/{len(todo)}: {tag} done in {time.monotonic() - t0:.0f} s")
+            rc = configs[router]
+
+            def live():
+                settle(engines, reset=started)
+                return run_live_fleet(engines, started, profile, rc, name, vs, cap, log)
+            ran = run_point(doc, {"router": router, "condition": name}, point_name(router, name),
+                            f"{k + 1}/{len(todo)}", lambda: predict_fleet(profile, n, rc, name, vs, cap),
+                            f"{n} engines", live,
+                            lambda ratio: predict_fleet(scaled_profile(profile, ratio), n, rc, name, vs, cap),
+                            json_path, log)
+            if not ran and started and any(engine_gone(x) for x in engines):
+                break                  # a lost engine ends the fleet's points
     finally:
         if started:
             stop_fleet(engines)

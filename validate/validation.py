@@ -303,6 +303,47 @@ def steps_path(json_path: str | None, tag: str) -> str | None:
     return f"{stem}.{tag}.steps.jsonl"
 
 
+def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, live, simulate_scaled,
+              json_path: str | None, log=_say) -> bool:
+    """One point of a validation: `simulate()` its record, `live()` its
+    (record, engine description) on `where`, then append it to doc["points"]
+    (as `key` plus sim and live, the agreement, and where the run recorded
+    its steps `simulate_scaled(k)`, the prediction with every step k times
+    as long) and save the document. A point whose engine fails or dies is
+    appended as failed with the reason and the engine's last lines; returns
+    whether the point ran."""
+    t0 = time.monotonic()
+    log(f"point {count}: {tag} — simulating …")
+    sim = simulate()
+    log(f"point {count}: {tag} — live on {where} …")
+    try:
+        rec, desc = live()
+    except (PointFailed, E.EngineError) as e:
+        # recorded as failed; the points done are kept and a rerun retries this one
+        tail = e.engine_log if isinstance(e, PointFailed) else []
+        errors = e.engine_errors if isinstance(e, PointFailed) else []
+        doc["points"].append(key | {"sim": sim, "failed": {"reason": str(e), "engine_errors": errors,
+                                                           "engine_log": tail}})
+        _save(json_path, doc)
+        log(f"point {count}: {tag} FAILED: {e}" + "".join(f"\n  | {l}" for l in (errors or tail[-5:])))
+        return False
+    doc["engine"].update({"version": desc["version"], "model": desc["model"]})
+    p = key | {"sim": sim, "live": rec}
+    p["agreement"] = agreement(p)
+    st = rec.get("step_time_vs_profile")
+    if st is not None:
+        # the same prediction with the profile's steps stretched to what the
+        # engine did during the run: separates step-time error from the rest
+        adj = simulate_scaled(st["ratio"])
+        p["sim_step_adjusted"] = adj
+        p["agreement_step_adjusted"] = agreement({"sim": adj, "live": rec})
+        log(f"  the engine's steps took {st['ratio']:.3f} x the profile's over the run")
+    doc["points"].append(p)
+    _save(json_path, doc)
+    log(f"point {count}: {tag} done in {time.monotonic() - t0:.0f} s")
+    return True
+
+
 def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list[str],
              json_path: str | None = None, capacity: float | None = None, log=_say,
              calibration: dict | None = None) -> dict:
@@ -325,35 +366,10 @@ def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list
     for k, name in enumerate(points):
         if name in have:
             continue
-        t0 = time.monotonic()
-        log(f"point {k + 1}/{len(points)}: {name} — simulating …")
-        sim = predict(profile, name, vs, cap)
-        log(f"point {k + 1}/{len(points)}: {name} — live on a {'fresh ' if spec.kind != 'url' else ''}"
-            f"{spec.kind} engine …")
-        try:
-            live, desc = run_live(spec, profile, name, vs, cap, log, steps_path=steps_path(json_path, name))
-        except (PointFailed, E.EngineError) as e:
-            # recorded as failed; the points done are kept and the next starts on a fresh engine
-            tail = e.engine_log if isinstance(e, PointFailed) else []
-            errors = e.engine_errors if isinstance(e, PointFailed) else []
-            doc["points"].append({"condition": name, "sim": sim, "failed": {"reason": str(e), "engine_errors": errors,
-                                                                             "engine_log": tail}})
-            _save(json_path, doc)
-            log(f"point {k + 1}/{len(points)}: {name} FAILED: {e}" + "".join(f"\n  | {l}" for l in (errors or tail[-5:])))
-            continue
-        doc["engine"].update({"version": desc["version"], "model": desc["model"]})
-        p = {"condition": name, "sim": sim, "live": live}
-        p["agreement"] = agreement(p)
-        st = live.get("step_time_vs_profile")
-        if st is not None:
-            # the same prediction with the profile's steps stretched to what the
-            # engine did during the run: separates step-time error from the rest
-            adj = predict(scaled_profile(profile, st["ratio"]), name, vs, cap)
-            p["sim_step_adjusted"] = adj
-            p["agreement_step_adjusted"] = agreement({"sim": adj, "live": live})
-            log(f"  the engine's steps took {st['ratio']:.3f} x the profile's over the run")
-        doc["points"].append(p)
-        _save(json_path, doc)
-        log(f"point {k + 1}/{len(points)}: {name} done in {time.monotonic() - t0:.0f} s")
+        run_point(doc, {"condition": name}, name, f"{k + 1}/{len(points)}",
+                  lambda: predict(profile, name, vs, cap),
+                  f"a {'fresh ' if spec.kind != 'url' else ''}{spec.kind} engine",
+                  lambda: run_live(spec, profile, name, vs, cap, log, steps_path=steps_path(json_path, name)),
+                  lambda ratio: predict(scaled_profile(profile, ratio), name, vs, cap), json_path, log)
     doc["points"].sort(key=lambda p: points.index(p["condition"]) if p["condition"] in points else len(points))
     return doc
