@@ -146,4 +146,8 @@ def test_a_fleet_point_gives_the_prediction_with_the_engines_own_step_times_too(
     assert adj["fleet"]["replicas"] == 2 and adj["model"].endswith(f"x{st['ratio']:.3f}")
     assert set(p["agreement_step_adjusted"]) == set(p["agreement"])
     assert "sim x k" in F.fleet_table(doc["points"])
+    for r, rep in enumerate(p["live"]["replicas"]):      # each replica's steps kept, as calibration data
+        assert rep["steps_file"] == str(tmp_path / f"f.round-robin.no-retry.r{r}.steps.jsonl")
+        meta, rows = step_log.read_steps(rep["steps_file"])
+        assert meta["source"]["replica"] == r and len(rows) == reps[r]["steps"]
     assert not any(e.alive() for e in spec.started)

@@ -43,9 +43,10 @@ from sim.scenario import NamedScenario
 from sim.workload import make_trace
 
 from . import engine as E
+from . import step_log
 from .live_run import EngineLost, LiveRun, live_record
 from .validation import (PointFailed, ValidationError, _inputs, _load, _say, _steps, capacity_for, engine_gone,
-                         run_point, scaled_profile, step_time_ratio, table)
+                         run_point, scaled_profile, step_time_ratio, steps_path, table)
 
 ENGINE_MEMORY_GIB = 1.5          # one tiny CPU engine's processes beyond its KV cache space
 DEFAULT_ROUTERS = ROUTERS
@@ -255,9 +256,12 @@ def predict_fleet(profile: Profile, n: int, router: RouterConfig, name: str, vs:
 
 
 def run_live_fleet(engines: list[E.Engine], started: bool, profile: Profile, router: RouterConfig, name: str,
-                   vs: NamedScenario, capacity: float, log=_say) -> tuple[dict, dict]:
+                   vs: NamedScenario, capacity: float, log=_say, steps_path: str | None = None) -> tuple[dict, dict]:
     """One point on the live fleet: its record and the engines' description
-    (the engines are left running)."""
+    (the engines are left running). With `steps_path`, the steps replica r
+    recorded during the run are kept in `steps_path` with `.rR` before its
+    `.steps.jsonl` (a steps file each, `validate.step_log`), named by the
+    replica's record (`steps_file`)."""
     n = len(engines)
     cond = vs.condition(get_condition(name))
     sc = vs.scenario
@@ -298,7 +302,18 @@ def run_live_fleet(engines: list[E.Engine], started: bool, profile: Profile, rou
     rec = live_fleet_record(flog, sc, [capacity] * n, _inputs(profile, cond, vs) | {"engine": desc})
     rec["step_time_vs_profile"] = fleet_step_time_ratio(
         [step_time_ratio(getattr(e, "step_log", None), profile, s0 or 0) for e, s0 in zip(engines, steps0)])
+    if steps_path:
+        for r, (e, s0) in enumerate(zip(engines, steps0)):
+            path = replica_steps_path(steps_path, r)
+            k = step_log.record(e, path, s0 or 0, source={"kind": "live run", "run": f"validate {tag}",
+                                                          "replica": r, "scenario": vs.name})
+            rec["replicas"][r]["steps_file"] = path if k else None
     return rec, desc
+
+
+def replica_steps_path(steps_path: str, r: int) -> str:
+    stem = steps_path[:-len(".steps.jsonl")] if steps_path.endswith(".steps.jsonl") else steps_path
+    return f"{stem}.r{r}.steps.jsonl"
 
 
 def fleet_step_time_ratio(ratios: list[dict | None]) -> dict | None:
@@ -378,7 +393,8 @@ def validate_fleet(spec, profile: Profile, vs: NamedScenario, n: int, routers: l
 
             def live():
                 settle(engines, reset=started)
-                return run_live_fleet(engines, started, profile, rc, name, vs, cap, log)
+                return run_live_fleet(engines, started, profile, rc, name, vs, cap, log,
+                                      steps_path=steps_path(json_path, f"{router}.{name}"))
             ran = run_point(doc, {"router": router, "condition": name}, point_name(router, name),
                             f"{k + 1}/{len(todo)}", lambda: predict_fleet(profile, n, rc, name, vs, cap),
                             f"{n} engines", live,
