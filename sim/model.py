@@ -12,9 +12,10 @@ import time
 
 import numpy as np
 import simpy
+from simpy.events import NORMAL
 
 from .conditions import Condition
-from .engine.core import EngineCore, EngineConfig
+from .engine.core import Call, EngineCore, EngineConfig
 from .engine.request import Request
 from .policy.client import RetryingClient, CallState, Retry, Delivered
 from .engine.request import WAITING_STATUSES
@@ -52,10 +53,7 @@ class Clock(simpy.Environment):
 
     def schedule_at(self, t: float, callback) -> None:
         """Call `callback(event)` when the clock reaches `t` (>= now)."""
-        ev = simpy.Event(self)
-        ev._ok, ev._value = True, None
-        ev.callbacks.append(callback)
-        heapq.heappush(self._queue, (t, simpy.core.NORMAL, next(self._eid), ev))
+        heapq.heappush(self._queue, (t, NORMAL, next(self._eid), Call(callback)))
 
     @property
     def events_scheduled(self) -> int:
@@ -315,14 +313,16 @@ class Run:
         handlers = self._handlers
         while stack:
             at, it = stack[-1]
-            a = next(it, None)
-            if a is None:
+            depth = len(stack)
+            for a in it:
+                handlers[type(a)](at, a)
+                if len(stack) != depth:
+                    break                   # the handler's own actions, on the stack now, come first
+            else:
                 stack.pop()
                 q = self.proxy.queued
                 if q != self.proxy_queue_log[-1][1]:
                     self.proxy_queue_log.append((at, q))
-                continue
-            handlers[type(a)](at, a)
 
     def _subscribe(self, t: float, a: Subscribe) -> None:
         row = self.open[id(a.attempt)][0]
