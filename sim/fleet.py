@@ -379,8 +379,8 @@ class _RoutedTimers(Timers):
         self.due: list[list] = [[] for _ in range(n)]
         self.due_any: list = []
 
-    def at(self, t: float, fn, arg=None, seq: int | None = None) -> list:
-        entry = Timers.at(self, t, fn, arg, seq)
+    def at(self, t: float, fn, arg=None, seq: int | None = None, in_order: bool = False) -> list:
+        entry = Timers.at(self, t, fn, arg, seq, in_order)
         attr = self.by_call.get(getattr(fn, "__func__", None))
         if attr is None:
             heapq.heappush(self.due_any, entry)

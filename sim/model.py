@@ -9,6 +9,7 @@ import heapq
 import itertools
 import math
 import time
+from collections import deque
 
 import numpy as np
 import simpy
@@ -68,8 +69,13 @@ class Timers:
     the next live one (the engine may not advance past it in closed form).
 
     A timer set at time c for time t fires at c + max(0, t - c) (the time a
-    SimPy timeout would), calling `fn(t, arg)`. Timers are kept in one heap
-    and take one SimPy event per batch: when one comes due, every later one
+    SimPy timeout would), calling `fn(t, arg)`, timers due at one time in
+    the order they were set. Timers are kept in a heap and a lane: a timer
+    set `in_order` (the caller's timers of one kind each come due a fixed
+    time after they are set, as attempts' deadlines do) joins the lane's
+    end if due no earlier than its last one, any other the heap; the next
+    timer is the first of either, so the lane keeps the heap small. Timers
+    take one SimPy event per batch: when one comes due, every later one
     due before `horizon()` (the next time anything else can happen in the
     simulation: the end of the engine's step in flight) fires with it, each
     in its own order and as of its own time (`env.now` reads it), which is
@@ -80,6 +86,7 @@ class Timers:
     def __init__(self, env: Clock, horizon=lambda: -INF, stop=lambda: False):
         self.env = env
         self.heap: list[list] = []          # [fire time, seq, t, fn, arg, live]
+        self.lane: deque[list] = deque()    # entries likewise, in firing order
         self.horizon = horizon
         self.stop = stop
         self.until = INF                    # no batching past this time
@@ -94,14 +101,19 @@ class Timers:
         self._seq += n
         return first
 
-    def at(self, t: float, fn, arg=None, seq: int | None = None) -> list:
+    def at(self, t: float, fn, arg=None, seq: int | None = None, in_order: bool = False) -> list:
         now = self.env._now
-        tf = now + max(0.0, t - now)
+        d = t - now
+        tf = now + d if d > 0.0 else now    # now + max(0, t - now)
         if seq is None:
             seq = self._seq
             self._seq += 1
         entry = [tf, seq, t, fn, arg, True]
-        heapq.heappush(self.heap, entry)
+        lane = self.lane
+        if in_order and (not lane or lane[-1] < entry):
+            lane.append(entry)
+        else:
+            heapq.heappush(self.heap, entry)
         if not self._firing and (not self._armed or tf < self._armed[0]):
             self._arm(tf)
         return entry
@@ -110,45 +122,65 @@ class Timers:
         heapq.heappush(self._armed, tf)
         self.env.schedule_at(tf, self._tick)
 
+    def _first(self) -> list | None:
+        """The next live timer (dropping cancelled ones met on the way), or None."""
+        h, lane = self.heap, self.lane
+        while h and not h[0][5]:
+            heapq.heappop(h)
+        while lane and not lane[0][5]:
+            lane.popleft()
+        if lane and (not h or lane[0] < h[0]):
+            return lane[0]
+        return h[0] if h else None
+
     def _tick(self, _event) -> None:
-        env, h = self.env, self.heap
+        env, h, lane = self.env, self.heap, self.lane
         now = heapq.heappop(self._armed)
         limit = min(self.horizon(), self.until)
         if -INF < limit < INF:
             limit -= 1e-9 * max(1.0, abs(limit))    # leave a tie with the horizon to the clock
-        pop, stop = heapq.heappop, self.stop
+        pop, popleft, stop = heapq.heappop, lane.popleft, self.stop
         self._firing = True
         try:
-            while h:
-                e = h[0]
-                if not e[5]:
+            while True:
+                # the next live timer, as _first()
+                while h and not h[0][5]:
                     pop(h)
-                    continue
+                while lane and not lane[0][5]:
+                    popleft()
+                if lane and (not h or lane[0] < h[0]):
+                    e = lane[0]
+                    take = popleft
+                elif h:
+                    e = h[0]
+                    take = None
+                else:
+                    break
                 tf = e[0]
                 if tf > now:
                     if tf >= limit or stop():
                         break
                     env._now = tf           # as of its own time
-                pop(h)
+                if take is None:
+                    pop(h)
+                else:
+                    take()
                 e[5] = False
                 e[3](e[2], e[4])
         finally:
             env._now = now
             self._firing = False
-        while h and not h[0][5]:
-            pop(h)
-        if h and (not self._armed or h[0][0] < self._armed[0]):
-            self._arm(h[0][0])
+        e = self._first()
+        if e is not None and (not self._armed or e[0] < self._armed[0]):
+            self._arm(e[0])
 
     @staticmethod
     def cancel(entry: list) -> None:
         entry[5] = False
 
     def next_time(self) -> float:
-        h = self.heap
-        while h and not h[0][5]:
-            heapq.heappop(h)
-        return h[0][2] if h else INF
+        e = self._first()
+        return e[2] if e is not None else INF
 
 
 def prompt_throughput(profile: Profile, scenario: Scenario) -> float:
@@ -259,7 +291,7 @@ class Run:
         att = Attempt(call_id, number, cs.deadline)
         row = self.attempt_log.add(call_id, number, t)
         self.call_log.attempts[call_id] = cs.attempts
-        self.open[id(att)] = (row, self.timers.at(cs.deadline, self._deadline, att))
+        self.open[id(att)] = (row, self.timers.at(cs.deadline, self._deadline, att, in_order=True))
         self._do(t, self.proxy.on_attempt(t, att, (self.max_tokens[call_id],), self.prompt_len[call_id]))
 
     def _deadline(self, t: float, att: Attempt) -> None:
