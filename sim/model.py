@@ -73,8 +73,9 @@ class Timers:
     the order they were set. Timers are kept in a heap and a lane: a timer
     set `in_order` (the caller's timers of one kind each come due a fixed
     time after they are set, as attempts' deadlines do) joins the lane's
-    end if due no earlier than its last one, any other the heap; the next
-    timer is the first of either, so the lane keeps the heap small. Timers
+    end if due no earlier than its last one, any other the heap; the
+    lane's first entry stands for the lane in the heap, so the heap stays
+    small. Timers
     take one SimPy event per batch: when one comes due, every later one
     due before `horizon()` (the next time anything else can happen in the
     simulation: the end of the engine's step in flight) fires with it, each
@@ -112,6 +113,8 @@ class Timers:
         lane = self.lane
         if in_order and (not lane or lane[-1] < entry):
             lane.append(entry)
+            if len(lane) == 1:
+                heapq.heappush(self.heap, entry)    # the lane's first entry stands for it in the heap
         else:
             heapq.heappush(self.heap, entry)
         if not self._firing and (not self._armed or tf < self._armed[0]):
@@ -122,16 +125,15 @@ class Timers:
         heapq.heappush(self._armed, tf)
         self.env.schedule_at(tf, self._tick)
 
-    def _first(self) -> list | None:
-        """The next live timer (dropping cancelled ones met on the way), or None."""
-        h, lane = self.heap, self.lane
-        while h and not h[0][5]:
-            heapq.heappop(h)
-        while lane and not lane[0][5]:
+    def _pop(self) -> None:
+        """Take the heap's first entry out; if it is the lane's first, the
+        lane's next entry takes its place in the heap."""
+        e = heapq.heappop(self.heap)
+        lane = self.lane
+        if lane and e is lane[0]:
             lane.popleft()
-        if lane and (not h or lane[0] < h[0]):
-            return lane[0]
-        return h[0] if h else None
+            if lane:
+                heapq.heappush(self.heap, lane[0])
 
     def _tick(self, _event) -> None:
         env, h, lane = self.env, self.heap, self.lane
@@ -139,48 +141,42 @@ class Timers:
         limit = min(self.horizon(), self.until)
         if -INF < limit < INF:
             limit -= 1e-9 * max(1.0, abs(limit))    # leave a tie with the horizon to the clock
-        pop, popleft, stop = heapq.heappop, lane.popleft, self.stop
+        pop, push, stop = heapq.heappop, heapq.heappush, self.stop
         self._firing = True
         try:
-            while True:
-                # the next live timer, as _first()
-                while h and not h[0][5]:
-                    pop(h)
-                while lane and not lane[0][5]:
-                    popleft()
-                if lane and (not h or lane[0] < h[0]):
-                    e = lane[0]
-                    take = popleft
-                elif h:
-                    e = h[0]
-                    take = None
-                else:
-                    break
-                tf = e[0]
-                if tf > now:
-                    if tf >= limit or stop():
-                        break
-                    env._now = tf           # as of its own time
-                if take is None:
-                    pop(h)
-                else:
-                    take()
-                e[5] = False
-                e[3](e[2], e[4])
+            while h:
+                e = h[0]
+                if e[5]:
+                    tf = e[0]
+                    if tf > now:
+                        if tf >= limit or stop():
+                            break
+                        env._now = tf           # as of its own time
+                pop(h)
+                if lane and e is lane[0]:       # as _pop()
+                    lane.popleft()
+                    if lane:
+                        push(h, lane[0])
+                if e[5]:
+                    e[5] = False
+                    e[3](e[2], e[4])
         finally:
             env._now = now
             self._firing = False
-        e = self._first()
-        if e is not None and (not self._armed or e[0] < self._armed[0]):
-            self._arm(e[0])
+        while h and not h[0][5]:
+            self._pop()
+        if h and (not self._armed or h[0][0] < self._armed[0]):
+            self._arm(h[0][0])
 
     @staticmethod
     def cancel(entry: list) -> None:
         entry[5] = False
 
     def next_time(self) -> float:
-        e = self._first()
-        return e[2] if e is not None else INF
+        h = self.heap
+        while h and not h[0][5]:
+            self._pop()
+        return h[0][2] if h else INF
 
 
 def prompt_throughput(profile: Profile, scenario: Scenario) -> float:
