@@ -335,6 +335,11 @@ class Run:
         nested call would run them, but from one loop: a long chain of
         refusals does not grow the stack."""
         stack = self._action_stack
+        if not stack and not actions:       # nothing to carry out (the loop below would only log the queue)
+            q = self.proxy.queued
+            if q != self.proxy_queue_log[-1][1]:
+                self.proxy_queue_log.append((t, q))
+            return
         stack.append((t, iter(actions)))
         if len(stack) > 1:
             return                          # the loop below, running already, takes it next

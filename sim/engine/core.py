@@ -201,7 +201,13 @@ class EngineCore:
         self._apply_inbox()
         self._fill()
         self._log_gauges()
-        self._loop()
+        pending = self.pending
+        if pending:                     # as _loop() with a step in flight
+            env = self.env
+            delay = pending[0].end - env._now
+            call_later(env, delay if delay > 0.0 else 0.0, self._step_end)
+        else:
+            self._loop()
 
     def _step_end_in_stall(self, _event=None) -> None:
         if self._wait_out_stall(self._step_end_in_stall):
@@ -415,7 +421,11 @@ class EngineCore:
                     rec.tokens_generated = r.outputs_done
                     # prompt work of steps that finished after the abort arrived
                     first = self.processed if self.config.abort_latency == "v1" else r.abort_seen + 1
-                    rec.prompt_in_flight = sum(q for s, q in r.chunks if s >= first)
+                    in_flight = 0
+                    for s, q in r.chunks:
+                        if s >= first:
+                            in_flight += q
+                    rec.prompt_in_flight = in_flight
                 if was_waiting and not r.chunks:
                     self.aborted_before_scheduled += 1
 
