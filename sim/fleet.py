@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import math
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -377,25 +378,39 @@ class _RoutedTimers(Timers):
         self.home = home
         self.by_call = by_call
         self.due: list[list] = [[] for _ in range(n)]
+        self.due_lanes: list[deque] = [deque() for _ in range(n)]    # each replica's lane (see Timers)
         self.due_any: list = []
 
-    def at(self, t: float, fn, arg=None, seq: int | None = None) -> list:
-        entry = Timers.at(self, t, fn, arg, seq)
+    def at(self, t: float, fn, arg=None, seq: int | None = None, in_order: bool = False) -> list:
+        entry = Timers.at(self, t, fn, arg, seq, in_order)
         attr = self.by_call.get(getattr(fn, "__func__", None))
         if attr is None:
             heapq.heappush(self.due_any, entry)
         else:
-            heapq.heappush(self.due[self.home[arg.call_id if attr else arg]], entry)
+            r = self.home[arg.call_id if attr else arg]
+            lane = self.due_lanes[r]
+            if in_order and (not lane or lane[-1] < entry):
+                lane.append(entry)
+            else:
+                heapq.heappush(self.due[r], entry)
         return entry
 
     def next_time_of(self, r: int) -> float:
         """The time of the next live timer that may reach replica r (INF: none)."""
-        t = INF
-        for h in (self.due[r], self.due_any):
-            while h and not h[0][5]:
-                heapq.heappop(h)
-            if h and h[0][2] < t:
-                t = h[0][2]
+        h, lane, t = self.due[r], self.due_lanes[r], INF
+        while h and not h[0][5]:
+            heapq.heappop(h)
+        while lane and not lane[0][5]:
+            lane.popleft()
+        if lane and (not h or lane[0] < h[0]):
+            t = lane[0][2]
+        elif h:
+            t = h[0][2]
+        h = self.due_any
+        while h and not h[0][5]:
+            heapq.heappop(h)
+        if h and h[0][2] < t:
+            t = h[0][2]
         return t
 
 

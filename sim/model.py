@@ -9,12 +9,14 @@ import heapq
 import itertools
 import math
 import time
+from collections import deque
 
 import numpy as np
 import simpy
+from simpy.events import NORMAL
 
 from .conditions import Condition
-from .engine.core import EngineCore, EngineConfig
+from .engine.core import Call, EngineCore, EngineConfig
 from .engine.request import Request
 from .policy.client import RetryingClient, CallState, Retry, Delivered
 from .engine.request import WAITING_STATUSES
@@ -52,10 +54,7 @@ class Clock(simpy.Environment):
 
     def schedule_at(self, t: float, callback) -> None:
         """Call `callback(event)` when the clock reaches `t` (>= now)."""
-        ev = simpy.Event(self)
-        ev._ok, ev._value = True, None
-        ev.callbacks.append(callback)
-        heapq.heappush(self._queue, (t, simpy.core.NORMAL, next(self._eid), ev))
+        heapq.heappush(self._queue, (t, NORMAL, next(self._eid), Call(callback)))
 
     @property
     def events_scheduled(self) -> int:
@@ -70,8 +69,14 @@ class Timers:
     the next live one (the engine may not advance past it in closed form).
 
     A timer set at time c for time t fires at c + max(0, t - c) (the time a
-    SimPy timeout would), calling `fn(t, arg)`. Timers are kept in one heap
-    and take one SimPy event per batch: when one comes due, every later one
+    SimPy timeout would), calling `fn(t, arg)`, timers due at one time in
+    the order they were set. Timers are kept in a heap and a lane: a timer
+    set `in_order` (the caller's timers of one kind each come due a fixed
+    time after they are set, as attempts' deadlines do) joins the lane's
+    end if due no earlier than its last one, any other the heap; the
+    lane's first entry stands for the lane in the heap, so the heap stays
+    small. Timers
+    take one SimPy event per batch: when one comes due, every later one
     due before `horizon()` (the next time anything else can happen in the
     simulation: the end of the engine's step in flight) fires with it, each
     in its own order and as of its own time (`env.now` reads it), which is
@@ -82,6 +87,7 @@ class Timers:
     def __init__(self, env: Clock, horizon=lambda: -INF, stop=lambda: False):
         self.env = env
         self.heap: list[list] = []          # [fire time, seq, t, fn, arg, live]
+        self.lane: deque[list] = deque()    # entries likewise, in firing order
         self.horizon = horizon
         self.stop = stop
         self.until = INF                    # no batching past this time
@@ -96,14 +102,21 @@ class Timers:
         self._seq += n
         return first
 
-    def at(self, t: float, fn, arg=None, seq: int | None = None) -> list:
+    def at(self, t: float, fn, arg=None, seq: int | None = None, in_order: bool = False) -> list:
         now = self.env._now
-        tf = now + max(0.0, t - now)
+        d = t - now
+        tf = now + d if d > 0.0 else now    # now + max(0, t - now)
         if seq is None:
             seq = self._seq
             self._seq += 1
         entry = [tf, seq, t, fn, arg, True]
-        heapq.heappush(self.heap, entry)
+        lane = self.lane
+        if in_order and (not lane or lane[-1] < entry):
+            lane.append(entry)
+            if len(lane) == 1:
+                heapq.heappush(self.heap, entry)    # the lane's first entry stands for it in the heap
+        else:
+            heapq.heappush(self.heap, entry)
         if not self._firing and (not self._armed or tf < self._armed[0]):
             self._arm(tf)
         return entry
@@ -112,33 +125,46 @@ class Timers:
         heapq.heappush(self._armed, tf)
         self.env.schedule_at(tf, self._tick)
 
+    def _pop(self) -> None:
+        """Take the heap's first entry out; if it is the lane's first, the
+        lane's next entry takes its place in the heap."""
+        e = heapq.heappop(self.heap)
+        lane = self.lane
+        if lane and e is lane[0]:
+            lane.popleft()
+            if lane:
+                heapq.heappush(self.heap, lane[0])
+
     def _tick(self, _event) -> None:
-        env, h = self.env, self.heap
+        env, h, lane = self.env, self.heap, self.lane
         now = heapq.heappop(self._armed)
         limit = min(self.horizon(), self.until)
         if -INF < limit < INF:
             limit -= 1e-9 * max(1.0, abs(limit))    # leave a tie with the horizon to the clock
-        pop, stop = heapq.heappop, self.stop
+        pop, push, stop = heapq.heappop, heapq.heappush, self.stop
         self._firing = True
         try:
             while h:
                 e = h[0]
-                if not e[5]:
-                    pop(h)
-                    continue
-                tf = e[0]
-                if tf > now:
-                    if tf >= limit or stop():
-                        break
-                    env._now = tf           # as of its own time
+                if e[5]:
+                    tf = e[0]
+                    if tf > now:
+                        if tf >= limit or stop():
+                            break
+                        env._now = tf           # as of its own time
                 pop(h)
-                e[5] = False
-                e[3](e[2], e[4])
+                if lane and e is lane[0]:       # as _pop()
+                    lane.popleft()
+                    if lane:
+                        push(h, lane[0])
+                if e[5]:
+                    e[5] = False
+                    e[3](e[2], e[4])
         finally:
             env._now = now
             self._firing = False
         while h and not h[0][5]:
-            pop(h)
+            self._pop()
         if h and (not self._armed or h[0][0] < self._armed[0]):
             self._arm(h[0][0])
 
@@ -149,7 +175,7 @@ class Timers:
     def next_time(self) -> float:
         h = self.heap
         while h and not h[0][5]:
-            heapq.heappop(h)
+            self._pop()
         return h[0][2] if h else INF
 
 
@@ -261,7 +287,7 @@ class Run:
         att = Attempt(call_id, number, cs.deadline)
         row = self.attempt_log.add(call_id, number, t)
         self.call_log.attempts[call_id] = cs.attempts
-        self.open[id(att)] = (row, self.timers.at(cs.deadline, self._deadline, att))
+        self.open[id(att)] = (row, self.timers.at(cs.deadline, self._deadline, att, in_order=True))
         self._do(t, self.proxy.on_attempt(t, att, (self.max_tokens[call_id],), self.prompt_len[call_id]))
 
     def _deadline(self, t: float, att: Attempt) -> None:
@@ -309,20 +335,27 @@ class Run:
         nested call would run them, but from one loop: a long chain of
         refusals does not grow the stack."""
         stack = self._action_stack
+        if not stack and not actions:       # nothing to carry out (the loop below would only log the queue)
+            q = self.proxy.queued
+            if q != self.proxy_queue_log[-1][1]:
+                self.proxy_queue_log.append((t, q))
+            return
         stack.append((t, iter(actions)))
         if len(stack) > 1:
             return                          # the loop below, running already, takes it next
         handlers = self._handlers
         while stack:
             at, it = stack[-1]
-            a = next(it, None)
-            if a is None:
+            depth = len(stack)
+            for a in it:
+                handlers[type(a)](at, a)
+                if len(stack) != depth:
+                    break                   # the handler's own actions, on the stack now, come first
+            else:
                 stack.pop()
                 q = self.proxy.queued
                 if q != self.proxy_queue_log[-1][1]:
                     self.proxy_queue_log.append((at, q))
-                continue
-            handlers[type(a)](at, a)
 
     def _subscribe(self, t: float, a: Subscribe) -> None:
         row = self.open[id(a.attempt)][0]

@@ -40,11 +40,11 @@ def exec_space(request_id: int) -> int:
 class Extent:
     __slots__ = ("space", "lo", "hi", "holders", "free", "owner")
 
-    def __init__(self, space: int, lo: int, hi: int, owner=None):
+    def __init__(self, space: int, lo: int, hi: int, owner=None, holder=None):
         self.space = space
         self.lo = lo
         self.hi = hi
-        self.holders = []     # requests holding these blocks (the ref count is its length)
+        self.holders = [] if holder is None else [holder]  # requests holding these blocks (the ref count)
         self.free = False     # in the free queue (ref == 0, still hashed)
         self.owner = owner    # request that is still filling the top block, if any
 
@@ -98,27 +98,33 @@ class BlockPool:
         q = self.free_queue
         while n:
             e = q[0]
-            size = e.hi - e.lo
-            if not e.free or size == 0:
+            lo, hi = e.lo, e.hi
+            if not e.free or hi == lo:
                 q.popleft()
                 continue
-            k = size if size < n else n
-            e.hi -= k
-            n -= k
-            if e.space >= 0:
-                self.evicted += k
-            if e.hi == e.lo:
-                e.free = False
-                q.popleft()
+            if hi - lo > n:             # part of it: its top n blocks
+                e.hi = hi - n
                 if e.space >= 0:
-                    self._unindex(e)
+                    self.evicted += n
+                return
+            n -= hi - lo                # all of it
+            e.hi = lo
+            e.free = False
+            q.popleft()
+            if e.space >= 0:
+                self.evicted += hi - lo
+                self._unindex(e)
 
     def new_extent(self, space: int, lo: int, hi: int, owner) -> Extent:
         """A fresh extent of hi-lo newly allocated blocks, held by `owner`."""
         self.take_free(hi - lo)
-        e = Extent(space, lo, hi, owner)
-        e.holders.append(owner)
-        self._index(e)
+        e = Extent(space, lo, hi, owner, owner)
+        if space >= 0 and hi > lo:      # _index(e)
+            lst = self.cached.get(space)
+            if lst is None:
+                self.cached[space] = [e]
+            else:
+                lst.append(e)
         return e
 
     def grow(self, e: Extent, hi: int) -> None:
@@ -164,8 +170,7 @@ class BlockPool:
         if e.free:
             n = hi - lo
             self.num_free -= n
-            piece = Extent(e.space, lo, hi)
-            piece.holders.append(req)
+            piece = Extent(e.space, lo, hi, None, req)
             self._index(piece)
             if lo == e.lo and hi == e.hi:
                 e.free = False

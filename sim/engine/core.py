@@ -8,7 +8,9 @@ until `depth` are in flight. So an abort that arrives during step k is applied
 when step k ends; step k and (at depth 2) step k+1 still run with the request
 in them — their prompt tokens are "in flight" — and it is gone from step k+2.
 
-One SimPy event per scheduler output. A run of identical decode-only steps
+One SimPy event per scheduler output: the engine loop is a chain of
+callbacks on the SimPy queue (`_loop` at the top of an iteration,
+`_step_end` when the step in flight ends), not a SimPy process. A run of identical decode-only steps
 with nothing able to change them (no request finishing, no block shortage,
 admission blocked or nothing waiting, no input due before the last of them
 would be scheduled) is one output, a fast-forward, its duration in closed
@@ -18,8 +20,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from heapq import heappush
 from dataclasses import dataclass
 from typing import Callable
+
+from simpy.events import NORMAL, URGENT
 
 from .request import Request, RUNNING, FINISHED, ABORTED, WAITING_STATUSES
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -27,6 +32,22 @@ from .step_time import StepTimeModel
 
 INF = float("inf")
 ABORT_LATENCIES = ("v1", "v0")
+
+
+class Call:
+    """An entry of the SimPy queue that calls `fn(self)` when the clock
+    reaches it: a triggered event, lighter than a simpy.Event."""
+    __slots__ = ("callbacks",)
+    _ok = True
+
+    def __init__(self, fn):
+        self.callbacks = [fn]
+
+
+def call_later(env, delay: float, fn, priority=NORMAL) -> None:
+    """Call `fn(event)` at env.now + delay (the time a SimPy timeout of
+    `delay` would fire, in the same order: `env.schedule` inlined)."""
+    heappush(env._queue, (env._now + delay, priority, next(env._eid), Call(fn)))
 
 
 @dataclass(frozen=True)
@@ -87,7 +108,8 @@ class EngineCore:
         self._scheduled_uncomputed = None    # uncomputed prompt tokens in the scheduler (None: to count)
         self.processed = -1          # index of the last step whose output was processed
         self.now = 0.0               # the engine's own clock: end of the last processed step
-        self._wake = None
+        self._idle = False           # the loop waits for an input (`_poke` resumes it)
+        self._ending = None          # the output whose step ended during a stall
         self.gauge_log: list[tuple[float, int, int]] = []   # (t, waiting, running) at changes
         self.aborted_before_scheduled = 0
         self.busy_s = 0.0            # duration of every step scheduled so far
@@ -102,7 +124,7 @@ class EngineCore:
             self._apply_inbox = self._apply_inbox_v0
         if config.scheduler.kv_policy == "reserve":
             self._log_gauges = self._log_gauges_gap
-        self.process = env.process(self._run())
+        call_later(env, 0.0, self._loop, URGENT)       # where a SimPy process would start
 
     # ------------------------------------------------------------- inputs
     def num_in_engine(self) -> int:
@@ -145,47 +167,71 @@ class EngineCore:
         self._poke()
 
     def _poke(self) -> None:
-        if self._wake is not None and not self._wake.triggered:
-            self._wake.succeed()
+        if self._idle:
+            self._idle = False
+            call_later(self.env, 0.0, self._loop)
 
     # ---------------------------------------------------------------- loop
-    def _run(self):
+    def _loop(self, _event=None) -> None:
+        """The top of the loop: with no step in flight, apply the inputs and
+        schedule; then wait for the end of the first step in flight (or,
+        idle, for an input)."""
         env = self.env
-        while True:
-            if self.stalls:
-                yield from self._sit_out_stall()
-            if not self.pending:
-                self.now = env.now
-                self._apply_inbox(idle=True)
-                self._fill()
-                self._log_gauges()
-                if not self.pending:
-                    self._wake = env.event()
-                    yield self._wake
-                    self._wake = None
-                    continue
-            output = self.pending[0]
-            yield env.timeout(max(0.0, output.end - env.now))
-            self.pending.popleft()
-            self.now = output.end
-            if self.stalls:
-                yield from self._sit_out_stall()
-                self.now = max(output.end, env.now)     # outputs of steps that ended in a stall
-            self._process(output)
-            self._apply_inbox()
+        if self.stalls and self._wait_out_stall(self._loop):
+            return
+        if not self.pending:
+            self.now = env.now
+            self._apply_inbox(idle=True)
             self._fill()
             self._log_gauges()
+            if not self.pending:
+                self._idle = True
+                return
+        call_later(env, max(0.0, self.pending[0].end - env.now), self._step_end)
 
-    def _sit_out_stall(self):
-        """At a boundary that falls in a stall, wait for its end."""
+    def _step_end(self, _event) -> None:
+        """The first step in flight ended: a step boundary."""
+        output = self.pending.popleft()
+        self.now = output.end
+        if self.stalls:
+            self._ending = output
+            self._step_end_in_stall()
+            return
+        self._process(output)
+        self._apply_inbox()
+        self._fill()
+        self._log_gauges()
+        pending = self.pending
+        if pending:                     # as _loop() with a step in flight
+            env = self.env
+            delay = pending[0].end - env._now
+            call_later(env, delay if delay > 0.0 else 0.0, self._step_end)
+        else:
+            self._loop()
+
+    def _step_end_in_stall(self, _event=None) -> None:
+        if self._wait_out_stall(self._step_end_in_stall):
+            return
+        output = self._ending
+        self.now = max(output.end, self.env.now)     # outputs of steps that ended in a stall
+        self._process(output)
+        self._apply_inbox()
+        self._fill()
+        self._log_gauges()
+        self._loop()
+
+    def _wait_out_stall(self, then) -> bool:
+        """At a boundary that falls in a stall, call `then` at its end (True)."""
         env = self.env
         while self._next_stall < len(self.stalls):
             start, length = self.stalls[self._next_stall]
             if env.now < start:
-                return
+                return False
             self._next_stall += 1
             if env.now < start + length:
-                yield env.timeout(start + length - env.now)
+                call_later(env, start + length - env.now, then)
+                return True
+        return False
 
     def _fill(self) -> None:
         self._scheduled_uncomputed = None
@@ -375,7 +421,11 @@ class EngineCore:
                     rec.tokens_generated = r.outputs_done
                     # prompt work of steps that finished after the abort arrived
                     first = self.processed if self.config.abort_latency == "v1" else r.abort_seen + 1
-                    rec.prompt_in_flight = sum(q for s, q in r.chunks if s >= first)
+                    in_flight = 0
+                    for s, q in r.chunks:
+                        if s >= first:
+                            in_flight += q
+                    rec.prompt_in_flight = in_flight
                 if was_waiting and not r.chunks:
                     self.aborted_before_scheduled += 1
 

@@ -67,32 +67,42 @@ class KVCacheManager:
     # --------------------------------------------------------------- lookup
     def get_computed_blocks(self, r: Request):
         """The prefix-cache hit of r: pieces (extent, lo, hi) and the tokens they hold."""
-        max_blocks = (r.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        max_blocks = (r.num_prompt_tokens + r.num_output_tokens - 1) // bs
+        prefix, prefix_end, call, prompt_end, own = r.kv_layout or self._layout(r)
+        pool = self.block_pool
+        cached = pool.cached
         pieces = []
         end = 0
-        for space, first, last in self._segments(r, max_blocks):
+        # the segments of r's first max_blocks blocks (see _segments)
+        for space, first, last in ((prefix, 0, prefix_end), (call, prefix_end, prompt_end),
+                                   (own, prompt_end, max_blocks)):
+            if last > max_blocks:
+                last = max_blocks
             if first >= last:
                 continue
             if end < first:
                 break
-            found = self.block_pool.lookup(space, first, last)
-            if found:
-                pieces += found
-                end = found[-1][2]
+            if space in cached:
+                found = pool.lookup(space, first, last)
+                if found:
+                    pieces += found
+                    end = found[-1][2]
             if end < last:
                 break
-        return pieces, end * self.block_size
+        return pieces, end * bs
 
     # ----------------------------------------------------------- allocation
     def allocate_slots(self, r: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks=None, num_blocks_set_aside: int = 0) -> bool:
         pool = self.block_pool
         bs = self.block_size
+        table = r.blocks
         if new_computed_blocks is not None:
             if self.reserve:
                 needed = cdiv(r.num_prompt_tokens + r.max_tokens, bs)
             else:
-                needed = cdiv(r.num_tokens, bs)
+                needed = cdiv(r.num_prompt_tokens + r.num_output_tokens, bs)
             hit_in_free_queue = 0
             for e, lo, hi in new_computed_blocks:
                 if e.free:
@@ -101,9 +111,8 @@ class KVCacheManager:
                 return False
             r.reserve_top = needed
             for e, lo, hi in new_computed_blocks:
-                r.blocks.append(pool.acquire(e, lo, hi, r))
-        target = cdiv(r.num_computed_tokens + num_new_computed_tokens + num_new_tokens, bs)
-        table = r.blocks
+                table.append(pool.acquire(e, lo, hi, r))
+        target = -((r.num_computed_tokens + num_new_computed_tokens + num_new_tokens) // -bs)    # cdiv
         held = table[-1].hi if table else 0
         if target <= held:
             return True
@@ -111,16 +120,24 @@ class KVCacheManager:
             assert new_computed_blocks is None, "the admission check guarantees the blocks"
             return False
         top = table[-1] if table else None
-        for space, first, last in self._segments(r, target):
-            lo = first if first > held else held
-            if lo >= last:
-                continue
-            if top is not None and top.owner is r and top.space == space and top.hi == lo:
-                pool.grow(top, last)
+        prefix, prefix_end, call, prompt_end, own = r.kv_layout or self._layout(r)
+        # blocks [held, target), a piece per segment they cross (see _segments)
+        while held < target:
+            if held < prefix_end:
+                space, last = prefix, prefix_end
+            elif held < prompt_end:
+                space, last = call, prompt_end
+            else:
+                space, last = own, target
+            if last > target:
+                last = target
+            if top is not None and top.owner is r and top.space == space and top.hi == held:
+                pool.take_free(last - held)         # pool.grow(top, last)
+                top.hi = last
             else:
                 if top is not None and top.owner is r and top.space != space:
                     top.owner = None            # complete: the sequence moved past it
-                top = pool.new_extent(space, lo, last, r)
+                top = pool.new_extent(space, held, last, r)
                 table.append(top)
             held = last
         return True

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .decode_group import DecodeGroup
 from .kv_cache_manager import KVCacheManager
 from .request import Request, WAITING, RUNNING, PREEMPTED, FINISHED, ABORTED, WAITING_STATUSES
-from .step_time import StepTimeModel, prefill_pairs
+from .step_time import StepTimeModel
 from .utils import cdiv
 
 
@@ -78,6 +78,8 @@ class Scheduler:
         self.leak_blocks_on_abort = leak_blocks_on_abort    # fault injection (EngineConfig)
         self.step_model = step_model
         self.block_size = config.block_size
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
         self.reserve = config.kv_policy == "reserve"
         self.kv_cache_manager = KVCacheManager(config.num_gpu_blocks, config.block_size, self.reserve)
         self.block_pool = self.kv_cache_manager.block_pool
@@ -108,24 +110,30 @@ class Scheduler:
             for r in group.pop_done(step):
                 self._leave_decode_group(r, step - 1)
         output = SchedulerOutput(step)
-        token_budget = self.config.max_num_batched_tokens
+        max_num_batched_tokens = self.max_num_batched_tokens
+        token_budget = max_num_batched_tokens
         preempted = False
 
         # 1. running requests: the decode group, one token each, then those in prefill
-        num_new_blocks = group.new_blocks_at(step)
-        if num_new_blocks and not kv.allocate_decode_blocks(num_new_blocks):
-            preempted = self._allocate_decode_blocks_preempting(step)
+        num_new_blocks = group.new_blocks_by_phase[step % self.block_size]     # group.new_blocks_at(step)
+        if num_new_blocks:
+            if num_new_blocks <= self.block_pool.num_free:                      # kv.allocate_decode_blocks
+                self.block_pool.take_free(num_new_blocks)
+            else:
+                preempted = self._allocate_decode_blocks_preempting(step)
         # the group as it enters this step: requests whose prefill completes
         # below join it for the next step
         num_decode = group.num_reqs
-        output.decode_context = group.context_sum(step)
+        output.decode_context = group.context_offset + num_decode * (step + 1)  # group.context_sum(step)
         token_budget -= num_decode
         for r in list(self.prefilling) if self.prefilling else ():
             if token_budget <= 0:
                 break
             if r.status != RUNNING:
                 continue                # preempted above as a victim
-            num_new_tokens = min(r.num_tokens - r.num_computed_tokens, token_budget)
+            num_new_tokens = r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens   # r.num_tokens - ...
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
             while not kv.allocate_slots(r, num_new_tokens):
                 preempted = True
                 if self._preempt_last(step) is r:
@@ -137,10 +145,11 @@ class Scheduler:
         # 2. waiting requests, from the head, unless this step preempted
         blocked = False
         if not preempted:
-            while token_budget > 0 and self.num_waiting and len(self.running) < self.config.max_num_seqs:
-                r = self.waiting[0]
+            waiting, running, max_num_seqs = self.waiting, self.running, self.max_num_seqs
+            while token_budget > 0 and self.num_waiting and len(running) < max_num_seqs:
+                r = waiting[0]
                 if r.status not in WAITING_STATUSES:
-                    self.waiting.popleft()      # aborted while waiting
+                    waiting.popleft()           # aborted while waiting
                     continue
                 if self._blocked == (r, self.block_pool.releases, self._num_chunks):
                     # since this head last did not fit, no block came back and no
@@ -149,13 +158,15 @@ class Scheduler:
                     blocked = True
                     break
                 computed_blocks, num_computed_tokens = kv.get_computed_blocks(r)
-                num_new_tokens = min(r.num_tokens - num_computed_tokens, token_budget)
+                num_new_tokens = r.num_prompt_tokens + r.num_output_tokens - num_computed_tokens
+                if num_new_tokens > token_budget:
+                    num_new_tokens = token_budget
                 set_aside = self.reservation_gap(step) if self.reserve else 0
                 if not kv.allocate_slots(r, num_new_tokens, num_computed_tokens, computed_blocks, set_aside):
                     blocked = True
                     self._blocked = (r, self.block_pool.releases, self._num_chunks)
                     break
-                self.waiting.popleft()
+                waiting.popleft()
                 self.num_waiting -= 1
                 self._admit(r, num_computed_tokens)
                 self._schedule_chunk(output, r, num_new_tokens, step)
@@ -166,10 +177,10 @@ class Scheduler:
             return None
         output.num_decode_reqs = num_decode
         output.num_reqs = num_decode + num_prefill
-        output.total_num_scheduled_tokens = self.config.max_num_batched_tokens - token_budget
+        output.total_num_scheduled_tokens = max_num_batched_tokens - token_budget
         if (fast_forward_limit is not None and num_decode and not num_prefill and not preempted
                 and not self.prefilling and (blocked or not self.num_waiting
-                                             or len(self.running) >= self.config.max_num_seqs)):
+                                             or len(self.running) >= self.max_num_seqs)):
             self._fast_forward(output, fast_forward_limit, num_tail_steps)
         if output.last in group.by_last_step:
             output.finishing.extend(group.finishing_at(output.last))
@@ -228,8 +239,9 @@ class Scheduler:
             r.record.prompt_computed += num_new_tokens
         context_before = r.num_computed_tokens - num_new_tokens
         output.prefill_chunks.append((r, num_new_tokens, context_before))
-        output.prefill_pairs += prefill_pairs(num_new_tokens, context_before)
-        if r.num_computed_tokens == r.num_tokens:
+        # prefill_pairs(num_new_tokens, context_before)
+        output.prefill_pairs += num_new_tokens * (context_before + (num_new_tokens + 1) / 2.0)
+        if r.num_computed_tokens == r.num_prompt_tokens + r.num_output_tokens:     # r.num_tokens
             r.num_output_tokens += 1
             output.first_outputs.append(r)
             self.prefilling.remove(r)
