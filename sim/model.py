@@ -64,6 +64,12 @@ class Clock(simpy.Environment):
         return n
 
 
+class _Attempt(Attempt):
+    """An attempt with the driver's bookkeeping: its row in the attempt log
+    and its deadline timer (set by `Run._send`)."""
+    __slots__ = ("row", "timer")
+
+
 class Timers:
     """Driver-side timers on the SimPy clock, cancellable, with the time of
     the next live one (the engine may not advance past it in closed form).
@@ -205,7 +211,8 @@ class Run:
         self.trace = trace
         self.scenario = scenario
         self.done = env.event()
-        self.timers = Timers(env, horizon=self._horizon, stop=lambda: self.done.triggered)
+        self._over: list = []       # [True] once every call is over and `done` triggered (its length: Timers' stop)
+        self.timers = Timers(env, horizon=self._horizon, stop=self._over.__len__)
         self.client = RetryingClient(condition.client_config(scenario), uniform_draws(np.random.default_rng([seed, 1])))
         self.proxy_queue_log: list[tuple[float, int]] = [(0.0, 0)]   # (t, proxy queue length) at changes
         self._build(profile, condition, scenario, max_batched_tokens, fast_forward)
@@ -213,17 +220,20 @@ class Run:
         self.arrival = trace.arrival.tolist()
         self.max_tokens = trace.max_tokens.tolist()
         self.prompt_len = trace.prompt_len.tolist()
+        # each call's shared-prefix tokens and prefix group (trace.prefix_of)
+        self.prefix_len = trace.prefix_len.tolist() if trace.prefix_len is not None else [trace.shared_prefix] * n
+        self.prefix_group = trace.prefix_group.tolist() if trace.prefix_len is not None else [0] * n
         self.calls: list[CallState | None] = [None] * n     # client state of the calls in progress
         self.call_log = CallTable.planned(trace.arrival)
         self.attempt_log = AttemptTable()
         self.executions: list[ExecutionRecord] = []
         self.requests: dict[int, Request] = {}
-        self.open: dict[int, tuple[int, list]] = {}     # id(attempt) -> (its row in attempt_log, its deadline timer)
         self.outstanding = n
         self.counters_at: dict[float, dict] = {}
-        self.thin_at = 0      # thin the gauge logs beyond this many entries (0: never; run() sets it)
+        self.thin_at = 0      # thin the gauge logs beyond this many entries, looked at every 256th arrival
+        #                       (0: never; run() sets it)
         self._action_stack: list = []       # (t, actions) lists being carried out (see _do)
-        self._handlers = {Subscribe: self._subscribe, Dispatch: self._dispatch_action, Cancel: self._cancel,
+        self._handlers = {Subscribe: self._subscribe, Cancel: self._cancel,
                           Refuse: self._refuse, Complete: self._complete, Drop: self._drop, Wake: self._wake_at}
         for t in snapshot_times:
             self.timers.at(t, self._snapshot)
@@ -234,7 +244,7 @@ class Run:
         for i in range(n if not self._in_order else min(n, 1)):
             self.timers.at(self.arrival[i], self._arrive, i, seq=self._arrival_seq + i)
         if n == 0:
-            self.done.succeed()
+            self._finish()
 
     def _build(self, profile: Profile, condition: Condition, scenario: Scenario, max_batched_tokens: int | None,
                fast_forward: bool) -> None:
@@ -273,7 +283,7 @@ class Run:
 
     # ------------------------------------------------------------ client side
     def _arrive(self, t: float, call_id: int) -> None:
-        if self.thin_at and self._log_entries() > self.thin_at:
+        if not call_id & 255 and self.thin_at and self._log_entries() > self.thin_at:
             self._thin()
         nxt = call_id + 1
         if self._in_order and nxt < len(self.arrival):
@@ -284,16 +294,18 @@ class Run:
     def _send(self, t: float, call_id: int) -> None:
         cs = self.calls[call_id]
         number = self.client.send(cs, t)
-        att = Attempt(call_id, number, cs.deadline)
-        row = self.attempt_log.add(call_id, number, t)
+        att = _Attempt(call_id, number, cs.deadline)
+        att.row = self.attempt_log.add(call_id, number, t)
         self.call_log.attempts[call_id] = cs.attempts
-        self.open[id(att)] = (row, self.timers.at(cs.deadline, self._deadline, att, in_order=True))
+        att.timer = self.timers.at(cs.deadline, self._deadline, att, in_order=True)
         self._do(t, self.proxy.on_attempt(t, att, (self.max_tokens[call_id],), self.prompt_len[call_id]))
 
-    def _deadline(self, t: float, att: Attempt) -> None:
+    def _deadline(self, t: float, att: _Attempt) -> None:
         if not att.open:
             return
-        self._end_attempt(self.open.pop(id(att))[0], t, _TIMEOUT)
+        log = self.attempt_log
+        log.ended_at[att.row] = t
+        log.outcome[att.row] = _TIMEOUT
         self._do(t, self.proxy.on_attempt_left(t, att))
         ex = att.execution
         if ex is not None and ex.orphaned:
@@ -315,17 +327,18 @@ class Run:
         self.calls[call_id] = None          # the call is over: its client state goes
         self.outstanding -= 1
         if self.outstanding == 0 and not self.done.triggered:
-            self.done.succeed()
+            self._finish()
 
-    def _close_attempt(self, att: Attempt, t: float, outcome: int) -> None:
-        row, timer = self.open.pop(id(att))
-        timer[5] = False                    # Timers.cancel
-        self._end_attempt(row, t, outcome)
+    def _finish(self) -> None:
+        """Every call is over: the run ends (timers stop batching)."""
+        self._over.append(True)
+        self.done.succeed()
 
-    def _end_attempt(self, row: int, t: float, outcome: int) -> None:
+    def _close_attempt(self, att: _Attempt, t: float, outcome: int) -> None:
+        att.timer[5] = False                # Timers.cancel
         log = self.attempt_log
-        log.ended_at[row] = t
-        log.outcome[row] = outcome
+        log.ended_at[att.row] = t
+        log.outcome[att.row] = outcome
 
     # ------------------------------------------------------------- proxy side
     def _do(self, t: float, actions: list) -> None:
@@ -348,7 +361,10 @@ class Run:
             at, it = stack[-1]
             depth = len(stack)
             for a in it:
-                handlers[type(a)](at, a)
+                if type(a) is Dispatch:
+                    self._dispatch(at, a.execution)
+                else:
+                    handlers[type(a)](at, a)
                 if len(stack) != depth:
                     break                   # the handler's own actions, on the stack now, come first
             else:
@@ -358,18 +374,15 @@ class Run:
                     self.proxy_queue_log.append((at, q))
 
     def _subscribe(self, t: float, a: Subscribe) -> None:
-        row = self.open[id(a.attempt)][0]
-        ex = a.execution
-        self.attempt_log.execution[row] = ex.id
-        self.attempt_log.attached[row] = a.attempt.attached
+        att, ex = a.attempt, a.execution
+        row, log = att.row, self.attempt_log
+        log.execution[row] = ex.id
+        log.attached[row] = att.attached
         if ex.id == len(self.executions):        # created for this attempt
             i = ex.call_id
-            self.executions.append(ExecutionRecord(
-                id=ex.id, call=i, attempt=a.attempt.number, prompt_len=self.prompt_len[i],
-                max_tokens=self.max_tokens[i], created_at=ex.created_at))
-
-    def _dispatch_action(self, t: float, a: Dispatch) -> None:
-        self._dispatch(t, a.execution)
+            # ExecutionRecord(id, call, attempt, prompt_len, max_tokens, created_at)
+            self.executions.append(ExecutionRecord(ex.id, i, att.number, self.prompt_len[i], self.max_tokens[i],
+                                                   ex.created_at))
 
     def _cancel(self, t: float, a: Cancel) -> None:
         self.executions[a.execution.id].cancel_requested_at = t
@@ -409,8 +422,9 @@ class Run:
     def _dispatch(self, t: float, ex) -> None:
         erec = self.executions[ex.id]
         erec.dispatched_at = t
-        prefix, group = self.trace.prefix_of(ex.call_id)
-        req = Request(ex.id, ex.call_id, erec.prompt_len, erec.max_tokens, prefix, record=erec, prefix_group=group)
+        i = ex.call_id
+        req = Request(ex.id, i, erec.prompt_len, erec.max_tokens, self.prefix_len[i], record=erec,
+                      prefix_group=self.prefix_group[i])
         if self.engine.add_request(req):
             erec.accepted = True
             self.requests[ex.id] = req

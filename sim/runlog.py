@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import numpy as np
 
@@ -18,11 +19,14 @@ NAN = float("nan")
 def sample_log(log, ts: np.ndarray, column: int = 1) -> np.ndarray:
     """Value of a change log [(time, v1, v2, ...), ...] (sorted by time) at the
     times `ts`: the last entry at or before each time, 0 before the first."""
-    g = np.asarray(log, dtype=float)
-    if len(g) == 0:
+    n = len(log)
+    if n == 0:
         return np.zeros(len(ts))
-    idx = np.searchsorted(g[:, 0], ts, side="right") - 1
-    return np.where(idx >= 0, g[np.maximum(idx, 0), column], 0.0)
+    times = np.fromiter(map(itemgetter(0), log), dtype=float, count=n)
+    idx = np.searchsorted(times, ts, side="right") - 1
+    rows = np.maximum(idx, 0).tolist()
+    values = np.fromiter([log[i][column] for i in rows], dtype=float, count=len(rows))
+    return np.where(idx >= 0, values, 0.0)
 
 
 def thin_log(log: list) -> None:

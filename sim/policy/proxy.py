@@ -49,6 +49,7 @@ INF = float("inf")
 CANCELLATIONS = ("off", "now", "deferred")
 ORDERS = ("budget-first", "lookup-first")
 QUEUES = ("fifo", "deadline", "lifo")
+_LIVE = ("created", "queued", "dispatched")    # the states of a live execution
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ class Execution:
 
     @property
     def live(self) -> bool:
-        return self.state in ("created", "queued", "dispatched")
+        return self.state in _LIVE
 
     def __repr__(self) -> str:
         return f"Execution({self.id}, call {self.call_id}, {self.state})"
@@ -277,7 +278,7 @@ class Proxy:
     # ------------------------------------------------------------ attempts
     def on_attempt(self, t: float, attempt: Attempt, params: tuple = (), prompt_len: int = 0) -> list:
         cfg = self.config
-        key = call_key(attempt.call_id, params)
+        key = (attempt.call_id, *params)            # call_key(attempt.call_id, params)
         retry = attempt.number > 0
         if not retry and self.budget is not None:
             self.budget.first(t)
@@ -305,15 +306,15 @@ class Proxy:
             self.live[key] = ex
         ex.subscribers.append(attempt)
         attempt.execution = ex
-        out = [Subscribe(attempt, ex)]
         if cfg.proxy_cap is None or self.outstanding < cfg.proxy_cap:
-            self._dispatch(ex, out)
-        else:
-            ex.state = "queued"
-            self.queue.append(ex)
-            self.queued += 1
-            self.queued_tokens += ex.prompt_len
-        return out
+            ex.state = "dispatched"             # as _dispatch()
+            self.outstanding += 1
+            return [Subscribe(attempt, ex), Dispatch(ex)]
+        ex.state = "queued"
+        self.queue.append(ex)
+        self.queued += 1
+        self.queued_tokens += ex.prompt_len
+        return [Subscribe(attempt, ex)]
 
     def _dispatch(self, ex: Execution, out: list) -> None:
         ex.state = "dispatched"
@@ -329,8 +330,9 @@ class Proxy:
             self.queued_tokens -= ex.prompt_len
         ex.state = state
         self.executions.pop(ex.id, None)
-        if self.live.get(ex.key) is ex:
-            del self.live[ex.key]
+        live = self.live
+        if live and live.get(ex.key) is ex:
+            del live[ex.key]
 
     def _pop(self) -> Execution | None:
         q = self.queue
@@ -370,7 +372,7 @@ class Proxy:
         """The client gave up the attempt and closed its connection."""
         attempt.open = False
         ex = attempt.execution
-        if ex is None or not ex.live:
+        if ex is None or ex.state not in _LIVE:
             return []
         ex.subscribers.remove(attempt)
         if ex.subscribers:
