@@ -13,7 +13,8 @@ from collections import deque
 
 import numpy as np
 import simpy
-from simpy.events import NORMAL
+from simpy.core import StopSimulation
+from simpy.events import NORMAL, URGENT, Event
 
 from .conditions import Condition
 from .engine.core import Call, EngineCore, EngineConfig
@@ -51,6 +52,44 @@ class Clock(simpy.Environment):
     """The SimPy environment of a run, with an event scheduled at an exact
     time for the driver's timers (which also set `now` to a timer's own time
     while it fires in a batch, see `Timers`)."""
+
+    def run(self, until=None):
+        """As `simpy.Environment.run` (same `until` forms, result and
+        errors), with `step()` carried out inline in its loop."""
+        if until is not None:
+            if not isinstance(until, Event):
+                at = until if isinstance(until, int) else float(until)
+                if at <= self._now:
+                    raise ValueError(f"until ({at}) must be greater than the current simulation time")
+                until = Event(self)     # before all regular timeouts, as simpy's
+                until._ok = True
+                until._value = None
+                self.schedule(until, URGENT, at - self._now)
+            elif until.callbacks is None:
+                return until.value      # processed already
+            until.callbacks.append(StopSimulation.callback)
+        queue, pop = self._queue, heapq.heappop
+        try:
+            while queue:
+                self._now, _, _, event = pop(queue)
+                callbacks, event.callbacks = event.callbacks, None
+                try:
+                    for callback in callbacks:
+                        callback(event)
+                except StopSimulation:
+                    # the rest of the event's callbacks run when the simulation resumes
+                    event.callbacks = callbacks[callbacks.index(callback) + 1:]
+                    self.schedule(event, URGENT - 1)
+                    raise
+                if not event._ok and not hasattr(event, "_defused"):
+                    exc = type(event._value)(*event._value.args)    # a failed event nobody defused
+                    exc.__cause__ = event._value
+                    raise exc
+        except StopSimulation as exc:
+            return exc.args[0]
+        if until is not None:
+            raise RuntimeError(f'No scheduled events left but "until" event was not triggered: {until}')
+        return None
 
     def schedule_at(self, t: float, callback) -> None:
         """Call `callback(event)` when the clock reaches `t` (>= now)."""

@@ -103,8 +103,8 @@ class PromptRate:
         self.total = 0.0
 
     def _trim(self, t: float) -> None:
-        ev = self.events
-        while ev and ev[0][0] <= t - self.window_s:
+        ev, lo = self.events, t - self.window_s
+        while ev and ev[0][0] <= lo:
             self.total -= ev.popleft()[1]
 
     def add(self, t: float, tokens: float) -> None:
@@ -383,7 +383,7 @@ class Proxy:
         c = self.config.cancellation
         if c == "now":
             self._end(ex, "cancelled")
-            return self._pump(t, [Cancel(ex)])
+            return [Cancel(ex)] if self.config.proxy_cap is None else self._pump(t, [Cancel(ex)])
         ex.orphaned = True
         if c == "deferred":
             ex.wake_at = t + self.config.defer_s
