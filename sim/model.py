@@ -387,15 +387,31 @@ class Run:
         nested call would run them, but from one loop: a long chain of
         refusals does not grow the stack."""
         stack = self._action_stack
-        if not stack and not actions:       # nothing to carry out (the loop below would only log the queue)
-            q = self.proxy.queued
-            if q != self.proxy_queue_log[-1][1]:
-                self.proxy_queue_log.append((t, q))
+        if stack:                           # a handler's own actions: the loop running already takes them next
+            stack.append((t, iter(actions)))
             return
-        stack.append((t, iter(actions)))
-        if len(stack) > 1:
-            return                          # the loop below, running already, takes it next
-        handlers = self._handlers
+        if actions:
+            it = iter(actions)
+            stack.append((t, it))
+            handlers = self._handlers
+            for a in it:                    # the outer list, as the loop below would carry it out
+                if type(a) is Dispatch:
+                    self._dispatch(t, a.execution)
+                else:
+                    handlers[type(a)](t, a)
+                if len(stack) != 1:
+                    self._do_nested()       # the handler's own actions, on the stack now, come first
+                    return
+            stack.pop()
+        q = self.proxy.queued
+        if q != self.proxy_queue_log[-1][1]:
+            self.proxy_queue_log.append((t, q))
+
+    def _do_nested(self) -> None:
+        """`_do`'s loop once a handler's own actions are on the stack: the
+        top list first, then the rest of the lists below it, each logging
+        the proxy queue when done."""
+        stack, handlers = self._action_stack, self._handlers
         while stack:
             at, it = stack[-1]
             depth = len(stack)
