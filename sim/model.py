@@ -25,7 +25,7 @@ from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Di
                            Drop, Wake)
 from .profile import Profile
 from .runlog import (RunLog, ExecutionRecord, Series, AttemptTable, CallTable, ATTEMPT_OUTCOMES, CALL_OUTCOMES,
-                     sample_log, refusal_outcome, thin_log)
+                     sample_columns, sample_log, refusal_outcome, thin_log)
 from .scenario import Scenario
 from .workload import Trace
 
@@ -531,8 +531,7 @@ class Run:
     def _log(self, end: float, wall: float) -> RunLog:
         eng = self.engine
         ts = np.arange(0.0, math.floor(end) + 1.0)
-        waiting = sample_log(eng.gauge_log, ts, 1).astype(np.int64)
-        running = sample_log(eng.gauge_log, ts, 2).astype(np.int64)
+        waiting, running = (v.astype(np.int64) for v in sample_columns(eng.gauge_log, ts, (1, 2)))
         proxy_queue = sample_log(self.proxy_queue_log, ts, 1).astype(np.int64)
         series = Series(t=ts, waiting=waiting, running=running, proxy_queue=proxy_queue)
         s = eng.scheduler

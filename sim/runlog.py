@@ -19,14 +19,24 @@ NAN = float("nan")
 def sample_log(log, ts: np.ndarray, column: int = 1) -> np.ndarray:
     """Value of a change log [(time, v1, v2, ...), ...] (sorted by time) at the
     times `ts`: the last entry at or before each time, 0 before the first."""
+    return sample_columns(log, ts, (column,))[0]
+
+
+def sample_columns(log, ts: np.ndarray, columns: tuple) -> list[np.ndarray]:
+    """`sample_log` of each of `columns`, the log read once."""
     n = len(log)
     if n == 0:
-        return np.zeros(len(ts))
+        return [np.zeros(len(ts)) for _ in columns]
     times = np.fromiter(map(itemgetter(0), log), dtype=float, count=n)
     idx = np.searchsorted(times, ts, side="right") - 1
-    rows = np.maximum(idx, 0).tolist()
-    values = np.fromiter([log[i][column] for i in rows], dtype=float, count=len(rows))
-    return np.where(idx >= 0, values, 0.0)
+    rows = [log[i] for i in np.maximum(idx, 0).tolist()]
+    before = idx < 0
+    out = []
+    for c in columns:
+        values = np.fromiter(map(itemgetter(c), rows), dtype=float, count=len(rows))
+        values[before] = 0.0
+        out.append(values)
+    return out
 
 
 def thin_log(log: list) -> None:

@@ -583,6 +583,17 @@ def test_thin_log_keeps_the_last_entry_of_each_second():
     assert np.array_equal(sample_log(log, ts), before)
 
 
+def test_sample_columns_reads_each_column_as_sample_log_does():
+    import numpy as np
+    from sim.runlog import sample_columns, sample_log
+    log = [(0.5, 1, 10), (1.0, 2, 20), (2.5, 3, 30)]
+    ts = np.array([0.0, 0.5, 1.0, 2.0, 3.0])
+    waiting, running = sample_columns(log, ts, (1, 2))
+    assert waiting.tolist() == [0.0, 1.0, 2.0, 2.0, 3.0] and running.tolist() == [0.0, 10.0, 20.0, 20.0, 30.0]
+    assert np.array_equal(waiting, sample_log(log, ts, 1)) and np.array_equal(running, sample_log(log, ts, 2))
+    assert [c.tolist() for c in sample_columns([], ts, (1, 2))] == [[0.0] * 5] * 2
+
+
 def test_a_long_chain_of_engine_refusals_runs_without_growing_the_stack():
     """Proxy cap and engine cap at the same 100 with cancellation: an aborted
     execution still counts in the engine until its step boundary, so the seat
