@@ -34,7 +34,7 @@ from . import measures
 from .conditions import Condition, get_condition
 from .engine.core import EngineCore
 from .engine.request import Request
-from .model import Run, Timers, engine_config, prompt_throughput
+from .model import Run, Timers, never, engine_config, prompt_throughput
 from .policy.proxy import EngineView, PromptRate, Proxy
 from .policy.router import ReplicaProxies, ReplicaView, Router, RouterConfig
 from .profile import Profile
@@ -142,11 +142,15 @@ class FleetRun(Run):
         self.router = Router(self.router_config, n, view=self._replica_view)
         self.prompt_rate = PromptRate(60.0)                 # the fleet's
         self.prompt_rates = [PromptRate(60.0) for _ in range(n)]
+        # no proxy cancels, and no router reads the KV usage that a
+        # fast-forward takes ahead: requests added to a replica whose
+        # admission is blocked change none of its steps (EngineCore)
+        never_aborts = condition.proxy.cancellation == "off" and (self.router_config.policy != "least-kv" or n == 1)
         self.engines = [EngineCore(env, engine_config(p, condition, max_batched_tokens, scenario), p.step_time,
                                    on_finished=self._on_finished,
                                    on_first_token=(lambda req, t, r=r: self._on_first_token_at(r, req, t)),
                                    next_input_time=(lambda r=r: self._next_input_time_of(r)),
-                                   fast_forward=fast_forward)
+                                   fast_forward=fast_forward, next_abort_time=never if never_aborts else None)
                         for r, p in enumerate(self.profiles)]
         self.engine = None
         self.reroutes_refusals = n > 1 and self.router_config.retries > 0 and condition.engine_cap is not None

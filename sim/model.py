@@ -35,6 +35,11 @@ _CALL_CODE = {o: i for i, o in enumerate(CALL_OUTCOMES)}
 _TIMEOUT, _COMPLETE, _DELIVERED = _ATTEMPT_CODE["timeout"], _ATTEMPT_CODE["complete"], _CALL_CODE["delivered"]
 
 
+def never() -> float:
+    """A time that never comes: the next abort where no proxy cancels an execution."""
+    return INF
+
+
 def uniform_draws(rng: np.random.Generator, chunk: int = 512):
     """`uniform(a, b)` drawing from `rng` the values `rng.uniform(a, b)`
     would, one call after another, with the generator's doubles taken
@@ -298,7 +303,8 @@ class Run:
         self.engine = EngineCore(self.env, engine_config(profile, condition, max_batched_tokens, scenario),
                                  profile.step_time, on_finished=self._on_finished,
                                  on_first_token=self._on_first_token,
-                                 next_input_time=self._next_input_time, fast_forward=fast_forward)
+                                 next_input_time=self._next_input_time, fast_forward=fast_forward,
+                                 next_abort_time=never if condition.proxy.cancellation == "off" else None)
 
     def _gauge_logs(self) -> list[list]:
         """The engines' gauge logs (one engine here; a fleet has several)."""

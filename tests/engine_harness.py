@@ -14,7 +14,7 @@ from sim.runlog import ExecutionRecord
 class Harness:
     def __init__(self, num_gpu_blocks=100, block_size=4, budget=8, max_num_seqs=16, depth=1,
                  step_s=1.0, model=None, max_queued=None, fast_forward=True, kv_policy="on-demand",
-                 abort_latency="v1", leak_blocks_on_abort=False, stalls=()):
+                 abort_latency="v1", leak_blocks_on_abort=False, stalls=(), abort_bound=False):
         self.env = simpy.Environment()
         model = model or StepTimeModel(step_s, 0.0, 0.0, 0.0, 0.0)
         cfg = EngineConfig(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
@@ -23,20 +23,27 @@ class Harness:
                            depth=depth, max_queued=max_queued, abort_latency=abort_latency,
                            leak_blocks_on_abort=leak_blocks_on_abort, stalls=stalls)
         self.timers = []
+        self.abort_timers = []
+        # abort_bound: the engine is told when the next abort comes (else any input bounds a fast-forward)
         self.engine = EngineCore(self.env, cfg, model, next_input_time=self._next_input,
-                                 fast_forward=fast_forward)
+                                 fast_forward=fast_forward, next_abort_time=self._next_abort if abort_bound else None)
         self.sched = self.engine.scheduler
         self.requests = {}
         self.refused = []
 
     def _next_input(self):
-        future = [t for t in self.timers if t >= self.env.now]
+        future = [t for t in self.timers + self.abort_timers if t >= self.env.now]
         return min(future) if future else float("inf")
 
-    def _at(self, t, fn):
-        self.timers.append(t)
+    def _next_abort(self):
+        future = [t for t in self.abort_timers if t >= self.env.now]
+        return min(future) if future else float("inf")
+
+    def _at(self, t, fn, timers=None):
+        timers = self.timers if timers is None else timers
+        timers.append(t)
         ev = self.env.timeout(t - self.env.now)
-        ev.callbacks.append(lambda _e: (self.timers.remove(t), fn()))
+        ev.callbacks.append(lambda _e: (timers.remove(t), fn()))
 
     def add(self, t, rid, prompt, max_tokens, call=None, prefix=0, stop_at=None):
         rec = ExecutionRecord(id=rid, call=rid if call is None else call, attempt=0, prompt_len=prompt,
@@ -51,7 +58,7 @@ class Harness:
         return rec
 
     def abort(self, t, rid):
-        self._at(t, lambda: self.engine.abort_request(self.requests[rid]))
+        self._at(t, lambda: self.engine.abort_request(self.requests[rid]), self.abort_timers)
 
     def run(self, until=1000.0):
         self.env.run(until=until)

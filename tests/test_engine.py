@@ -175,6 +175,43 @@ def test_fast_forward_matches_single_steps(depth):
         assert x[0] == pytest.approx(y[0], rel=1e-12) and x[1] == pytest.approx(y[1], rel=1e-12)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("bound", ["seats", "blocks"])
+def test_requests_added_while_admission_is_blocked_do_not_cut_a_fast_forward(depth, bound):
+    # two long decoders hold the engine (every seat, or the blocks the next
+    # prompt needs); requests keep arriving every 0.3 s and wait. With the
+    # engine told that no abort comes before 30 s, the arrivals no longer cut
+    # the decode stretches into single steps, and the run is the same as
+    # stepping one step at a time: the same requests served at the same
+    # times, the waiting queue logged at the same boundaries
+    from sim.engine.step_time import StepTimeModel
+    model = StepTimeModel(0.1, 0.001, 0.0001, 1e-7, 1e-6)
+    # seats: both taken; blocks: a waiting prompt needs 50 of the 44 (then fewer) left free
+    seats, blocks, prompt = (2, 200, 40) if bound == "seats" else (16, 64, 200)
+    runs = {}
+    for ff, abort_bound in ((False, False), (True, False), (True, True)):
+        h = Harness(num_gpu_blocks=blocks, budget=64, max_num_seqs=seats, depth=depth, model=model,
+                    fast_forward=ff, abort_bound=abort_bound)
+        recs = [h.add(0.0, 0, prompt=40, max_tokens=60), h.add(0.0, 1, prompt=40, max_tokens=80)]
+        recs += [h.add(0.15 + 0.3 * i, 2 + i, prompt=prompt, max_tokens=5) for i in range(20)]
+        h.abort(30.0, 21)
+        h.run()
+        runs[ff, abort_bound] = (recs, h)
+    (slow, hs), (ff_any, h_any), (ff_abort, h_abort) = runs[False, False], runs[True, False], runs[True, True]
+    # each of the 20 arrivals cuts a stretch when any input bounds it
+    assert h_abort.engine.num_step_events <= h_any.engine.num_step_events - 15
+    for recs, h in ((ff_any, h_any), (ff_abort, h_abort)):
+        assert h.sched.num_steps == hs.sched.num_steps
+        for x, y in zip(recs, slow):
+            assert (x.fate, x.tokens_generated, x.prompt_computed) == (y.fate, y.tokens_generated, y.prompt_computed)
+            for a, b in ((x.first_scheduled_at, y.first_scheduled_at), (x.first_token_at, y.first_token_at),
+                         (x.finished_at, y.finished_at)):
+                assert a == pytest.approx(b, rel=1e-9)
+        assert [g[1:] for g in h.engine.gauge_log] == [g[1:] for g in hs.engine.gauge_log]
+        assert [g[0] for g in h.engine.gauge_log] == pytest.approx([g[0] for g in hs.engine.gauge_log], rel=1e-9)
+    assert max(g[1] for g in hs.engine.gauge_log) >= 10      # requests did wait
+
+
 class RecordingModel:
     """A step-time model that notes each single step's composition."""
 

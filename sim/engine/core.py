@@ -90,7 +90,8 @@ class EngineCore:
                  on_first_token: Callable[[Request, float], None] = None,
                  on_finished: Callable[[Request, float], None] = None,
                  next_input_time: Callable[[], float] = None,
-                 fast_forward: bool = True):
+                 fast_forward: bool = True,
+                 next_abort_time: Callable[[], float] = None):
         if config.depth < 1:
             raise ValueError("depth must be at least 1")
         self.env = env
@@ -101,6 +102,11 @@ class EngineCore:
         self.on_first_token = on_first_token or (lambda r, t: None)
         self.on_finished = on_finished or (lambda r, t: None)
         self.next_input_time = next_input_time or (lambda: INF)
+        # a bound on when the engine may next get an abort (by default, any
+        # input): a fast-forward whose admission is blocked runs up to it,
+        # requests added meanwhile applied at its end as of the boundaries
+        # they came in before (`_apply_adds_during`)
+        self.next_abort_time = next_abort_time or self.next_input_time
         self.fast_forward = fast_forward
         self.pending: deque[SchedulerOutput] = deque()
         self.inbox: list[tuple[str, Request]] = []
@@ -155,6 +161,7 @@ class EngineCore:
         mx = self.config.scheduler.max_model_len
         if r.num_prompt_tokens + r.max_tokens > mx:
             raise ValueError(f"request of {r.num_prompt_tokens}+{r.max_tokens} tokens exceeds max_model_len {mx}")
+        r.arrival_time = self.env._now
         self.inbox.append(("add", r))
         self._inbox_prompt_tokens += r.num_prompt_tokens
         self._poke()
@@ -197,6 +204,8 @@ class EngineCore:
             self._ending = output
             self._step_end_in_stall()
             return
+        if output.admission_blocked and self.inbox:
+            self._apply_adds_during(output)
         self._process(output)
         self._apply_inbox()
         self._fill()
@@ -214,6 +223,8 @@ class EngineCore:
             return
         output = self._ending
         self.now = max(output.end, self.env.now)     # outputs of steps that ended in a stall
+        if output.admission_blocked and self.inbox:
+            self._apply_adds_during(output)
         self._process(output)
         self._apply_inbox()
         self._fill()
@@ -284,7 +295,9 @@ class EngineCore:
                 return 1
             if p.finishing and self.scheduler.num_waiting:
                 return 1    # freed blocks may admit the head before the fast-forward ends
-        t_in = self.next_input_time()
+        # while admission is blocked, requests added change none of the
+        # steps: only an abort can
+        t_in = self.next_abort_time() if output.admission_blocked else self.next_input_time()
         if self._next_stall < len(self.stalls):
             t_in = min(t_in, self.stalls[self._next_stall][0])     # a stall is an input: it moves boundaries
         if t_in == INF:
@@ -306,27 +319,10 @@ class EngineCore:
                 return pending[step - processed - 1].end
             return start + model.fast_forward_duration(num_decode, context, step - first + 1)
 
-        # the i-th step from `first` (i = 1, 2, ...) ends at start + cum(i),
-        # cum(i) = i * first_step_s + growth_s * i * (i - 1) / 2
-        first_step_s = (model.fixed_s + (model.per_request_s + model.per_token_s) * num_decode
-                        + model.per_decode_ctx_s * context)
-        growth_s = model.per_decode_ctx_s * num_decode
-        room = t_in - start
-        # done: how many steps from `first` end before t_in (largest i, cum(i) < room)
-        if room <= 0:
-            done = 0
-        elif growth_s > 0:
-            half = first_step_s - growth_s / 2
-            done = int((-half + math.sqrt(half ** 2 + 2 * growth_s * room)) / growth_s)
-        elif first_step_s > 0:
-            done = int(room / first_step_s)
-        else:
+        # done: how many steps from `first` end before t_in
+        done = model.fast_forward_steps_before(num_decode, context, start, t_in)
+        if done >= 1 << 30:
             return 1 << 30
-        done = min(done, 1 << 30)
-        while done > 0 and end_of(first + done - 1) >= t_in:
-            done -= 1
-        while end_of(first + done) < t_in:
-            done += 1
         if done > 0:
             return done + depth           # first+m-1-depth = first+done-1
         num_steps = depth
@@ -384,6 +380,40 @@ class EngineCore:
                 steps += done
             break
         return steps, busy
+
+    def _apply_adds_during(self, output: SchedulerOutput) -> None:
+        """At the end of a fast-forward whose admission was blocked, before
+        its output is processed, the requests added during its steps but its
+        last join the waiting queue
+        as stepping one step at a time would have them join: each at the end
+        of the step it came in during, the gauges logged there. (They change
+        none of the steps; only their queue position and the gauge log's
+        times depend on it.)"""
+        items = self.inbox
+        model = self.step_model
+        n, ctx, start, last = output.num_decode_reqs, output.decode_context, output.start, output.num_steps
+        sched = self.scheduler
+        now = self.now
+        k = 0
+        while k < len(items):
+            kind, r = items[k]
+            if kind != "add":
+                break                   # an abort comes in during the last step only (next_abort_time)
+            # the step it came in during: the first to end at or after its arrival
+            i = model.fast_forward_steps_before(n, ctx, start, r.arrival_time) + 1
+            if i >= last:
+                break                   # during the last step: applied at this boundary
+            boundary = start + model.fast_forward_duration(n, ctx, i)
+            while k < len(items) and items[k][1].arrival_time <= boundary:
+                r = items[k][1]
+                sched.add_request(r)
+                self._inbox_prompt_tokens -= r.num_prompt_tokens
+                k += 1
+            self.now = boundary
+            self._log_gauges()
+        self.now = now
+        self._scheduled_uncomputed = None
+        del items[:k]
 
     def _apply_inbox_v0(self, idle: bool = False) -> None:
         """V0 abort latency: an abort that came in during this iteration is

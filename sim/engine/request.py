@@ -15,7 +15,7 @@ class Request:
 
     __slots__ = (
         "request_id", "call_id", "num_prompt_tokens", "max_tokens", "shared_prefix", "prefix_group",
-        "status", "num_computed_tokens", "num_output_tokens", "outputs_done",
+        "arrival_time", "status", "num_computed_tokens", "num_output_tokens", "outputs_done",
         "blocks", "kv_layout", "ever_preempted", "first_output_done", "chunks", "record",
         # decode group (see DecodeGroup)
         "in_decode_group", "decode_outputs_pending", "decode_first_step", "decode_last_step",
@@ -32,6 +32,7 @@ class Request:
         self.max_tokens = int(max_tokens)
         self.shared_prefix = int(shared_prefix)
         self.prefix_group = int(prefix_group)     # calls of one group share their prefix's blocks
+        self.arrival_time = 0.0         # when it reached the engine (set by the engine)
         self.status = WAITING
         self.num_computed_tokens = 0
         self.num_output_tokens = 0      # outputs scheduled for (optimistic)

@@ -55,7 +55,7 @@ class SchedulerOutput:
     in closed form."""
     __slots__ = ("first_step", "num_steps", "last", "start", "end", "decode_context", "num_reqs",
                  "total_num_scheduled_tokens", "num_decode_reqs", "prefill_chunks", "prefill_pairs",
-                 "first_outputs", "finishing")
+                 "first_outputs", "finishing", "admission_blocked")
 
     def __init__(self, first_step: int):
         self.first_step = first_step
@@ -70,6 +70,10 @@ class SchedulerOutput:
         self.prefill_pairs = 0          # query-key pairs of the chunks (step_time.prefill_pairs)
         self.first_outputs = []         # requests whose prefill completes: they emit a token
         self.finishing = []             # requests whose last token is in the (last) step
+        # a request waits and cannot be admitted until a running one leaves
+        # (its head does not fit, or every seat is taken): a request added
+        # to the waiting queue's end changes none of these steps
+        self.admission_blocked = False
 
 
 class Scheduler:
@@ -181,6 +185,7 @@ class Scheduler:
         if (fast_forward_limit is not None and num_decode and not num_prefill and not preempted
                 and not self.prefilling and (blocked or not self.num_waiting
                                              or len(self.running) >= self.max_num_seqs)):
+            output.admission_blocked = bool(self.num_waiting) and (blocked or len(self.running) >= self.max_num_seqs)
             self._fast_forward(output, fast_forward_limit, num_tail_steps)
         if output.last in group.by_last_step:
             output.finishing.extend(group.finishing_at(output.last))

@@ -3,6 +3,8 @@ composition — fixed cost, per request, per token, prefill attention (query x
 key pairs) and decode attention (context tokens read)."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, asdict
 
 COEFFICIENTS = ("fixed_s", "per_request_s", "per_token_s", "per_prefill_pair_s", "per_decode_ctx_s")
@@ -33,6 +35,29 @@ class StepTimeModel:
         n, m = num_decode_reqs, num_steps
         a = self.fixed_s + (self.per_request_s + self.per_token_s) * n + self.per_decode_ctx_s * decode_context
         return m * a + self.per_decode_ctx_s * n * (m * (m - 1) / 2.0)
+
+    def fast_forward_steps_before(self, num_decode_reqs: int, decode_context: float, start: float, t: float) -> int:
+        """How many of the decode-only steps of `fast_forward_duration`, run
+        one after another from `start`, end before `t` (at most 2**30)."""
+        n, ctx = num_decode_reqs, decode_context
+        # the i-th step ends at start + cum(i), cum(i) = i * first_step_s + growth_s * i * (i - 1) / 2
+        first_step_s = self.fixed_s + (self.per_request_s + self.per_token_s) * n + self.per_decode_ctx_s * ctx
+        growth_s = self.per_decode_ctx_s * n
+        room = t - start
+        if room <= 0:
+            done = 0
+        elif growth_s > 0:
+            half = first_step_s - growth_s / 2
+            done = min(int((-half + math.sqrt(half ** 2 + 2 * growth_s * room)) / growth_s), 1 << 30)
+        elif first_step_s > 0:
+            done = min(int(room / first_step_s), 1 << 30)
+        else:
+            return 1 << 30              # steps take no time
+        while done > 0 and start + self.fast_forward_duration(n, ctx, done) >= t:
+            done -= 1
+        while done < 1 << 30 and start + self.fast_forward_duration(n, ctx, done + 1) < t:
+            done += 1
+        return done
 
     def to_dict(self) -> dict:
         return asdict(self)
