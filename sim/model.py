@@ -110,7 +110,9 @@ class Clock(simpy.Environment):
 
 class _Attempt(Attempt):
     """An attempt with the driver's bookkeeping: its row in the attempt log
-    and its deadline timer (set by `Run._send`)."""
+    and its deadline timer (set by `Run._send`; None once the timer fired or
+    was cancelled, so that the two make no reference cycle that would
+    outlive the attempt)."""
     __slots__ = ("row", "timer")
 
 
@@ -346,6 +348,7 @@ class Run:
         self._do(t, self.proxy.on_attempt(t, att, (self.max_tokens[call_id],), self.prompt_len[call_id]))
 
     def _deadline(self, t: float, att: _Attempt) -> None:
+        att.timer = None                    # fired: the attempt and its timer no longer hold each other
         if not att.open:
             return
         log = self.attempt_log
@@ -381,6 +384,7 @@ class Run:
 
     def _close_attempt(self, att: _Attempt, t: float, outcome: int) -> None:
         att.timer[5] = False                # Timers.cancel
+        att.timer = None                    # the attempt and its timer no longer hold each other
         log = self.attempt_log
         log.ended_at[att.row] = t
         log.outcome[att.row] = outcome
