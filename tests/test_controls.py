@@ -532,6 +532,39 @@ def _timers(horizon):
     return env, timers, seen, entries
 
 
+def test_the_clock_runs_as_a_simpy_environment():
+    """Clock.run against simpy.Environment.run: a number (run twice,
+    resuming), an event (its value; one processed already), a failed event
+    nobody defused, and an `until` event left untriggered."""
+    import pytest
+    import simpy
+    from sim.model import Clock
+
+    def story(env):
+        seen = []
+
+        def proc():
+            for k in range(6):
+                yield env.timeout(1.5)
+                seen.append((env.now, k))
+            return "done"
+        p = env.process(proc())
+        out = [env.run(until=4.0), list(seen), env.now, env.run(until=6), list(seen), env.run(until=p), env.now]
+        out.append(env.run(until=p))
+        with pytest.raises(ValueError):
+            env.run(until=env.now)
+        bad = env.event()
+        bad.fail(KeyError("x"))
+        with pytest.raises(KeyError):
+            env.run()
+        never = env.event()
+        with pytest.raises(RuntimeError):
+            env.run(until=never)
+        return out
+
+    assert story(Clock()) == story(simpy.Environment())
+
+
 def test_timers_fire_in_time_order_each_as_of_its_own_time():
     for horizon in (10.0, -float("inf")):
         env, timers, seen, entries = _timers(horizon)
