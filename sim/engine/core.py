@@ -404,7 +404,7 @@ class EngineCore:
             if i >= last:
                 break                   # during the last step: applied at this boundary
             boundary = start + model.fast_forward_duration(n, ctx, i)
-            while k < len(items) and items[k][1].arrival_time <= boundary:
+            while k < len(items) and items[k][0] == "add" and items[k][1].arrival_time <= boundary:
                 r = items[k][1]
                 sched.add_request(r)
                 self._inbox_prompt_tokens -= r.num_prompt_tokens
