@@ -5,7 +5,10 @@ share (the trace at Ĉ). Prints, per condition and router, the median wall
 seconds and CPU seconds of the simulation (record excluded) and of the
 measures (the fleet's record and one per replica), calls, engine steps and
 SimPy step events summed over the replicas, and the fleet's cost over N
-single-engine runs.
+single-engine runs. For a call-affinity router with no router retries, a
+row more: N single engines each fed the calls the router sends to one
+replica (with sidecars, the same work as the fleet's replicas, so the
+fleet's cost over it is the driver's own).
 
     python benchmarks/bench_fleet.py [--replicas 8] [--reps 3] [--conditions cancel no-control]
                                      [--routers round-robin:deployment call-affinity:replica]
@@ -23,17 +26,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sim.conditions import get_condition  # noqa: E402
 from sim.fleet import fleet_record, simulate_fleet  # noqa: E402
 from sim.model import simulate  # noqa: E402
-from sim.policy.router import RouterConfig  # noqa: E402
+from sim.policy.router import Router, RouterConfig  # noqa: E402
 from sim.profile import load_profile  # noqa: E402
 from sim.run import run_inputs  # noqa: E402
 from sim.scenario import PAPER  # noqa: E402
-from sim.workload import make_trace  # noqa: E402
+from sim.workload import Trace, make_trace  # noqa: E402
 
 
 def timed(fn):
     w, c = time.perf_counter(), time.process_time()
     out = fn()
     return out, time.perf_counter() - w, time.process_time() - c
+
+
+def own_calls(trace: Trace, rc: RouterConfig, n: int) -> list[Trace]:
+    """Per replica, the calls `rc`'s router sends it first (by `Router.home`)."""
+    router = Router(rc, n)
+    home = [router.home(c) for c in range(len(trace))]
+    out = []
+    for r in range(n):
+        mine = [c for c, h in enumerate(home) if h == r]
+        out.append(Trace(trace.arrival[mine], trace.prompt_len[mine], trace.max_tokens[mine], trace.shared_prefix))
+    return out
 
 
 def main(argv=None) -> int:
@@ -83,6 +97,14 @@ def main(argv=None) -> int:
             lg = runs[0][3].fleet
             print(f"{cond.name:<11} {rc.policy + ' / ' + rc.proxy:<26} {w:>10.3f} {c:>9.3f} {rw:>8.3f} "
                   f"{lg.engine['steps']:>8d} {lg.extra['step_events']:>11d} {c / (n * single_cpu):>10.2f}")
+            if rc.policy == "call-affinity" and rc.retries == 0 and n > 1:
+                subs = own_calls(trace, rc, n)
+                own = [timed(lambda: [simulate(prof, s, cond, PAPER, a.seed) for s in subs]) for _ in range(a.reps)]
+                ow, oc = statistics.median(o[1] for o in own), statistics.median(o[2] for o in own)
+                logs = own[0][0]
+                print(f"{cond.name:<11} {f'{n} singles on own calls':<26} {ow:>10.3f} {oc:>9.3f} {'':>8} "
+                      f"{sum(x.engine['steps'] for x in logs):>8d} {sum(x.extra['step_events'] for x in logs):>11d} "
+                      f"{oc / (n * single_cpu):>10.2f}   fleet / these {c / oc:.2f}")
     return 0
 
 

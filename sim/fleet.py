@@ -27,6 +27,7 @@ import math
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -49,6 +50,7 @@ RECORD_KEYS = ("fleet", "replicas")              # keys a fleet's record has bey
 FLEET_KEYS = ("replicas", "router", "router_retries", "proxy", "profiles")   # of a scenario's [fleet]
 # a call's record in a replica's log when the call reached it only after another replica
 ELSEWHERE = "elsewhere"
+_ANY = object()         # a timer that may reach every replica (see _RoutedTimers)
 
 
 @dataclass(frozen=True)
@@ -139,43 +141,45 @@ class FleetRun(Run):
     def _build(self, profile, condition, scenario, max_batched_tokens, fast_forward) -> None:
         n, env = self.n, self.env
         self.replica_mode = self.router_config.proxy == "replica"
-        self.router = Router(self.router_config, n, view=self._replica_view)
-        self.prompt_rate = PromptRate(60.0)                 # the fleet's
-        self.prompt_rates = [PromptRate(60.0) for _ in range(n)]
-        # no proxy cancels, and no router reads the KV usage that a
-        # fast-forward takes ahead: requests added to a replica whose
-        # admission is blocked change none of its steps (EngineCore)
-        never_aborts = condition.proxy.cancellation == "off" and (self.router_config.policy != "least-kv" or n == 1)
-        self.engines = [EngineCore(env, engine_config(p, condition, max_batched_tokens, scenario), p.step_time,
-                                   on_finished=self._on_finished,
-                                   on_first_token=(lambda req, t, r=r: self._on_first_token_at(r, req, t)),
-                                   next_input_time=(lambda r=r: self._next_input_time_of(r)),
-                                   fast_forward=fast_forward, next_abort_time=never if never_aborts else None)
-                        for r, p in enumerate(self.profiles)]
-        self.engine = None
+        self.router = Router(self.router_config, n, view=self._replica_view, outstanding=self._outstanding_of,
+                             kv_usage=self._kv_usage_of)
         self.reroutes_refusals = n > 1 and self.router_config.retries > 0 and condition.engine_cap is not None
         self.rerouted = 0                       # executions the router retried on another replica (deployment proxy)
-        self.exec_replica: list[int] = []       # by execution id (-1: not placed)
-        self.exec_placed: list[float] = []
+        # each execution's replica by id (-1: not placed; with the deployment
+        # proxy, ids beyond its end too): with sidecars the router placed it
+        # when it was created, else when it was dispatched (the time it got
+        # its replica: `_placed`)
+        self.exec_replica: list[int] = []
         self.counters_at_r: list[dict] = [{} for _ in range(n)]
+        # the prompt throughput over the last 60 s, the fleet's (the
+        # deployment proxy's view) and each replica's (its sidecar's)
+        self.prompt_rate = PromptRate(60.0)
+        self.prompt_rates = [PromptRate(60.0) for _ in range(n)]
         if self.replica_mode:
-            self.sidecars = [Proxy(condition.proxy, engine_view=(lambda t, r=r: self._engine_view_of(r, t)),
+            self.sidecars = [Proxy(condition.proxy, engine_view=partial(self._engine_view_of, r),
                                    prompt_throughput=prompt_throughput(p, scenario))
                              for r, p in enumerate(self.profiles)]
             self.proxy = ReplicaProxies(self.sidecars, self.router)
+            self.exec_replica = self.proxy.execution_replica
             self.queue_logs = [[(0.0, 0)] for _ in range(n)]
         else:
             self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
                                prompt_throughput=sum(prompt_throughput(p, scenario) for p in self.profiles))
         self.sidecar_queues = self.replica_mode and condition.proxy.proxy_cap is not None   # sidecars may queue
+        if self.sidecar_queues:
+            self._do = self._do_and_log_sidecar_queues
         self._routed_timers = None
         if n > 1 and self._calls_stay_home(condition):
             # every input a timer brings reaches the replica of its call alone
             self.home = [self.router.home(c) for c in range(len(self.trace))]
-            # a call's arrival, retry (the timer's argument: its id), an
-            # attempt's deadline and an execution's wake (its call_id)
-            by_call = {type(self)._arrive: False, type(self)._send: False, type(self)._deadline: True,
-                       type(self)._wake: True}
+            # a call's retry (the timer's argument: its id), an attempt's
+            # deadline and an execution's wake (its call_id); a call's
+            # arrival likewise where the trace's arrivals are out of order,
+            # else under no replica (`_calls_of` stands for arrivals)
+            arrival = self.trace.arrival
+            in_order = len(arrival) < 2 or bool((np.diff(arrival) >= 0).all())
+            by_call = {type(self)._arrive: None if in_order else False, type(self)._send: False,
+                       type(self)._deadline: True, type(self)._wake: True}
             self._routed_timers = _RoutedTimers(env, self.timers.horizon, self.timers.stop, n, self.home, by_call)
             self.timers = self._routed_timers
             self._calls_of = [[] for _ in range(n)]          # call ids by home replica, in arrival order
@@ -183,6 +187,30 @@ class FleetRun(Run):
                 self._calls_of[r].append(c)
             self._calls_at = [0] * n                         # first of them not yet arrived
             self._next_call = 0                              # first call whose arrival has not fired
+        # what each engine calls for its first tokens and its next input
+        # time: only a proxy that reads its view (`Proxy.estimate_wait`)
+        # needs the prompt throughput
+        reads_view = condition.proxy.queue == "deadline" or condition.proxy.budget is not None
+        if not reads_view:
+            first_token = [None] * n
+        elif self.replica_mode:
+            first_token = [partial(self._on_first_token_of, r) for r in range(n)]
+        else:
+            first_token = [self._on_first_token] * n
+        if self._routed_timers is None and not self.replica_mode and condition.proxy.proxy_cap is None:
+            next_input = [self.timers.next_time] * n     # the proxy never queues: the next timer
+        else:
+            next_input = [partial(self._next_input_time_of, r) for r in range(n)]
+        # no proxy cancels, and no router reads the KV usage that a
+        # fast-forward takes ahead: requests added to a replica whose
+        # admission is blocked change none of its steps (EngineCore)
+        never_aborts = condition.proxy.cancellation == "off" and (self.router_config.policy != "least-kv" or n == 1)
+        self.engines = [EngineCore(env, engine_config(p, condition, max_batched_tokens, scenario), p.step_time,
+                                   on_finished=self._on_finished, on_first_token=first_token[r],
+                                   next_input_time=next_input[r], fast_forward=fast_forward,
+                                   next_abort_time=never if never_aborts else None)
+                        for r, p in enumerate(self.profiles)]
+        self.engine = None
 
     def _calls_stay_home(self, condition: Condition) -> bool:
         """Whether every request of a call goes to one replica known in
@@ -203,6 +231,9 @@ class FleetRun(Run):
     # ------------------------------------------------------------ engines
     def _gauge_logs(self) -> list[list]:
         return [e.gauge_log for e in self.engines]
+
+    def _log_entries(self) -> int:
+        return sum(map(len, self._gauge_logs())) + len(self.proxy_queue_log)
 
     def _horizon(self) -> float:
         """The earliest end of a step in flight; -INF while an engine is idle
@@ -255,9 +286,15 @@ class FleetRun(Run):
         return t
 
     def _replica_view(self, r: int) -> ReplicaView:
-        e = self.engines[r]
-        held = e.num_in_engine() + (self.sidecars[r].queued if self.replica_mode else 0)
-        return ReplicaView(held, e.scheduler.block_pool.usage())
+        return ReplicaView(self._outstanding_of(r), self._kv_usage_of(r))
+
+    def _outstanding_of(self, r: int) -> int:
+        """Requests replica r holds: in its engine, and in its sidecar's queue."""
+        held = self.engines[r].num_in_engine()
+        return held + self.sidecars[r].queued if self.replica_mode else held
+
+    def _kv_usage_of(self, r: int) -> float:
+        return self.engines[r].scheduler.block_pool.usage()
 
     def _engine_view(self, t: float) -> EngineView:
         """The deployment proxy's view: the whole fleet."""
@@ -267,32 +304,28 @@ class FleetRun(Run):
         """A sidecar's view: its own engine."""
         return EngineView(float(self.engines[r].uncomputed_prompt_tokens()), self.prompt_rates[r].rate(t))
 
-    def _on_first_token_at(self, r: int, req: Request, t: float) -> None:
+    def _on_first_token_of(self, r: int, req: Request, t: float) -> None:
+        """Engine r's first token of `req`: replica r's prompt throughput."""
         rec = req.record
-        tokens = rec.prompt_computed if rec is not None else req.num_prompt_tokens
-        self.prompt_rate.add(t, tokens)
-        self.prompt_rates[r].add(t, tokens)
+        self.prompt_rates[r].add(t, rec.prompt_computed if rec is not None else req.num_prompt_tokens)
 
     # ---------------------------------------------------------- placement
-    def _subscribe(self, t: float, a) -> None:
-        new = a.execution.id == len(self.executions)
-        super()._subscribe(t, a)
-        if new:
-            r = self.proxy.replica_of(a.execution) if self.replica_mode else -1
-            self.exec_replica.append(r)
-            self.exec_placed.append(t if r >= 0 else NAN)
-
     def _dispatch(self, t: float, ex) -> None:
         ex_id, call_id = ex.id, ex.call_id
         erec = self.executions[ex_id]
         erec.dispatched_at = t
         prefix, group = self.trace.prefix_of(call_id)
         req = Request(ex_id, call_id, erec.prompt_len, erec.max_tokens, prefix, record=erec, prefix_group=group)
-        r = self.exec_replica[ex_id] if self.replica_mode else self.router.pick(call_id)
+        reps = self.exec_replica
+        if self.replica_mode:
+            r = reps[ex_id]
+        else:
+            if len(reps) <= ex_id:
+                reps.extend([-1] * (ex_id + 1 - len(reps)))
+            r = self.router.pick(call_id)
         tried = None
         while True:
-            self.exec_replica[ex_id] = r
-            self.exec_placed[ex_id] = t
+            reps[ex_id] = r
             if self.engines[r].add_request(req):
                 erec.accepted = True
                 self.requests[ex_id] = req
@@ -314,9 +347,11 @@ class FleetRun(Run):
         self.executions[a.execution.id].cancel_requested_at = t
         self.engines[self.exec_replica[a.execution.id]].abort_request(self.requests.pop(a.execution.id))
 
-    def _do(self, t: float, actions: list) -> None:
-        super()._do(t, actions)
-        if self.sidecar_queues and not self._action_stack:     # once the actions are all carried out
+    def _do_and_log_sidecar_queues(self, t: float, actions: list) -> None:
+        """`_do` where sidecars may queue: their queue lengths are logged
+        once the actions are all carried out."""
+        Run._do(self, t, actions)
+        if not self._action_stack:
             for p, log in zip(self.sidecars, self.queue_logs):
                 if p.queued != log[-1][1]:
                     log.append((t, p.queued))
@@ -347,7 +382,8 @@ class FleetRun(Run):
                        counters=sum_counters(e.scheduler.counters for e in self.engines),
                        counters_at=dict(self.counters_at), engine=sum_counters(engine_r), end_time=end, wall_s=wall,
                        extra=sum_counters(extra_r))
-        ex_rep = np.asarray(self.exec_replica, dtype=np.int64)
+        ex_rep = np.full(len(self.executions), -1, dtype=np.int64)
+        ex_rep[:len(self.exec_replica)] = self.exec_replica
         if self.replica_mode:
             att_rep = np.asarray(self.proxy.landed, dtype=np.int64)
         else:
@@ -363,10 +399,20 @@ class FleetRun(Run):
                                 dict(self.engines[r].scheduler.counters), self.counters_at_r[r], engine_r[r],
                                 extra_r[r], by_replica[r]) for r in range(n)]
         rerouted = self.rerouted + (self.proxy.rerouted if self.replica_mode else 0)
-        return FleetLog(fleet, replicas, att_rep, ex_rep, np.asarray(self.exec_placed, dtype=float), call_rep,
+        return FleetLog(fleet, replicas, att_rep, ex_rep, self._placed(), call_rep,
                         rerouted, {"replicas": n, "router": self.router_config.policy,
                                    "router_retries": self.router_config.retries, "proxy": self.router_config.proxy,
                                    "profiles": [p.name for p in self.profiles]})
+
+    def _placed(self) -> np.ndarray:
+        """When each execution got its replica, by id (NaN: never): its
+        dispatch, or with sidecars, its creation until it is dispatched."""
+        ex = self.executions
+        placed = np.fromiter((e.dispatched_at for e in ex), dtype=float, count=len(ex))
+        if self.replica_mode:
+            created = np.fromiter((e.created_at for e in ex), dtype=float, count=len(ex))
+            placed = np.where(np.isnan(placed), created, placed)
+        return placed
 
 
 class _RoutedTimers(Timers):
@@ -374,8 +420,9 @@ class _RoutedTimers(Timers):
     reach, so that a replica's next input skips the timers of the others. A
     timer whose function is in `by_call` reaches its call's replica
     (`home[call id]`), the call id being its argument (`by_call[fn]`
-    False) or the argument's `call_id` (True); any other timer (a counter
-    snapshot) may reach every replica."""
+    False) or the argument's `call_id` (True); one whose function maps to
+    None is filed under no replica (the caller bounds its firing otherwise);
+    any other timer (a counter snapshot) may reach every replica."""
 
     def __init__(self, env, horizon, stop, n: int, home: list[int], by_call: dict):
         super().__init__(env, horizon, stop)
@@ -387,10 +434,10 @@ class _RoutedTimers(Timers):
 
     def at(self, t: float, fn, arg=None, seq: int | None = None, in_order: bool = False) -> list:
         entry = Timers.at(self, t, fn, arg, seq, in_order)
-        attr = self.by_call.get(getattr(fn, "__func__", None))
-        if attr is None:
+        attr = self.by_call.get(getattr(fn, "__func__", None), _ANY)
+        if attr is _ANY:
             heapq.heappush(self.due_any, entry)
-        else:
+        elif attr is not None:
             r = self.home[arg.call_id if attr else arg]
             lane = self.due_lanes[r]
             if in_order and (not lane or lane[-1] < entry):

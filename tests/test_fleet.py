@@ -289,6 +289,29 @@ def test_router_policies_pick_as_documented():
         RouterConfig("random")
 
 
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 5), steps=st.lists(st.tuples(
+    st.lists(st.tuples(st.integers(0, 3), st.sampled_from([0.0, 0.25, 0.5, 1.0])), min_size=5, max_size=5),
+    st.lists(st.integers(0, 4), max_size=3)), min_size=1, max_size=6))
+def test_least_routers_pick_the_first_least_in_pointer_order(n, steps):
+    """least-kv picks the first replica, in the pointer's order, with the
+    least (KV usage, outstanding); least-outstanding the least outstanding;
+    the same with the driver's own field readers as with `view` alone."""
+    for policy, key in (("least-kv", lambda v: (v.kv_usage, v.outstanding)), ("least-outstanding",
+                                                                             lambda v: v.outstanding)):
+        state = {}
+        by_view = Router(RouterConfig(policy, retries=4), n, view=lambda r: state[r])
+        by_field = Router(RouterConfig(policy, retries=4), n, view=lambda r: state[r],
+                          outstanding=lambda r: state[r].outstanding, kv_usage=lambda r: state[r].kv_usage)
+        for views, exclude in steps:
+            state.update({r: ReplicaView(*views[r]) for r in range(n)})
+            exclude = sorted({x for x in exclude if x < n})[:n - 1]
+            order = [r for r in list(range(by_view.next, n)) + list(range(by_view.next)) if r not in exclude]
+            least = min(key(state[r]) for r in order)
+            want = next(r for r in order if key(state[r]) == least)
+            assert by_view.pick(0, exclude) == want and by_field.pick(0, exclude) == want
+
+
 # ---------------------------------------------------------- scenario files
 FLEET_TOML = """name = "f"
 [model]

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from .proxy import Attempt, Complete, Execution, Proxy, Refuse
 
@@ -81,8 +81,7 @@ class RouterConfig:
             raise ValueError(f"proxy must be one of {', '.join(PROXY_PLACEMENTS)}; got {self.proxy!r}")
 
 
-@dataclass(frozen=True)
-class ReplicaView:
+class ReplicaView(NamedTuple):
     """What the router reads of one replica at one moment (from the driver)."""
     outstanding: int = 0          # requests the replica holds
     kv_usage: float = 0.0         # KV cache usage, 0..1
@@ -90,18 +89,25 @@ class ReplicaView:
 
 class Router:
     """`view(r)` returns replica r's `ReplicaView` (read only by the
-    least-outstanding and least-kv policies); `prefix_group(call_id)` the
-    call's prefix group (default: one group)."""
+    least-outstanding and least-kv policies); `outstanding(r)` and
+    `kv_usage(r)`, where given, read one of its fields alone (default: from
+    `view`); least-kv reads a replica's outstanding requests only where its
+    KV usage ties the lowest so far. `prefix_group(call_id)` is the call's
+    prefix group (default: one group)."""
 
     def __init__(self, config: RouterConfig, n: int, view: Callable[[int], ReplicaView] | None = None,
-                 prefix_group: Callable[[int], int] | None = None):
+                 prefix_group: Callable[[int], int] | None = None, outstanding: Callable[[int], int] | None = None,
+                 kv_usage: Callable[[int], float] | None = None):
         if n < 1:
             raise ValueError(f"a fleet needs at least one replica; got {n}")
         self.config = config
         self.n = n
         self.view = view or (lambda r: ReplicaView())
+        self.outstanding = outstanding or (lambda r: self.view(r).outstanding)
+        self.kv_usage = kv_usage or (lambda r: self.view(r).kv_usage)
         self.prefix_group = prefix_group or (lambda call_id: 0)
         self.next = 0                         # round-robin pointer
+        self._orders = [tuple(range(s, n)) + tuple(range(s)) for s in range(n)]    # by pointer
         self.last: dict[int, int] = {}        # call id -> replica of its last request (call-affinity)
         self._pick = {"round-robin": self._round_robin, "least-outstanding": self._least_outstanding,
                       "least-kv": self._least_kv, "prefix-affinity": self._hashed,
@@ -123,9 +129,8 @@ class Router:
             self.last[call_id] = r
         return r
 
-    def _order(self, exclude) -> list[int]:
-        n, s = self.n, self.next
-        order = list(range(s, n)) + list(range(s))
+    def _order(self, exclude) -> Sequence[int]:
+        order = self._orders[self.next]
         return [r for r in order if r not in exclude] if exclude else order
 
     def _round_robin(self, call_id, exclude) -> int:
@@ -143,16 +148,24 @@ class Router:
         return best
 
     def _least_outstanding(self, call_id, exclude) -> int:
-        view = self.view
-        return self._least(lambda r: view(r).outstanding, exclude)
+        return self._least(self.outstanding, exclude)
 
     def _least_kv(self, call_id, exclude) -> int:
-        view = self.view
-
-        def key(r):
-            v = view(r)
-            return v.kv_usage, v.outstanding
-        return self._least(key, exclude)
+        """The least of (KV usage, outstanding requests), as `_least`."""
+        kv_usage, outstanding = self.kv_usage, self.outstanding
+        best, best_kv, best_out = -1, None, None
+        for r in self._order(exclude):
+            k = kv_usage(r)
+            if best_kv is None or k < best_kv:
+                best, best_kv, best_out = r, k, None
+            elif k == best_kv:
+                if best_out is None:
+                    best_out = outstanding(best)
+                o = outstanding(r)
+                if o < best_out:
+                    best, best_out = r, o
+        self.next = (best + 1) % self.n
+        return best
 
     def _walk(self, home: int, exclude) -> int:
         n = self.n
@@ -243,16 +256,18 @@ class ReplicaProxies:
         st.tried.append(r)
         self.landed[st.index] = r
         p = self.proxies[r]
-        p._next_id = len(self.execution_replica)     # one id sequence across the sidecars
+        reps = self.execution_replica
+        k = p._next_id = len(reps)                  # one id sequence across the sidecars
         out = p.on_attempt(t, attempt, st.params, st.prompt_len)
-        self.execution_replica.extend([r] * (p._next_id - len(self.execution_replica)))
+        if p._next_id > k:
+            reps.extend([r] * (p._next_id - k))
         return self._after(t, out)
 
     def _after(self, t: float, out: list) -> list:
         """Retry the attempts a sidecar refused with 503 on another replica
         while the router allows; forget attempts that are answered."""
-        res = []
-        for a in out:
+        res = None                            # the answer, once it differs from `out`
+        for i, a in enumerate(out):
             ta = type(a)
             if ta is Refuse:
                 st = self._open.get(id(a.attempt))
@@ -260,13 +275,16 @@ class ReplicaProxies:
                     att = a.attempt
                     att.open, att.execution, att.attached = True, None, False
                     self.rerouted += 1
+                    if res is None:
+                        res = out[:i]
                     res.extend(self._forward(t, att, st))
                     continue
                 self._open.pop(id(a.attempt), None)
             elif ta is Complete:
                 self._open.pop(id(a.attempt), None)
-            res.append(a)
-        return res
+            if res is not None:
+                res.append(a)
+        return out if res is None else res
 
     def on_attempt_left(self, t: float, attempt: Attempt) -> list:
         st = self._open.pop(id(attempt), None)
@@ -276,13 +294,13 @@ class ReplicaProxies:
 
     # -------------------------------------------------------- executions
     def on_dispatched(self, t: float, ex: Execution) -> None:
-        self.proxies[self.replica_of(ex)].on_dispatched(t, ex)
+        self.proxies[self.execution_replica[ex.id]].on_dispatched(t, ex)
 
     def on_engine_refused(self, t: float, ex: Execution) -> list:
-        return self._after(t, self.proxies[self.replica_of(ex)].on_engine_refused(t, ex))
+        return self._after(t, self.proxies[self.execution_replica[ex.id]].on_engine_refused(t, ex))
 
     def on_wake(self, t: float, ex: Execution) -> list:
-        return self._after(t, self.proxies[self.replica_of(ex)].on_wake(t, ex))
+        return self._after(t, self.proxies[self.execution_replica[ex.id]].on_wake(t, ex))
 
     def on_finished(self, t: float, ex: Execution) -> list:
-        return self._after(t, self.proxies[self.replica_of(ex)].on_finished(t, ex))
+        return self._after(t, self.proxies[self.execution_replica[ex.id]].on_finished(t, ex))
