@@ -401,7 +401,8 @@ def test_uncomputed_prompt_tokens_counted_once_between_boundaries_equals_a_fresh
     """The engine counts the scheduler's uncomputed prompt tokens once per
     step boundary and keeps the inbox's share as requests come in; at every
     wait estimate of a run under the deadline queue (overload, preemption,
-    aborts) the figure equals a count made from scratch."""
+    aborts) the figure equals a count made from scratch, and so does the
+    number of requests in the engine."""
     from sim.engine.request import WAITING_STATUSES
     from sim.model import Run
     from sim.profile import load_profile
@@ -426,8 +427,14 @@ def test_uncomputed_prompt_tokens_counted_once_between_boundaries_equals_a_fresh
     def checked():
         got = counted()
         seen.append((got, fresh(run.engine)))
+        eng, s = run.engine, run.engine.scheduler
+        held.append((eng.num_in_engine(),
+                     s.num_waiting + len(s.running) + sum(1 for k, _ in eng.inbox if k == "add")))
         return got
+    held = []
     run.engine.uncomputed_prompt_tokens = checked
     run.run(until=900.0)
     assert len(seen) > 1000 and any(g > 0 for g, _ in seen)
     assert [g for g, _ in seen] == [f for _, f in seen]
+    # the requests in the engine, the inbox's kept as they come in: a fresh count too
+    assert any(n > 100 for n, _ in held) and [n for n, _ in held] == [f for _, f in held]

@@ -111,6 +111,7 @@ class EngineCore:
         self.pending: deque[SchedulerOutput] = deque()
         self.inbox: list[tuple[str, Request]] = []
         self._inbox_prompt_tokens = 0        # prompt tokens of the requests added to the inbox
+        self._inbox_adds = 0                 # and how many they are
         self._scheduled_uncomputed = None    # uncomputed prompt tokens in the scheduler (None: to count)
         self.processed = -1          # index of the last step whose output was processed
         self.now = 0.0               # the engine's own clock: end of the last processed step
@@ -135,7 +136,7 @@ class EngineCore:
     # ------------------------------------------------------------- inputs
     def num_in_engine(self) -> int:
         s = self.scheduler
-        return s.num_waiting + len(s.running) + sum(1 for k, _ in self.inbox if k == "add")
+        return s.num_waiting + len(s.running) + self._inbox_adds
 
     def uncomputed_prompt_tokens(self) -> int:
         """Prompt tokens not yet computed of the requests waiting or running,
@@ -164,6 +165,7 @@ class EngineCore:
         r.arrival_time = self.env._now
         self.inbox.append(("add", r))
         self._inbox_prompt_tokens += r.num_prompt_tokens
+        self._inbox_adds += 1
         self._poke()
         return True
 
@@ -408,6 +410,7 @@ class EngineCore:
                 r = items[k][1]
                 sched.add_request(r)
                 self._inbox_prompt_tokens -= r.num_prompt_tokens
+                self._inbox_adds -= 1
                 k += 1
             self.now = boundary
             self._log_gauges()
@@ -435,6 +438,7 @@ class EngineCore:
         sched = self.scheduler
         items, self.inbox = self.inbox, []
         self._inbox_prompt_tokens = 0
+        self._inbox_adds = 0
         self._scheduled_uncomputed = None
         for kind, r in items:
             if kind == "add":
