@@ -560,8 +560,8 @@ def _min_prompt(s: Scenario) -> int:
 
 def load(path_or_name: str, build_prior=None, trace_speedup: float | None = None) -> "Deployment":
     """A scenario file (TOML) or a named scenario (`sim.scenario.SCENARIOS`)."""
-    if path_or_name in SCENARIOS and not os.path.exists(path_or_name):
-        return from_named(path_or_name)
+    if path_or_name in SCENARIOS and not os.path.isfile(path_or_name):
+        return from_named(path_or_name)     # a directory of that name (`llmsim paper`'s output) is no scenario
     if not os.path.isfile(path_or_name):
         raise ScenarioError(f"unknown scenario {path_or_name!r}: not a file nor a named scenario "
                             f"({', '.join(SCENARIOS)})")

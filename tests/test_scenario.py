@@ -69,6 +69,18 @@ def test_every_named_scenario_round_trips_through_its_file(tmp_path, name):
     assert back.profile.engine == dep.profile.engine
 
 
+def test_a_directory_named_as_a_scenario_does_not_hide_it(tmp_path, monkeypatch, capsys):
+    # `llmsim paper` writes ./paper; a command run there afterwards still means the named scenario
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "paper").mkdir()
+    assert load("paper").content_hash == load(write(tmp_path / "p.toml", load("paper").to_toml())).content_hash
+    assert main(["run", "--scenario", "paper", "--condition", "no-retry", "--seed", "0", "--json", "r.json"]) == 0
+    # a file of that name is a scenario file, and read as one
+    (tmp_path / "cpu-tiny").write_text("not toml [")
+    with pytest.raises(ScenarioError, match="not valid TOML"):
+        load("cpu-tiny")
+
+
 def test_the_record_carries_a_toml_that_reruns_it(tmp_path):
     dep = load("paper").with_changes(pulse=1.5)
     rec = dep.run(0, "no-retry")
