@@ -206,12 +206,7 @@ class EngineCore:
             self._ending = output
             self._step_end_in_stall()
             return
-        if output.admission_blocked and self.inbox:
-            self._apply_adds_during(output)
-        self._process(output)
-        self._apply_inbox()
-        self._fill()
-        self._log_gauges()
+        self._boundary(output)
         pending = self.pending
         if pending:                     # as _loop() with a step in flight
             env = self.env
@@ -225,13 +220,19 @@ class EngineCore:
             return
         output = self._ending
         self.now = max(output.end, self.env.now)     # outputs of steps that ended in a stall
+        self._boundary(output)
+        self._loop()
+
+    def _boundary(self, output: SchedulerOutput) -> None:
+        """A step boundary (module docstring): the ended step's output
+        processed, the inputs that came in during it applied, steps
+        scheduled, the gauges logged."""
         if output.admission_blocked and self.inbox:
             self._apply_adds_during(output)
         self._process(output)
         self._apply_inbox()
         self._fill()
         self._log_gauges()
-        self._loop()
 
     def _wait_out_stall(self, then) -> bool:
         """At a boundary that falls in a stall, call `then` at its end (True)."""
@@ -386,11 +387,10 @@ class EngineCore:
     def _apply_adds_during(self, output: SchedulerOutput) -> None:
         """At the end of a fast-forward whose admission was blocked, before
         its output is processed, the requests added during its steps but its
-        last join the waiting queue
-        as stepping one step at a time would have them join: each at the end
-        of the step it came in during, the gauges logged there. (They change
-        none of the steps; only their queue position and the gauge log's
-        times depend on it.)"""
+        last join the waiting queue as stepping one step at a time would have
+        them join: each at the end of the step it came in during, the gauges
+        logged there. (They change none of the steps; only their queue
+        position and the gauge log's times depend on it.)"""
         items = self.inbox
         model = self.step_model
         n, ctx, start, last = output.num_decode_reqs, output.decode_context, output.start, output.num_steps

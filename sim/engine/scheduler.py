@@ -183,10 +183,11 @@ class Scheduler:
         output.num_reqs = num_decode + num_prefill
         output.total_num_scheduled_tokens = max_num_batched_tokens - token_budget
         if (fast_forward_limit is not None and num_decode and not num_prefill and not preempted
-                and not self.prefilling and (blocked or not self.num_waiting
-                                             or len(self.running) >= self.max_num_seqs)):
+                and not self.prefilling):
+            # nothing waits, or what waits cannot be admitted
             output.admission_blocked = bool(self.num_waiting) and (blocked or len(self.running) >= self.max_num_seqs)
-            self._fast_forward(output, fast_forward_limit, num_tail_steps)
+            if output.admission_blocked or not self.num_waiting:
+                self._fast_forward(output, fast_forward_limit, num_tail_steps)
         if output.last in group.by_last_step:
             output.finishing.extend(group.finishing_at(output.last))
         self.next_step = step + output.num_steps
