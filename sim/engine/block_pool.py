@@ -96,24 +96,26 @@ class BlockPool:
         assert n <= self.num_free, (n, self.num_free)
         self.num_free -= n
         q = self.free_queue
-        while n:
+        while True:
             e = q[0]
-            lo, hi = e.lo, e.hi
-            if not e.free or hi == lo:
-                q.popleft()
-                continue
-            if hi - lo > n:             # part of it: its top n blocks
-                e.hi = hi - n
+            lo = e.lo
+            size = e.hi - lo
+            if size > n and e.free:     # part of it: its top n blocks
+                e.hi -= n
                 if e.space >= 0:
                     self.evicted += n
                 return
-            n -= hi - lo                # all of it
-            e.hi = lo
-            e.free = False
             q.popleft()
+            if not e.free or not size:
+                continue                # left the queue earlier (taken by a hit) or empty
+            e.hi = lo                   # all of it
+            e.free = False
             if e.space >= 0:
-                self.evicted += hi - lo
+                self.evicted += size
                 self._unindex(e)
+            n -= size
+            if not n:
+                return
 
     def new_extent(self, space: int, lo: int, hi: int, owner) -> Extent:
         """A fresh extent of hi-lo newly allocated blocks, held by `owner`."""
@@ -218,22 +220,26 @@ class BlockPool:
         self.releases += 1
         q = self.free_queue
         table = req.blocks
+        num_free = self.num_free
         for e in reversed(table):
-            e.holders.remove(req)
+            holders = e.holders
+            holders.remove(req)
             if e.owner is req:
                 e.owner = None
-                if e.hi > full_blocks:          # the partial top block: no hash
-                    k = e.hi - max(full_blocks, e.lo)
-                    e.hi -= k
+                lo, hi = e.lo, e.hi
+                if hi > full_blocks:            # the partial top block: no hash
+                    k = hi - (full_blocks if full_blocks > lo else lo)
+                    e.hi = hi = hi - k
                     plain = Extent(UNHASHED, 0, k)
                     plain.free = True
                     q.append(plain)
-                    self.num_free += k
-                    if e.hi == e.lo:
+                    num_free += k
+                    if hi == lo:
                         self._unindex(e)
                         continue
-            if not e.holders:
+            if not holders:
                 e.free = True
                 q.append(e)
-                self.num_free += e.hi - e.lo
+                num_free += e.hi - e.lo
+        self.num_free = num_free
         table.clear()

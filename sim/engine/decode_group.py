@@ -89,7 +89,10 @@ class DecodeGroup:
 
     def sync(self, r: Request, through: int) -> None:
         """Bring a member's fields up to date as of step `through`."""
-        k = self.steps_through(r, through)
+        last = r.decode_last_step                          # steps_through(r, through)
+        k = (through if through < last else last) - r.decode_first_step + 1
+        if k < 0:
+            k = 0
         r.num_computed_tokens = r.join_computed_tokens + k
         r.num_output_tokens = r.join_output_tokens + k
 
@@ -97,7 +100,9 @@ class DecodeGroup:
         """Outputs r has produced once steps up to `through` are processed."""
         if not r.decode_outputs_pending:
             return r.outputs_done
-        return r.outputs_done + self.steps_through(r, through)
+        last = r.decode_last_step                          # steps_through(r, through)
+        k = (through if through < last else last) - r.decode_first_step + 1
+        return r.outputs_done + k if k > 0 else r.outputs_done
 
     def context_sum(self, step: int) -> int:
         """Decode context of `step` summed over the members."""

@@ -99,10 +99,11 @@ class KVCacheManager:
         bs = self.block_size
         table = r.blocks
         if new_computed_blocks is not None:
+            # blocks of the whole request: cdiv(tokens, bs)
             if self.reserve:
-                needed = cdiv(r.num_prompt_tokens + r.max_tokens, bs)
+                needed = -((r.num_prompt_tokens + r.max_tokens) // -bs)
             else:
-                needed = cdiv(r.num_prompt_tokens + r.num_output_tokens, bs)
+                needed = -((r.num_prompt_tokens + r.num_output_tokens) // -bs)
             hit_in_free_queue = 0
             for e, lo, hi in new_computed_blocks:
                 if e.free:
@@ -113,13 +114,17 @@ class KVCacheManager:
             for e, lo, hi in new_computed_blocks:
                 table.append(pool.acquire(e, lo, hi, r))
         target = -((r.num_computed_tokens + num_new_computed_tokens + num_new_tokens) // -bs)    # cdiv
-        held = table[-1].hi if table else 0
-        if target <= held:
-            return True
+        if table:
+            top = table[-1]
+            held = top.hi
+            if target <= held:
+                return True
+        else:
+            top = None
+            held = 0
         if target - held > pool.num_free:
             assert new_computed_blocks is None, "the admission check guarantees the blocks"
             return False
-        top = table[-1] if table else None
         prefix, prefix_end, call, prompt_end, own = r.kv_layout or self._layout(r)
         # blocks [held, target), a piece per segment they cross (see _segments)
         while held < target:
@@ -178,4 +183,5 @@ class KVCacheManager:
     def sync_output_blocks(self, r: Request) -> None:
         """A member leaving the group: its output extent covers its computed tokens."""
         top = r.blocks[-1]
-        top.hi = max(top.lo, cdiv(r.num_computed_tokens, self.block_size))
+        hi = -(r.num_computed_tokens // -self.block_size)      # cdiv
+        top.hi = hi if hi > top.lo else top.lo
