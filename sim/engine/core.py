@@ -210,8 +210,9 @@ class EngineCore:
         pending = self.pending
         if pending:                     # as _loop() with a step in flight
             env = self.env
-            delay = pending[0].end - env._now
-            call_later(env, delay if delay > 0.0 else 0.0, self._step_end)
+            delay = pending[0].end - env._now   # call_later(env, max(0.0, delay), self._step_end), inlined
+            heappush(env._queue, (env._now + (delay if delay > 0.0 else 0.0), NORMAL, next(env._eid),
+                                  Call(self._step_end)))
         else:
             self._loop()
 
@@ -251,8 +252,9 @@ class EngineCore:
         self._scheduled_uncomputed = None
         sched = self.scheduler
         limit = self._fast_forward_limit if self.fast_forward else None
-        while len(self.pending) < self.depth:
-            output = sched.schedule(limit, num_tail_steps=self.depth - 1)
+        depth = self.depth
+        while len(self.pending) < depth:
+            output = sched.schedule(limit, depth - 1)
             if output is None:
                 return
             self._launch(output)

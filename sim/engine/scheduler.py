@@ -68,8 +68,9 @@ class SchedulerOutput:
         self.num_decode_reqs = 0
         self.prefill_chunks = []        # (request, tokens, context before)
         self.prefill_pairs = 0          # query-key pairs of the chunks (step_time.prefill_pairs)
-        self.first_outputs = []         # requests whose prefill completes: they emit a token
-        self.finishing = []             # requests whose last token is in the (last) step
+        # the next two are mostly empty: a shared () until the first request
+        self.first_outputs = ()         # requests whose prefill completes: they emit a token
+        self.finishing = ()             # requests whose last token is in the (last) step
         # a request waits and cannot be admitted until a running one leaves
         # (its head does not fit, or every seat is taken): a request added
         # to the waiting queue's end changes none of these steps
@@ -100,6 +101,9 @@ class Scheduler:
         self.num_steps = 0
         self._blocked = None            # (head, pool.releases, chunks) when the head last did not fit
         self._num_chunks = 0            # prefill chunks scheduled so far
+        # outputs_through(r, through): outputs r has produced once steps up
+        # to `through` are processed (the decode group's count)
+        self.outputs_through = self.decode_group.outputs_through
 
     # ------------------------------------------------------------- schedule
     def schedule(self, fast_forward_limit=None, num_tail_steps: int = 0) -> SchedulerOutput | None:
@@ -108,14 +112,12 @@ class Scheduler:
         stands for all but the last `num_tail_steps` of them, which the
         caller schedules as single steps right after."""
         step = self.next_step
-        kv = self.kv_cache_manager
         group = self.decode_group
         if step - 1 in group.by_last_step:
             for r in group.pop_done(step):
                 self._leave_decode_group(r, step - 1)
         output = SchedulerOutput(step)
         max_num_batched_tokens = self.max_num_batched_tokens
-        token_budget = max_num_batched_tokens
         preempted = False
 
         # 1. running requests: the decode group, one token each, then those in prefill
@@ -129,22 +131,26 @@ class Scheduler:
         # below join it for the next step
         num_decode = group.num_reqs
         output.decode_context = group.context_offset + num_decode * (step + 1)  # group.context_sum(step)
-        token_budget -= num_decode
-        for r in list(self.prefilling) if self.prefilling else ():
-            if token_budget <= 0:
-                break
-            if r.status != RUNNING:
-                continue                # preempted above as a victim
-            num_new_tokens = r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens   # r.num_tokens - ...
-            if num_new_tokens > token_budget:
-                num_new_tokens = token_budget
-            while not kv.allocate_slots(r, num_new_tokens):
-                preempted = True
-                if self._preempt_last(step) is r:
+        token_budget = max_num_batched_tokens - num_decode
+        num_prefill = 0
+        kv = self.kv_cache_manager
+        if self.prefilling:
+            for r in list(self.prefilling):
+                if token_budget <= 0:
                     break
-            if r.status == RUNNING:
-                self._schedule_chunk(output, r, num_new_tokens, step)
-                token_budget -= num_new_tokens
+                if r.status != RUNNING:
+                    continue                # preempted above as a victim
+                num_new_tokens = r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens   # r.num_tokens - ...
+                if num_new_tokens > token_budget:
+                    num_new_tokens = token_budget
+                while not kv.allocate_slots(r, num_new_tokens):
+                    preempted = True
+                    if self._preempt_last(step) is r:
+                        break
+                if r.status == RUNNING:
+                    self._schedule_chunk(output, r, num_new_tokens, step)
+                    token_budget -= num_new_tokens
+                    num_prefill += 1
 
         # 2. waiting requests, from the head, unless this step preempted
         blocked = False
@@ -175,8 +181,8 @@ class Scheduler:
                 self._admit(r, num_computed_tokens)
                 self._schedule_chunk(output, r, num_new_tokens, step)
                 token_budget -= num_new_tokens
+                num_prefill += 1
 
-        num_prefill = len(output.prefill_chunks)
         if num_decode + num_prefill == 0:
             return None
         output.num_decode_reqs = num_decode
@@ -188,8 +194,11 @@ class Scheduler:
             output.admission_blocked = bool(self.num_waiting) and (blocked or len(self.running) >= self.max_num_seqs)
             if output.admission_blocked or not self.num_waiting:
                 self._fast_forward(output, fast_forward_limit, num_tail_steps)
-        if output.last in group.by_last_step:
-            output.finishing.extend(group.finishing_at(output.last))
+        last = output.last
+        if last in group.by_last_step:
+            finishing = group.finishing_at(last)
+            if finishing:
+                output.finishing = [*output.finishing, *finishing]
         self.next_step = step + output.num_steps
         self.num_steps += output.num_steps
         return output
@@ -238,21 +247,21 @@ class Scheduler:
             r.record.prefix_hit_tokens += num_computed_tokens
 
     def _schedule_chunk(self, output: SchedulerOutput, r: Request, num_new_tokens: int, step: int) -> None:
-        r.num_computed_tokens += num_new_tokens
+        context_before = r.num_computed_tokens
+        r.num_computed_tokens = computed = context_before + num_new_tokens
         r.chunks.append([step, num_new_tokens])
         self._num_chunks += 1
         if r.record is not None:
             r.record.prompt_computed += num_new_tokens
-        context_before = r.num_computed_tokens - num_new_tokens
         output.prefill_chunks.append((r, num_new_tokens, context_before))
         # prefill_pairs(num_new_tokens, context_before)
         output.prefill_pairs += num_new_tokens * (context_before + (num_new_tokens + 1) / 2.0)
-        if r.num_computed_tokens == r.num_prompt_tokens + r.num_output_tokens:     # r.num_tokens
+        if computed == r.num_prompt_tokens + r.num_output_tokens:     # r.num_tokens
             r.num_output_tokens += 1
-            output.first_outputs.append(r)
+            output.first_outputs = [*output.first_outputs, r]
             self.prefilling.remove(r)
             if r.num_output_tokens >= r.out_limit:
-                output.finishing.append(r)
+                output.finishing = [*output.finishing, r]
             else:
                 self.decode_group.join(r, step + 1)
                 self.kv_cache_manager.open_output_blocks(r)
@@ -278,10 +287,6 @@ class Scheduler:
         r.status = WAITING
         self.waiting.append(r)
         self.num_waiting += 1
-
-    def outputs_through(self, r: Request, through: int) -> int:
-        """Outputs r has produced once steps up to `through` are processed."""
-        return self.decode_group.outputs_through(r, through)
 
     def finish(self, r: Request, through: int) -> None:
         """r produced its last token in step `through` (output processed).
