@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from .block_pool import BlockPool, Extent, call_space, exec_space, prefix_space
 from .request import Request
-from .utils import cdiv
 
 
 class KVCacheManager:
@@ -169,16 +168,15 @@ class KVCacheManager:
     def open_output_blocks(self, r: Request) -> None:
         """r joins the decode group: its prompt extents are complete, and its
         table ends in an extent of its own space that the outputs grow."""
-        own = self._layout(r)[4]
-        for e in r.blocks:
+        own = (r.kv_layout or self._layout(r))[4]
+        table = r.blocks
+        for e in table:
             if e.owner is r and e.space != own:
                 e.owner = None
-        top = r.blocks[-1] if r.blocks else None
+        top = table[-1] if table else None
         if top is None or top.space != own or top.owner is not r:
-            first = cdiv(r.num_computed_tokens, self.block_size)
-            e = Extent(own, first, first, r)
-            e.holders.append(r)
-            r.blocks.append(e)
+            first = -(r.num_computed_tokens // -self.block_size)     # cdiv
+            table.append(Extent(own, first, first, r, r))
 
     def sync_output_blocks(self, r: Request) -> None:
         """A member leaving the group: its output extent covers its computed tokens."""
