@@ -28,6 +28,7 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
+from operator import attrgetter
 
 import numpy as np
 
@@ -376,7 +377,8 @@ class FleetRun(Run):
         engine_r = [{"steps": w[0], "preemptions": e.scheduler.num_preemptions,
                      "aborted_before_scheduled": e.aborted_before_scheduled} for e, w in zip(self.engines, work)]
         extra_r = [{"busy_s": w[1], "step_events": e.num_step_events} for e, w in zip(self.engines, work)]
-        fleet = RunLog(calls=self.call_log, attempts=self.attempt_log, executions=self.executions,
+        executions = ExecutionList(self.executions)
+        fleet = RunLog(calls=self.call_log, attempts=self.attempt_log, executions=executions,
                        series=Series(t=ts, waiting=sum(waiting[1:], waiting[0]), running=sum(running[1:], running[0]),
                                      proxy_queue=fleet_pq),
                        counters=sum_counters(e.scheduler.counters for e in self.engines),
@@ -390,28 +392,24 @@ class FleetRun(Run):
             a_exec = column(self.attempt_log, "execution")
             att_rep = np.where(a_exec >= 0, ex_rep[np.maximum(a_exec, 0)] if len(ex_rep) else -1, -1)
         call_rep = first_landing(self.attempt_log, att_rep, len(self.call_log))
-        by_replica: list[list] = [[] for _ in range(n)]
-        for e, x in zip(self.executions, ex_rep.tolist()):
-            if x >= 0:
-                by_replica[x].append(e)
+        by_replica = executions.split(ex_rep, n)
         replicas = [replica_log(fleet, r, att_rep, ex_rep, call_rep,
                                 Series(t=ts, waiting=waiting[r], running=running[r], proxy_queue=pq[r]),
                                 dict(self.engines[r].scheduler.counters), self.counters_at_r[r], engine_r[r],
                                 extra_r[r], by_replica[r]) for r in range(n)]
         rerouted = self.rerouted + (self.proxy.rerouted if self.replica_mode else 0)
-        return FleetLog(fleet, replicas, att_rep, ex_rep, self._placed(), call_rep,
+        return FleetLog(fleet, replicas, att_rep, ex_rep, self._placed(executions), call_rep,
                         rerouted, {"replicas": n, "router": self.router_config.policy,
                                    "router_retries": self.router_config.retries, "proxy": self.router_config.proxy,
                                    "profiles": [p.name for p in self.profiles]})
 
-    def _placed(self) -> np.ndarray:
+    def _placed(self, executions: "ExecutionList") -> np.ndarray:
         """When each execution got its replica, by id (NaN: never): its
         dispatch, or with sidecars, its creation until it is dispatched."""
-        ex = self.executions
-        placed = np.fromiter((e.dispatched_at for e in ex), dtype=float, count=len(ex))
+        cols = executions.columns
+        placed = cols["dispatched_at"]
         if self.replica_mode:
-            created = np.fromiter((e.created_at for e in ex), dtype=float, count=len(ex))
-            placed = np.where(np.isnan(placed), created, placed)
+            placed = np.where(np.isnan(placed), cols["created_at"], placed)
         return placed
 
 
@@ -528,6 +526,44 @@ def first_landing(attempts, attempt_replica: np.ndarray, n_calls: int) -> np.nda
     return out
 
 
+_EXEC_FIELDS = (("id", np.int64), ("call", np.int64), ("attempt", np.int64), ("max_tokens", np.int64),
+                ("created_at", np.float64), ("dispatched_at", np.float64), ("accepted", np.bool_),
+                ("first_scheduled_at", np.float64), ("first_token_at", np.float64), ("finished_at", np.float64),
+                ("fate", "<U16"), ("cancel_requested_at", np.float64), ("tokens_generated", np.int64),
+                ("prompt_computed", np.int64), ("prompt_in_flight", np.int64), ("orphaned_at", np.float64))
+
+
+class ExecutionList(list):
+    """Execution records (`ExecutionRecord`) with `columns`: each field the
+    measures read as a numpy array, one row per record, taken in one pass
+    per field (or given, for a subset of another list's rows)."""
+
+    def __init__(self, records=(), columns: dict | None = None):
+        super().__init__(records)
+        if columns is None:
+            columns = {name: np.fromiter(map(attrgetter(name), self), dtype=dtype, count=len(self))
+                       for name, dtype in _EXEC_FIELDS}
+        self.columns = columns
+
+    @staticmethod
+    def ids(records) -> np.ndarray:
+        cols = getattr(records, "columns", None)
+        if cols is not None:
+            return cols["id"]
+        return np.fromiter((e.id for e in records), dtype=np.int64, count=len(records))
+
+    def split(self, part: np.ndarray, n: int) -> list["ExecutionList"]:
+        """The records of each part 0..n-1 (`part[row]`, -1 for none), in order."""
+        order = np.argsort(part, kind="stable")
+        bounds = np.searchsorted(part[order], np.arange(-1, n + 1))
+        out = []
+        for r in range(n):
+            rows = order[bounds[r + 1]:bounds[r + 2]]
+            out.append(ExecutionList(map(self.__getitem__, rows.tolist()) if len(rows) else (),
+                                     {k: v[rows] for k, v in self.columns.items()}))
+        return out
+
+
 def replica_log(fleet: RunLog, r: int, attempt_replica: np.ndarray, execution_replica: np.ndarray,
                 call_replica: np.ndarray, series: Series, counters: dict, counters_at: dict, engine: dict,
                 extra: dict, executions: list | None = None) -> RunLog:
@@ -540,7 +576,8 @@ def replica_log(fleet: RunLog, r: int, attempt_replica: np.ndarray, execution_re
     tables the replica's are tables (`ReplicaCallTable`), from lists of
     records, lists."""
     if executions is None:
-        executions = [e for e in fleet.executions if execution_replica[e.id] == r]
+        rows = np.flatnonzero(execution_replica[ExecutionList.ids(fleet.executions)] == r)
+        executions = ExecutionList(map(fleet.executions.__getitem__, rows.tolist()))
     here = call_replica == r
     rows = attempt_replica == r
     cl, at = fleet.calls, fleet.attempts
@@ -569,11 +606,9 @@ def split_calls(log: FleetLog) -> int:
     if not ex:
         return 0
     rep = log.execution_replica
-    ids = np.fromiter((e.id for e in ex), dtype=np.int64, count=len(ex))
-    call = np.fromiter((e.call for e in ex), dtype=np.int64, count=len(ex))
+    cols = getattr(ex, "columns", None) or ExecutionList(ex).columns
+    ids, call, fin, cancel = cols["id"], cols["call"], cols["finished_at"], cols["cancel_requested_at"]
     start = log.execution_placed[ids]
-    fin = np.fromiter((e.finished_at for e in ex), dtype=float, count=len(ex))
-    cancel = np.fromiter((e.cancel_requested_at for e in ex), dtype=float, count=len(ex))
     stop = np.fmin(fin, cancel)
     stop = np.where(np.isnan(stop), log.fleet.end_time, stop)
     r = rep[ids]

@@ -85,12 +85,21 @@ _C_LIVE, _C_DELIVERED, _C_FAILED_ATTEMPTS, _C_FAILED_RETRY_AFTER = range(4)
 
 
 def _col(records: list, name: str, dtype) -> np.ndarray:
-    """One field of every record as a numpy column (one pass, no temporaries)."""
+    """One field of every record as a numpy column (one pass, no temporaries;
+    a list that carries its records' `columns` (name -> array) gives that)."""
+    cols = getattr(records, "columns", None)
+    if cols is not None and name in cols:
+        return cols[name].astype(dtype, copy=False)
     return np.fromiter(map(attrgetter(name), records), dtype=dtype, count=len(records))
 
 
 def _code(records: list, name: str, table: _Codes) -> np.ndarray:
     """A string field as integer codes (-1 for a value not in the table)."""
+    cols = getattr(records, "columns", None)
+    if cols is not None and name in cols:
+        values, inverse = np.unique(cols[name], return_inverse=True)
+        codes = np.fromiter(map(table.__getitem__, values.tolist()), dtype=np.int64, count=len(values))
+        return codes[inverse.reshape(-1)]
     return np.fromiter(map(table.__getitem__, map(attrgetter(name), records)),
                        dtype=np.int64, count=len(records))
 

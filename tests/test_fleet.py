@@ -462,3 +462,29 @@ def test_phase_map_of_a_fleet_of_one_is_the_single_engines(tmp_path):
     assert [r["hold_within_deadline_median"] for r in a] == pytest.approx(
         [r["hold_within_deadline_median"] for r in b], rel=1e-12)
     assert len({r["p"] for r in a}) > 1 or len({r["hold_within_deadline_median"] for r in a}) > 1
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_replica_records_from_the_fleets_columns_are_those_of_their_records(tiny3, placement):
+    """A replica's executions carry their columns, cut from the fleet's; the
+    §8 record measured from them is the one measured from the records."""
+    import dataclasses
+    from sim import measures
+    from sim.fleet import replica_log
+    caps, trace = tiny3
+    log = simulate_fleet([PROFILE] * 3, trace, compose("cancel"), TINY, RouterConfig("least-outstanding", 1, placement))
+    logs = [log.fleet] + log.replicas
+    assert sum(len(rl.executions) for rl in log.replicas) == int((log.execution_replica >= 0).sum())
+    for r, rl in enumerate(log.replicas):
+        again = replica_log(log.fleet, r, log.attempt_replica, log.execution_replica, log.call_replica, rl.series,
+                            rl.counters, rl.counters_at, rl.engine, rl.extra)
+        assert list(again.executions) == list(rl.executions)
+    for rl in logs:
+        ex = rl.executions
+        for name, col in ex.columns.items():
+            assert col.tolist() == [getattr(e, name) for e in ex] or \
+                np.array_equal(col, np.array([getattr(e, name) for e in ex], dtype=col.dtype), equal_nan=True), name
+        plain = dataclasses.replace(rl, executions=list(ex))
+        a = measures.record(rl, TINY, caps[0], {})
+        b = measures.record(plain, TINY, caps[0], {})
+        assert golden.differences(a, b) == [] and json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
