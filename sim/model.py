@@ -175,42 +175,51 @@ class Timers:
 
     def _arm(self, tf: float) -> None:
         heapq.heappush(self._armed, tf)
-        self.env.schedule_at(tf, self._tick)
+        env = self.env
+        heapq.heappush(env._queue, (tf, NORMAL, next(env._eid), Call(self._tick)))     # env.schedule_at(tf, _tick)
 
     def _pop(self) -> None:
         """Take the heap's first entry out; if it is the lane's first, the
         lane's next entry takes its place in the heap."""
-        e = heapq.heappop(self.heap)
-        lane = self.lane
-        if lane and e is lane[0]:
+        h, lane = self.heap, self.lane
+        if lane and h[0] is lane[0]:
             lane.popleft()
             if lane:
-                heapq.heappush(self.heap, lane[0])
+                heapq.heapreplace(h, lane[0])
+                return
+        heapq.heappop(h)
 
     def _tick(self, _event) -> None:
         env, h, lane = self.env, self.heap, self.lane
         now = heapq.heappop(self._armed)
-        limit = min(self.horizon(), self.until)
+        limit = self.horizon()
+        if self.until < limit:
+            limit = self.until
         if -INF < limit < INF:
-            limit -= 1e-9 * max(1.0, abs(limit))    # leave a tie with the horizon to the clock
-        pop, push, stop = heapq.heappop, heapq.heappush, self.stop
+            a = limit if limit > 0.0 else -limit
+            limit -= 1e-9 * (a if a > 1.0 else 1.0)     # leave a tie with the horizon to the clock
+        pop, replace, stop = heapq.heappop, heapq.heapreplace, self.stop
         self._firing = True
         try:
             while h:
                 e = h[0]
-                if e[5]:
+                live = e[5]
+                if live:
                     tf = e[0]
                     if tf > now:
                         if tf >= limit or stop():
                             break
                         env._now = tf           # as of its own time
-                pop(h)
+                    e[5] = False
                 if lane and e is lane[0]:       # as _pop()
                     lane.popleft()
                     if lane:
-                        push(h, lane[0])
-                if e[5]:
-                    e[5] = False
+                        replace(h, lane[0])
+                    else:
+                        pop(h)
+                else:
+                    pop(h)
+                if live:
                     e[3](e[2], e[4])
         finally:
             env._now = now
