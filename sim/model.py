@@ -288,8 +288,11 @@ class Run:
         self.thin_at = 0      # thin the gauge logs beyond this many entries, looked at every 256th arrival
         #                       (0: never; run() sets it)
         self._action_stack: list = []       # (t, actions) lists being carried out (see _do)
+        self._doing = False                 # _do's loop is running
         self._handlers = {Subscribe: self._subscribe, Cancel: self._cancel,
                           Refuse: self._refuse, Complete: self._complete, Drop: self._drop, Wake: self._wake_at}
+        # Proxy.on_dispatched does nothing: called only where a proxy overrides it
+        self._report_dispatch = type(self.proxy).on_dispatched is not Proxy.on_dispatched
         for t in snapshot_times:
             self.timers.at(t, self._snapshot)
         # arrivals are planned in order: each one, when it fires, sets the
@@ -353,7 +356,7 @@ class Run:
         att = _Attempt(call_id, number, cs.deadline)
         att.row = self.attempt_log.add(call_id, number, t)
         self.call_log.attempts[call_id] = cs.attempts
-        att.timer = self.timers.at(cs.deadline, self._deadline, att, in_order=True)
+        att.timer = self.timers.at(cs.deadline, self._deadline, att, None, True)    # in order
         self._do(t, self.proxy.on_attempt(t, att, (self.max_tokens[call_id],), self.prompt_len[call_id]))
 
     def _deadline(self, t: float, att: _Attempt) -> None:
@@ -369,7 +372,11 @@ class Run:
             erec = self.executions[ex.id]
             if erec.orphaned_at != erec.orphaned_at:
                 erec.orphaned_at = t
-        self._decide(t, att.call_id, self.client.on_deadline(self.calls[att.call_id], t))
+        decision = self.client.on_deadline(self.calls[att.call_id], t)
+        if type(decision) is Retry:         # as _decide
+            self.timers.at(decision.at, self._send, att.call_id)
+        else:
+            self._decide(t, att.call_id, decision)
 
     def _decide(self, t: float, call_id: int, decision) -> None:
         if type(decision) is Retry:
@@ -404,24 +411,31 @@ class Run:
         own call produces (an engine refusal's, which dispatches the next
         queued execution) run next, before the rest of the outer list, as a
         nested call would run them, but from one loop: a long chain of
-        refusals does not grow the stack."""
+        refusals does not grow the stack. `_action_stack` holds the lists
+        left to carry out once a handler produced actions (empty otherwise)."""
         stack = self._action_stack
-        if stack:                           # a handler's own actions: the loop running already takes them next
+        if self._doing:                     # a handler's own actions: the loop running already takes them next
             stack.append((t, iter(actions)))
             return
         if actions:
-            it = iter(actions)
-            stack.append((t, it))
+            self._doing = True
             handlers = self._handlers
-            for a in it:                    # the outer list, as the loop below would carry it out
-                if type(a) is Dispatch:
+            k = 0
+            for a in actions:
+                k += 1
+                ta = type(a)
+                if ta is Subscribe:
+                    self._subscribe(t, a)
+                elif ta is Dispatch:
                     self._dispatch(t, a.execution)
                 else:
-                    handlers[type(a)](t, a)
-                if len(stack) != 1:
-                    self._do_nested()       # the handler's own actions, on the stack now, come first
+                    handlers[ta](t, a)
+                if stack:                   # the handler's own actions, on the stack now, come first
+                    stack.insert(0, (t, iter(actions[k:])))
+                    self._do_nested()       # logs the queue as each list ends, this one's rest last
+                    self._doing = False
                     return
-            stack.pop()
+            self._doing = False
         q = self.proxy.queued
         if q != self.proxy_queue_log[-1][1]:
             self.proxy_queue_log.append((t, q))
@@ -502,7 +516,8 @@ class Run:
         if self.engine.add_request(req):
             erec.accepted = True
             self.requests[ex.id] = req
-            self.proxy.on_dispatched(t, ex)
+            if self._report_dispatch:
+                self.proxy.on_dispatched(t, ex)
         else:
             erec.fate, erec.finished_at = "refused", t
             self._do(t, self.proxy.on_engine_refused(t, ex))
