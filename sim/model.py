@@ -60,7 +60,9 @@ class Clock(simpy.Environment):
 
     def run(self, until=None):
         """As `simpy.Environment.run` (same `until` forms, result and
-        errors), with `step()` carried out inline in its loop."""
+        errors), with `step()` carried out inline in its loop; a `Call`
+        entry (the engine's and the timers') runs its one callback, which
+        never stops the simulation, and nothing else."""
         if until is not None:
             if not isinstance(until, Event):
                 at = until if isinstance(until, int) else float(until)
@@ -77,6 +79,9 @@ class Clock(simpy.Environment):
         try:
             while queue:
                 self._now, _, _, event = pop(queue)
+                if type(event) is Call:         # one callback, which never stops the simulation
+                    event.callbacks[0](event)
+                    continue
                 callbacks, event.callbacks = event.callbacks, None
                 try:
                     for callback in callbacks:
