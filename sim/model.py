@@ -315,13 +315,15 @@ class Run:
         driver of several engines (`sim.fleet`) makes its own."""
         # the proxy's prompt-throughput estimate: computed prompt tokens of the
         # executions that got their first token over the last 60 s; before
-        # any, the profile's (capacity x computed prompt tokens per call)
+        # any, the profile's (capacity x computed prompt tokens per call);
+        # kept only where the proxy reads its view (`Proxy.estimate_wait`)
         self.prompt_rate = PromptRate(60.0)
+        reads_view = condition.proxy.queue == "deadline" or condition.proxy.budget is not None
         self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
                            prompt_throughput=prompt_throughput(profile, scenario))
         self.engine = EngineCore(self.env, engine_config(profile, condition, max_batched_tokens, scenario),
                                  profile.step_time, on_finished=self._on_finished,
-                                 on_first_token=self._on_first_token,
+                                 on_first_token=self._on_first_token if reads_view else None,
                                  next_input_time=self._next_input_time, fast_forward=fast_forward,
                                  next_abort_time=never if condition.proxy.cancellation == "off" else None)
 
@@ -470,7 +472,8 @@ class Run:
         att, ex = a.attempt, a.execution
         row, log = att.row, self.attempt_log
         log.execution[row] = ex.id
-        log.attached[row] = att.attached
+        if att.attached:
+            log.attached[row] = True
         if ex.id == len(self.executions):        # created for this attempt
             i = ex.call_id
             # ExecutionRecord(id, call, attempt, prompt_len, max_tokens, created_at)
