@@ -62,7 +62,8 @@ class Clock(simpy.Environment):
         """As `simpy.Environment.run` (same `until` forms, result and
         errors), with `step()` carried out inline in its loop; a `Call`
         entry (the engine's and the timers') runs its one callback, which
-        never stops the simulation, and nothing else."""
+        never stops the simulation, and is left as it was (it may be queued
+        again)."""
         if until is not None:
             if not isinstance(until, Event):
                 at = until if isinstance(until, int) else float(until)
@@ -151,6 +152,7 @@ class Timers:
         self._seq = 0
         self._armed: list[float] = []       # times of this heap's SimPy events in the queue
         self._firing = False
+        self._call = Call(self._tick)       # the queue entry of those events (the Clock leaves a Call as it was)
 
     def reserve(self, n: int) -> int:
         """Reserve n sequence numbers (for timers added later that must
@@ -169,9 +171,9 @@ class Timers:
         entry = [tf, seq, t, fn, arg, True]
         lane = self.lane
         if in_order and (not lane or lane[-1] < entry):
-            lane.append(entry)
-            if len(lane) == 1:
+            if not lane:
                 heapq.heappush(self.heap, entry)    # the lane's first entry stands for it in the heap
+            lane.append(entry)
         else:
             heapq.heappush(self.heap, entry)
         if not self._firing and (not self._armed or tf < self._armed[0]):
@@ -181,7 +183,7 @@ class Timers:
     def _arm(self, tf: float) -> None:
         heapq.heappush(self._armed, tf)
         env = self.env
-        heapq.heappush(env._queue, (tf, NORMAL, next(env._eid), Call(self._tick)))     # env.schedule_at(tf, _tick)
+        heapq.heappush(env._queue, (tf, NORMAL, next(env._eid), self._call))     # env.schedule_at(tf, _tick)
 
     def _pop(self) -> None:
         """Take the heap's first entry out; if it is the lane's first, the
@@ -353,7 +355,7 @@ class Run:
             self._thin()
         nxt = call_id + 1
         if self._in_order and nxt < len(self.arrival):
-            self.timers.at(self.arrival[nxt], self._arrive, nxt, seq=self._arrival_seq + nxt)
+            self.timers.at(self.arrival[nxt], self._arrive, nxt, self._arrival_seq + nxt)
         self.calls[call_id] = CallState(call_id, self.arrival[call_id])
         self._send(t, call_id)
 

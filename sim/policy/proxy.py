@@ -417,6 +417,8 @@ class Proxy:
         """The engine streamed the execution's last token."""
         subs, ex.subscribers = ex.subscribers, []
         self._end(ex, "completed")
+        out = []
         for a in subs:
             a.open = False
-        return self._pump(t, [Complete(a) for a in subs])
+            out.append(Complete(a))
+        return out if self.config.proxy_cap is None else self._pump(t, out)
