@@ -296,6 +296,9 @@ class Run:
         #                       (0: never; run() sets it)
         self._action_stack: list = []       # (t, actions) lists being carried out (see _do)
         self._doing = False                 # _do's loop is running
+        # the timers' functions, bound once: a timer keeps its function, and
+        # binding one at each timer set would make a new object every time
+        self._arrive, self._send, self._deadline, self._wake = self._arrive, self._send, self._deadline, self._wake
         self._handlers = {Subscribe: self._subscribe, Cancel: self._cancel,
                           Refuse: self._refuse, Complete: self._complete, Drop: self._drop, Wake: self._wake_at}
         # Proxy.on_dispatched does nothing: called only where a proxy overrides it
