@@ -60,7 +60,10 @@ class Clock(simpy.Environment):
 
     def run(self, until=None):
         """As `simpy.Environment.run` (same `until` forms, result and
-        errors), with `step()` carried out inline in its loop."""
+        errors), with `step()` carried out inline in its loop; a `Call`
+        entry (the engine's and the timers') runs its one callback, which
+        never stops the simulation, and is left as it was (it may be queued
+        again)."""
         if until is not None:
             if not isinstance(until, Event):
                 at = until if isinstance(until, int) else float(until)
@@ -77,6 +80,9 @@ class Clock(simpy.Environment):
         try:
             while queue:
                 self._now, _, _, event = pop(queue)
+                if type(event) is Call:         # one callback, which never stops the simulation
+                    event.callbacks[0](event)
+                    continue
                 callbacks, event.callbacks = event.callbacks, None
                 try:
                     for callback in callbacks:
@@ -146,6 +152,7 @@ class Timers:
         self._seq = 0
         self._armed: list[float] = []       # times of this heap's SimPy events in the queue
         self._firing = False
+        self._call = Call(self._tick)       # the queue entry of those events (the Clock leaves a Call as it was)
 
     def reserve(self, n: int) -> int:
         """Reserve n sequence numbers (for timers added later that must
@@ -164,9 +171,9 @@ class Timers:
         entry = [tf, seq, t, fn, arg, True]
         lane = self.lane
         if in_order and (not lane or lane[-1] < entry):
-            lane.append(entry)
-            if len(lane) == 1:
+            if not lane:
                 heapq.heappush(self.heap, entry)    # the lane's first entry stands for it in the heap
+            lane.append(entry)
         else:
             heapq.heappush(self.heap, entry)
         if not self._firing and (not self._armed or tf < self._armed[0]):
@@ -175,42 +182,51 @@ class Timers:
 
     def _arm(self, tf: float) -> None:
         heapq.heappush(self._armed, tf)
-        self.env.schedule_at(tf, self._tick)
+        env = self.env
+        heapq.heappush(env._queue, (tf, NORMAL, next(env._eid), self._call))     # env.schedule_at(tf, _tick)
 
     def _pop(self) -> None:
         """Take the heap's first entry out; if it is the lane's first, the
         lane's next entry takes its place in the heap."""
-        e = heapq.heappop(self.heap)
-        lane = self.lane
-        if lane and e is lane[0]:
+        h, lane = self.heap, self.lane
+        if lane and h[0] is lane[0]:
             lane.popleft()
             if lane:
-                heapq.heappush(self.heap, lane[0])
+                heapq.heapreplace(h, lane[0])
+                return
+        heapq.heappop(h)
 
     def _tick(self, _event) -> None:
         env, h, lane = self.env, self.heap, self.lane
         now = heapq.heappop(self._armed)
-        limit = min(self.horizon(), self.until)
+        limit = self.horizon()
+        if self.until < limit:
+            limit = self.until
         if -INF < limit < INF:
-            limit -= 1e-9 * max(1.0, abs(limit))    # leave a tie with the horizon to the clock
-        pop, push, stop = heapq.heappop, heapq.heappush, self.stop
+            a = limit if limit > 0.0 else -limit
+            limit -= 1e-9 * (a if a > 1.0 else 1.0)     # leave a tie with the horizon to the clock
+        pop, replace, stop = heapq.heappop, heapq.heapreplace, self.stop
         self._firing = True
         try:
             while h:
                 e = h[0]
-                if e[5]:
+                live = e[5]
+                if live:
                     tf = e[0]
                     if tf > now:
                         if tf >= limit or stop():
                             break
                         env._now = tf           # as of its own time
-                pop(h)
+                    e[5] = False
                 if lane and e is lane[0]:       # as _pop()
                     lane.popleft()
                     if lane:
-                        push(h, lane[0])
-                if e[5]:
-                    e[5] = False
+                        replace(h, lane[0])
+                    else:
+                        pop(h)
+                else:
+                    pop(h)
+                if live:
                     e[3](e[2], e[4])
         finally:
             env._now = now
@@ -279,8 +295,14 @@ class Run:
         self.thin_at = 0      # thin the gauge logs beyond this many entries, looked at every 256th arrival
         #                       (0: never; run() sets it)
         self._action_stack: list = []       # (t, actions) lists being carried out (see _do)
+        self._doing = False                 # _do's loop is running
+        # the timers' functions, bound once: a timer keeps its function, and
+        # binding one at each timer set would make a new object every time
+        self._arrive, self._send, self._deadline, self._wake = self._arrive, self._send, self._deadline, self._wake
         self._handlers = {Subscribe: self._subscribe, Cancel: self._cancel,
                           Refuse: self._refuse, Complete: self._complete, Drop: self._drop, Wake: self._wake_at}
+        # Proxy.on_dispatched does nothing: called only where a proxy overrides it
+        self._report_dispatch = type(self.proxy).on_dispatched is not Proxy.on_dispatched
         for t in snapshot_times:
             self.timers.at(t, self._snapshot)
         # arrivals are planned in order: each one, when it fires, sets the
@@ -298,13 +320,15 @@ class Run:
         driver of several engines (`sim.fleet`) makes its own."""
         # the proxy's prompt-throughput estimate: computed prompt tokens of the
         # executions that got their first token over the last 60 s; before
-        # any, the profile's (capacity x computed prompt tokens per call)
+        # any, the profile's (capacity x computed prompt tokens per call);
+        # kept only where the proxy reads its view (`Proxy.estimate_wait`)
         self.prompt_rate = PromptRate(60.0)
+        reads_view = condition.proxy.queue == "deadline" or condition.proxy.budget is not None
         self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
                            prompt_throughput=prompt_throughput(profile, scenario))
         self.engine = EngineCore(self.env, engine_config(profile, condition, max_batched_tokens, scenario),
                                  profile.step_time, on_finished=self._on_finished,
-                                 on_first_token=self._on_first_token,
+                                 on_first_token=self._on_first_token if reads_view else None,
                                  next_input_time=self._next_input_time, fast_forward=fast_forward,
                                  next_abort_time=never if condition.proxy.cancellation == "off" else None)
 
@@ -334,7 +358,7 @@ class Run:
             self._thin()
         nxt = call_id + 1
         if self._in_order and nxt < len(self.arrival):
-            self.timers.at(self.arrival[nxt], self._arrive, nxt, seq=self._arrival_seq + nxt)
+            self.timers.at(self.arrival[nxt], self._arrive, nxt, self._arrival_seq + nxt)
         self.calls[call_id] = CallState(call_id, self.arrival[call_id])
         self._send(t, call_id)
 
@@ -344,7 +368,7 @@ class Run:
         att = _Attempt(call_id, number, cs.deadline)
         att.row = self.attempt_log.add(call_id, number, t)
         self.call_log.attempts[call_id] = cs.attempts
-        att.timer = self.timers.at(cs.deadline, self._deadline, att, in_order=True)
+        att.timer = self.timers.at(cs.deadline, self._deadline, att, None, True)    # in order
         self._do(t, self.proxy.on_attempt(t, att, (self.max_tokens[call_id],), self.prompt_len[call_id]))
 
     def _deadline(self, t: float, att: _Attempt) -> None:
@@ -360,7 +384,11 @@ class Run:
             erec = self.executions[ex.id]
             if erec.orphaned_at != erec.orphaned_at:
                 erec.orphaned_at = t
-        self._decide(t, att.call_id, self.client.on_deadline(self.calls[att.call_id], t))
+        decision = self.client.on_deadline(self.calls[att.call_id], t)
+        if type(decision) is Retry:         # as _decide
+            self.timers.at(decision.at, self._send, att.call_id)
+        else:
+            self._decide(t, att.call_id, decision)
 
     def _decide(self, t: float, call_id: int, decision) -> None:
         if type(decision) is Retry:
@@ -395,24 +423,31 @@ class Run:
         own call produces (an engine refusal's, which dispatches the next
         queued execution) run next, before the rest of the outer list, as a
         nested call would run them, but from one loop: a long chain of
-        refusals does not grow the stack."""
+        refusals does not grow the stack. `_action_stack` holds the lists
+        left to carry out once a handler produced actions (empty otherwise)."""
         stack = self._action_stack
-        if stack:                           # a handler's own actions: the loop running already takes them next
+        if self._doing:                     # a handler's own actions: the loop running already takes them next
             stack.append((t, iter(actions)))
             return
         if actions:
-            it = iter(actions)
-            stack.append((t, it))
+            self._doing = True
             handlers = self._handlers
-            for a in it:                    # the outer list, as the loop below would carry it out
-                if type(a) is Dispatch:
+            k = 0
+            for a in actions:
+                k += 1
+                ta = type(a)
+                if ta is Subscribe:
+                    self._subscribe(t, a)
+                elif ta is Dispatch:
                     self._dispatch(t, a.execution)
                 else:
-                    handlers[type(a)](t, a)
-                if len(stack) != 1:
-                    self._do_nested()       # the handler's own actions, on the stack now, come first
+                    handlers[ta](t, a)
+                if stack:                   # the handler's own actions, on the stack now, come first
+                    stack.insert(0, (t, iter(actions[k:])))
+                    self._do_nested()       # logs the queue as each list ends, this one's rest last
+                    self._doing = False
                     return
-            stack.pop()
+            self._doing = False
         q = self.proxy.queued
         if q != self.proxy_queue_log[-1][1]:
             self.proxy_queue_log.append((t, q))
@@ -442,7 +477,8 @@ class Run:
         att, ex = a.attempt, a.execution
         row, log = att.row, self.attempt_log
         log.execution[row] = ex.id
-        log.attached[row] = att.attached
+        if att.attached:
+            log.attached[row] = True
         if ex.id == len(self.executions):        # created for this attempt
             i = ex.call_id
             # ExecutionRecord(id, call, attempt, prompt_len, max_tokens, created_at)
@@ -493,7 +529,8 @@ class Run:
         if self.engine.add_request(req):
             erec.accepted = True
             self.requests[ex.id] = req
-            self.proxy.on_dispatched(t, ex)
+            if self._report_dispatch:
+                self.proxy.on_dispatched(t, ex)
         else:
             erec.fate, erec.finished_at = "refused", t
             self._do(t, self.proxy.on_engine_refused(t, ex))

@@ -254,6 +254,8 @@ class Proxy:
         self.queued_tokens = 0                      # their prompt tokens
         self.outstanding = 0                        # dispatched executions not yet finished
         self._next_id = 0
+        # whether an attempt meets any check before it gets a new execution (`_admit`)
+        self._checks = config.budget is not None or config.coalesce or config.queue == "deadline"
 
     # ----------------------------------------------------------- estimator
     def estimate_wait(self, t: float, prompt_len: float) -> float:
@@ -277,8 +279,34 @@ class Proxy:
 
     # ------------------------------------------------------------ attempts
     def on_attempt(self, t: float, attempt: Attempt, params: tuple = (), prompt_len: int = 0) -> list:
-        cfg = self.config
         key = (attempt.call_id, *params)            # call_key(attempt.call_id, params)
+        if self._checks:
+            out = self._admit(t, attempt, key, prompt_len)
+            if out is not None:
+                return out
+        cfg = self.config
+        ex = Execution(self._next_id, attempt.call_id, key, t, prompt_len)
+        self._next_id += 1
+        self.executions[ex.id] = ex
+        if cfg.coalesce:
+            self.live[key] = ex
+        ex.subscribers.append(attempt)
+        attempt.execution = ex
+        if cfg.proxy_cap is None or self.outstanding < cfg.proxy_cap:
+            ex.state = "dispatched"             # as _dispatch()
+            self.outstanding += 1
+            return [Subscribe(attempt, ex), Dispatch(ex)]
+        ex.state = "queued"
+        self.queue.append(ex)
+        self.queued += 1
+        self.queued_tokens += ex.prompt_len
+        return [Subscribe(attempt, ex)]
+
+    def _admit(self, t: float, attempt: Attempt, key: tuple, prompt_len: int) -> list | None:
+        """The checks before an attempt gets a new execution, in the
+        configured order: the answer if the attempt is refused or attached
+        to its call's live execution, else None."""
+        cfg = self.config
         retry = attempt.number > 0
         if not retry and self.budget is not None:
             self.budget.first(t)
@@ -299,22 +327,7 @@ class Proxy:
         if cfg.queue == "deadline" and self.misses_deadline(t, attempt, prompt_len):
             attempt.open = False
             return [Refuse(attempt, 503, None, "deadline")]
-        ex = Execution(self._next_id, attempt.call_id, key, t, prompt_len)
-        self._next_id += 1
-        self.executions[ex.id] = ex
-        if cfg.coalesce:
-            self.live[key] = ex
-        ex.subscribers.append(attempt)
-        attempt.execution = ex
-        if cfg.proxy_cap is None or self.outstanding < cfg.proxy_cap:
-            ex.state = "dispatched"             # as _dispatch()
-            self.outstanding += 1
-            return [Subscribe(attempt, ex), Dispatch(ex)]
-        ex.state = "queued"
-        self.queue.append(ex)
-        self.queued += 1
-        self.queued_tokens += ex.prompt_len
-        return [Subscribe(attempt, ex)]
+        return None
 
     def _dispatch(self, ex: Execution, out: list) -> None:
         ex.state = "dispatched"
@@ -372,12 +385,15 @@ class Proxy:
         """The client gave up the attempt and closed its connection."""
         attempt.open = False
         ex = attempt.execution
-        if ex is None or ex.state not in _LIVE:
+        if ex is None:
             return []
-        ex.subscribers.remove(attempt)
-        if ex.subscribers:
+        state, subs = ex.state, ex.subscribers
+        if state not in _LIVE:
             return []
-        if ex.state == "queued":
+        subs.remove(attempt)
+        if subs:
+            return []
+        if state == "queued":
             self._end(ex, "dropped")
             return [Drop(ex)]
         c = self.config.cancellation
@@ -401,6 +417,8 @@ class Proxy:
         """The engine streamed the execution's last token."""
         subs, ex.subscribers = ex.subscribers, []
         self._end(ex, "completed")
+        out = []
         for a in subs:
             a.open = False
-        return self._pump(t, [Complete(a) for a in subs])
+            out.append(Complete(a))
+        return out if self.config.proxy_cap is None else self._pump(t, out)
