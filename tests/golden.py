@@ -11,7 +11,7 @@ import sys
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden_records.json")
 DIAGNOSTIC = ("no-control", "cancel", "no-retry+cancel", "no-retry")
 MODELS = ("qwen2.5-7b", "qwen3-14b", "llama-3.1-8b")
-EXTRA = ("deferred", "lifo", "budget-first")          # on qwen2.5-7b
+EXTRA = ("deferred", "lifo", "budget-first", "engine-cap-100", "coalesce", "deadline-check")   # on qwen2.5-7b
 
 CASES = [(m, c) for m in MODELS for c in DIAGNOSTIC] + [("qwen2.5-7b", c) for c in EXTRA]
 
