@@ -384,11 +384,7 @@ class Run:
             erec = self.executions[ex.id]
             if erec.orphaned_at != erec.orphaned_at:
                 erec.orphaned_at = t
-        decision = self.client.on_deadline(self.calls[att.call_id], t)
-        if type(decision) is Retry:         # as _decide
-            self.timers.at(decision.at, self._send, att.call_id)
-        else:
-            self._decide(t, att.call_id, decision)
+        self._decide(t, att.call_id, self.client.on_deadline(self.calls[att.call_id], t))
 
     def _decide(self, t: float, call_id: int, decision) -> None:
         if type(decision) is Retry:

@@ -210,9 +210,8 @@ class EngineCore:
         pending = self.pending
         if pending:                     # as _loop() with a step in flight
             env = self.env
-            delay = pending[0].end - env._now   # call_later(env, max(0.0, delay), self._step_end), inlined
-            heappush(env._queue, (env._now + (delay if delay > 0.0 else 0.0), NORMAL, next(env._eid),
-                                  Call(self._step_end)))
+            delay = pending[0].end - env._now
+            call_later(env, delay if delay > 0.0 else 0.0, self._step_end)
         else:
             self._loop()
 

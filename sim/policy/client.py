@@ -68,32 +68,29 @@ class RetryingClient:
         call.deadline = t + self.config.deadline_s
         return n
 
-    def _give_up(self, call: CallState, reason: str) -> GiveUp:
-        call.done = True
-        call.outcome = "failed_" + reason
-        return GiveUp(reason)
-
-    def on_deadline(self, call: CallState, t: float):
-        """The open attempt reached its deadline: the client closes it and,
-        with retries left, sends the next after the usual wait."""
-        call.open_attempt = -1
-        cfg = self.config
-        if call.attempts > cfg.max_retries:
-            return self._give_up(call, "attempts")
-        return Retry(t + self.uniform(cfg.backoff_min_s, cfg.backoff_max_s))
-
-    def on_refused(self, call: CallState, t: float, status: int, retry_after: float | None = None):
-        """The open attempt was refused: 429 (with Retry-After) or 503 (the
-        usual wait, as after a deadline)."""
-        if status != 429 or retry_after is None:
-            return self.on_deadline(call, t)
-        wait = float(retry_after)
+    def _failed(self, call: CallState, t: float, wait: float | None):
         call.open_attempt = -1
         if call.attempts > self.config.max_retries:
-            return self._give_up(call, "attempts")
-        if wait > self.config.max_retry_after_s:
-            return self._give_up(call, "retry_after")
+            call.done = True
+            call.outcome = "failed_attempts"
+            return GiveUp("attempts")
+        if wait is None:
+            wait = self.uniform(self.config.backoff_min_s, self.config.backoff_max_s)
+        elif wait > self.config.max_retry_after_s:
+            call.done = True
+            call.outcome = "failed_retry_after"
+            return GiveUp("retry_after")
         return Retry(t + wait)
+
+    def on_deadline(self, call: CallState, t: float):
+        """The open attempt reached its deadline: the client closes it."""
+        return self._failed(call, t, None)
+
+    def on_refused(self, call: CallState, t: float, status: int, retry_after: float | None = None):
+        """The open attempt was refused: 429 (with Retry-After) or 503."""
+        if status == 429 and retry_after is not None:
+            return self._failed(call, t, float(retry_after))
+        return self._failed(call, t, None)
 
     def on_complete(self, call: CallState, t: float):
         """The open attempt received the complete response."""

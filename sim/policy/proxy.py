@@ -421,4 +421,4 @@ class Proxy:
         for a in subs:
             a.open = False
             out.append(Complete(a))
-        return out if self.config.proxy_cap is None else self._pump(t, out)
+        return self._pump(t, out)
