@@ -92,7 +92,10 @@ QUEUE_CAP = 3                 # --max-num-queued-reqs
 # ~1,000 tokens, so the tokens counted before the abort vary; the bound is half.
 DECODE_MAX = 20000
 LONG_PROMPT = 16000           # ~1.5 s of prefill: a client leaves during it
-ORPHAN_MAX = 100
+# The orphan's decode (~3 s): the proxy must see the client leave while the execution
+# still runs, and under load that can come a second or two after the engine was seen
+# prefilling (with 100 tokens, ~0.3 s, the execution had once ended before the leave).
+ORPHAN_MAX = 1000
 COALESCE_MAX = 200
 HOLD_PROMPT = 30000           # 3 such prompts hold the engine's slots for ~9 s of prefill
 MODEL = "tiny-qwen2"
