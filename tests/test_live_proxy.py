@@ -96,7 +96,7 @@ LONG_PROMPT = 16000           # ~1.5 s of prefill: a client leaves during it
 # still runs, and under load that can come a second or two after the engine was seen
 # prefilling (with 100 tokens, ~0.3 s, the execution had once ended before the leave).
 ORPHAN_MAX = 1000
-COALESCE_MAX = 200
+COALESCE_MAX = 1000           # the same for a retry: it must find its call's execution still live
 HOLD_PROMPT = 30000           # 3 such prompts hold the engine's slots for ~9 s of prefill
 MODEL = "tiny-qwen2"
 
