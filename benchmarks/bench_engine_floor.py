@@ -65,48 +65,55 @@ def recorded_inputs(run: Run) -> list[tuple]:
     return inputs
 
 
-def replay(profile, condition, inputs: list[tuple], until: float) -> EngineCore:
+def replay(profile, condition, inputs: list[tuple], until: float) -> tuple[EngineCore, float, float]:
     """The engine alone, fed `inputs` at their times, run to `until` (where
     the full run ended: every call over, orphans possibly still running) with
-    the garbage collector off, as a run has it."""
+    the garbage collector off, as a run has it. Returns the engine and the
+    wall and CPU seconds of its run; the requests (with their execution
+    records, as the driver makes them) are made before, untimed."""
     env = Clock()
-    at = [0]                        # index of the next input
-    times = [t for t, _, _ in inputs] + [INF]
     engine = EngineCore(env, engine_config(profile, condition, scenario=PAPER), profile.step_time,
                         next_input_time=lambda: times[at[0]],
                         next_abort_time=(lambda: INF) if condition.proxy.cancellation == "off" else None)
     requests: dict[int, Request] = {}
+    times, groups = [], []          # the inputs' distinct times; per time, (engine method, request) in order
+    for t, op, arg in inputs:
+        if op == "add":
+            rid, call_id, prompt, max_tokens, prefix, group = arg
+            r = requests[rid] = Request(rid, call_id, prompt, max_tokens, prefix,
+                                        record=ExecutionRecord(rid, call_id, 0, prompt, max_tokens, t),
+                                        prefix_group=group)
+            item = (engine.add_request, r)
+        else:
+            item = (engine.abort_request, requests[arg])
+        if times and times[-1] == t:
+            groups[-1].append(item)
+        else:
+            times.append(t)
+            groups.append([item])
+    times.append(INF)
+    at = [0]                        # index of the next input time
 
     def feed(_event) -> None:
         i = at[0]
-        t, op, arg = inputs[i]
-        while True:
-            if op == "add":
-                rid, call_id, prompt, max_tokens, prefix, group = arg
-                r = requests[rid] = Request(rid, call_id, prompt, max_tokens, prefix,
-                                            record=ExecutionRecord(rid, call_id, 0, prompt, max_tokens, t),
-                                            prefix_group=group)
-                engine.add_request(r)
-            else:
-                engine.abort_request(requests[arg])
-            i += 1
-            if i == len(inputs) or inputs[i][0] != t:
-                break
-            t, op, arg = inputs[i]
-        at[0] = i
-        if i < len(inputs):
-            call_later(env, inputs[i][0] - env.now, feed)
+        for fn, r in groups[i]:
+            fn(r)
+        at[0] = i = i + 1
+        if i < len(groups):
+            call_later(env, times[i] - env.now, feed)
 
-    if inputs:
-        call_later(env, inputs[0][0], feed)
+    if groups:
+        call_later(env, times[0], feed)
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
+        t0, c0 = time.perf_counter(), time.process_time()
         env.run(until)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
         if gc_was_enabled:
             gc.enable()
-    return engine
+    return engine, wall, cpu
 
 
 def measure(profile, trace, condition, seed: int) -> tuple:
@@ -116,9 +123,7 @@ def measure(profile, trace, condition, seed: int) -> tuple:
     t0, c0 = time.perf_counter(), time.process_time()
     inputs = recorded_inputs(run)
     fw, fc = time.perf_counter() - t0, time.process_time() - c0
-    t0, c0 = time.perf_counter(), time.process_time()
-    engine = replay(profile, condition, inputs, run.env.now)
-    aw, ac = time.perf_counter() - t0, time.process_time() - c0
+    engine, aw, ac = replay(profile, condition, inputs, run.env.now)
     if engine.scheduler.counters != run.engine.scheduler.counters:
         raise SystemExit(f"{condition.name}: the engine alone computed other tokens than in the full run "
                          f"({engine.scheduler.counters} vs {run.engine.scheduler.counters})")

@@ -38,7 +38,7 @@ def test_the_engine_alone_on_a_runs_inputs_does_the_runs_engine_work(floor, name
     aborts = sum(op == "abort" for _, op, _ in inputs)
     assert adds >= len(trace) * 0.9
     assert aborts == 0 if condition.proxy.cancellation == "off" else aborts > 0
-    engine = floor.replay(profile, condition, inputs, run.env.now)
+    engine, _, _ = floor.replay(profile, condition, inputs, run.env.now)
     assert engine.env.now == run.env.now
     assert engine.scheduler.counters == run.engine.scheduler.counters
     assert engine.scheduler.counters["prompt_tokens_total"] > 0
