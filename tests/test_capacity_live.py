@@ -121,15 +121,16 @@ def test_loadgen_is_open_loop_and_closes_at_the_deadline(stub):
     t0 = time.monotonic()
     asyncio.run(gen.run(until=5.0))
     wall = time.monotonic() - t0
-    assert wall < 2.5                                   # long calls did not hold the run to 4 s
+    # bounds far from what a failure gives, so that a loaded machine passes:
+    assert wall < 3.5                                   # long calls did not hold the run to 4 s
     out = {r.index: r for r in gen.records}
     assert sorted(out) == list(range(12))
     # open loop: every call sent at its planned time even while slow calls stream
     lags = [r.sent - r.planned for r in gen.records]
-    assert max(lags) < 0.1 and min(lags) > -1e-3
+    assert max(lags) < 0.5 and min(lags) > -1e-3        # a closed loop would lag by seconds
     assert len(log["arrivals"]) == 12
     sent_at = sorted(t for t, _ in log["arrivals"])
-    assert sent_at[-1] - sent_at[0] == pytest.approx(1.1, abs=0.1)
+    assert sent_at[-1] - sent_at[0] == pytest.approx(1.1, abs=0.3)
     # the request body is what vLLM takes
     req = log["arrivals"][0][1]
     assert req["model"] == "stub-model" and req["stream"] and req["ignore_eos"]
@@ -140,11 +141,13 @@ def test_loadgen_is_open_loop_and_closes_at_the_deadline(stub):
     for i in range(12):
         r = out[i]
         if i in (3, 7):
-            assert r.outcome == "deadline" and r.end - r.sent == pytest.approx(0.5, abs=0.1)
+            assert r.outcome == "deadline" and r.end - r.sent == pytest.approx(0.5, abs=0.3)   # not 4 s
             assert 0 < r.tokens < 200
         else:
             assert r.outcome == "ok" and r.tokens == 5 and r.first_token > r.sent
-    time.sleep(0.3)                                     # the stub notices on its next write
+    t_end = time.monotonic() + 5.0                      # the stub notices on its next write
+    while len(log["disconnects"]) < 2 and time.monotonic() < t_end:
+        time.sleep(0.05)
     assert len(log["disconnects"]) == 2 and len(log["completed"]) == 10
     # the 1 s sampler read the stub's gauge
     assert len(gen.samples) >= 2 and all(s[1] >= 0 for s in gen.samples)
