@@ -197,15 +197,12 @@ class Timers:
         heapq.heappop(h)
 
     def _tick(self, _event) -> None:
-        env, h, lane = self.env, self.heap, self.lane
+        env, h = self.env, self.heap
         now = heapq.heappop(self._armed)
-        limit = self.horizon()
-        if self.until < limit:
-            limit = self.until
+        limit = min(self.horizon(), self.until)
         if -INF < limit < INF:
-            a = limit if limit > 0.0 else -limit
-            limit -= 1e-9 * (a if a > 1.0 else 1.0)     # leave a tie with the horizon to the clock
-        pop, replace, stop = heapq.heappop, heapq.heapreplace, self.stop
+            limit -= 1e-9 * max(1.0, abs(limit))    # leave a tie with the horizon to the clock
+        pop, stop = self._pop, self.stop
         self._firing = True
         try:
             while h:
@@ -218,14 +215,7 @@ class Timers:
                             break
                         env._now = tf           # as of its own time
                     e[5] = False
-                if lane and e is lane[0]:       # as _pop()
-                    lane.popleft()
-                    if lane:
-                        replace(h, lane[0])
-                    else:
-                        pop(h)
-                else:
-                    pop(h)
+                pop()
                 if live:
                     e[3](e[2], e[4])
         finally:
