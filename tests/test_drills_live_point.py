@@ -98,6 +98,26 @@ def test_the_errors_of_an_engine_log_are_its_exceptions_not_warnings_that_quote_
                                 "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."]
 
 
+def test_an_engine_whose_core_died_is_gone_while_its_server_still_runs(tmp_path):
+    """vLLM's API server can outlive its core by many seconds (waiting for its
+    connections to close, /metrics unanswered): the log's EngineDeadError
+    says the engine is gone, found across the reads of a growing log."""
+    log = tmp_path / "server.log"
+    log.write_text("(APIServer pid=1) INFO 12-01 10:29:50 [api_server.py:1] Started server process\n")
+    eng = E.Engine(url="http://127.0.0.1:9", log_path=log)
+    eng.proc = type("Running", (), {"poll": lambda self: None})()      # a server process that has not exited
+    assert V.engine_gone(eng) is None
+    with open(log, "a") as f:
+        f.write('INFO:     127.0.0.1:41170 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error\n'
+                "vllm.v1.engine.exceptions.EngineDe")                   # the mark split across two reads
+    assert V.engine_gone(eng) is None
+    with open(log, "a") as f:
+        f.write("adError: EngineCore encountered an issue.\nINFO:     Waiting for connections to close.\n")
+    why = V.engine_gone(eng)
+    assert why is not None and why.startswith("the engine process") and "EngineDeadError" in why
+    assert V.engine_gone(eng) == why                                     # and it stays gone
+
+
 def test_an_engine_that_never_becomes_ready_fails_its_point_with_a_clear_error(tmp_path, monkeypatch):
     spec = FakeSpec(tmp_path, [])
 

@@ -209,6 +209,9 @@ class Engine:
     pid: int | None = None
     flags: dict = field(default_factory=dict)
     _version: str | None = field(default=None, repr=False)
+    _scanned: int = field(default=0, repr=False)           # core_died(): bytes of the log read so far
+    _scan_tail: bytes = field(default=b"", repr=False)
+    _core_dead: bool = field(default=False, repr=False)
 
     def metrics(self) -> dict[str, float]:
         return parse_metrics(http_get(self.url + "/metrics"))
@@ -264,6 +267,26 @@ class Engine:
     def log_tail(self, n: int = 20) -> list[str]:
         """The last n non-empty lines of the engine's log."""
         return _log_lines(self.log_path)[-n:]
+
+    def core_died(self) -> bool:
+        """Whether vLLM has said in its log that the engine's core process
+        died (`EngineDeadError`): its API server never serves again, and may
+        linger for a while waiting for connections to close before it exits.
+        Reads only what the log gained since the last call."""
+        if self._core_dead or self.log_path is None:
+            return self._core_dead
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._scanned)
+                new = f.read()
+        except OSError:
+            return False
+        if new:
+            keep = len(_CORE_DEAD) - 1                 # a mark split across two reads is still found
+            self._core_dead = _CORE_DEAD in self._scan_tail + new
+            self._scan_tail = new[-keep:]
+            self._scanned += len(new)
+        return self._core_dead
 
     def log_errors(self, n: int = 5) -> list[str]:
         """The last n distinct exception lines (`SomeError: message`) of the
@@ -463,6 +486,7 @@ def start_server(args: list[str], url: str, log_path: Path, env: dict, cwd: Path
     return eng
 
 
+_CORE_DEAD = b"EngineDeadError"
 _EXC = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception): .*$")
 # a vLLM log record below ERROR ("(APIServer pid=1) WARNING 12-01 10:29:50 [...] ..."): its
 # text may quote an exception (the fd-limit warning at start-up does) without one happening

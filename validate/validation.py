@@ -56,9 +56,13 @@ class PointFailed(Exception):
 
 
 def engine_gone(eng: E.Engine) -> str | None:
-    """Why an engine llmsim started is gone (its server process exited), or None."""
+    """Why an engine llmsim started is gone (its server process exited, or
+    vLLM logged that the engine's core died: the server then never serves
+    again, however long it waits for its connections to close), or None."""
     rc = eng.proc.poll() if eng.proc is not None else None
     if rc is None:
+        if eng.core_died():
+            return "the engine process's core died (vLLM logged EngineDeadError); its server serves no more"
         return None
     if rc < 0:
         return f"the engine process was killed by signal {-rc}"
