@@ -260,7 +260,7 @@ class DummyDecoder:
                 for _ in self.layers]
 
     def _prefill_attn(self, q, k_new, v_new, K, V, c):
-        t, F, s = self.t, self.F, self.shape
+        F, s = self.F, self.shape
         ql = q.shape[0]
         K[0, :, c:c + ql] = k_new.view(ql, s.kv_heads, s.head_dim).transpose(0, 1)
         V[0, :, c:c + ql] = v_new.view(ql, s.kv_heads, s.head_dim).transpose(0, 1)

@@ -20,7 +20,6 @@ from .conditions import Condition
 from .engine.core import Call, EngineCore, EngineConfig
 from .engine.request import Request
 from .policy.client import RetryingClient, CallState, Retry, Delivered
-from .engine.request import WAITING_STATUSES
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel, Complete,
                            Drop, Wake)
 from .profile import Profile
