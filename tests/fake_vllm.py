@@ -6,10 +6,11 @@ TOKEN_S apart). Modes:
 
     python tests/fake_vllm.py PORT [serve|die-after:S|hang|slow-after:S] [STEP_LOG]
 
-`die-after:S` logs a line and SIGKILLs itself S seconds after start; `hang`
+`die-after:S` logs a line and SIGKILLs itself S seconds after its first
+completion request (a run is under way, however long the start took); `hang`
 sends a completion's headers and first chunk, then nothing (never ends);
 `slow-after:S` answers /version only after 20 s once S seconds have passed
-(an overloaded server still draining). With STEP_LOG, every completed request
+since its first completion request (an overloaded server still draining). With STEP_LOG, every completed request
 appends one step row in the step recorder's format.
 """
 import asyncio
@@ -24,12 +25,26 @@ from aiohttp import web
 SLOTS, TOKEN_S = 8, 0.005
 port, mode = int(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else "serve")
 step_log = sys.argv[3] if len(sys.argv) > 3 else None
-t_start = time.monotonic()
-state = {"running": 0, "waiting": 0, "prompt": 0}
+state = {"running": 0, "waiting": 0, "prompt": 0, "first": None}     # first: the first completion's time
 sem = asyncio.Semaphore(SLOTS)
+first_completion = asyncio.Event()
+
+
+def after(s: float) -> bool:
+    return state["first"] is not None and time.monotonic() - state["first"] > s
+
+
+async def die_after(s: float) -> None:
+    await first_completion.wait()
+    await asyncio.sleep(s)
+    print("ERROR [core.py] EngineDeadError: EngineCore encountered a fatal error (fake)", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 async def completions(request):
+    if state["first"] is None:
+        state["first"] = time.monotonic()
+        first_completion.set()
     body = await request.json()
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
@@ -64,7 +79,7 @@ async def metrics(request):
 
 
 async def version(request):
-    if mode.startswith("slow-after:") and time.monotonic() - t_start > float(mode.split(":")[1]):
+    if mode.startswith("slow-after:") and after(float(mode.split(":")[1])):
         await asyncio.sleep(20.0)
     return web.json_response({"version": "fake"})
 
@@ -82,9 +97,7 @@ async def main():
     await web.TCPSite(runner, "127.0.0.1", port).start()
     print(f"fake vLLM serving on {port} ({mode})", flush=True)
     if mode.startswith("die-after:"):
-        await asyncio.sleep(float(mode.split(":")[1]))
-        print("ERROR [core.py] EngineDeadError: EngineCore encountered a fatal error (fake)", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        await die_after(float(mode.split(":")[1]))
     await asyncio.Event().wait()
 
 

@@ -111,9 +111,11 @@ def stub():
 
 def test_loadgen_is_open_loop_and_closes_at_the_deadline(stub):
     url, log = stub
-    # 12 calls over 1.2 s; each streams max_tokens tokens at 20 ms a token.
-    # Calls 3 and 7 want 200 tokens (4 s), far beyond the 0.5 s deadline.
-    arrival = np.linspace(0.0, 1.1, 12)
+    # 12 calls over 1.6 s; each streams max_tokens tokens at 20 ms a token.
+    # Calls 3 and 7 want 200 tokens (4 s), far beyond the 0.5 s deadline. The
+    # run ends with the last call, at ~1.7 s: the sampler's second reading
+    # (t = 1 s) has time to come back before it.
+    arrival = np.linspace(0.0, 1.6, 12)
     max_tokens = np.full(12, 5)
     max_tokens[[3, 7]] = 200
     prompts = TracePrompts(np.full(12, 40), 10, seed=3)
@@ -130,7 +132,7 @@ def test_loadgen_is_open_loop_and_closes_at_the_deadline(stub):
     assert max(lags) < 0.5 and min(lags) > -1e-3        # one waiting on each call lags ~1 s
     assert len(log["arrivals"]) == 12
     sent_at = sorted(t for t, _ in log["arrivals"])
-    assert sent_at[-1] - sent_at[0] == pytest.approx(1.1, abs=0.3)
+    assert sent_at[-1] - sent_at[0] == pytest.approx(1.6, abs=0.3)
     # the request body is what vLLM takes
     req = log["arrivals"][0][1]
     assert req["model"] == "stub-model" and req["stream"] and req["ignore_eos"]
@@ -145,8 +147,8 @@ def test_loadgen_is_open_loop_and_closes_at_the_deadline(stub):
             assert 0 < r.tokens < 200
         else:
             assert r.outcome == "ok" and r.tokens == 5 and r.first_token > r.sent
-    t_end = time.monotonic() + 5.0                      # the stub notices on its next write
-    while len(log["disconnects"]) < 2 and time.monotonic() < t_end:
+    t_end = time.monotonic() + 5.0                      # the stub notices on its next write, and counts
+    while (len(log["disconnects"]) < 2 or len(log["completed"]) < 10) and time.monotonic() < t_end:
         time.sleep(0.05)
     assert len(log["disconnects"]) == 2 and len(log["completed"]) == 10
     # the 1 s sampler read the stub's gauge
@@ -184,5 +186,6 @@ def test_live_protocol_through_the_proxy_reads_the_engines_gauge(via_proxy):
         _Stub.tok_s = 0.02
     assert res["protocol"]["via_proxy"] is via_proxy and res["saturated_stage"] == 0
     st = res["stages"][0]
-    assert st["queue_growth"] == pytest.approx(st["realised_rate"], rel=0.35)       # the stub's count, not 0
+    # the stub's count, not 0 (a second's sample taken late moves an arrival across it: 1 of ~4 a second)
+    assert st["queue_growth"] == pytest.approx(st["realised_rate"], rel=0.5)
     assert len(_Stub.log["arrivals"]) >= 6 and res["calls"].get("ok", 0) >= 6

@@ -113,9 +113,9 @@ def test_call_affinity_sends_a_retry_to_the_replica_holding_its_execution():
     async def fn(lp, post):
         out = {}
         for c in range(4):
-            first = asyncio.create_task(post(c, 0, max_tokens=40))
-            await asyncio.sleep(0.1)                          # the first execution is streaming
-            status, h = await post(c, 1, max_tokens=40)
+            first = asyncio.create_task(post(c, 0, max_tokens=100))
+            await asyncio.sleep(0.1)                          # the first execution is streaming (1 s in all)
+            status, h = await post(c, 1, max_tokens=100)
             s0, h0 = await first
             out[c] = (s0, status, h0["X-Execution-Id"], h["X-Execution-Id"], h["X-Attached"])
         return out, dict(lp.exec_replica), lp.proxy.landed, lp.attempt_index
@@ -132,9 +132,9 @@ def test_round_robin_sends_a_retry_elsewhere_and_the_call_runs_twice():
     mocks = [MockEngine(), MockEngine()]
 
     async def fn(lp, post):
-        first = asyncio.create_task(post(7, 0, max_tokens=40))
+        first = asyncio.create_task(post(7, 0, max_tokens=100))
         await asyncio.sleep(0.1)
-        status, h = await post(7, 1, max_tokens=40)
+        status, h = await post(7, 1, max_tokens=100)
         await first
         return h, dict(lp.exec_replica)
     h, where = asyncio.run(_with_proxy(mocks, RouterConfig("round-robin", 1, "replica"), "coalesce", fn))
@@ -171,7 +171,9 @@ def test_least_kv_reads_the_engines_scraped_gauge():
     mocks = [MockEngine(kv=0.9), MockEngine(kv=0.1)]
 
     async def fn(lp, post):
-        await asyncio.sleep(0.3)                      # a scrape has read both gauges
+        t0 = time.monotonic()                         # a scrape has read both gauges
+        while not all("vllm:kv_cache_usage_perc" in g for g in lp.engine_gauges) and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.02)
         for c in range(3):
             await post(c)
         return dict(lp.exec_replica)
@@ -183,7 +185,7 @@ def test_least_outstanding_counts_what_the_proxy_sent_and_has_not_seen_end():
     mocks = [MockEngine(), MockEngine()]
 
     async def fn(lp, post):
-        long = asyncio.create_task(post(0, max_tokens=60))      # replica 0 holds one
+        long = asyncio.create_task(post(0, max_tokens=200))      # replica 0 holds one
         await asyncio.sleep(0.1)
         held = list(lp.held)
         await post(1)

@@ -21,8 +21,8 @@ DELAY = 0.05     # s between stub chunks
 class StubEngine:
     """A stub, not vLLM: streams N token chunks, then usage and [DONE]."""
 
-    def __init__(self, refuse: bool = False):
-        self.refuse = refuse
+    def __init__(self, refuse: bool = False, delay: float = DELAY):
+        self.refuse, self.delay = refuse, delay
         self.requests: list[dict] = []
         self.completed = 0
         self.disconnects = 0
@@ -45,7 +45,7 @@ class StubEngine:
         await resp.prepare(request)
         try:
             for i in range(N):
-                await asyncio.sleep(DELAY)
+                await asyncio.sleep(self.delay)
                 d = {"id": "cmpl-stub", "model": "stub", "choices": [{"index": 0, "text": f"t{i} ",
                                                                       "finish_reason": None}]}
                 await resp.write(b"data: " + json.dumps(d).encode() + b"\n\n")
@@ -81,9 +81,10 @@ async def _read_stream(resp, stop_after: int | None = None) -> tuple[str, list[b
     return text, raw
 
 
-def _run(condition: str, scenario, refuse: bool = False, prompt_throughput: float | None = 100.0):
+def _run(condition: str, scenario, refuse: bool = False, prompt_throughput: float | None = 100.0,
+         delay: float = DELAY):
     async def main():
-        stub = StubEngine(refuse)
+        stub = StubEngine(refuse, delay)
         async with TestServer(stub.app()) as up:
             lp = LiveProxy(str(up.make_url("")), get_condition(condition), prompt_throughput=prompt_throughput)
             async with TestServer(lp.app()) as px:
@@ -95,6 +96,25 @@ def _run(condition: str, scenario, refuse: bool = False, prompt_throughput: floa
 async def _metrics(s, url) -> dict:
     async with s.get(url + "/metrics") as r:
         return parse_metrics(await r.text())
+
+
+async def _until(pred, timeout: float = 5.0) -> None:
+    """Wait (polling) until pred() holds, at most `timeout` s: what a stub or
+    the proxy does after the client's last read comes at a time a loaded
+    machine can delay, so it is waited for, not slept on."""
+    t0 = asyncio.get_running_loop().time()
+    while not pred() and asyncio.get_running_loop().time() - t0 < timeout:
+        await asyncio.sleep(0.02)
+
+
+async def _metrics_when(s, url, key: str, value: float, timeout: float = 5.0) -> dict:
+    """The proxy's metrics once `key` reads `value` (or after `timeout` s)."""
+    t0 = asyncio.get_running_loop().time()
+    while True:
+        m = await _metrics(s, url)
+        if m.get(key) == value or asyncio.get_running_loop().time() - t0 > timeout:
+            return m
+        await asyncio.sleep(0.02)
 
 
 def test_completion_passes_through_streaming_and_not():
@@ -130,7 +150,9 @@ def test_attach_replays_the_identical_token_stream():
         assert m["llmsim_proxy_executions_attached_total"] == 1
         assert m["llmsim_proxy_executions_created_total"] == 1
         assert m['llmsim_proxy_attempts_total{kind="retry"}'] == 1
-    _run("coalesce", sc)
+    # the retry must reach the proxy while the execution still streams: the
+    # stub's remaining 5 chunks take 1 s, the retry comes 0.1 s after the leave
+    _run("coalesce", sc, delay=0.2)
 
 
 def test_disconnect_under_now_closes_the_upstream():
@@ -157,9 +179,9 @@ def test_disconnect_under_off_keeps_reading_the_upstream():
     async def sc(s, url, stub, lp):
         async with s.post(url + "/v1/completions", json=BODY) as r:
             await _read_stream(r, stop_after=2)
-        await asyncio.sleep((N + 4) * DELAY)
+        await _until(lambda: stub.completed or stub.disconnects)
         assert stub.disconnects == 0 and stub.completed == 1
-        m = await _metrics(s, url)
+        m = await _metrics_when(s, url, "completion_ratio", 1.0)
         assert m["llmsim_proxy_executions_orphaned_total"] == 1
         assert m["llmsim_proxy_executions_cancelled_total"] == 0
         assert m["abort_rate"] == 0.0 and m["completion_ratio"] == 1.0
@@ -195,7 +217,7 @@ def test_upstream_503_becomes_503():
         async with s.post(url + "/v1/completions", json=BODY) as r:
             assert r.status == 503
             assert "Retry-After" not in r.headers
-        m = await _metrics(s, url)
+        m = await _metrics_when(s, url, "llmsim_engine_running", 1.0)     # the proxy's first scrape of the stub
         assert m["llmsim_proxy_executions_engine_refused_total"] == 1
         assert m['llmsim_proxy_refused_total{reason="engine",status="503"}'] == 1
         assert m["llmsim_proxy_outstanding"] == 0

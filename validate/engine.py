@@ -258,6 +258,10 @@ class Engine:
                     p.wait(timeout=GUARD_POLL_S * 4)
                 except subprocess.TimeoutExpired:
                     p.kill()
+                    try:
+                        p.wait(timeout=5.0)            # reaped: nothing of the engine is left behind
+                    except subprocess.TimeoutExpired:
+                        pass
 
     def alive(self) -> bool:
         """Whether any process of the engine's group lives."""
