@@ -118,6 +118,21 @@ def test_an_engine_whose_core_died_is_gone_while_its_server_still_runs(tmp_path)
     assert V.engine_gone(eng) == why                                     # and it stays gone
 
 
+def test_an_earlier_engines_death_in_the_same_log_is_not_this_engines(tmp_path):
+    """A log appended to by an engine before: its EngineDeadError is not the
+    new engine's, which is read from where its own lines begin."""
+    log = tmp_path / "server.log"
+    log.write_text("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n")
+    port = E.free_port()
+    eng = E.start_server([sys.executable, str(FAKE), str(port), "serve"], f"http://127.0.0.1:{port}", log,
+                         dict(os.environ), tmp_path, 60, kind="cpu")
+    try:
+        assert V.engine_gone(eng) is None and eng.healthy()
+    finally:
+        eng.stop()
+    assert V.engine_gone(eng).startswith("the engine process")     # stopped: its process exited
+
+
 def test_an_engine_that_never_becomes_ready_fails_its_point_with_a_clear_error(tmp_path, monkeypatch):
     spec = FakeSpec(tmp_path, [])
 

@@ -469,10 +469,11 @@ def start_server(args: list[str], url: str, log_path: Path, env: dict, cwd: Path
     with open(log_path, "a") as logf:
         logf.write("# " + " ".join(args) + "\n")
         logf.flush()
+        began = logf.tell()            # this process's lines start here (a log appended to before is not its)
         proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, cwd=cwd, start_new_session=True)
     eng = Engine(url=url, kind=kind, model=model, log_path=log_path, step_log=step_log, proc=proc, pid=proc.pid,
-                 flags=flags or {})
+                 flags=flags or {}, _scanned=began)
     if detach:
         _save_state(eng)
     else:
