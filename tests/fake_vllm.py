@@ -27,7 +27,6 @@ port, mode = int(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else "serve")
 step_log = sys.argv[3] if len(sys.argv) > 3 else None
 state = {"running": 0, "waiting": 0, "prompt": 0, "first": None}     # first: the first completion's time
 sem = asyncio.Semaphore(SLOTS)
-first_completion = asyncio.Event()
 
 
 def after(s: float) -> bool:
@@ -35,7 +34,6 @@ def after(s: float) -> bool:
 
 
 async def die_after(s: float) -> None:
-    await first_completion.wait()
     await asyncio.sleep(s)
     print("ERROR [core.py] EngineDeadError: EngineCore encountered a fatal error (fake)", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -44,7 +42,8 @@ async def die_after(s: float) -> None:
 async def completions(request):
     if state["first"] is None:
         state["first"] = time.monotonic()
-        first_completion.set()
+        if mode.startswith("die-after:"):
+            state["dying"] = asyncio.create_task(die_after(float(mode.split(":")[1])))
     body = await request.json()
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
@@ -96,8 +95,6 @@ async def main():
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     print(f"fake vLLM serving on {port} ({mode})", flush=True)
-    if mode.startswith("die-after:"):
-        await die_after(float(mode.split(":")[1]))
     await asyncio.Event().wait()
 
 

@@ -21,6 +21,7 @@ from validate import engine as E
 from validate.fleet import FleetLiveRun, fleet_problem, live_fleet_record, settle
 from validate.proxy import LiveProxy
 
+from tests.test_live_proxy_unit import wait_until
 from tests.test_live_run_unit import SlotStub
 
 
@@ -171,9 +172,7 @@ def test_least_kv_reads_the_engines_scraped_gauge():
     mocks = [MockEngine(kv=0.9), MockEngine(kv=0.1)]
 
     async def fn(lp, post):
-        t0 = time.monotonic()                         # a scrape has read both gauges
-        while not all("vllm:kv_cache_usage_perc" in g for g in lp.engine_gauges) and time.monotonic() - t0 < 5:
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: all("vllm:kv_cache_usage_perc" in g for g in lp.engine_gauges))   # a scrape read both
         for c in range(3):
             await post(c)
         return dict(lp.exec_replica)

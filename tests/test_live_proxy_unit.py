@@ -14,6 +14,8 @@ from sim.conditions import get_condition
 from validate.engine import parse_metrics
 from validate.proxy import LiveProxy
 
+from tests.test_live_proxy import proxy_metrics_when
+
 N = 8            # chunks per stub stream
 DELAY = 0.05     # s between stub chunks
 
@@ -98,22 +100,12 @@ async def _metrics(s, url) -> dict:
         return parse_metrics(await r.text())
 
 
-async def _until(pred, timeout: float = 5.0) -> None:
+async def wait_until(pred, timeout: float = 5.0) -> None:
     """Wait (polling) until pred() holds, at most `timeout` s: what a stub or
     the proxy does after the client's last read comes at a time a loaded
     machine can delay, so it is waited for, not slept on."""
     t0 = asyncio.get_running_loop().time()
     while not pred() and asyncio.get_running_loop().time() - t0 < timeout:
-        await asyncio.sleep(0.02)
-
-
-async def _metrics_when(s, url, key: str, value: float, timeout: float = 5.0) -> dict:
-    """The proxy's metrics once `key` reads `value` (or after `timeout` s)."""
-    t0 = asyncio.get_running_loop().time()
-    while True:
-        m = await _metrics(s, url)
-        if m.get(key) == value or asyncio.get_running_loop().time() - t0 > timeout:
-            return m
         await asyncio.sleep(0.02)
 
 
@@ -161,10 +153,7 @@ def test_disconnect_under_now_closes_the_upstream():
             await _read_stream(r)
         async with s.post(url + "/v1/completions", json=BODY) as r:
             await _read_stream(r, stop_after=2)
-        for _ in range(40):
-            if stub.disconnects:
-                break
-            await asyncio.sleep(DELAY)
+        await wait_until(lambda: stub.disconnects)
         assert stub.disconnects == 1 and stub.completed == 1
         m = await _metrics(s, url)
         assert m["llmsim_proxy_executions_cancelled_total"] == 1
@@ -179,9 +168,9 @@ def test_disconnect_under_off_keeps_reading_the_upstream():
     async def sc(s, url, stub, lp):
         async with s.post(url + "/v1/completions", json=BODY) as r:
             await _read_stream(r, stop_after=2)
-        await _until(lambda: stub.completed or stub.disconnects)
+        await wait_until(lambda: stub.completed or stub.disconnects)
         assert stub.disconnects == 0 and stub.completed == 1
-        m = await _metrics_when(s, url, "completion_ratio", 1.0)
+        m = await proxy_metrics_when(s, url, "completion_ratio", 1.0, timeout=5.0)
         assert m["llmsim_proxy_executions_orphaned_total"] == 1
         assert m["llmsim_proxy_executions_cancelled_total"] == 0
         assert m["abort_rate"] == 0.0 and m["completion_ratio"] == 1.0
@@ -217,7 +206,7 @@ def test_upstream_503_becomes_503():
         async with s.post(url + "/v1/completions", json=BODY) as r:
             assert r.status == 503
             assert "Retry-After" not in r.headers
-        m = await _metrics_when(s, url, "llmsim_engine_running", 1.0)     # the proxy's first scrape of the stub
+        m = await proxy_metrics_when(s, url, "llmsim_engine_running", 1.0, timeout=5.0)   # the proxy's first scrape
         assert m["llmsim_proxy_executions_engine_refused_total"] == 1
         assert m['llmsim_proxy_refused_total{reason="engine",status="503"}'] == 1
         assert m["llmsim_proxy_outstanding"] == 0
