@@ -11,10 +11,10 @@ proxy stands is the router config's `proxy`:
   router places each attempt; a sidecar's 503 is retried likewise.
 With one replica either gives the single engine's run, event for event.
 
-`run_fleet` runs one and returns the record: the fleet's own §8 record (all
+`run_fleet` runs one and returns the record: the fleet's own result record (all
 calls, attempts and executions; the engines' series, counters and work
 summed; Ĉ the sum of the replicas') with two more keys,
-- `replicas`: per replica the §8 record of what reached it (`replica_log`),
+- `replicas`: per replica the result record of what reached it (`replica_log`),
 - `fleet`: the router, the calls each replica got first, attempts moved to a
   replica other than their call's previous one, prefix-cache hit share per
   replica, and the calls that ever had two live executions on different
@@ -47,7 +47,7 @@ from .workload import Trace
 
 INF = float("inf")
 NAN = float("nan")
-RECORD_KEYS = ("fleet", "replicas")              # keys a fleet's record has beyond the §8 record
+RECORD_KEYS = ("fleet", "replicas")              # keys a fleet's record has beyond the result record
 FLEET_KEYS = ("replicas", "router", "router_retries", "proxy", "profiles")   # of a scenario's [fleet]
 # a call's record in a replica's log when the call reached it only after another replica
 ELSEWHERE = "elsewhere"
@@ -669,7 +669,7 @@ def moved_attempts(log: FleetLog) -> int:
 
 
 def fleet_measures(log: FleetLog) -> dict:
-    """The fleet's own measures beyond the §8 record (see the module docstring)."""
+    """The fleet's own measures beyond the result record (see the module docstring)."""
     n = len(log.replicas)
     calls = np.bincount(log.call_replica[log.call_replica >= 0], minlength=n)
     landed = np.bincount(log.attempt_replica[log.attempt_replica >= 0], minlength=n)
@@ -692,8 +692,8 @@ def simulate_fleet(profiles: list[Profile], trace: Trace, condition: Condition, 
 
 
 def fleet_record(log: FleetLog, scenario: Scenario, capacities: list[float], inputs: dict) -> dict:
-    """The fleet's record: the §8 record of the whole fleet (Ĉ the sum of
-    `capacities`), `replicas` (each replica's §8 record at its own Ĉ) and
+    """The fleet's record: the result record of the whole fleet (Ĉ the sum of
+    `capacities`), `replicas` (each replica's result record at its own Ĉ) and
     `fleet` (`fleet_measures`)."""
     rec = measures.record(log.fleet, scenario, sum(capacities), inputs)
     rec["replicas"] = [measures.record(rl, scenario, c, inputs) for rl, c in zip(log.replicas, capacities)]

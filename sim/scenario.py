@@ -119,27 +119,27 @@ class Lengths:
 
 @dataclass(frozen=True)
 class Scenario:
-    # §1 workload phases (seconds) and rates (multiples of capacity)
+    # workload phases (seconds) and rates (multiples of capacity): docs/model.md#workload
     base_s: float = 120.0
     pulse_s: float = 107.0
     hold_s: float = 720.0
     base_load: float = 0.6
     hold_load: float = 0.6
     pulse: float = 2.7
-    # §1 prompts and responses (tokens)
+    # prompts and responses (tokens): docs/model.md#workload
     prompt_mean: float = 12_000.0
     prompt_sd: float = 1_200.0
     shared_prefix: int = 2_000
     mixed_prompt_len: int = 3_000
     response_median: float = 300.0
     response_mean: float = 400.0
-    # §2 client
+    # client: docs/model.md#client
     deadline_s: float = 120.0
     max_retries: int = 3
     backoff_min_s: float = 0.25
     backoff_max_s: float = 3.0
     max_retry_after_s: float = 120.0
-    # §5 measures
+    # measures: docs/model.md#measures
     delivery_horizon_s: float = 840.0
     primary_skip_s: float = 120.0   # primary cohort starts this long after the pulse ends
     window_s: float = 60.0
