@@ -9,8 +9,9 @@ API (what commands build on):
   name of `sim.scenario.SCENARIOS`. `build_prior(hf_config_path, gpu) -> dict`
   makes a profile dict for `[model] hf_config` (the roofline prior lives
   above sim). Raises `ScenarioError` (one line naming the file and key).
-- `from_document(doc, source, base_dir, build_prior)`: the same from a parsed
-  document (a dict shaped like the file).
+- `from_document(doc, source, base_dir, build_prior, trace_speedup, schema)`:
+  the same from a parsed document (a dict shaped like the file), checked
+  against `schema` (default `sim.schema.SCHEMA`).
 - `Deployment`, frozen:
   - `name`, `profile` (overrides applied), `scenario`, `condition` (from
     `[proxy]`), `engine_cap`, `seed`, `trace_source` (a `TraceSource` or
@@ -36,15 +37,18 @@ API (what commands build on):
   - `implications()`: calls per phase, Ĉ, the burst's backlog against the
     deadline, KV seats for the mean prompt (`llmsim scenario check`).
 
-File sections (every key optional; the reference design's value by default):
-`[model]` profile | hf_config + gpu, and capacity; `[engine]` vLLM's flags
-(`sim.profile.ENGINE_FLAGS`) and `max_num_queued_reqs` (the engine cap);
-`[workload]` phases (duration_s, load or rate, name), prompt and response
-(`{dist = "normal"|"lognormal"|"fixed"|"empirical", ...}`), shared_prefix
-or prefix_groups, mixed_share, mixed_prompt_len, or trace (CSV) with
-trace_speedup; `[client]` the Scenario's client fields; `[proxy]` condition plus control overrides;
-`[measures]` burst (a phase's name) or burst_start_s/burst_end_s with a
-trace, and the Scenario's measure fields.
+File sections: the rows of `sim.schema.SCHEMA`, which checks the file
+(every key optional; the reference design's value by default) and from
+which `to_toml` writes it. `[model]` profile | hf_config + gpu, and
+capacity; `[engine]` vLLM's flags and `max_num_queued_reqs` (the engine
+cap); `[workload]` phases (absent: the reference design's), prompt and
+response lengths, shared_prefix or prefix_groups, mixed_share,
+mixed_prompt_len, or trace (CSV) with trace_speedup; `[client]` and
+`[measures]` the Scenario's fields of those names (with the burst phase, or
+burst_start_s/burst_end_s with a trace); `[proxy]` condition plus control
+overrides; `[faults]`; `[fleet]` replicas behind a router. A section of the
+table that no resolver here reads (a layer's) is kept as checked, with its
+defaults, in `Deployment.sections`.
 """
 from __future__ import annotations
 
@@ -62,14 +66,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .conditions import CONDITIONS, Condition, compose, get_condition, parse_cancel
+from .conditions import Condition, compose, get_condition, parse_cancel
 from .policy.proxy import ProxyConfig
 from .profile import Profile, ProfileError, embedded_names, from_dict, load_profile, with_engine
 from .fleet import FleetSpec, run_fleet
 from .policy.router import RouterConfig
 from .run import run_one, workload_capacity
 from .scenario import PAPER, REFERENCE_PHASES, SCENARIOS, Lengths, Phase, Scenario
-from .schema import NUMBER, SCHEMA, STRINGS, TABLE, TABLES, PAIRS, Key, Schema, ScenarioError
+from .schema import NUMBER, PAIRS, SCHEMA, TABLE, TABLES, Key, Schema, ScenarioError
 from .workload import Trace, TraceError, make_trace, read_trace
 
 

@@ -2,13 +2,17 @@
 one a parameter, and the registry of named scenarios (`SCENARIOS`) that
 simulation, calibration and validation share.
 
-Beyond the reference design a Scenario may carry a list of arrival `phases`
-(`Phase`: a duration and a load in multiples of Ĉ or a rate in calls/s; the
-burst is the phase starting at `base_s` and lasting `pulse_s`, so the cohorts
-follow from it), prompt and response length distributions (`Lengths`),
-prefix groups with shares, a mixed-prompt share and a cut to the engine's
-context length. Each is left out of `to_dict` while unset, so the reference
-scenarios read exactly as before; scenario files (`sim.deployment`) set them.
+The arrivals are a list of `phases` (`Phase`: a duration and a load in
+multiples of Ĉ or a rate in calls/s) and the index of the burst phase; the
+reference design's base / pulse / hold is a preset of them
+(`reference_phases`), and the cohorts' bounds (`base_s`, `pulse_s`,
+`hold_s`, `pulse_end`, `hold_end`) are computed from them. Beyond the
+reference design a Scenario may carry prompt and response length
+distributions (`Lengths`), prefix groups with shares, a mixed-prompt share
+and a cut to the engine's context length. Each is left out of `to_dict`
+while unset, and phases of the reference design's shape are given there by
+its six fields, so the reference scenarios read exactly as before; scenario
+files (`sim.deployment`) set them.
 
 Named scenarios:
 - `paper`: the reference design as written (947 s of arrivals, 120 s deadline) — the default
