@@ -773,7 +773,7 @@ def _documented(schema: Schema, r: Key) -> str:
 
 def to_toml(doc: dict, engine: dict | None = None, schema: Schema = SCHEMA) -> str:
     """A resolved document as a commented TOML file, written from the
-    schema's rows: each section with its comment, each key given with its
+    schema's rows: each section with its comment, each key given after its
     comment, each key not given commented out with its default (or what it
     defaults to) and comment, an absent section likewise; `engine` (the
     profile's flags) gives [engine]'s defaults."""
@@ -781,7 +781,7 @@ def to_toml(doc: dict, engine: dict | None = None, schema: Schema = SCHEMA) -> s
              "# every key is optional; an absent key takes the reference design's value (docs/model.md)"]
     for r in schema.rows(""):
         if r.type != TABLE and r.name in doc:
-            lines.append(f"{r.name} = {_toml_value(doc[r.name])}  # {r.comment}")
+            lines += _comment(r.comment) + [f"{r.name} = {_toml_value(doc[r.name])}"]
     shown = {}
     if engine:
         shown = dict(engine, async_scheduling=engine["depth"] > 1)
@@ -795,12 +795,13 @@ def to_toml(doc: dict, engine: dict | None = None, schema: Schema = SCHEMA) -> s
             about = _documented(schema, r)
             if given is not None and r.name in given:
                 v = given[r.name]
+                lines += _comment(about)
                 if r.type == TABLES:
-                    lines.append(f"{r.name} = [  # {about}")
+                    lines.append(f"{r.name} = [")
                     lines += [f"  {_toml_value(x)}," for x in v]
                     lines.append("]")
                 else:
-                    lines.append(f"{r.name} = {_toml_value(v)}  # {about}")
+                    lines.append(f"{r.name} = {_toml_value(v)}")
                 continue
             default = shown.get(r.name) if sec == "engine" else r.default
             lines.append(f"#   {r.name} = {_toml_value(default)}  # {about}" if default is not None

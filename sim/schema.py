@@ -219,9 +219,7 @@ SCHEMA = Schema([
     Key("", "about", STRING, "one line on what it describes", default=""),
     Key("", "seed", WHOLE, "the seed of the generated calls", default=0, lo=0),
     Key("", "model", TABLE,
-        "an embedded profile (qwen2.5-7b, qwen3-14b, llama-3.1-8b, vllm-cpu-tiny) or a profile JSON path;\n"
-        "or hf_config = \"config.json\" with gpu = \"h100\" (a roofline prior, not a measurement);\n"
-        "capacity = Ĉ in calls/s of this workload when known (else the profile's, or the\n"
+        "the engine's step-time profile, and Ĉ of this workload when known (else the profile's, or the\n"
         "capacity protocol's on this workload where its mix or engine differs)"),
     Key("", "engine", TABLE,
         "overrides of the profile's flags, named as vLLM's; the KV cache as ONE of kv_cache_tokens,\n"
@@ -241,8 +239,10 @@ SCHEMA = Schema([
     Key("", "faults", TABLE, "engine faults"),
     Key("", "fleet", TABLE, "replicas behind a router (absent: one engine)"),
     # -- [model]
-    Key("model", "profile", STRING, "an embedded profile or a profile JSON path", default="qwen2.5-7b"),
-    Key("model", "hf_config", STRING, "a model's config.json: a roofline prior (with gpu)"),
+    Key("model", "profile", STRING, "an embedded profile (qwen2.5-7b, qwen3-14b, llama-3.1-8b, vllm-cpu-tiny) or a "
+                                    "profile JSON path", default="qwen2.5-7b"),
+    Key("model", "hf_config", STRING, "instead of profile, a model's config.json: a roofline prior from its shape "
+                                      "(not a measurement), with gpu"),
     Key("model", "gpu", STRING, "the GPU of a roofline prior (h100, h200, a100, ...)"),
     Key("model", "capacity", NUMBER, "Ĉ of this workload in calls/s, when known", **POSITIVE),
     # -- [engine]: vLLM's flags (sim.profile.with_engine applies them)

@@ -175,7 +175,7 @@ def test_a_layers_section_added_as_rows_is_checked_kept_written_and_documented(t
     assert dep.sections == {"gateway": {"timeout_s": 30.0, "retries": 2}}
     text = dep.to_toml()
     assert "\n[gateway]\n# a gateway before the proxy" in text
-    assert "timeout_s = 30.0  # the gateway's timeout" in text and "retries = 2  # the gateway's retries" in text
+    assert "# the gateway's timeout\ntimeout_s = 30.0\n" in text and "# the gateway's retries\nretries = 2\n" in text
     back = from_document(tomllib.loads(text), "g.toml", schema=schema)
     assert back.sections == dep.sections and back.content_hash == dep.content_hash
     assert back.content_hash != from_document({}, "g.toml", schema=schema).content_hash
