@@ -11,13 +11,14 @@ API (what commands build on):
   above sim). Raises `ScenarioError` (one line naming the file and key).
 - `from_document(doc, source, base_dir, build_prior, trace_speedup, schema)`:
   the same from a parsed document (a dict shaped like the file), checked
-  against `schema` (default `sim.schema.SCHEMA`).
+  against `schema` (default `sim.schema.SCHEMA`, read when called).
 - `Deployment`, frozen:
   - `name`, `profile` (overrides applied), `scenario`, `condition` (from
     `[proxy]`), `engine_cap`, `seed`, `trace_source` (a `TraceSource` or
     None), `content_hash` (of the resolved deployment, not of the file's
     text), `document()` (the resolved document), `identity()` (what a record
-    carries).
+    carries), `fleet` (a `sim.fleet.FleetSpec` or None), `sections` (the
+    sections of layers no resolver here reads, as checked, with defaults).
   - `capacity` / `capacity_info`: Ĉ of this workload on this engine (given
     in the file, the profile's, or the capacity protocol's on this workload,
     computed once and cached by content hash; `sim.run.workload_capacity`).
@@ -73,6 +74,7 @@ from .fleet import FleetSpec, run_fleet
 from .policy.router import RouterConfig
 from .run import run_one, workload_capacity
 from .scenario import PAPER, REFERENCE_PHASES, SCENARIOS, Lengths, Phase, Scenario
+from . import schema as _schema
 from .schema import NUMBER, PAIRS, SCHEMA, TABLE, TABLES, Key, Schema, ScenarioError
 from .workload import Trace, TraceError, make_trace, read_trace
 
@@ -227,10 +229,11 @@ def _phases(w: _Doc, me: _Doc, schema: Schema) -> tuple[dict, str | None]:
 
 
 def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_prior=None,
-                  trace_speedup: float | None = None, schema: Schema = SCHEMA) -> "Deployment":
+                  trace_speedup: float | None = None, schema: Schema | None = None) -> "Deployment":
     """The deployment a parsed scenario document describes (see the module
     docstring), checked against `schema`; `trace_speedup`, when given,
     replaces the file's."""
+    schema = schema or _schema.SCHEMA
     schema.check(d, source)
     doc = _Doc(source, "", d)
     secs = {s: doc.sub(s) for s in schema.sections()}
@@ -496,7 +499,7 @@ class Deployment:
     build_prior: object = field(default=None, compare=False, repr=False)
     fleet: FleetSpec | None = None  # [fleet]: replicas behind a router; None: one engine
     sections: dict = field(default_factory=dict)   # sections of layers no resolver here reads, as checked
-    schema: Schema = field(default=SCHEMA, compare=False, repr=False)
+    schema: Schema | None = field(default=None, compare=False, repr=False)   # None: sim.schema.SCHEMA
 
     @property
     def proxy_times(self) -> dict:
@@ -554,7 +557,12 @@ class Deployment:
 
     def _fields(self, section: str) -> dict:
         """The section's keys that are Scenario fields, with the scenario's values."""
-        return {k.name: getattr(self.scenario, k.name) for k in self.schema.rows(section) if k.field}
+        return {k.name: getattr(self.scenario, k.name) for k in self.table.rows(section) if k.field}
+
+    @property
+    def table(self) -> Schema:
+        """The schema the deployment was read with."""
+        return self.schema or _schema.SCHEMA
 
     @functools.cached_property
     def content_hash(self) -> str:
@@ -691,7 +699,7 @@ class Deployment:
 
     # -- presenting
     def to_toml(self) -> str:
-        return to_toml(self.document(), self.profile.engine, self.schema)
+        return to_toml(self.document(), self.profile.engine, self.table)
 
     def implications(self) -> dict:
         """What the scenario implies: calls per phase at Ĉ, the burst's
@@ -771,12 +779,13 @@ def _documented(schema: Schema, r: Key) -> str:
     return r.comment
 
 
-def to_toml(doc: dict, engine: dict | None = None, schema: Schema = SCHEMA) -> str:
+def to_toml(doc: dict, engine: dict | None = None, schema: Schema | None = None) -> str:
     """A resolved document as a commented TOML file, written from the
     schema's rows: each section with its comment, each key given after its
     comment, each key not given commented out with its default (or what it
     defaults to) and comment, an absent section likewise; `engine` (the
     profile's flags) gives [engine]'s defaults."""
+    schema = schema or _schema.SCHEMA
     lines = [f"# llmsim scenario {doc['name']}" + (f": {doc['about']}" if doc.get("about") else ""),
              "# every key is optional; an absent key takes the reference design's value (docs/model.md)"]
     for r in schema.rows(""):

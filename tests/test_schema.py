@@ -233,3 +233,19 @@ def test_the_cohorts_follow_from_the_phases_and_the_old_names_set_them():
     r = Scenario(base_s=1.0, pulse_s=2.0, hold_s=4.0, pulse=1.5)
     assert r.phases == reference_phases(1.0, 2.0, 4.0, pulse=1.5) and r.with_(hold_load=0.2).phases[2].load == 0.2
     assert Scenario(phases=(Phase(9.0, load=1.0),), burst=None).cohorts()["pulse"] == (9.0, 9.0)
+
+
+def test_the_command_line_reads_shows_and_checks_a_section_added_as_rows(tmp_path, capsys, monkeypatch):
+    import sim.schema
+    monkeypatch.setattr(sim.schema, "SCHEMA", SCHEMA.with_rows(*GATEWAY))
+    f = tmp_path / "g.toml"
+    f.write_text('[gateway]\ntimeout_s = 30.0\n')
+    assert main(["scenario", "check", str(f)]) == 0
+    assert "[gateway]: timeout_s = 30.0, retries = 2" in capsys.readouterr().out
+    assert main(["scenario", "show", str(f)]) == 0
+    shown = capsys.readouterr().out
+    assert "\n[gateway]\n" in shown and "\ntimeout_s = 30.0\n" in shown and "\nretries = 2\n" in shown
+    f.write_text('[gateway]\ntimeout_s = -1.0\n')
+    assert main(["scenario", "check", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(f) in err and "gateway.timeout_s must be positive" in err
