@@ -73,7 +73,7 @@ def cmd_run(a) -> int:
 
 def cmd_capacity(a) -> int:
     dep = deployment(a, burst=False, capacity=False)
-    prof, sc = dep.profile, dep.scenario.with_(phases=None)
+    prof, sc = dep.profile, dep.scenario
     seeds = a.seeds if a.seeds is not None else [a.seed]
 
     def progress(st):
