@@ -43,7 +43,7 @@ from aiohttp import web
 
 from sim import measures
 from sim.conditions import Condition
-from sim.fleet import sum_counters
+from sim.model import sum_counters
 from sim.policy.client import CallState, RetryingClient, Retry, Delivered
 from sim.runlog import AttemptRecord, CallRecord, RunLog, Series, refusal_outcome
 from sim.scenario import Scenario
