@@ -31,12 +31,14 @@ the prompt tokens of executions that got their first token over the last
 any. The engine's `/metrics` is scraped every second for its waiting and
 running gauges, exported again by the proxy.
 
-A fleet: given several engine URLs, the proxy routes with the simulator's
-own `sim.policy.router.Router` (`RouterConfig`: policy, retries K,
-placement). With `proxy = "deployment"` the one policy core places each
-execution it dispatches on the replica the router picks; with `"replica"`
-a sidecar policy core stands before each engine (`ReplicaProxies`, as the
-simulator drives it) and the router places each attempt. Either way an
+A fleet: given several engine URLs, the proxy binds the simulator's own
+stack to them (`sim.policy.stack.Stack.from_config(condition, router)`,
+`RouterConfig`: policy, retries K, placement), and asks the bound cluster,
+as the simulator does, where each execution goes (`created`, `place`) and
+where an engine's 503 sends it next (`reroute`). With `proxy = "deployment"`
+the one policy core places each execution it dispatches on the replica the
+router picks; with `"replica"` a sidecar policy core stands before each
+engine (`ReplicaProxies`) and the router places each attempt. Either way an
 engine's 503 is retried on another replica while the router's retries allow
 (the sidecar's 503 passes through `ReplicaProxies`, the deployment's is
 re-sent here). The router's views of replica r: `outstanding` is the
@@ -90,9 +92,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from sim.conditions import Condition
 from sim.runlog import ExecutionRecord
-from sim.policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel,
+from sim.policy.proxy import (Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel,
                               Complete, Drop, Wake)
-from sim.policy.router import ReplicaProxies, ReplicaView, Router, RouterConfig
+from sim.policy.router import ReplicaView, RouterConfig
+from sim.policy.stack import Stack
 
 from .engine import parse_metrics
 
@@ -213,29 +216,18 @@ class LiveProxy:
         self.keep_records = keep_records
         self.condition = condition
         self.scrape_every_s = scrape_every_s
-        self.prompt_rate = PromptRate(60.0)
         # per replica: prompt tokens dispatched and awaiting their first token, executions sent and not ended, the
-        # engine's scraped gauges, the prompt throughput seen
+        # engine's scraped gauges
         self.awaiting = [0] * n
         self.held = [0] * n
         self.engine_gauges: list[dict] = [{} for _ in range(n)]
-        self.prompt_rates = [PromptRate(60.0) for _ in range(n)]
-        self.rerouted = 0                          # executions the router sent on after an engine's 503
         self.router_config = router
-        self.router: Router | None = None
-        self.replica_mode = router is not None and router.proxy == "replica"
-        if router is None:
-            self.proxy = Proxy(condition.proxy, engine_view=self._engine_view, prompt_throughput=prompt_throughput)
-        else:
-            self.router = Router(router, n, view=self._replica_view)
-            if self.replica_mode:
-                self.proxy = ReplicaProxies([Proxy(condition.proxy,
-                                                   engine_view=(lambda t, r=r: self._engine_view_of(r, t)),
-                                                   prompt_throughput=prompt_throughput) for r in range(n)],
-                                            self.router)
-            else:
-                self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
-                                   prompt_throughput=prompt_throughput * n if prompt_throughput else prompt_throughput)
+        # the stack's proxy and router over the engines (`sim.policy.stack`), as the simulator binds them
+        self.cluster = cl = Stack.from_config(condition, router).bind(
+            n, self._engine_view_of, lambda grp: prompt_throughput * len(grp) if prompt_throughput else prompt_throughput,
+            replica_view=self._replica_view)
+        self.router, self.proxy = cl.router, cl.proxy
+        self.prompt_rates = [PromptRate(60.0) for _ in cl.groups]    # the prompt throughput each proxy sees
         self.exec_replica: dict[int, int] = {}     # execution id -> its replica (keep_records)
         self.exec_placed: dict[int, float] = {}    # execution id -> when it got that replica
         self.attempt_index: dict[tuple[str, int], int] = {}   # (call, attempt) -> index in proxy.landed
@@ -294,26 +286,28 @@ class LiveProxy:
                 gauge.set(sum(g.get(key, 0.0) for g in self.engine_gauges))
             await asyncio.sleep(self.scrape_every_s)
 
-    def _engine_view(self, t: float) -> EngineView:
-        return EngineView(float(sum(self.awaiting)), self.prompt_rate.rate(t))
-
-    def _engine_view_of(self, r: int, t: float) -> EngineView:
-        """A sidecar's view: its own engine."""
-        return EngineView(float(self.awaiting[r]), self.prompt_rates[r].rate(t))
+    def _engine_view_of(self, group: tuple, g: int, t: float) -> EngineView:
+        """What the g-th policy core knows of the engines it feeds
+        (`group`): the prompt tokens sent there awaiting their first token,
+        and the prompt throughput seen there."""
+        return EngineView(float(sum(self.awaiting[r] for r in group)), self.prompt_rates[g].rate(t))
 
     def _replica_view(self, r: int) -> ReplicaView:
         """What the router reads of replica r: the executions this proxy has
-        sent it and not seen end, plus its sidecar's queue; the KV cache
-        usage its engine's /metrics gave at the last scrape."""
-        queued = self.proxy.proxies[r].queued if self.replica_mode else 0
-        return ReplicaView(self.held[r] + queued, self.engine_gauges[r].get("vllm:kv_cache_usage_perc", 0.0))
+        sent it and not seen end, plus its own proxy queue (a sidecar's); the
+        KV cache usage its engine's /metrics gave at the last scrape."""
+        return ReplicaView(self.held[r] + self.cluster.queued_at(r),
+                           self.engine_gauges[r].get("vllm:kv_cache_usage_perc", 0.0))
 
     @property
     def outstanding(self) -> int:
         """Executions dispatched to the engines and not finished."""
-        if self.replica_mode:
-            return sum(p.outstanding for p in self.proxy.proxies)
-        return self.proxy.outstanding
+        return self.cluster.outstanding
+
+    @property
+    def rerouted(self) -> int:
+        """Requests the router sent on to another replica after a 503."""
+        return self.cluster.rerouted
 
     # ------------------------------------------------------------- actions
     def _do(self, t: float, actions: list) -> None:
@@ -333,8 +327,10 @@ class LiveProxy:
                     st.record = ExecutionRecord(id=a.execution.id, call=_call_number(a.attempt.call_id),
                                                 attempt=a.attempt.number, prompt_len=st.prompt_len,
                                                 max_tokens=st.max_tokens, created_at=t)
-                    if self.replica_mode:            # a sidecar's execution: its replica is the sidecar's
-                        self._place(st, self.proxy.replica_of(a.execution), t)
+                    r = self.cluster.created(a.execution)
+                    if r is not None:                # placed when created (a sidecar's execution)
+                        st.tried.append(r)
+                        self._place(st, r, t)
                     if self.keep_records:
                         self.executions.append(st.record)
                 w.stream = self.streams[a.execution.id]
@@ -342,8 +338,10 @@ class LiveProxy:
             elif isinstance(a, Dispatch):
                 st = self.streams[a.execution.id]
                 at_once = st.record is not None and st.record.created_at == t     # not held in the proxy queue
-                if self.router is not None and not self.replica_mode:
-                    self._place(st, self.router.pick(a.execution.call_id), t)
+                if not st.tried:                     # placed when dispatched (the proxy before the router)
+                    r = self.cluster.place(a.execution)
+                    st.tried.append(r)
+                    self._place(st, r, t)
                 st.task = asyncio.create_task(self._upstream(a.execution, st, st.received if at_once else None))
                 st.record.dispatched_at = t
                 self.awaiting[st.replica] += st.prompt_len
@@ -380,25 +378,24 @@ class LiveProxy:
         m.outstanding.set(self.outstanding)
 
     def _place(self, st: Stream, r: int, t: float) -> None:
-        """The execution of `st` goes to replica r (after those in st.tried)."""
+        """The execution of `st` goes to replica r (the last of st.tried)."""
         st.replica = r
-        st.tried.append(r)
         if self.keep_records and st.record is not None:
             self.exec_replica[st.record.id], self.exec_placed[st.record.id] = r, t
 
     def _reroute(self, st: Stream, ex) -> bool:
-        """An engine answered 503 to the execution of `st`: with one proxy
-        before the router, send it to another replica while the router's
-        retries allow (True); otherwise it is refused (False)."""
-        if self.router is None or self.replica_mode or not self.router.may_retry(st.tried):
+        """An engine answered 503 to the execution of `st`: send it to the
+        replica the cluster names next (True; the router's retries of one
+        proxy before it), if any; otherwise it is refused (False)."""
+        r = self.cluster.reroute(ex.call_id, st.tried)
+        if r is None:
             return False
         old = st.replica
         self.awaiting[old] -= st.prompt_len
         self.held[old] -= 1
-        self._place(st, self.router.pick(ex.call_id, st.tried), self.now())
+        self._place(st, r, self.now())
         self.awaiting[st.replica] += st.prompt_len
         self.held[st.replica] += 1
-        self.rerouted += 1
         return True
 
     def _wake(self, ex) -> None:
@@ -410,8 +407,7 @@ class LiveProxy:
             st.first_token = True
             self.awaiting[st.replica] -= st.prompt_len
             t = self.now()
-            self.prompt_rate.add(t, st.prompt_len)
-            self.prompt_rates[st.replica].add(t, st.prompt_len)
+            self.prompt_rates[self.cluster.group_of[st.replica]].add(t, st.prompt_len)
             if st.record is not None:
                 st.record.first_token_at = t
 
@@ -584,8 +580,9 @@ class LiveProxy:
         t = self.now()
         try:
             actions = self.proxy.on_attempt(t, att, params, plen)
-            if self.replica_mode and self.keep_records:
-                self.attempt_index[(att.call_id, att.number)] = len(self.proxy.landed) - 1
+            landed = self.cluster.landed()
+            if landed is not None and self.keep_records:     # the router placed the attempt itself
+                self.attempt_index[(att.call_id, att.number)] = len(landed) - 1
             self._do(t, actions)
             return await self._serve(request, att, w, bool(body.get("stream")))
         except (asyncio.CancelledError, ConnectionResetError) as e:

@@ -111,6 +111,11 @@ class Cluster:
         """Executions held for replica r alone in a proxy queue."""
         return 0
 
+    def created(self, ex: Execution) -> int | None:
+        """The replica a new execution has from its creation (None: it gets
+        one when dispatched)."""
+        return None
+
     def place(self, ex: Execution) -> int:
         """The replica an execution being dispatched goes to first."""
         raise NotImplementedError
@@ -190,6 +195,9 @@ class SidecarPerReplica(Cluster):
 
     def queued_at(self, r: int) -> int:
         return self.proxies[r].queued
+
+    def created(self, ex: Execution) -> int | None:
+        return self.execution_replica[ex.id]
 
     def place(self, ex: Execution) -> int:
         return self.execution_replica[ex.id]
