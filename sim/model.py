@@ -22,10 +22,10 @@ from .conditions import Condition
 from .engine.core import Call, EngineCore, EngineConfig
 from .engine.request import Request
 from .policy.client import RetryingClient, CallState, Retry, Delivered
-from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel, Complete,
+from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Refuse, Cancel, Complete,
                            Drop, Wake)
 from .policy.router import ReplicaView, RouterConfig
-from .policy.stack import Stack
+from .policy.stack import Interpreter, Stack
 from .profile import Profile
 from .runlog import (RunLog, ExecutionRecord, Series, AttemptTable, CallTable, ATTEMPT_OUTCOMES, CALL_OUTCOMES,
                      sample_columns, sample_log, refusal_outcome, thin_log)
@@ -328,7 +328,7 @@ def _next_finish(e: EngineCore) -> float:
     return INF
 
 
-class Run:
+class Run(Interpreter):
     """One run of a stack (`sim.policy.stack.Stack`: the client, the proxy
     with the condition's controls and the router) over a cluster of engines:
     one per profile (`profile`, or a sequence of them: replica i runs the
@@ -374,14 +374,11 @@ class Run:
         self.counters_at_r: list[dict] = [{} for _ in range(self.n)]     # each engine's
         self.thin_at = 0      # thin the gauge logs beyond this many entries, looked at every 256th arrival
         #                       (0: never; run() sets it)
-        self._action_stack: list = []       # (t, actions) lists being carried out (see _do)
-        self._doing = False                 # _do's loop is running
         self._next_call = 0                 # first call whose arrival has not fired
         # the timers' functions, bound once: a timer keeps its function, and
         # binding one at each timer set would make a new object every time
         self._arrive, self._send, self._deadline, self._wake = self._arrive, self._send, self._deadline, self._wake
-        self._handlers = {Subscribe: self._subscribe, Cancel: self._cancel,
-                          Refuse: self._refuse, Complete: self._complete, Drop: self._drop, Wake: self._wake_at}
+        Interpreter.__init__(self)
         # Proxy.on_dispatched does nothing: called only where a proxy overrides it
         self._report_dispatch = type(self.proxy).on_dispatched is not Proxy.on_dispatched
         for t in snapshot_times:
@@ -623,60 +620,11 @@ class Run:
         log.outcome[att.row] = outcome
 
     # ------------------------------------------------------------- proxy side
-    def _do(self, t: float, actions: list) -> None:
-        """Carry out the proxy's actions in order. Actions that a handler's
-        own call produces (an engine refusal's, which dispatches the next
-        queued execution) run next, before the rest of the outer list, as a
-        nested call would run them, but from one loop: a long chain of
-        refusals does not grow the stack. `_action_stack` holds the lists
-        left to carry out once a handler produced actions (empty otherwise)."""
-        stack = self._action_stack
-        if self._doing:                     # a handler's own actions: the loop running already takes them next
-            stack.append((t, iter(actions)))
-            return
-        if actions:
-            self._doing = True
-            handlers = self._handlers
-            k = 0
-            for a in actions:
-                k += 1
-                ta = type(a)
-                if ta is Subscribe:
-                    self._subscribe(t, a)
-                elif ta is Dispatch:
-                    self._dispatch(t, a.execution)
-                else:
-                    handlers[ta](t, a)
-                if stack:                   # the handler's own actions, on the stack now, come first
-                    stack.insert(0, (t, iter(actions[k:])))
-                    self._do_nested()       # logs the queue as each list ends, this one's rest last
-                    self._doing = False
-                    return
-            self._doing = False
+    def _actions_done(self, t: float) -> None:
+        """A list of actions is carried out: the proxy queue's length is logged if it changed."""
         q = self.proxy.queued
         if q != self.proxy_queue_log[-1][1]:
             self.proxy_queue_log.append((t, q))
-
-    def _do_nested(self) -> None:
-        """`_do`'s loop once a handler's own actions are on the stack: the
-        top list first, then the rest of the lists below it, each logging
-        the proxy queue when done."""
-        stack, handlers = self._action_stack, self._handlers
-        while stack:
-            at, it = stack[-1]
-            depth = len(stack)
-            for a in it:
-                if type(a) is Dispatch:
-                    self._dispatch(at, a.execution)
-                else:
-                    handlers[type(a)](at, a)
-                if len(stack) != depth:
-                    break                   # the handler's own actions, on the stack now, come first
-            else:
-                stack.pop()
-                q = self.proxy.queued
-                if q != self.proxy_queue_log[-1][1]:
-                    self.proxy_queue_log.append((at, q))
 
     def _subscribe(self, t: float, a: Subscribe) -> None:
         att, ex = a.attempt, a.execution
@@ -742,7 +690,7 @@ class Run:
     def _do_and_log_replica_queues(self, t: float, actions: list) -> None:
         """`_do` where each replica has a proxy queue of its own: their
         lengths are logged once the actions are all carried out."""
-        Run._do(self, t, actions)
+        Interpreter._do(self, t, actions)
         if not self._action_stack:
             for p, log in zip(self.cluster.proxies, self.queue_logs):
                 if p.queued != log[-1][1]:

@@ -7,7 +7,8 @@ request is an attempt: its call is named by the `X-Call-Id` header (a request
 without it is a call of its own) and its number by `X-Attempt` (otherwise
 counted per call id, 0 first). The key is the call id plus the request body
 (the full generation parameters). The proxy's actions are carried out as
-`sim.model.Run._do` carries them out in simulated time:
+the simulator carries them out in simulated time, by the same interpreter
+(`sim.policy.stack.Interpreter`):
 
 - `Subscribe`: the attempt's handler streams the execution's chunks: first
   every chunk streamed so far (replay), then the rest as they arrive.
@@ -92,10 +93,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from sim.conditions import Condition
 from sim.runlog import ExecutionRecord
-from sim.policy.proxy import (Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel,
+from sim.policy.proxy import (Attempt, EngineView, PromptRate, Subscribe, Refuse, Cancel,
                               Complete, Drop, Wake)
 from sim.policy.router import ReplicaView, RouterConfig
-from sim.policy.stack import Stack
+from sim.policy.stack import Interpreter, Stack
 
 from .engine import parse_metrics
 
@@ -196,7 +197,7 @@ class Metrics:
                                         "tokens of completed executions / max tokens (accepted)", registry=r)
 
 
-class LiveProxy:
+class LiveProxy(Interpreter):
     """The policy core on the asyncio clock, in front of `upstream` (one
     engine URL, or a list of them behind `router`; see the module docstring
     on fleets). `prompt_throughput` is one engine's."""
@@ -204,6 +205,7 @@ class LiveProxy:
     def __init__(self, upstream: str | Sequence[str], condition: Condition, prompt_throughput: float | None = None,
                  scrape_every_s: float = 1.0, max_body_bytes: int = MAX_BODY_BYTES, keep_records: bool = True,
                  router: RouterConfig | None = None):
+        Interpreter.__init__(self)
         ups = [upstream] if isinstance(upstream, str) else list(upstream)
         if not ups:
             raise ValueError("the live proxy needs at least one engine URL")
@@ -310,72 +312,76 @@ class LiveProxy:
         return self.cluster.rerouted
 
     # ------------------------------------------------------------- actions
-    def _do(self, t: float, actions: list) -> None:
-        """Carry out the proxy's actions (mirrors sim.model.Run._do)."""
+    # the handlers of the policy core's actions, carried out by the
+    # simulator's own interpreter (`sim.policy.stack.Interpreter._do`)
+    def _subscribe(self, t: float, a: Subscribe) -> None:
         m = self.metrics
-        for a in actions:
-            if isinstance(a, Subscribe):
-                w = self.waiters[id(a.attempt)]
-                if self.keep_records:
-                    self.subscriptions[(str(a.attempt.call_id), a.attempt.number)] = (a.execution.id,
-                                                                                      a.attempt.attached)
-                if a.attempt.attached:
-                    m.attached.inc()
-                else:
-                    st = self.streams[a.execution.id] = w.new_stream()
-                    m.created.inc()
-                    st.record = ExecutionRecord(id=a.execution.id, call=_call_number(a.attempt.call_id),
-                                                attempt=a.attempt.number, prompt_len=st.prompt_len,
-                                                max_tokens=st.max_tokens, created_at=t)
-                    r = self.cluster.created(a.execution)
-                    if r is not None:                # placed when created (a sidecar's execution)
-                        st.tried.append(r)
-                        self._place(st, r, t)
-                    if self.keep_records:
-                        self.executions.append(st.record)
-                w.stream = self.streams[a.execution.id]
-                w.notify()
-            elif isinstance(a, Dispatch):
-                st = self.streams[a.execution.id]
-                at_once = st.record is not None and st.record.created_at == t     # not held in the proxy queue
-                if not st.tried:                     # placed when dispatched (the proxy before the router)
-                    r = self.cluster.place(a.execution)
-                    st.tried.append(r)
-                    self._place(st, r, t)
-                st.task = asyncio.create_task(self._upstream(a.execution, st, st.received if at_once else None))
-                st.record.dispatched_at = t
-                self.awaiting[st.replica] += st.prompt_len
-                self.held[st.replica] += 1
-            elif isinstance(a, Cancel):
-                st = self.streams.pop(a.execution.id)
-                st.fate = "cancelled"
-                st.record.cancel_requested_at = st.record.finished_at = t
-                st.record.fate, st.record.tokens_generated = "aborted", st.tokens
-                m.cancelled.inc()
-                if st.task is not None:
-                    st.task.cancel()
-            elif isinstance(a, Refuse):
-                w = self.waiters[id(a.attempt)]
-                w.refused = a
-                m.refused.labels(a.reason, str(a.status)).inc()
-                w.notify()
-            elif isinstance(a, Complete):
-                w = self.waiters[id(a.attempt)]
-                w.completed = True
-                w.notify()
-            elif isinstance(a, Drop):
-                st = self.streams.pop(a.execution.id)
-                st.fate = "dropped"
-                st.record.fate, st.record.finished_at = "dropped", t
-                m.dropped.inc()
-            elif isinstance(a, Wake):
-                loop = asyncio.get_running_loop()
-                when = loop.time() + max(0.0, a.at - self.now())
-                loop.call_at(when, self._wake, a.execution)
-            else:  # pragma: no cover
-                raise TypeError(f"unknown proxy action {a!r}")
-        m.queue.set(self.proxy.queued)
-        m.outstanding.set(self.outstanding)
+        w = self.waiters[id(a.attempt)]
+        if self.keep_records:
+            self.subscriptions[(str(a.attempt.call_id), a.attempt.number)] = (a.execution.id, a.attempt.attached)
+        if a.attempt.attached:
+            m.attached.inc()
+        else:
+            st = self.streams[a.execution.id] = w.new_stream()
+            m.created.inc()
+            st.record = ExecutionRecord(id=a.execution.id, call=_call_number(a.attempt.call_id),
+                                        attempt=a.attempt.number, prompt_len=st.prompt_len,
+                                        max_tokens=st.max_tokens, created_at=t)
+            r = self.cluster.created(a.execution)
+            if r is not None:                # placed when created (a sidecar's execution)
+                st.tried.append(r)
+                self._place(st, r, t)
+            if self.keep_records:
+                self.executions.append(st.record)
+        w.stream = self.streams[a.execution.id]
+        w.notify()
+
+    def _dispatch(self, t: float, ex) -> None:
+        st = self.streams[ex.id]
+        at_once = st.record is not None and st.record.created_at == t     # not held in the proxy queue
+        if not st.tried:                     # placed when dispatched (the proxy before the router)
+            r = self.cluster.place(ex)
+            st.tried.append(r)
+            self._place(st, r, t)
+        st.task = asyncio.create_task(self._upstream(ex, st, st.received if at_once else None))
+        st.record.dispatched_at = t
+        self.awaiting[st.replica] += st.prompt_len
+        self.held[st.replica] += 1
+
+    def _cancel(self, t: float, a: Cancel) -> None:
+        st = self.streams.pop(a.execution.id)
+        st.fate = "cancelled"
+        st.record.cancel_requested_at = st.record.finished_at = t
+        st.record.fate, st.record.tokens_generated = "aborted", st.tokens
+        self.metrics.cancelled.inc()
+        if st.task is not None:
+            st.task.cancel()
+
+    def _refuse(self, t: float, a: Refuse) -> None:
+        w = self.waiters[id(a.attempt)]
+        w.refused = a
+        self.metrics.refused.labels(a.reason, str(a.status)).inc()
+        w.notify()
+
+    def _complete(self, t: float, a: Complete) -> None:
+        w = self.waiters[id(a.attempt)]
+        w.completed = True
+        w.notify()
+
+    def _drop(self, t: float, a: Drop) -> None:
+        st = self.streams.pop(a.execution.id)
+        st.fate = "dropped"
+        st.record.fate, st.record.finished_at = "dropped", t
+        self.metrics.dropped.inc()
+
+    def _wake_at(self, t: float, a: Wake) -> None:
+        loop = asyncio.get_running_loop()
+        when = loop.time() + max(0.0, a.at - self.now())
+        loop.call_at(when, self._wake, a.execution)
+
+    def _actions_done(self, t: float) -> None:
+        self.metrics.queue.set(self.proxy.queued)
+        self.metrics.outstanding.set(self.outstanding)
 
     def _place(self, st: Stream, r: int, t: float) -> None:
         """The execution of `st` goes to replica r (the last of st.tried)."""

@@ -29,8 +29,9 @@ from functools import partial
 from typing import Callable, Sequence
 
 from .client import ClientConfig
-from .proxy import EngineView, Execution, Proxy, ProxyConfig
-from .router import ReplicaProxies, ReplicaView, Router, RouterConfig
+from .proxy import (Cancel, Complete, Dispatch, Drop, EngineView, Execution, Proxy, ProxyConfig, Refuse, Subscribe,
+                    Wake)
+from .router import ReplicaProxies, Router, RouterConfig
 
 LAYERS = ("client", "proxy", "router")
 
@@ -212,4 +213,73 @@ class SidecarPerReplica(Cluster):
         return self.router.home(0) is not None and not moves
 
 
-__all__ = ["LAYERS", "Stack", "Cluster", "ProxyBeforeRouter", "SidecarPerReplica", "ReplicaView"]
+class Interpreter:
+    """Carries a layer's actions out: the one interpreter of the simulator
+    (`sim.model.Run`) and the live proxy (`validate.proxy.LiveProxy`). A
+    driver subclasses it with one handler per action, each given the time:
+    `_subscribe(t, Subscribe)`, `_dispatch(t, execution)`, `_cancel(t,
+    Cancel)`, `_refuse(t, Refuse)`, `_complete(t, Complete)`, `_drop(t,
+    Drop)`, `_wake_at(t, Wake)`, and `_actions_done(t)`, called as each list
+    of actions ends."""
+
+    def __init__(self):
+        self._action_stack: list = []       # (t, actions) lists being carried out (see _do)
+        self._doing = False                 # _do's loop is running
+        self._handlers = {Subscribe: self._subscribe, Cancel: self._cancel, Refuse: self._refuse,
+                          Complete: self._complete, Drop: self._drop, Wake: self._wake_at}
+
+    def _actions_done(self, t: float) -> None:
+        """A list of actions is carried out (at t)."""
+
+    def _do(self, t: float, actions: list) -> None:
+        """Carry out the actions in order. Actions that a handler's own call
+        produces (an engine refusal's, which dispatches the next queued
+        execution) run next, before the rest of the outer list, as a nested
+        call would run them, but from one loop: a long chain of refusals
+        does not grow the stack. `_action_stack` holds the lists left to
+        carry out once a handler produced actions (empty otherwise)."""
+        stack = self._action_stack
+        if self._doing:                     # a handler's own actions: the loop running already takes them next
+            stack.append((t, iter(actions)))
+            return
+        if actions:
+            self._doing = True
+            handlers = self._handlers
+            k = 0
+            for a in actions:
+                k += 1
+                ta = type(a)
+                if ta is Subscribe:
+                    self._subscribe(t, a)
+                elif ta is Dispatch:
+                    self._dispatch(t, a.execution)
+                else:
+                    handlers[ta](t, a)
+                if stack:                   # the handler's own actions, on the stack now, come first
+                    stack.insert(0, (t, iter(actions[k:])))
+                    self._do_nested()       # each list ends in turn, this one's rest last
+                    self._doing = False
+                    return
+            self._doing = False
+        self._actions_done(t)
+
+    def _do_nested(self) -> None:
+        """`_do`'s loop once a handler's own actions are on the stack: the
+        top list first, then the rest of the lists below it."""
+        stack, handlers = self._action_stack, self._handlers
+        while stack:
+            at, it = stack[-1]
+            depth = len(stack)
+            for a in it:
+                if type(a) is Dispatch:
+                    self._dispatch(at, a.execution)
+                else:
+                    handlers[type(a)](at, a)
+                if len(stack) != depth:
+                    break                   # the handler's own actions, on the stack now, come first
+            else:
+                stack.pop()
+                self._actions_done(at)
+
+
+__all__ = ["LAYERS", "Stack", "Cluster", "ProxyBeforeRouter", "SidecarPerReplica", "Interpreter"]
