@@ -333,14 +333,16 @@ class Run(Interpreter):
     with the condition's controls and the router) over a cluster of engines:
     one per profile (`profile`, or a sequence of them: replica i runs the
     i-th). `router` places requests on the replicas and says where the proxy
-    stands (`RouterConfig.proxy`); a single engine is a cluster of one, and
-    any router gives its run event for event. `run()` returns the cluster's
+    stands (`RouterConfig.proxy`); `stack`, where given, names the layers
+    instead (default: `Stack.from_config(condition, router, scenario)`; the
+    condition then gives only the engines' cap). A single engine is a
+    cluster of one, and any router gives its run event for event. `run()` returns the cluster's
     RunLog (the engines' series, counters and work summed); `sim.fleet`
     reads the per-replica parts of a run from it."""
 
     def __init__(self, profile: Profile | Sequence[Profile], trace: Trace, condition: Condition,
                  scenario: Scenario, seed: int = 0, max_batched_tokens: int | None = None, fast_forward: bool = True,
-                 snapshot_times: tuple = (), router: RouterConfig | None = None):
+                 snapshot_times: tuple = (), router: RouterConfig | None = None, stack: Stack | None = None):
         self.profiles = [profile] if isinstance(profile, Profile) else list(profile)
         if not self.profiles:
             raise ValueError("a fleet needs at least one replica")
@@ -348,7 +350,7 @@ class Run(Interpreter):
         self.env = env = Clock()
         self.trace = trace
         self.scenario = scenario
-        self.stack = Stack.from_config(condition, router, scenario)
+        self.stack = stack if stack is not None else Stack.from_config(condition, router, scenario)
         self.router_config = self.stack.config("router")
         self.done = env.event()
         self._over: list = []       # [True] once every call is over and `done` triggered (its length: Timers' stop)
@@ -410,7 +412,8 @@ class Run(Interpreter):
         self.prompt_rates = [PromptRate(60.0) for _ in cl.groups]
         self.exec_replica = cl.execution_replica
         self.queue_logs = [[(0.0, 0)] for _ in range(n)]     # each replica's own proxy queue (sidecars')
-        cap = condition.proxy.proxy_cap
+        pcfg = self.stack.config("proxy")
+        cap = pcfg.proxy_cap
         if cl.per_replica_queues and cap is not None:
             self._do = self._do_and_log_replica_queues
         # a 503 an engine answers may send the request on to another replica
@@ -436,7 +439,7 @@ class Run(Interpreter):
         # what each engine calls for its first tokens and its next input
         # time: only a proxy that reads its view (`Proxy.estimate_wait`)
         # needs the prompt throughput
-        reads_view = condition.proxy.queue == "deadline" or condition.proxy.budget is not None
+        reads_view = pcfg.queue == "deadline" or pcfg.budget is not None
         first_token = [partial(self._on_first_token_of, self.prompt_rates[cl.group_of[r]]) if reads_view else None
                        for r in range(n)]
         if self._routed_timers is None and cap is None:
@@ -448,7 +451,7 @@ class Run(Interpreter):
         # no proxy cancels, and no router reads the KV usage that a
         # fast-forward takes ahead: requests added to a replica whose
         # admission is blocked change none of its steps (EngineCore)
-        never_aborts = condition.proxy.cancellation == "off" and (self.router_config.policy != "least-kv" or n == 1)
+        never_aborts = pcfg.cancellation == "off" and (self.router_config.policy != "least-kv" or n == 1)
         self.engines = [EngineCore(env, engine_config(p, condition, max_batched_tokens, scenario), p.step_time,
                                    on_finished=self._on_finished, on_first_token=first_token[r],
                                    next_input_time=next_input[r], fast_forward=fast_forward,

@@ -140,3 +140,16 @@ def test_one_driver_runs_a_cluster_of_one_or_many(placement):
         assert v == sum(p.get(k, 0) for p in per)
     with pytest.raises(ValueError):
         Run([], trace, cond, TINY, 0)
+
+
+def test_a_stack_given_to_the_run_names_its_layers_instead_of_the_router_config():
+    trace = make_trace(2.0, TINY, 0)
+    cond = compose("cancel")
+    sidecars = Stack.from_config(cond, RouterConfig("call-affinity", 0, "replica"), TINY)
+    run = Run([PROFILE] * 2, trace, compose("no-control"), TINY, 0, stack=sidecars)
+    assert run.cluster.placement == "replica" and run.router.config.policy == "call-affinity"
+    assert all(p.config == cond.proxy for p in run.cluster.proxies)
+    with pytest.raises(ValueError, match="client"):
+        Stack((("proxy", cond.proxy), ("client", None), ("router", RouterConfig())))
+    with pytest.raises(ValueError):
+        Stack((("client", None), ("proxy", cond.proxy)))

@@ -42,6 +42,11 @@ class Stack:
     is (kind, config), the kinds of `LAYERS`."""
     layers: tuple
 
+    def __post_init__(self):
+        kinds = [k for k, _ in self.layers]
+        if sorted(kinds) != sorted(LAYERS) or kinds[0] != "client":
+            raise ValueError(f"a stack is the client, then the proxy and the router in either order; got {kinds}")
+
     @classmethod
     def from_config(cls, condition, router: RouterConfig | None = None, scenario=None) -> "Stack":
         """A condition's client (its retries on the scenario's deadline and
