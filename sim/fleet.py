@@ -102,7 +102,7 @@ def fleet_log(run: Run, log: RunLog) -> FleetLog:
     ts = parts.t
     pq = [sample_log(q, ts, 1).astype(np.int64) for q in run.queue_logs]
     ex_rep = np.full(len(executions), -1, dtype=np.int64)
-    ex_rep[:len(run.exec_replica)] = run.exec_replica[:len(executions)]
+    ex_rep[:] = cl.execution_replicas(len(executions))
     landed = cl.landed()
     if landed is not None:
         att_rep = np.asarray(landed, dtype=np.int64)

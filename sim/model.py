@@ -357,8 +357,8 @@ class Run(Interpreter):
         self.timers = Timers(env, horizon=self._horizon_one if self.n == 1 else self._horizon_all,
                              stop=self._over.__len__)
         self.client = RetryingClient(self.stack.config("client"), uniform_draws(np.random.default_rng([seed, 1])))
-        self.proxy_queue_log: list[tuple[float, int]] = [(0.0, 0)]   # (t, proxy queue length) at changes
         self._build(condition, scenario, max_batched_tokens, fast_forward)
+        Interpreter.__init__(self)      # after _build: its handlers are the run's, and `_do` may be replaced
         n = len(trace)
         self.arrival = trace.arrival.tolist()
         self.max_tokens = trace.max_tokens.tolist()
@@ -380,7 +380,6 @@ class Run(Interpreter):
         # the timers' functions, bound once: a timer keeps its function, and
         # binding one at each timer set would make a new object every time
         self._arrive, self._send, self._deadline, self._wake = self._arrive, self._send, self._deadline, self._wake
-        Interpreter.__init__(self)
         # Proxy.on_dispatched does nothing: called only where a proxy overrides it
         self._report_dispatch = type(self.proxy).on_dispatched is not Proxy.on_dispatched
         for t in snapshot_times:
@@ -623,12 +622,6 @@ class Run(Interpreter):
         log.outcome[att.row] = outcome
 
     # ------------------------------------------------------------- proxy side
-    def _actions_done(self, t: float) -> None:
-        """A list of actions is carried out: the proxy queue's length is logged if it changed."""
-        q = self.proxy.queued
-        if q != self.proxy_queue_log[-1][1]:
-            self.proxy_queue_log.append((t, q))
-
     def _subscribe(self, t: float, a: Subscribe) -> None:
         att, ex = a.attempt, a.execution
         row, log = att.row, self.attempt_log

@@ -4,11 +4,13 @@ placement of executions; one interpreter carries actions out in the order a
 nested call would; one driver runs a cluster of one or of many."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from sim.conditions import compose
 from sim.model import Run
-from sim.policy.proxy import Attempt, Cancel, Complete, Dispatch, Drop, EngineView, Refuse, Subscribe, Wake
+from sim.policy.proxy import Attempt, Cancel, Complete, Dispatch, Drop, EngineView, Execution, Refuse, Subscribe, Wake
 from sim.policy.router import RouterConfig
 from sim.policy.stack import Interpreter, ProxyBeforeRouter, SidecarPerReplica, Stack
 from sim.profile import load_profile
@@ -81,23 +83,28 @@ def test_sidecars_place_attempts_and_pass_no_503_on_from_the_engine():
 
 
 class Recorder(Interpreter):
-    """An interpreter whose handlers log what they carry out; a Dispatch of
-    execution id 1 produces two more actions (as an engine refusal does)."""
+    """An interpreter whose handlers log what they carry out, each adding
+    one to its proxy's queue; a Dispatch of execution id 1 produces two more
+    actions (as an engine refusal does)."""
 
     def __init__(self):
         self.seen = []
+        self.proxy = SimpleNamespace(queued=0)
         super().__init__()
 
-    def _subscribe(self, t, a): self.seen.append(("subscribe", a.attempt.number))
-    def _cancel(self, t, a): self.seen.append(("cancel", a.execution.id))
-    def _refuse(self, t, a): self.seen.append(("refuse", a.attempt.number))
-    def _complete(self, t, a): self.seen.append(("complete", a.attempt.number))
-    def _drop(self, t, a): self.seen.append(("drop", a.execution.id))
-    def _wake_at(self, t, a): self.seen.append(("wake", a.at))
-    def _actions_done(self, t): self.seen.append(("done", t))
+    def _note(self, what):
+        self.seen.append(what)
+        self.proxy.queued += 1
+
+    def _subscribe(self, t, a): self._note(("subscribe", a.attempt.number))
+    def _cancel(self, t, a): self._note(("cancel", a.execution.id))
+    def _refuse(self, t, a): self._note(("refuse", a.attempt.number))
+    def _complete(self, t, a): self._note(("complete", a.attempt.number))
+    def _drop(self, t, a): self._note(("drop", a.execution.id))
+    def _wake_at(self, t, a): self._note(("wake", a.at))
 
     def _dispatch(self, t, ex):
-        self.seen.append(("dispatch", ex.id))
+        self._note(("dispatch", ex.id))
         if ex.id == 1:
             self._do(t, [Refuse(att(5), 503), Dispatch(execution(2))])
 
@@ -107,7 +114,6 @@ def att(n):
 
 
 def execution(i):
-    from sim.policy.proxy import Execution
     return Execution(i, 0, None, 0.0)
 
 
@@ -116,11 +122,15 @@ def test_the_interpreter_runs_a_handlers_own_actions_before_the_rest_of_the_list
     r._do(1.0, [Subscribe(att(0), execution(0)), Dispatch(execution(1)), Cancel(execution(3)),
                 Complete(att(1)), Drop(execution(4)), Wake(9.0, execution(4))])
     assert r.seen == [("subscribe", 0), ("dispatch", 1),
-                      ("refuse", 5), ("dispatch", 2), ("done", 1.0),       # the handler's own list first
-                      ("cancel", 3), ("complete", 1), ("drop", 4), ("wake", 9.0), ("done", 1.0)]
-    r.seen.clear()
+                      ("refuse", 5), ("dispatch", 2),          # the handler's own list first
+                      ("cancel", 3), ("complete", 1), ("drop", 4), ("wake", 9.0)]
+    # the queue is logged as each list ends: the handler's own (after 4 actions), then the outer one's rest
+    assert r.proxy_queue_log == [(0.0, 0), (1.0, 4), (1.0, 8)]
     r._do(2.0, [])
-    assert r.seen == [("done", 2.0)]
+    assert r.proxy_queue_log[-1] == (1.0, 8)                   # no change, no entry
+    r.proxy.queued = 3
+    r._do(3.0, [])
+    assert r.proxy_queue_log[-1] == (3.0, 3)
 
 
 @pytest.mark.parametrize("placement", ("deployment", "replica"))

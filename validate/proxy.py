@@ -229,6 +229,8 @@ class LiveProxy(Interpreter):
             n, self._engine_view_of, lambda grp: prompt_throughput * len(grp) if prompt_throughput else prompt_throughput,
             replica_view=self._replica_view)
         self.router, self.proxy = cl.router, cl.proxy
+        if not keep_records:            # the interpreter's queue log: its last entry only
+            self.proxy_queue_log = deque(self.proxy_queue_log, maxlen=1)
         self.prompt_rates = [PromptRate(60.0) for _ in cl.groups]    # the prompt throughput each proxy sees
         self.exec_replica: dict[int, int] = {}     # execution id -> its replica (keep_records)
         self.exec_placed: dict[int, float] = {}    # execution id -> when it got that replica
@@ -379,7 +381,9 @@ class LiveProxy(Interpreter):
         when = loop.time() + max(0.0, a.at - self.now())
         loop.call_at(when, self._wake, a.execution)
 
-    def _actions_done(self, t: float) -> None:
+    def _do(self, t: float, actions: list) -> None:
+        """Carry the actions out (`Interpreter._do`), then set the queue and outstanding gauges."""
+        Interpreter._do(self, t, actions)
         self.metrics.queue.set(self.proxy.queued)
         self.metrics.outstanding.set(self.outstanding)
 

@@ -88,8 +88,9 @@ class Cluster:
     """The stack's proxies and router over n engines. `proxy` is driven as
     one proxy (`sim.policy.proxy.Proxy`'s methods and actions);
     `proxies[g]` stands before the replicas `groups[g]`. `execution_replica`
-    holds each execution's replica by id (-1 or missing: not placed);
-    `rerouted` counts requests the router retried on another replica."""
+    maps an execution's id to its replica (a driver sets it as it places
+    the execution; `execution_replicas` reads it out); `rerouted` counts
+    requests the router retried on another replica."""
     placement = ""
     per_replica_queues = False      # each replica has a proxy queue of its own
     placed_at_creation = False      # an execution has its replica from its creation (else from its dispatch)
@@ -102,7 +103,12 @@ class Cluster:
         for g, grp in enumerate(groups):
             for r in grp:
                 self.group_of[r] = g
-        self.execution_replica: list[int] = []
+        self.execution_replica: dict[int, int] | list[int] = {}
+
+    def execution_replicas(self, n: int) -> list[int]:
+        """The replica of executions 0..n-1 (-1: never placed)."""
+        get = self.execution_replica.get
+        return [get(i, -1) for i in range(n)]
 
     @property
     def rerouted(self) -> int:
@@ -157,9 +163,6 @@ class ProxyBeforeRouter(Cluster):
         self._rerouted = 0
 
     def place(self, ex: Execution) -> int:
-        reps = self.execution_replica
-        if len(reps) <= ex.id:
-            reps.extend([-1] * (ex.id + 1 - len(reps)))
         return self.router.pick(ex.call_id)
 
     def reroute(self, call_id, tried: list) -> int | None:
@@ -199,6 +202,10 @@ class SidecarPerReplica(Cluster):
     def rerouted(self) -> int:
         return self.proxy.rerouted
 
+    def execution_replicas(self, n: int) -> list[int]:
+        reps = self.execution_replica         # by id, from each execution's creation
+        return reps[:n] + [-1] * (n - len(reps))
+
     def queued_at(self, r: int) -> int:
         return self.proxies[r].queued
 
@@ -224,17 +231,16 @@ class Interpreter:
     driver subclasses it with one handler per action, each given the time:
     `_subscribe(t, Subscribe)`, `_dispatch(t, execution)`, `_cancel(t,
     Cancel)`, `_refuse(t, Refuse)`, `_complete(t, Complete)`, `_drop(t,
-    Drop)`, `_wake_at(t, Wake)`, and `_actions_done(t)`, called as each list
-    of actions ends."""
+    Drop)`, `_wake_at(t, Wake)`. As each list of actions ends, the length of
+    the queue of `proxy` is appended to `proxy_queue_log` as (t, length) if
+    it changed."""
 
     def __init__(self):
+        self.proxy_queue_log: list = [(0.0, 0)]     # (t, proxy queue length) at changes
         self._action_stack: list = []       # (t, actions) lists being carried out (see _do)
         self._doing = False                 # _do's loop is running
         self._handlers = {Subscribe: self._subscribe, Cancel: self._cancel, Refuse: self._refuse,
                           Complete: self._complete, Drop: self._drop, Wake: self._wake_at}
-
-    def _actions_done(self, t: float) -> None:
-        """A list of actions is carried out (at t)."""
 
     def _do(self, t: float, actions: list) -> None:
         """Carry out the actions in order. Actions that a handler's own call
@@ -266,7 +272,9 @@ class Interpreter:
                     self._doing = False
                     return
             self._doing = False
-        self._actions_done(t)
+        q = self.proxy.queued
+        if q != self.proxy_queue_log[-1][1]:
+            self.proxy_queue_log.append((t, q))
 
     def _do_nested(self) -> None:
         """`_do`'s loop once a handler's own actions are on the stack: the
@@ -284,7 +292,9 @@ class Interpreter:
                     break                   # the handler's own actions, on the stack now, come first
             else:
                 stack.pop()
-                self._actions_done(at)
+                q = self.proxy.queued
+                if q != self.proxy_queue_log[-1][1]:
+                    self.proxy_queue_log.append((at, q))
 
 
 __all__ = ["LAYERS", "Stack", "Cluster", "ProxyBeforeRouter", "SidecarPerReplica", "Interpreter"]
