@@ -336,9 +336,9 @@ class Run(Interpreter):
     stands (`RouterConfig.proxy`); `stack`, where given, names the layers
     instead (default: `Stack.from_config(condition, router, scenario)`; the
     condition then gives only the engines' cap). A single engine is a
-    cluster of one, and any router gives its run event for event. `run()` returns the cluster's
-    RunLog (the engines' series, counters and work summed); `sim.fleet`
-    reads the per-replica parts of a run from it."""
+    cluster of one, and any router gives its run event for event. `run()`
+    returns the cluster's RunLog (the engines' series, counters and work
+    summed); `sim.fleet.fleet_log` reads the per-replica parts from the run."""
 
     def __init__(self, profile: Profile | Sequence[Profile], trace: Trace, condition: Condition,
                  scenario: Scenario, seed: int = 0, max_batched_tokens: int | None = None, fast_forward: bool = True,
@@ -417,6 +417,8 @@ class Run(Interpreter):
             self._do = self._do_and_log_replica_queues
         # a 503 an engine answers may send the request on to another replica
         self.reroutes_refusals = n > 1 and self.router_config.retries > 0 and condition.engine_cap is not None
+        self._may_queue = cap is not None                    # a proxy may hold executions in its queue
+        self._all_groups = range(len(cl.groups))
         self._routed_timers = None
         if n > 1 and cl.calls_stay_home(condition.engine_cap):
             # every input a timer brings reaches the replica of its call alone
@@ -524,15 +526,15 @@ class Run(Interpreter):
                 t = self.arrival[calls[i]]
         else:
             t = self.timers.next_time()
-        cl = self.cluster
-        mine = cl.group_of[r]
-        for g, p in enumerate(cl.proxies):
-            if p.queued and (g == mine or self.reroutes_refusals):
-                for s in cl.groups[g]:
-                    e = self.engines[s]
-                    t = min(t, _next_finish(e))
-                    if s != r and e.pending:
-                        t = min(t, e.pending[-1].end)
+        if self._may_queue:
+            cl = self.cluster
+            for g in self._all_groups if self.reroutes_refusals else (cl.group_of[r],):
+                if cl.proxies[g].queued:
+                    for s in cl.groups[g]:
+                        e = self.engines[s]
+                        t = min(t, _next_finish(e))
+                        if s != r and e.pending:
+                            t = min(t, e.pending[-1].end)
         return t
 
     def _replica_view(self, r: int) -> ReplicaView:

@@ -45,7 +45,8 @@ def _bind(placement: str, n: int, cond=None, retries: int = 1):
     def view(group, g, t):
         views.append((group, g))
         return EngineView(0.0, None)
-    cl = Stack.from_config(cond, RouterConfig("round-robin", retries, placement)).bind(n, view, lambda grp: 10.0 * len(grp))
+    stack = Stack.from_config(cond, RouterConfig("round-robin", retries, placement))
+    cl = stack.bind(n, view, lambda grp: 10.0 * len(grp))
     return cl, views
 
 

@@ -225,9 +225,9 @@ class LiveProxy(Interpreter):
         self.engine_gauges: list[dict] = [{} for _ in range(n)]
         self.router_config = router
         # the stack's proxy and router over the engines (`sim.policy.stack`), as the simulator binds them
+        pt = prompt_throughput
         self.cluster = cl = Stack.from_config(condition, router).bind(
-            n, self._engine_view_of, lambda grp: prompt_throughput * len(grp) if prompt_throughput else prompt_throughput,
-            replica_view=self._replica_view)
+            n, self._engine_view_of, lambda grp: pt * len(grp) if pt else pt, replica_view=self._replica_view)
         self.router, self.proxy = cl.router, cl.proxy
         if not keep_records:            # the interpreter's queue log: its last entry only
             self.proxy_queue_log = deque(self.proxy_queue_log, maxlen=1)
