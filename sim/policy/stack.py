@@ -13,8 +13,10 @@ placements:
   places each attempt; a sidecar's 503 (its deadline check, or its engine's
   cap) is retried on another replica likewise (`ReplicaProxies`).
 
-`Stack.from_config(condition, router)` is the stack of a condition and a
-`[fleet]` router config (None: one engine, no router to speak of).
+`Stack.from_config(condition, router, scenario)` is the stack of a
+condition (its proxy; its client on the scenario's deadline and backoff) and
+a `[fleet]` router config (None: the default router, which over one engine
+places everything on it).
 `Stack.bind(n, ...)` makes the stack's policy objects for a cluster of n
 engines: a `Cluster`, whose `proxy` the driver sends attempts to and whose
 `place` / `reroute` name the engine an execution goes to. A driver (the
