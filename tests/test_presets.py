@@ -300,3 +300,16 @@ def test_the_real_openai_sdk_agrees_on_backoffs_and_on_what_it_retries(monkeypat
     for status, headers in cases:
         real = client._should_retry(httpx2.Response(status, headers=headers))
         assert isinstance(first(c, STATUS, status, headers), RetryAt) == real, (status, headers)
+
+
+def test_the_real_tenacity_wait_agrees_with_with_retry(monkeypatch):
+    """Where tenacity is installed (langchain-core's dependency), the wait
+    with_retry() builds agrees with the preset."""
+    tenacity = pytest.importorskip("tenacity")
+    import random as stdlib_random
+    monkeypatch.setattr(stdlib_random, "uniform", lambda a, b: a + (b - a) * 0.3)
+    wait = tenacity.wait_exponential_jitter()                 # RunnableRetry's, with no parameters
+    c, _ = layer("client", "langchain-with-retry", 0.3)
+    for attempt_number in (1, 2, 3, 10):
+        state = type("State", (), {"attempt_number": attempt_number})()
+        assert backoff_wait(c.policy, attempt_number - 1, lambda: 0.3) == pytest.approx(wait(state))
