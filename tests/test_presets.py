@@ -313,3 +313,18 @@ def test_the_real_tenacity_wait_agrees_with_with_retry(monkeypatch):
     for attempt_number in (1, 2, 3, 10):
         state = type("State", (), {"attempt_number": attempt_number})()
         assert backoff_wait(c.policy, attempt_number - 1, lambda: 0.3) == pytest.approx(wait(state))
+
+
+def test_docs_cite_every_preset_value():
+    """docs/presets.md has a section per preset with its version and every
+    value's source, as the presets hold them."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "docs" / "presets.md").read_text()
+    for name, p in PRESETS.items():
+        start = text.index(f"Preset `{name}`, kind `{p.kind}`")
+        end = text.find("\n## ", start)
+        section = text[start:end if end > 0 else len(text)]
+        assert p.version in section, name
+        for key, cited in p.settings.items():
+            row = next((line for line in section.splitlines() if line.startswith(f"| `{key}` |")), "")
+            assert cited.source.replace("|", "\\|") in row, (name, key)

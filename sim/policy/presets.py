@@ -80,7 +80,9 @@ OPENAI = Preset("client", "openai-python", "3.57.0", {
 
 # ---- openai-python 1.109.1, the last 1.x ------------------------------------
 OPENAI_1 = Preset("client", "openai-python", "1.109.1", {
-    **OPENAI.settings,
+    **{k: _c(c.value, "as in 3.57.0, read in 1.109.1: " + c.source) for k, c in OPENAI.settings.items()},
+    "retry_after": _c(True, "openai 1.109.1 _base_client.py _calculate_retry_timeout: a Retry-After in "
+                            "(0, 60] is the wait"),
     "retry_after_cap_s": _c(60.0, "openai 1.109.1 _base_client.py _calculate_retry_timeout: "
                                   "`0 < retry_after <= 60`"),
     "retry_after_above_cap": _c("backoff", "openai 1.109.1 _base_client.py: _should_retry has no Retry-After "
@@ -91,7 +93,7 @@ OPENAI_1 = Preset("client", "openai-python", "1.109.1", {
 
 # ---- langchain-openai 1.8.1 (ChatOpenAI) ------------------------------------
 LANGCHAIN = Preset("client", "langchain-openai", "1.8.1 (on openai-python 3.57.0)", {
-    **OPENAI.settings,
+    **{k: _c(c.value, "openai-python 3.57.0 " + c.source) for k, c in OPENAI.settings.items()},
     "timeout_s": _c(None, "langchain_openai/chat_models/base.py ChatOpenAI.request_timeout = Field(default=None, "
                           "alias=\"timeout\") passed as \"timeout\" to openai.OpenAI; openai's "
                           "SyncAPIClient.__init__ takes an explicit None as given (is_given(None)): no timeout"),
