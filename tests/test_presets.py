@@ -8,7 +8,7 @@ import pytest
 
 from sim.policy.presets import PRESETS, citations, keys_of, policies, preset
 from sim.policy.retry import (CONNECT_ERROR, STATUS, TIMEOUT, Failure, GiveUp, Refuse, Retrier, RetryAt,
-                              backoff_wait, envoy_retry_on)
+                              backoff_wait, envoy_retry_on, haproxy_retry_on, nginx_next_upstream)
 from sim.policy.stackinfo import stack_info
 
 # the constants as the cited sources hold them (docs/presets.md)
@@ -147,6 +147,13 @@ def test_litellm_proxy_lets_an_abandoned_call_run_unless_told_to_cancel():
     assert not gw.marks_down(3) and gw.marks_down(4)             # allowed_fails = 3
 
 
+def test_litellm_reads_whole_seconds_only():
+    g, _ = layer("gateway", "litellm", 0.0)
+    assert first(g, STATUS, 429, {"retry-after": "1.5"}).source == "backoff"      # int("1.5") fails
+    assert first(g, STATUS, 429, {"retry-after-ms": "1500"}).source == "backoff"  # no retry-after-ms
+    assert first(g, STATUS, 429, {"retry-after": "2"}).wait == 2.0
+
+
 # ---- nginx ------------------------------------------------------------------------------------------
 
 def test_nginx_answers_its_read_timeout_with_504_and_does_not_resend_a_post():
@@ -253,6 +260,20 @@ def test_the_longest_a_call_is_retried_and_who_lets_it_run_on():
     sdk_default = preset("client", "openai-python")                  # ... but the SDK gives each attempt up
     assert hap.longest_s == pytest.approx((sdk_default["max_retries"] + 1) * sdk_default["timeout_s"]
                                           + sdk_default["max_retries"] * OPENAI_MAX_RETRY_AFTER)
+
+
+def test_gateway_retry_lines_as_the_software_writes_them():
+    on, non_idempotent = nginx_next_upstream("error timeout http_503 non_idempotent")
+    resending = preset("gateway", "nginx", upstream_servers=2, retry_on=list(on),
+                       retry_sent_non_idempotent=non_idempotent)
+    sdk = preset("client", "openai-python")
+    assert stack_info([sdk, resending]).engine_attempts == (sdk["max_retries"] + 1) * resending["upstream_servers"]
+    assert nginx_next_upstream("off") == ((), False)
+    hap = preset("gateway", "haproxy", retry_on=list(haproxy_retry_on("all-retryable-errors")))
+    assert stack_info([sdk, hap]).engine_attempts == (sdk["max_retries"] + 1) * (hap["max_retries"] + 1)
+    assert haproxy_retry_on("conn-failure 503") == ("connect_error", "503")
+    with pytest.raises(ValueError, match="^retry_on:"):
+        haproxy_retry_on("sometimes")
 
 
 # ---- the loader --------------------------------------------------------------------------------------------

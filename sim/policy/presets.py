@@ -157,7 +157,7 @@ LITELLM = Preset("gateway", "litellm (proxy, Router)", "1.110.2", {
     "jitter_amount": _c(0.75, "constants.py JITTER = 0.75"),
     "cap_bounds_jitter": _c(False, "utils.py calculate_retry_after: min(sleep_seconds, MAX_RETRY_DELAY) + jitter"),
     "retry_after": _c(True, "utils.py calculate_retry_after: `0 < retry_after <= 60` is the wait"),
-    "retry_after_formats": _c(("seconds", "date"), "utils.py _get_retry_after_from_exception_header: "
+    "retry_after_formats": _c(("seconds_int", "date"), "utils.py _get_retry_after_from_exception_header: "
                               "int(retry-after), else an HTTP date; no retry-after-ms"),
     "retry_after_cap_s": _c(60.0, "utils.py calculate_retry_after: `0 < retry_after <= 60`"),
     "retry_after_above_cap": _c("backoff", "utils.py calculate_retry_after: otherwise the exponential backoff"),
@@ -308,7 +308,7 @@ ENVOY = Preset("gateway", "envoy", "API v3 (main at commit 0035e40; these defaul
     "jitter_amount": _c(0.0, "unused"),
     "cap_bounds_jitter": _c(True, "the draw is below the capped interval"),
     "retry_after": _c(False, f"{_ENVOY_ROUTE} RetryPolicy.rate_limited_retry_back_off: unset by default"),
-    "retry_after_formats": _c(("seconds",), f"{_ENVOY_ROUTE} RateLimitedRetryBackOff: Retry-After as an integer "
+    "retry_after_formats": _c(("seconds_int",), f"{_ENVOY_ROUTE} RateLimitedRetryBackOff: Retry-After as an integer "
                                             "number of seconds (format SECONDS)"),
     "retry_after_cap_s": _c(300.0, f"{_ENVOY_ROUTE} RateLimitedRetryBackOff.max_interval: \"Defaults to 300 "
                                    "seconds\""),
@@ -407,7 +407,7 @@ def policies(settings: dict):
 
 def preset(kind: str, name: str, **overrides) -> dict:
     """A layer's effective settings: the named preset's values with the
-    overrides on top. Refuses an unknown preset or key and any setting its
+    overrides on top (`name` labels the layer). Refuses an unknown preset or key and any setting its
     policy refuses, with a one-line ValueError that names the key."""
     allowed = keys_of(kind)
     p = PRESETS.get(name)
@@ -416,7 +416,7 @@ def preset(kind: str, name: str, **overrides) -> dict:
     if p.kind != kind:
         raise ValueError(f"preset: {name!r} is a {p.kind} preset, not a {kind}")
     for k in overrides:
-        if k not in allowed:
+        if k not in allowed and k != "name":
             raise ValueError(f"{k}: not a setting of a {kind} layer")
     out = {"kind": kind, "preset": name, "version": p.version}
     out.update({k: c.value for k, c in p.settings.items()})

@@ -26,7 +26,7 @@ STATUS = "status"                   # an HTTP status came back
 BACKOFFS = ("none", "fixed", "uniform", "exponential", "envoy")
 JITTERS = ("none", "full", "equal", "multiplicative", "additive")
 ABOVE_CAP = ("give_up", "clamp", "backoff")
-RETRY_AFTER_FORMATS = ("ms", "seconds", "date")
+RETRY_AFTER_FORMATS = ("ms", "seconds", "seconds_int", "date")    # seconds_int: whole seconds only
 THROTTLES = ("none", "token_bucket", "budget", "concurrency")
 MAX_EXPONENT = 1000                 # openai-python caps the retry count in pow() the same way
 
@@ -57,6 +57,49 @@ ENVOY_RETRY_ON = {
     "refused-stream": (CONNECT_ERROR,),
     "retriable-4xx": ("409",),
 }
+
+
+# HAProxy's retry-on keywords (configuration.txt, 2.6) in this module's terms
+HAPROXY_RETRY_ON = {
+    "none": (),
+    "conn-failure": (CONNECT_ERROR,),
+    "empty-response": (CONNECT_ERROR,),     # the connection closed with nothing received
+    "response-timeout": (TIMEOUT,),
+    "all-retryable-errors": (CONNECT_ERROR, TIMEOUT, "500", "502", "503", "504"),
+}
+HAPROXY_STATUSES = ("401", "403", "404", "408", "425", "500", "501", "502", "503", "504")
+
+# nginx's proxy_next_upstream conditions (ngx_http_proxy_module, 1.22)
+NGINX_NEXT_UPSTREAM = {"error": (CONNECT_ERROR,), "timeout": (TIMEOUT,), "invalid_header": (CONNECT_ERROR,),
+                       **{f"http_{c}": (str(c),) for c in (500, 502, 503, 504, 403, 404, 429)}}
+
+
+def haproxy_retry_on(spec: str) -> tuple:
+    """A HAProxy retry-on line ("conn-failure 503 504") as a retry-on list."""
+    out = []
+    for word in spec.split():
+        got = HAPROXY_RETRY_ON.get(word) or ((word,) if word in HAPROXY_STATUSES else None)
+        if got is None and word != "none":
+            raise ValueError(f"retry_on: HAProxy keyword {word!r} is not modelled")
+        out.extend(c for c in got or () if c not in out)
+    return tuple(out)
+
+
+def nginx_next_upstream(spec: str) -> tuple:
+    """An nginx proxy_next_upstream line as (retry-on list,
+    retry_sent_non_idempotent): "off" retries nothing, "non_idempotent"
+    lets a POST already sent go to the next server."""
+    words = spec.split()
+    if "off" in words:
+        return (), False
+    out = []
+    for word in words:
+        if word == "non_idempotent":
+            continue
+        if word not in NGINX_NEXT_UPSTREAM:
+            raise ValueError(f"retry_on: proxy_next_upstream {word!r} is not modelled")
+        out.extend(c for c in NGINX_NEXT_UPSTREAM[word] if c not in out)
+    return tuple(out), "non_idempotent" in words
 
 
 def envoy_retry_on(spec: str) -> tuple:
@@ -112,7 +155,7 @@ class RetryPolicy:
     jitter_amount: float = 0.0              # multiplicative: fraction taken off; additive: seconds added
     cap_bounds_jitter: bool = True          # the cap applies to the jittered wait (else added after it)
     retry_after: bool = False               # honour Retry-After
-    retry_after_formats: tuple = RETRY_AFTER_FORMATS
+    retry_after_formats: tuple = ("ms", "seconds", "date")
     retry_after_cap_s: float | None = None  # longest Retry-After honoured
     retry_after_above_cap: str = "backoff"
     retry_after_jitter: bool = False        # add the backoff's additive jitter to a Retry-After wait
@@ -154,7 +197,7 @@ class RetryPolicy:
         if self.backoff_cap_s is not None and self.backoff_cap_s < self.backoff_base_s:
             _bad("backoff_cap_s", f"{self.backoff_cap_s} is below backoff_base_s {self.backoff_base_s}")
         if self.jitter == "multiplicative" and self.jitter_amount > 1:
-            _bad("jitter_amount", f"a multiplicative jitter takes off at most all of the wait, got {self.jitter_amount}")
+            _bad("jitter_amount", f"a multiplicative jitter takes off at most the whole wait, got {self.jitter_amount}")
         if not 0 < self.bucket_max_tokens <= 1000:
             _bad("bucket_max_tokens", f"must be in (0, 1000] as gRPC's maxTokens, got {self.bucket_max_tokens}")
         if self.throttle == "token_bucket" and self.bucket_token_ratio <= 0:
@@ -242,11 +285,12 @@ def _http_date(value: str) -> float | None:
         return None
 
 
-def parse_retry_after(headers: Mapping[str, str] | None, formats=RETRY_AFTER_FORMATS,
+def parse_retry_after(headers: Mapping[str, str] | None, formats=("ms", "seconds", "date"),
                       response_epoch: float | None = None) -> float | None:
     """The wait a response asks for, in seconds, or None if it asks for none
     that these formats read. `retry-after-ms` (milliseconds) is preferred,
-    then `retry-after` as seconds, then as an HTTP date, taken relative to the
+    then `retry-after` as seconds (`seconds_int`: whole seconds only, as
+    LiteLLM's int() and Envoy's SECONDS read it), then as an HTTP date, taken relative to the
     response's own `date` header or else to `response_epoch` (the response's
     time in seconds since the epoch); a date with neither is ignored."""
     if not headers:
@@ -263,6 +307,11 @@ def parse_retry_after(headers: Mapping[str, str] | None, formats=RETRY_AFTER_FOR
     if "seconds" in formats:
         try:
             return float(value)
+        except ValueError:
+            pass
+    if "seconds_int" in formats:
+        try:
+            return float(int(value))
         except ValueError:
             pass
     if "date" in formats:
