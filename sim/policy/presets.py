@@ -175,15 +175,19 @@ LITELLM = Preset("gateway", "litellm (proxy, Router)", "1.110.2", {
     "queue_timeout_s": _c(None, "no queue"),
     "upstream_servers": _c(1, "one deployment in the model group"),
     "next_server_only": _c(False, "retries may go to the same deployment"),
-    "fails_to_mark_down": _c(4, "litellm/__init__.py allowed_fails = 3 (constants.py DEFAULT_ALLOWED_FAILS): "
-                                "a deployment is cooled down after more than allowed_fails failures"),
+    "fails_to_mark_down": _c(4, "litellm/__init__.py allowed_fails = 3 (constants.py DEFAULT_ALLOWED_FAILS); "
+                                "router.py docstring: \"Number of times a deployment can fail before being added "
+                                "to cooldown\" (the count is kept in the compiled core: not verified)"),
     "down_for_s": _c(5.0, "router_rust/core.py: cooldown_time or DEFAULT_COOLDOWN_TIME_SECONDS "
                           "(constants.py: 5); router.py's docstring says 1: the code's value is used"),
 }, notes=(
     "The Router's own openai client makes no retries (default_litellm_params: \"max_retries\": 0).",
     "A retry waits 0 s instead of the backoff while another deployment is healthy "
-    "(router_rust/core.py _sleep_seconds, after _time_to_sleep_before_retry); with one deployment the backoff "
-    "applies. Which deployments count as \"another\" is decided in the compiled core: not verified.",
+    "(router_rust/core.py _sleep_seconds, after _time_to_sleep_before_retry); the preset keeps the backoff, as "
+    "for a model group with no other healthy deployment. Which deployments count is decided in the compiled "
+    "core: not verified; set backoff = \"none\" for the immediate retry.",
+    "A deployment is also cooled down when half its requests in a minute fail "
+    "(constants.py DEFAULT_FAILURE_THRESHOLD_PERCENT = 0.5): not modelled.",
     "Set passes_disconnect = true for general_settings.cancel_on_disconnect: true.",
 ))
 
