@@ -171,6 +171,12 @@ def test_a_sent_post_is_not_resent_by_a_non_idempotent_policy():
     call = r.start(0.0)
     r.send(call, 0.0)
     assert isinstance(r.on_failure(call, Failure(CONNECT_ERROR, 0.1, sent=False)), RetryAt)
+    call = r.start(0.0)
+    r.send(call, 0.0)
+    assert isinstance(r.on_failure(call, Failure(CONNECT_ERROR, 0.1)), RetryAt)    # a refused connection sent nothing
+    call = r.start(0.0)
+    r.send(call, 0.0)
+    assert r.on_failure(call, Failure(CONNECT_ERROR, 0.1, sent=True)) == GiveUp("non_idempotent")  # reset after
 
 
 def test_max_retries_max_tries_and_servers_bound_the_attempts():

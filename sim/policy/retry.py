@@ -367,7 +367,8 @@ class Failure:
     at: float
     status: int | None = None
     headers: Mapping[str, str] | None = None
-    sent: bool = True                       # the request had reached the upstream
+    sent: bool | None = None                # the request had reached the upstream (default: all but a
+                                            # connection error)
     response_epoch: float | None = None     # for a Retry-After date without a `date` header
 
 
@@ -467,7 +468,8 @@ class Retrier:
                 return GiveUp("should_retry_false")
         if not retryable:
             return GiveUp("not_retryable")
-        if f.sent and not p.retry_sent_non_idempotent:
+        sent = f.sent if f.sent is not None else f.kind != CONNECT_ERROR
+        if sent and not p.retry_sent_non_idempotent:
             return GiveUp("non_idempotent")
         if p.max_retries is not None and call.retries >= p.max_retries:
             return GiveUp("attempts")
