@@ -310,6 +310,7 @@ def test_saturation_rule_and_shedding():
     (dict(jitter="multiplicative", jitter_amount=2.0), "jitter_amount"),
     (dict(retry_on=("429", "teapot")), "retry_on"),
     (dict(retry_on="5xx"), "retry_on"),
+    (dict(retry_on=("99",)), "retry_on"),
     (dict(retry_after_above_cap="wait"), "retry_after_above_cap"),
     (dict(bucket_max_tokens=2000), "bucket_max_tokens"),
     (dict(budget_percent=120), "budget_percent"),

@@ -41,7 +41,7 @@ def statuses(spec) -> frozenset:
         if len(s) == 3 and s.endswith("xx") and s[0].isdigit():
             base = int(s[0]) * 100
             out.update(range(base, base + 100))
-        elif s.isdigit():
+        elif s.isdigit() and 100 <= int(s) <= 599:
             out.add(int(s))
         else:
             raise ValueError(f"retry_on: unknown condition {item!r} (use timeout, connect_error, a status or 5xx)")
