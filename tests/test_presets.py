@@ -303,10 +303,10 @@ def test_overrides_from_toml_lists_become_tuples():
 
 
 def test_the_real_openai_sdk_agrees_on_backoffs_and_on_what_it_retries(monkeypatch):
-    """Where openai-python is installed (the live side installs it), its own
+    """The real openai-python (a test dependency): its own
     _calculate_retry_timeout and _should_retry agree with the preset."""
-    openai = pytest.importorskip("openai")
-    httpx2 = pytest.importorskip("httpx2")
+    import httpx2
+    import openai
     from openai import _base_client
     from openai._models import FinalRequestOptions
     client = openai.OpenAI(api_key="x", base_url="http://127.0.0.1:9/v1")
@@ -324,9 +324,9 @@ def test_the_real_openai_sdk_agrees_on_backoffs_and_on_what_it_retries(monkeypat
 
 
 def test_the_real_tenacity_wait_agrees_with_with_retry(monkeypatch):
-    """Where tenacity is installed (langchain-core's dependency), the wait
-    with_retry() builds agrees with the preset."""
-    tenacity = pytest.importorskip("tenacity")
+    """The real tenacity (a test dependency; langchain-core's retry library):
+    the wait with_retry() builds agrees with the preset."""
+    import tenacity
     import random as stdlib_random
     monkeypatch.setattr(stdlib_random, "uniform", lambda a, b: a + (b - a) * 0.3)
     wait = tenacity.wait_exponential_jitter()                 # RunnableRetry's, with no parameters
