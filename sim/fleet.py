@@ -22,10 +22,8 @@ summed; Ĉ the sum of the replicas') with two more keys,
 """
 from __future__ import annotations
 
-import heapq
 import math
 from array import array
-from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
@@ -36,7 +34,8 @@ from . import measures
 from .conditions import Condition, get_condition
 from .engine.core import EngineCore
 from .engine.request import Request
-from .model import Run, Timers, never, engine_config, prompt_throughput
+from .clock import RoutedTimers as _RoutedTimers
+from .model import Run, never, engine_config, prompt_throughput
 from .policy.proxy import EngineView, PromptRate, Proxy
 from .policy.router import ReplicaProxies, ReplicaView, Router, RouterConfig
 from .profile import Profile
@@ -50,7 +49,6 @@ NAN = float("nan")
 RECORD_KEYS = ("fleet", "replicas")              # keys a fleet's record has beyond the result record
 # a call's record in a replica's log when the call reached it only after another replica
 ELSEWHERE = "elsewhere"
-_ANY = object()         # a timer that may reach every replica (see _RoutedTimers)
 
 
 @dataclass(frozen=True)
@@ -212,8 +210,8 @@ class FleetRun(Run):
         return sum(map(len, self._gauge_logs())) + len(self.proxy_queue_log)
 
     def _horizon(self) -> float:
-        """The earliest end of a step in flight; -INF while an engine is idle
-        (an input may start a step on it at once)."""
+        """The timers' horizon (the contract in sim.clock): the earliest end
+        of a step in flight; -INF while an engine is idle."""
         h = INF
         for e in self.engines:
             p = e.pending
@@ -224,18 +222,18 @@ class FleetRun(Run):
         return h
 
     def _next_input_time_of(self, r: int) -> float:
-        """A bound on when engine r may next get input (or be read by the
-        router): the next timer; and while a proxy that feeds r holds a
-        queue, the next moment a request may finish where that proxy's
-        queue drains on finishes: r's own steps in flight that finish one
-        (its sidecar); with the deployment's proxy, any engine's, and for
-        another engine also the end of its steps in flight (a step it has
-        not scheduled yet may finish one just after); with sidecars, an
-        engine's 503 to an execution its sidecar dispatched from its queue
-        sends the attempt on to another replica, so where the router retries
-        and engines have a cap, another sidecar's queue counts likewise.
-        Where every call stays on its home replica, only the timers of r's
-        calls count, and the arrival of the next call r is home to."""
+        """Engine r's horizon (the contract in sim.clock): the next timer; and
+        while a proxy that feeds r holds a queue, the next moment a request
+        may finish where that proxy's queue drains on finishes: r's own
+        steps in flight that finish one (its sidecar); with the deployment's
+        proxy, any engine's, and for another engine also the end of its
+        steps in flight (a step it has not scheduled yet may finish one just
+        after); with sidecars, an engine's 503 to an execution its sidecar
+        dispatched from its queue sends the attempt on to another replica,
+        so where the router retries and engines have a cap, another
+        sidecar's queue counts likewise. Where every call stays on its home
+        replica, only the timers of r's calls count, and the arrival of the
+        next call r is home to."""
         if self._routed_timers is not None:
             t = self._routed_timers.next_time_of(r)
             calls, i = self._calls_of[r], self._calls_at[r]
@@ -386,56 +384,6 @@ class FleetRun(Run):
         if self.replica_mode:
             placed = np.where(np.isnan(placed), cols["created_at"], placed)
         return placed
-
-
-class _RoutedTimers(Timers):
-    """The driver's timers, each also filed under the replica its firing may
-    reach, so that a replica's next input skips the timers of the others. A
-    timer whose function is in `by_call` reaches its call's replica
-    (`home[call id]`), the call id being its argument (`by_call[fn]`
-    False) or the argument's `call_id` (True); one whose function maps to
-    None is filed under no replica (the caller bounds its firing otherwise);
-    any other timer (a counter snapshot) may reach every replica."""
-
-    def __init__(self, env, horizon, stop, n: int, home: list[int], by_call: dict):
-        super().__init__(env, horizon, stop)
-        self.home = home
-        self.by_call = by_call
-        self.due: list[list] = [[] for _ in range(n)]
-        self.due_lanes: list[deque] = [deque() for _ in range(n)]    # each replica's lane (see Timers)
-        self.due_any: list = []
-
-    def at(self, t: float, fn, arg=None, seq: int | None = None, in_order: bool = False) -> list:
-        entry = Timers.at(self, t, fn, arg, seq, in_order)
-        attr = self.by_call.get(getattr(fn, "__func__", None), _ANY)
-        if attr is _ANY:
-            heapq.heappush(self.due_any, entry)
-        elif attr is not None:
-            r = self.home[arg.call_id if attr else arg]
-            lane = self.due_lanes[r]
-            if in_order and (not lane or lane[-1] < entry):
-                lane.append(entry)
-            else:
-                heapq.heappush(self.due[r], entry)
-        return entry
-
-    def next_time_of(self, r: int) -> float:
-        """The time of the next live timer that may reach replica r (INF: none)."""
-        h, lane, t = self.due[r], self.due_lanes[r], INF
-        while h and not h[0][5]:
-            heapq.heappop(h)
-        while lane and not lane[0][5]:
-            lane.popleft()
-        if lane and (not h or lane[0] < h[0]):
-            t = lane[0][2]
-        elif h:
-            t = h[0][2]
-        h = self.due_any
-        while h and not h[0][5]:
-            heapq.heappop(h)
-        if h and h[0][2] < t:
-            t = h[0][2]
-        return t
 
 
 def _next_finish(e: EngineCore) -> float:
