@@ -50,7 +50,6 @@ import itertools
 from collections import deque
 from functools import partial
 from heapq import heappop, heappush, heapreplace
-from operator import itemgetter
 
 import simpy
 from simpy.core import StopSimulation
@@ -187,15 +186,13 @@ class PublicClock(Clock):
         self.call_when(t, callback)
 
 
-class Timer(list):
+class Timer:
     """A timer of `Timers`: `fn(t, arg)` at time `t`, fired at `fires_at`
-    unless cancelled first (`live` False). A timer is its own key in the
-    timers' heap: the list [fires_at, seq] (timers due at one time fire in
-    the order of `seq`), compared in C; `Timers.at` sets the rest, so that
-    setting a timer makes no Python call."""
-    __slots__ = ("t", "fn", "arg", "live")
-    fires_at = property(itemgetter(0))
-    seq = property(itemgetter(1))
+    unless cancelled first (`live` False); timers due at one time fire in
+    the order of `seq`. The timers' heap holds it under the key (fires_at,
+    seq, timer), compared in C. `Timers.at` sets its fields (no __init__:
+    setting a timer makes no Python call)."""
+    __slots__ = ("fires_at", "seq", "t", "fn", "arg", "live")
 
 
 class Timers:
@@ -205,22 +202,22 @@ class Timers:
 
     A timer set at time c for time t fires at c + max(0, t - c) (the time a
     SimPy timeout would), calling `fn(t, arg)`, timers due at one time in
-    the order they were set. Timers are kept in a heap and a lane: a timer
-    set `in_order` (the caller's timers of one kind each come due a fixed
-    time after they are set, as attempts' deadlines do) joins the lane's end
-    if due no earlier than its last one, any other the heap; the lane's
-    first timer stands for the lane in the heap, so the heap stays small. Timers take one SimPy
-    event per batch: when one comes due, every later one due before
-    `horizon()` fires with it (the module docstring), each as of its own
-    time (`env.now` reads it). `horizon()` returns -INF when timers must
-    fire one instant at a time. Timers also stop batching once `stop()` is
-    true, and never batch past `until`. On a `PublicClock` each timer is its
-    own SimPy timeout."""
+    the order they were set. Timers are kept in a heap and a lane, under
+    their keys (fire time, seq, Timer): a timer set `in_order` (the caller's
+    timers of one kind each come due a fixed time after they are set, as
+    attempts' deadlines do) joins the lane's end if due no earlier than its
+    last one, any other the heap; the lane's first timer stands for the lane
+    in the heap, so the heap stays small. Timers take one SimPy event per
+    batch: when one comes due, every later one due before `horizon()` fires
+    with it (the module docstring), each as of its own time (`env.now` reads
+    it). `horizon()` returns -INF when timers must fire one instant at a
+    time. Timers also stop batching once `stop()` is true, and never batch
+    past `until`. On a `PublicClock` each timer is its own SimPy timeout."""
 
     def __init__(self, env: Clock, horizon=lambda: -INF, stop=lambda: False):
         self.env = env
-        self.heap: list[Timer] = []
-        self.lane: deque[Timer] = deque()   # timers likewise, in firing order
+        self.heap: list[tuple] = []         # (fire time, seq, Timer)
+        self.lane: deque[tuple] = deque()   # likewise, in firing order
         self.horizon = horizon
         self.stop = stop
         self.until = INF                    # no batching past this time
@@ -245,18 +242,21 @@ class Timers:
         if seq is None:
             seq = self._seq
             self._seq += 1
-        timer = Timer((tf, seq))
+        timer = Timer()
+        timer.fires_at = tf
+        timer.seq = seq
         timer.t = t
         timer.fn = fn
         timer.arg = arg
         timer.live = True
+        key = (tf, seq, timer)
         lane = self.lane
-        if in_order and (not lane or lane[-1] < timer):
+        if in_order and (not lane or lane[-1] < key):
             if not lane:
-                heappush(self.heap, timer)  # the lane's first timer stands for it in the heap
-            lane.append(timer)
+                heappush(self.heap, key)    # the lane's first timer stands for it in the heap
+            lane.append(key)
         else:
-            heappush(self.heap, timer)
+            heappush(self.heap, key)
         if self._each:
             self.env.timeout(d if d > 0.0 else 0.0).callbacks.append(partial(self._fire, timer))
         elif not self._firing and (not self._armed or tf < self._armed[0]):
@@ -289,10 +289,9 @@ class Timers:
         self._firing = True
         try:
             while h:
-                timer = h[0]
+                tf, _, timer = h[0]
                 live = timer.live
                 if live:
-                    tf = timer.fires_at
                     if tf > now:
                         if tf >= limit or stop():
                             break
@@ -304,10 +303,10 @@ class Timers:
         finally:
             env._now = now
             self._firing = False
-        while h and not h[0].live:
+        while h and not h[0][2].live:
             self._pop()
-        if h and (not self._armed or h[0].fires_at < self._armed[0]):
-            self._arm(h[0].fires_at)
+        if h and (not self._armed or h[0][0] < self._armed[0]):
+            self._arm(h[0][0])
 
     @staticmethod
     def _fire(timer: Timer, _event) -> None:
@@ -323,9 +322,9 @@ class Timers:
     def next_time(self) -> float:
         """The time of the next live timer (INF: none)."""
         h = self.heap
-        while h and not h[0].live:
+        while h and not h[0][2].live:
             self._pop()
-        return h[0].t if h else INF
+        return h[0][2].t if h else INF
 
 
 _ANY = object()         # a timer that may reach every replica (see RoutedTimers)
@@ -351,31 +350,32 @@ class RoutedTimers(Timers):
     def at(self, t: float, fn, arg=None, seq: int | None = None, in_order: bool = False) -> Timer:
         timer = Timers.at(self, t, fn, arg, seq, in_order)
         attr = self.by_call.get(getattr(fn, "__func__", None), _ANY)
+        key = (timer.fires_at, timer.seq, timer)
         if attr is _ANY:
-            heappush(self.due_any, timer)
+            heappush(self.due_any, key)
         elif attr is not None:
             r = self.home[arg.call_id if attr else arg]
             lane = self.due_lanes[r]
-            if in_order and (not lane or lane[-1] < timer):
-                lane.append(timer)
+            if in_order and (not lane or lane[-1] < key):
+                lane.append(key)
             else:
-                heappush(self.due[r], timer)
+                heappush(self.due[r], key)
         return timer
 
     def next_time_of(self, r: int) -> float:
         """The time of the next live timer that may reach replica r (INF: none)."""
         h, lane, t = self.due[r], self.due_lanes[r], INF
-        while h and not h[0].live:
+        while h and not h[0][2].live:
             heappop(h)
-        while lane and not lane[0].live:
+        while lane and not lane[0][2].live:
             lane.popleft()
         if lane and (not h or lane[0] < h[0]):
-            t = lane[0].t
+            t = lane[0][2].t
         elif h:
-            t = h[0].t
+            t = h[0][2].t
         h = self.due_any
-        while h and not h[0].live:
+        while h and not h[0][2].live:
             heappop(h)
-        if h and h[0].t < t:
-            t = h[0].t
+        if h and h[0][2].t < t:
+            t = h[0][2].t
         return t
