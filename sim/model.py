@@ -19,8 +19,8 @@ from .policy.client import RetryingClient, CallState, Retry, Delivered
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel, Complete,
                            Drop, Wake)
 from .profile import Profile
-from .runlog import (RunLog, ExecutionRecord, Series, AttemptTable, CallTable, ATTEMPT_OUTCOMES, CALL_OUTCOMES,
-                     sample_columns, sample_log, refusal_outcome, thin_log)
+from .runlog import (RunLog, ExecutionRecord, ExecutionTable, Series, AttemptTable, CallTable, ATTEMPT_OUTCOMES,
+                     CALL_OUTCOMES, sample_columns, sample_log, refusal_outcome, thin_log)
 from .scenario import Scenario
 from .workload import Trace
 
@@ -388,7 +388,7 @@ class Run:
         series = Series(t=ts, waiting=waiting, running=running, proxy_queue=proxy_queue)
         s = eng.scheduler
         steps, busy = eng.work_by(end)
-        return RunLog(calls=self.call_log, attempts=self.attempt_log, executions=self.executions,
+        return RunLog(calls=self.call_log, attempts=self.attempt_log, executions=ExecutionTable(self.executions),
                       series=series, counters=dict(s.counters), counters_at=dict(self.counters_at),
                       engine={"steps": steps, "preemptions": s.num_preemptions,
                               "aborted_before_scheduled": eng.aborted_before_scheduled},
