@@ -10,9 +10,10 @@ pins. `PublicClock` runs the same model through SimPy's public API alone
 tests/test_clock.py holds that its records are the fast path's.
 
 What schedules:
-- `Clock`: the SimPy environment of a run, with `Environment.run`'s loop
-  inlined, and the entries it runs without SimPy's event machinery
-  (`Call`): `call_later(delay, fn)`, `call_when(t, fn)`;
+- `Clock`: the SimPy environment of a run (the engine's and the
+  driver's), with `Environment.run`'s loop inlined, and the entries it runs
+  without SimPy's event machinery (`Call`): `call_later(delay, fn)`,
+  `call_when(t, fn)`;
 - `Timers`: the driver's timers (a call's arrival, an attempt's deadline, a
   retry, a wake-up), cancellable, fired in batches (`Timer` is one timer);
 - `RoutedTimers`: timers also filed by the engine replica they may reach.
@@ -68,36 +69,23 @@ class Call:
         self.callbacks = [fn]
 
 
-def call_later(env, delay: float, fn, priority=NORMAL) -> None:
-    """Call `fn(event)` at env.now + delay (the time a SimPy timeout of
-    `delay` would fire, in the same order: `env.schedule` inlined)."""
-    heappush(env._queue, (env._now + delay, priority, next(env._eid), Call(fn)))
-
-
-def call_when(env, t: float, fn) -> None:
-    """Call `fn(event)` at t, or now if t has passed: env.now + max(0, t -
-    env.now), the time a SimPy timeout set now for t would fire."""
-    now = env._now
-    d = t - now
-    heappush(env._queue, (now + d if d > 0.0 else now, NORMAL, next(env._eid), Call(fn)))
-
-
-def scheduling(env) -> tuple:
-    """`call_later(delay, fn, priority=NORMAL)` and `call_when(t, fn)` on
-    `env`: a clock's own (a `PublicClock`'s through SimPy's public API), or
-    the functions above for any other SimPy environment."""
-    if isinstance(env, Clock):
-        return env.call_later, env.call_when
-    return partial(call_later, env), partial(call_when, env)
-
-
 class Clock(simpy.Environment):
     """The SimPy environment of a run, with an event scheduled at an exact
     time for the driver's timers (which also set `now` to a timer's own time
     while it fires in a batch, see `Timers`)."""
     public = False          # schedules through SimPy's private attributes (see PublicClock)
-    call_later = call_later
-    call_when = call_when
+
+    def call_later(self, delay: float, fn, priority=NORMAL) -> None:
+        """Call `fn(event)` at now + delay (the time a SimPy timeout of
+        `delay` would fire, in the same order: `schedule` inlined)."""
+        heappush(self._queue, (self._now + delay, priority, next(self._eid), Call(fn)))
+
+    def call_when(self, t: float, fn) -> None:
+        """Call `fn(event)` at t, or now if t has passed: now + max(0, t -
+        now), the time a SimPy timeout set now for t would fire."""
+        now = self._now
+        d = t - now
+        heappush(self._queue, (now + d if d > 0.0 else now, NORMAL, next(self._eid), Call(fn)))
 
     def run(self, until=None):
         """As `simpy.Environment.run` (same `until` forms, result and
@@ -299,7 +287,8 @@ class Timers:
                     timer.live = False
                 pop()
                 if live:
-                    timer.fn(timer.t, timer.arg)
+                    fn = timer.fn               # (a slot read, then a call: `timer.fn(...)` is no faster path)
+                    fn(timer.t, timer.arg)
         finally:
             env._now = now
             self._firing = False

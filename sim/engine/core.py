@@ -25,7 +25,7 @@ from typing import Callable
 
 from simpy.events import URGENT
 
-from ..clock import scheduling
+from ..clock import Clock
 from .request import Request, RUNNING, FINISHED, ABORTED, WAITING_STATUSES
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .step_time import StepTimeModel
@@ -70,7 +70,7 @@ class EngineConfig:
 
 
 class EngineCore:
-    def __init__(self, env, config: EngineConfig, step_model: StepTimeModel,
+    def __init__(self, env: Clock, config: EngineConfig, step_model: StepTimeModel,
                  on_first_token: Callable[[Request, float], None] = None,
                  on_finished: Callable[[Request, float], None] = None,
                  next_input_time: Callable[[], float] = None,
@@ -116,8 +116,7 @@ class EngineCore:
             self._apply_inbox = self._apply_inbox_v0
         if config.scheduler.kv_policy == "reserve":
             self._log_gauges = self._log_gauges_gap
-        self._call_later, self._call_when = scheduling(env)
-        self._call_later(0.0, self._loop, URGENT)       # where a SimPy process would start
+        env.call_later(0.0, self._loop, URGENT)         # where a SimPy process would start
 
     # ------------------------------------------------------------- inputs
     def num_in_engine(self) -> int:
@@ -164,7 +163,7 @@ class EngineCore:
     def _poke(self) -> None:
         if self._idle:
             self._idle = False
-            self._call_later(0.0, self._loop)
+            self.env.call_later(0.0, self._loop)
 
     # ---------------------------------------------------------------- loop
     def _loop(self, _event=None) -> None:
@@ -182,7 +181,7 @@ class EngineCore:
             if not self.pending:
                 self._idle = True
                 return
-        self._call_when(self.pending[0].end, self._step_end)
+        env.call_when(self.pending[0].end, self._step_end)
 
     def _step_end(self, _event) -> None:
         """The first step in flight ended: a step boundary."""
@@ -195,7 +194,7 @@ class EngineCore:
         self._boundary(output)
         pending = self.pending
         if pending:                     # as _loop() with a step in flight
-            self._call_when(pending[0].end, self._step_end)
+            self.env.call_when(pending[0].end, self._step_end)
         else:
             self._loop()
 
@@ -227,7 +226,7 @@ class EngineCore:
                 return False
             self._next_stall += 1
             if env.now < start + length:
-                self._call_later(start + length - env.now, then)
+                env.call_later(start + length - env.now, then)
                 return True
         return False
 
