@@ -24,9 +24,7 @@ summed; Ĉ the sum of the replicas') with two more keys,
 """
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass, field, replace
-from operator import attrgetter
 
 import numpy as np
 
@@ -36,7 +34,7 @@ from .model import Run
 from .policy.router import RouterConfig
 from .profile import Profile
 from .run import run_inputs, workload_capacity
-from .runlog import CALL_OUTCOMES, AttemptTable, CallRecord, CallTable, RunLog, Series, sample_log
+from .runlog import CALL_OUTCOMES, CallRecord, CallTable, RunLog, Series, column, sample_log, take
 from .scenario import Scenario
 from .workload import Trace
 
@@ -97,7 +95,7 @@ def fleet_log(run: Run, log: RunLog) -> FleetLog:
     """A cluster's run (`Run`, its `run()` returning `log`) as a FleetLog:
     where each attempt and execution landed, and each replica's RunLog."""
     n, cl, parts = run.n, run.cluster, run.parts
-    executions = ExecutionList(log.executions)
+    executions = log.executions.read_all()     # the replicas' slices cut its columns
     fleet = replace(log, executions=executions)
     ts = parts.t
     pq = [sample_log(q, ts, 1).astype(np.int64) for q in run.queue_logs]
@@ -110,43 +108,19 @@ def fleet_log(run: Run, log: RunLog) -> FleetLog:
         a_exec = column(log.attempts, "execution")
         att_rep = np.where(a_exec >= 0, ex_rep[np.maximum(a_exec, 0)] if len(ex_rep) else -1, -1)
     call_rep = first_landing(log.attempts, att_rep, len(log.calls))
-    by_replica = executions.split(ex_rep, n)
     replicas = [replica_log(fleet, r, att_rep, ex_rep, call_rep,
                             Series(t=ts, waiting=parts.waiting[r], running=parts.running[r], proxy_queue=pq[r]),
                             dict(run.engines[r].scheduler.counters), run.counters_at_r[r], parts.engine[r],
-                            parts.extra[r], by_replica[r]) for r in range(n)]
+                            parts.extra[r]) for r in range(n)]
     # when each execution got its replica: its dispatch, or where it is
     # placed when created, its creation until it is dispatched
-    placed = executions.columns["dispatched_at"]
+    placed = column(executions, "dispatched_at")
     if cl.placed_at_creation:
-        placed = np.where(np.isnan(placed), executions.columns["created_at"], placed)
+        placed = np.where(np.isnan(placed), column(executions, "created_at"), placed)
     rc = run.router_config
     return FleetLog(fleet, replicas, att_rep, ex_rep, placed, call_rep, cl.rerouted,
                     {"replicas": n, "router": rc.policy, "router_retries": rc.retries, "proxy": rc.proxy,
                      "profiles": [p.name for p in run.profiles]})
-
-
-_DTYPES = {"q": np.int64, "d": np.float64, "b": np.int8}
-
-
-def column(records, name: str) -> np.ndarray:
-    """One field of a table (`AttemptTable`, `CallTable`: a view of its
-    column, codes as stored) or of a list of records, as a numpy array."""
-    if isinstance(records, (AttemptTable, CallTable)):
-        typecode = next(f[1] for f in records.FIELDS if f[0] == name)
-        col = getattr(records, name)
-        return np.frombuffer(col, dtype=_DTYPES[typecode]) if len(col) else np.zeros(0, _DTYPES[typecode])
-    return np.array([getattr(x, name) for x in records])
-
-
-def _table_of(cls, columns: dict):
-    """A table of class `cls` with the given numpy columns (one per field)."""
-    out = cls()
-    for name, typecode, _ in cls.FIELDS:
-        col = array(typecode)
-        col.frombytes(np.ascontiguousarray(columns[name], dtype=_DTYPES[typecode]).tobytes())
-        setattr(out, name, col)
-    return out
 
 
 class ReplicaCallTable(CallTable):
@@ -172,73 +146,32 @@ def first_landing(attempts, attempt_replica: np.ndarray, n_calls: int) -> np.nda
     return out
 
 
-_EXEC_FIELDS = (("id", np.int64), ("call", np.int64), ("attempt", np.int64), ("max_tokens", np.int64),
-                ("created_at", np.float64), ("dispatched_at", np.float64), ("accepted", np.bool_),
-                ("first_scheduled_at", np.float64), ("first_token_at", np.float64), ("finished_at", np.float64),
-                ("fate", "<U16"), ("cancel_requested_at", np.float64), ("tokens_generated", np.int64),
-                ("prompt_computed", np.int64), ("prompt_in_flight", np.int64), ("orphaned_at", np.float64))
-
-
-class ExecutionList(list):
-    """Execution records (`ExecutionRecord`) with `columns`: each field the
-    measures read as a numpy array, one row per record, taken in one pass
-    per field (or given, for a subset of another list's rows)."""
-
-    def __init__(self, records=(), columns: dict | None = None):
-        super().__init__(records)
-        if columns is None:
-            columns = {name: np.fromiter(map(attrgetter(name), self), dtype=dtype, count=len(self))
-                       for name, dtype in _EXEC_FIELDS}
-        self.columns = columns
-
-    @staticmethod
-    def ids(records) -> np.ndarray:
-        cols = getattr(records, "columns", None)
-        if cols is not None:
-            return cols["id"]
-        return np.fromiter((e.id for e in records), dtype=np.int64, count=len(records))
-
-    def split(self, part: np.ndarray, n: int) -> list["ExecutionList"]:
-        """The records of each part 0..n-1 (`part[row]`, -1 for none), in order."""
-        order = np.argsort(part, kind="stable")
-        bounds = np.searchsorted(part[order], np.arange(-1, n + 1))
-        out = []
-        for r in range(n):
-            rows = order[bounds[r + 1]:bounds[r + 2]]
-            out.append(ExecutionList(map(self.__getitem__, rows.tolist()) if len(rows) else (),
-                                     {k: v[rows] for k, v in self.columns.items()}))
-        return out
-
-
 def replica_log(fleet: RunLog, r: int, attempt_replica: np.ndarray, execution_replica: np.ndarray,
                 call_replica: np.ndarray, series: Series, counters: dict, counters_at: dict, engine: dict,
-                extra: dict, executions: list | None = None) -> RunLog:
-    """Replica r's RunLog: the attempts that landed on it, the executions it
-    ran (`executions` where the caller has them, in id order), its engine's
+                extra: dict) -> RunLog:
+    """Replica r's RunLog: slices of the fleet's store (`take`), the
+    attempts that landed on it and the executions it ran, with its engine's
     series, counters and work; its calls are those that landed on it first
     (each call belongs to one replica). A call that reached r only after
     another replica stands in its calls as a record with id -1, no planned
     time and outcome `elsewhere` (no cohort counts it); from the fleet's
     tables the replica's are tables (`ReplicaCallTable`), from lists of
     records, lists."""
-    if executions is None:
-        rows = np.flatnonzero(execution_replica[ExecutionList.ids(fleet.executions)] == r)
-        executions = ExecutionList(map(fleet.executions.__getitem__, rows.tolist()))
+    ex = fleet.executions
+    executions = take(ex, np.flatnonzero(execution_replica[column(ex, "id")] == r))
     here = call_replica == r
-    rows = attempt_replica == r
-    cl, at = fleet.calls, fleet.attempts
-    if isinstance(cl, CallTable) and isinstance(at, AttemptTable):
-        calls = _table_of(ReplicaCallTable, {
+    attempts = take(fleet.attempts, np.flatnonzero(attempt_replica == r))
+    cl = fleet.calls
+    if isinstance(cl, CallTable):
+        calls = ReplicaCallTable.of_columns({
             "id": np.where(here, column(cl, "id"), -1),
             "planned_at": np.where(here, column(cl, "planned_at"), NAN),
             "delivered_at": np.where(here, column(cl, "delivered_at"), NAN),
             "attempts": np.where(here, column(cl, "attempts"), 0),
             "outcome": np.where(here, column(cl, "outcome"), _ELSEWHERE_CODE)})
-        attempts = _table_of(AttemptTable, {name: column(at, name)[rows] for name, _, _ in AttemptTable.FIELDS})
     else:
         elsewhere = CallRecord(-1, NAN, outcome=ELSEWHERE)
         calls = [c if h else elsewhere for c, h in zip(cl, here.tolist())]
-        attempts = [a for a, x in zip(at, rows.tolist()) if x]
     return RunLog(calls=calls, attempts=attempts, executions=executions, series=series, counters=counters,
                   counters_at=counters_at, engine=engine, end_time=fleet.end_time, wall_s=0.0, extra=extra)
 
@@ -249,11 +182,10 @@ def split_calls(log: FleetLog) -> int:
     first of its finish (completed, aborted, dropped, refused) and the
     proxy's cancel, or the run's end."""
     ex = log.fleet.executions
-    if not ex:
+    if not len(ex):
         return 0
     rep = log.execution_replica
-    cols = getattr(ex, "columns", None) or ExecutionList(ex).columns
-    ids, call, fin, cancel = cols["id"], cols["call"], cols["finished_at"], cols["cancel_requested_at"]
+    ids, call, fin, cancel = (column(ex, name) for name in ("id", "call", "finished_at", "cancel_requested_at"))
     start = log.execution_placed[ids]
     stop = np.fmin(fin, cancel)
     stop = np.where(np.isnan(stop), log.fleet.end_time, stop)
@@ -303,7 +235,7 @@ def moved_attempts(log: FleetLog) -> int:
     """Attempts that landed on a replica other than the one their call's
     previous landed attempt reached."""
     att = log.fleet.attempts
-    if not att:
+    if not len(att):
         return 0
     calls = column(att, "call")
     rep = log.attempt_replica
