@@ -7,17 +7,21 @@ from __future__ import annotations
 import gc
 import math
 import time
+from functools import partial
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import simpy
 
-from .clock import Clock, Timers
+from .clock import Clock, RoutedTimers, Timers
 from .conditions import Condition
 from .engine.core import EngineCore, EngineConfig
 from .engine.request import Request
 from .policy.client import RetryingClient, CallState, Retry, Delivered
-from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel, Complete,
+from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Refuse, Cancel, Complete,
                            Drop, Wake)
+from .policy.router import ReplicaView, RouterConfig
+from .policy.stack import Interpreter, Stack
 from .profile import Profile
 from .runlog import (RunLog, ExecutionRecord, ExecutionTable, Series, AttemptTable, CallTable, ATTEMPT_OUTCOMES,
                      CALL_OUTCOMES, sample_columns, sample_log, refusal_outcome, thin_log)
@@ -74,19 +78,54 @@ def engine_config(profile: Profile, condition: Condition, max_batched_tokens: in
     return EngineConfig(profile.scheduler_config(max_batched_tokens), profile.depth, condition.engine_cap, **faults)
 
 
-class Run:
-    def __init__(self, profile: Profile, trace: Trace, condition: Condition, scenario: Scenario,
-                 seed: int = 0, max_batched_tokens: int | None = None, fast_forward: bool = True,
-                 snapshot_times: tuple = ()):
+def sum_counters(dicts) -> dict:
+    """Key-wise sum of counter dicts (keys in first-seen order)."""
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out[k] + v if k in out else v
+    return out
+
+
+def _next_finish(e: EngineCore) -> float:
+    """The end of the first step in flight of engine e that finishes a request (INF: none)."""
+    for plan in e.pending:
+        if plan.finishing:
+            return plan.end
+    return INF
+
+
+class Run(Interpreter):
+    """One run of a stack (`sim.policy.stack.Stack`: the client, the proxy
+    with the condition's controls and the router) over a cluster of engines:
+    one per profile (`profile`, or a sequence of them: replica i runs the
+    i-th). `router` places requests on the replicas and says where the proxy
+    stands (`RouterConfig.proxy`); `stack`, where given, names the layers
+    instead (default: `Stack.from_config(condition, router, scenario)`; the
+    condition then gives only the engines' cap). A single engine is a
+    cluster of one, and any router gives its run event for event. `run()`
+    returns the cluster's RunLog (the engines' series, counters and work
+    summed); `sim.fleet.fleet_log` reads the per-replica parts from the run."""
+
+    def __init__(self, profile: Profile | Sequence[Profile], trace: Trace, condition: Condition,
+                 scenario: Scenario, seed: int = 0, max_batched_tokens: int | None = None, fast_forward: bool = True,
+                 snapshot_times: tuple = (), router: RouterConfig | None = None, stack: Stack | None = None):
+        self.profiles = [profile] if isinstance(profile, Profile) else list(profile)
+        if not self.profiles:
+            raise ValueError("a fleet needs at least one replica")
+        self.n = len(self.profiles)
         self.env = env = Clock()
         self.trace = trace
         self.scenario = scenario
+        self.stack = stack if stack is not None else Stack.from_config(condition, router, scenario)
+        self.router_config = self.stack.config("router")
         self.done = env.event()
         self._over: list = []       # [True] once every call is over and `done` triggered (its length: Timers' stop)
-        self.timers = Timers(env, horizon=self._horizon, stop=self._over.__len__)
-        self.client = RetryingClient(condition.client_config(scenario), uniform_draws(np.random.default_rng([seed, 1])))
-        self.proxy_queue_log: list[tuple[float, int]] = [(0.0, 0)]   # (t, proxy queue length) at changes
-        self._build(profile, condition, scenario, max_batched_tokens, fast_forward)
+        self.timers = Timers(env, horizon=self._horizon_one if self.n == 1 else self._horizon_all,
+                             stop=self._over.__len__)
+        self.client = RetryingClient(self.stack.config("client"), uniform_draws(np.random.default_rng([seed, 1])))
+        self._build(condition, scenario, max_batched_tokens, fast_forward)
+        Interpreter.__init__(self)      # after _build: its handlers are the run's, and `_do` may be replaced
         n = len(trace)
         self.arrival = trace.arrival.tolist()
         self.max_tokens = trace.max_tokens.tolist()
@@ -101,15 +140,13 @@ class Run:
         self.requests: dict[int, Request] = {}
         self.outstanding = n
         self.counters_at: dict[float, dict] = {}
+        self.counters_at_r: list[dict] = [{} for _ in range(self.n)]     # each engine's
         self.thin_at = 0      # thin the gauge logs beyond this many entries, looked at every 256th arrival
         #                       (0: never; run() sets it)
-        self._action_stack: list = []       # (t, actions) lists being carried out (see _do)
-        self._doing = False                 # _do's loop is running
+        self._next_call = 0                 # first call whose arrival has not fired
         # the timers' functions, bound once: a timer keeps its function, and
         # binding one at each timer set would make a new object every time
         self._arrive, self._send, self._deadline, self._wake = self._arrive, self._send, self._deadline, self._wake
-        self._handlers = {Subscribe: self._subscribe, Cancel: self._cancel,
-                          Refuse: self._refuse, Complete: self._complete, Drop: self._drop, Wake: self._wake_at}
         # Proxy.on_dispatched does nothing: called only where a proxy overrides it
         self._report_dispatch = type(self.proxy).on_dispatched is not Proxy.on_dispatched
         for t in snapshot_times:
@@ -123,30 +160,80 @@ class Run:
         if n == 0:
             self._finish()
 
-    def _build(self, profile: Profile, condition: Condition, scenario: Scenario, max_batched_tokens: int | None,
+    def _build(self, condition: Condition, scenario: Scenario, max_batched_tokens: int | None,
                fast_forward: bool) -> None:
-        """Make the proxy (`self.proxy`) and the engine (`self.engine`); a
-        driver of several engines (`sim.fleet`) makes its own."""
-        # the proxy's prompt-throughput estimate: computed prompt tokens of the
-        # executions that got their first token over the last 60 s; before
-        # any, the profile's (capacity x computed prompt tokens per call);
-        # kept only where the proxy reads its view (`Proxy.estimate_wait`)
-        self.prompt_rate = PromptRate(60.0)
-        reads_view = condition.proxy.queue == "deadline" or condition.proxy.budget is not None
-        self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
-                           prompt_throughput=prompt_throughput(profile, scenario))
-        self.engine = EngineCore(self.env, engine_config(profile, condition, max_batched_tokens, scenario),
-                                 profile.step_time, on_finished=self._on_finished,
-                                 on_first_token=self._on_first_token if reads_view else None,
-                                 next_input_time=self._next_input_time, fast_forward=fast_forward,
-                                 next_abort_time=never if condition.proxy.cancellation == "off" else None)
+        """Bind the stack to the cluster (`self.cluster`: its proxy, router
+        and placement) and make the engines (`self.engines`; `self.engine`
+        the one engine of a cluster of one)."""
+        n, env, profiles = self.n, self.env, self.profiles
+        # each proxy's prompt-throughput estimate: computed prompt tokens of
+        # the executions that got their first token over the last 60 s on the
+        # replicas it feeds; before any, the profiles' (capacity x computed
+        # prompt tokens per call); kept only where the proxy reads its view
+        # (`Proxy.estimate_wait`)
+        self.cluster = cl = self.stack.bind(
+            n, self._engine_view_of, lambda grp: sum(prompt_throughput(profiles[r], scenario) for r in grp),
+            replica_view=self._replica_view, outstanding=self._outstanding_of, kv_usage=self._kv_usage_of)
+        self.router, self.proxy = cl.router, cl.proxy
+        self.prompt_rates = [PromptRate(60.0) for _ in cl.groups]
+        self.exec_replica = cl.execution_replica
+        self.queue_logs = [[(0.0, 0)] for _ in range(n)]     # each replica's own proxy queue (sidecars')
+        pcfg = self.stack.config("proxy")
+        cap = pcfg.proxy_cap
+        if cl.per_replica_queues and cap is not None:
+            self._do = self._do_and_log_replica_queues
+        # a 503 an engine answers may send the request on to another replica
+        self.reroutes_refusals = n > 1 and self.router_config.retries > 0 and condition.engine_cap is not None
+        self._may_queue = cap is not None                    # a proxy may hold executions in its queue
+        self._all_groups = range(len(cl.groups))
+        self._routed_timers = None
+        if n > 1 and cl.calls_stay_home(condition.engine_cap):
+            # every input a timer brings reaches the replica of its call alone
+            self.home = [self.router.home(c) for c in range(len(self.trace))]
+            # a call's retry (the timer's argument: its id), an attempt's
+            # deadline and an execution's wake (its call_id); a call's
+            # arrival likewise where the trace's arrivals are out of order,
+            # else under no replica (`_calls_of` stands for arrivals)
+            arrival = self.trace.arrival
+            in_order = len(arrival) < 2 or bool((np.diff(arrival) >= 0).all())
+            by_call = {Run._arrive: None if in_order else False, Run._send: False,
+                       Run._deadline: True, Run._wake: True}
+            self._routed_timers = RoutedTimers(env, self.timers.horizon, self.timers.stop, n, self.home, by_call)
+            self.timers = self._routed_timers
+            self._calls_of = [[] for _ in range(n)]          # call ids by home replica, in arrival order
+            for c, r in enumerate(self.home):
+                self._calls_of[r].append(c)
+            self._calls_at = [0] * n                         # first of them not yet arrived
+        # what each engine calls for its first tokens and its next input
+        # time: only a proxy that reads its view (`Proxy.estimate_wait`)
+        # needs the prompt throughput
+        reads_view = pcfg.queue == "deadline" or pcfg.budget is not None
+        first_token = [partial(self._on_first_token_of, self.prompt_rates[cl.group_of[r]]) if reads_view else None
+                       for r in range(n)]
+        if self._routed_timers is None and cap is None:
+            next_input = [self.timers.next_time] * n     # no proxy ever queues: the next timer
+        elif n == 1:
+            next_input = [self._next_input_time]
+        else:
+            next_input = [partial(self._next_input_time_of, r) for r in range(n)]
+        # no proxy cancels, and no router reads the KV usage that a
+        # fast-forward takes ahead: requests added to a replica whose
+        # admission is blocked change none of its steps (EngineCore)
+        never_aborts = pcfg.cancellation == "off" and (self.router_config.policy != "least-kv" or n == 1)
+        self.engines = [EngineCore(env, engine_config(p, condition, max_batched_tokens, scenario), p.step_time,
+                                   on_finished=self._on_finished, on_first_token=first_token[r],
+                                   next_input_time=next_input[r], fast_forward=fast_forward,
+                                   next_abort_time=never if never_aborts else None)
+                        for r, p in enumerate(profiles)]
+        self.engine = self.engines[0] if n == 1 else None
 
+    # ------------------------------------------------------------ engines
     def _gauge_logs(self) -> list[list]:
-        """The engines' gauge logs (one engine here; a fleet has several)."""
-        return [self.engine.gauge_log]
+        """The engines' gauge logs."""
+        return [e.gauge_log for e in self.engines]
 
     def _log_entries(self) -> int:
-        return sum(len(log) for log in self._gauge_logs()) + len(self.proxy_queue_log)
+        return sum(map(len, self._gauge_logs())) + len(self.proxy_queue_log)
 
     def _thin(self) -> None:
         """Thin the gauge logs to what the 1 s series needs (see `thin_log`)."""
@@ -155,17 +242,98 @@ class Run:
         thin_log(self.proxy_queue_log)
         self.thin_at = max(self.thin_at, 2 * self._log_entries())
 
-    def _horizon(self) -> float:
-        """The timers' horizon (the contract in sim.clock): the end of the
+    def _horizon_one(self) -> float:
+        """The timers' horizon (the contract in sim.clock) over one engine: the end of the
         engine's step in flight (-INF while it is idle)."""
-        pending = self.engine.pending
+        pending = self.engines[0].pending
         return pending[0].end if pending else -INF
+
+    def _horizon_all(self) -> float:
+        """The earliest end of a step in flight; -INF while an engine is idle
+        (an input may start a step on it at once)."""
+        h = INF
+        for e in self.engines:
+            p = e.pending
+            if not p:
+                return -INF
+            if p[0].end < h:
+                h = p[0].end
+        return h
+
+    def _next_input_time(self) -> float:
+        """`_next_input_time_of` the one engine of a cluster of one: the
+        next timer, or — while the proxy holds executions in its queue —
+        the end of the first step in flight that finishes a request (its
+        completion frees a seat under the proxy cap, and a queued execution
+        is dispatched then)."""
+        t = self.timers.next_time()
+        if self.proxy.queued:
+            return min(t, _next_finish(self.engines[0]))
+        return t
+
+    def _next_input_time_of(self, r: int) -> float:
+        """A bound on when engine r may next get input (or be read by the
+        router): the next timer; and while a proxy holds a queue, the next
+        moment a request may finish where that queue drains on finishes: if
+        the proxy feeds r, the steps in flight that finish one on the
+        engines it feeds, and for another of them also the end of its steps
+        in flight (a step it has not scheduled yet may finish one just
+        after); where an engine's 503 sends a request on to another replica
+        (the router retries and engines have a cap), any other proxy's queue
+        counts likewise. Where every call stays on its home replica, only
+        the timers of r's calls count, and the arrival of the next call r is
+        home to."""
+        if self._routed_timers is not None:
+            t = self._routed_timers.next_time_of(r)
+            calls, i = self._calls_of[r], self._calls_at[r]
+            while i < len(calls) and calls[i] < self._next_call:
+                i += 1
+            self._calls_at[r] = i
+            if i < len(calls) and self.arrival[calls[i]] < t:
+                t = self.arrival[calls[i]]
+        else:
+            t = self.timers.next_time()
+        if self._may_queue:
+            cl = self.cluster
+            for g in self._all_groups if self.reroutes_refusals else (cl.group_of[r],):
+                if cl.proxies[g].queued:
+                    for s in cl.groups[g]:
+                        e = self.engines[s]
+                        t = min(t, _next_finish(e))
+                        if s != r and e.pending:
+                            t = min(t, e.pending[-1].end)
+        return t
+
+    def _replica_view(self, r: int) -> ReplicaView:
+        return ReplicaView(self._outstanding_of(r), self._kv_usage_of(r))
+
+    def _outstanding_of(self, r: int) -> int:
+        """Requests replica r holds: in its engine, and in its own proxy queue."""
+        return self.engines[r].num_in_engine() + self.cluster.queued_at(r)
+
+    def _kv_usage_of(self, r: int) -> float:
+        return self.engines[r].scheduler.block_pool.usage()
+
+    def _engine_view_of(self, group: tuple, g: int, t: float) -> EngineView:
+        """What the g-th proxy knows of the engines it feeds (`group`): the
+        uncomputed prompt tokens of the executions waiting or running in
+        them (or on their way in), and their recent prompt throughput."""
+        engines = self.engines
+        return EngineView(float(sum(engines[r].uncomputed_prompt_tokens() for r in group)),
+                          self.prompt_rates[g].rate(t))
+
+    @staticmethod
+    def _on_first_token_of(rate: PromptRate, req: Request, t: float) -> None:
+        """An engine's first token of `req`: the prompt throughput of the
+        proxy that feeds it."""
+        rec = req.record
+        rate.add(t, rec.prompt_computed if rec is not None else req.num_prompt_tokens)
 
     # ------------------------------------------------------------ client side
     def _arrive(self, t: float, call_id: int) -> None:
         if not call_id & 255 and self.thin_at and self._log_entries() > self.thin_at:
             self._thin()
-        nxt = call_id + 1
+        nxt = self._next_call = call_id + 1
         if self._in_order and nxt < len(self.arrival):
             self.timers.at(self.arrival[nxt], self._arrive, nxt, self._arrival_seq + nxt)
         self.calls[call_id] = CallState(call_id, self.arrival[call_id])
@@ -223,61 +391,6 @@ class Run:
         log.outcome[att.row] = outcome
 
     # ------------------------------------------------------------- proxy side
-    def _do(self, t: float, actions: list) -> None:
-        """Carry out the proxy's actions in order. Actions that a handler's
-        own call produces (an engine refusal's, which dispatches the next
-        queued execution) run next, before the rest of the outer list, as a
-        nested call would run them, but from one loop: a long chain of
-        refusals does not grow the stack. `_action_stack` holds the lists
-        left to carry out once a handler produced actions (empty otherwise)."""
-        stack = self._action_stack
-        if self._doing:                     # a handler's own actions: the loop running already takes them next
-            stack.append((t, iter(actions)))
-            return
-        if actions:
-            self._doing = True
-            handlers = self._handlers
-            k = 0
-            for a in actions:
-                k += 1
-                ta = type(a)
-                if ta is Subscribe:
-                    self._subscribe(t, a)
-                elif ta is Dispatch:
-                    self._dispatch(t, a.execution)
-                else:
-                    handlers[ta](t, a)
-                if stack:                   # the handler's own actions, on the stack now, come first
-                    stack.insert(0, (t, iter(actions[k:])))
-                    self._do_nested()       # logs the queue as each list ends, this one's rest last
-                    self._doing = False
-                    return
-            self._doing = False
-        q = self.proxy.queued
-        if q != self.proxy_queue_log[-1][1]:
-            self.proxy_queue_log.append((t, q))
-
-    def _do_nested(self) -> None:
-        """`_do`'s loop once a handler's own actions are on the stack: the
-        top list first, then the rest of the lists below it, each logging
-        the proxy queue when done."""
-        stack, handlers = self._action_stack, self._handlers
-        while stack:
-            at, it = stack[-1]
-            depth = len(stack)
-            for a in it:
-                if type(a) is Dispatch:
-                    self._dispatch(at, a.execution)
-                else:
-                    handlers[type(a)](at, a)
-                if len(stack) != depth:
-                    break                   # the handler's own actions, on the stack now, come first
-            else:
-                stack.pop()
-                q = self.proxy.queued
-                if q != self.proxy_queue_log[-1][1]:
-                    self.proxy_queue_log.append((at, q))
-
     def _subscribe(self, t: float, a: Subscribe) -> None:
         att, ex = a.attempt, a.execution
         row, log = att.row, self.attempt_log
@@ -292,7 +405,7 @@ class Run:
 
     def _cancel(self, t: float, a: Cancel) -> None:
         self.executions[a.execution.id].cancel_requested_at = t
-        self.engine.abort_request(self.requests.pop(a.execution.id))
+        self.engines[self.exec_replica[a.execution.id]].abort_request(self.requests.pop(a.execution.id))
 
     def _refuse(self, t: float, a: Refuse) -> None:
         self._close_attempt(a.attempt, t, _ATTEMPT_CODE[refusal_outcome(a.reason)])
@@ -310,44 +423,43 @@ class Run:
     def _wake_at(self, t: float, a: Wake) -> None:
         self.timers.at(a.at, self._wake, a.execution)
 
-    def _next_input_time(self) -> float:
-        """The engine's horizon (sim.clock): the next timer, or — while
-        the proxy holds executions in its queue — the end of the first step
-        in flight that finishes a request (its completion frees a seat under
-        the proxy cap, and a queued execution is dispatched then)."""
-        t = self.timers.next_time()
-        if self.proxy.queued:
-            for plan in self.engine.pending:
-                if plan.finishing:
-                    return min(t, plan.end)
-        return t
-
     def _wake(self, t: float, ex) -> None:
         self._do(t, self.proxy.on_wake(t, ex))
 
     def _dispatch(self, t: float, ex) -> None:
-        erec = self.executions[ex.id]
+        """Send an execution to the engine the cluster places it on; an
+        engine's refusal (503) sends it on to the next replica the cluster
+        names, if any, else it is refused."""
+        ex_id, i = ex.id, ex.call_id
+        erec = self.executions[ex_id]
         erec.dispatched_at = t
-        i = ex.call_id
-        req = Request(ex.id, i, erec.prompt_len, erec.max_tokens, self.prefix_len[i], record=erec,
+        req = Request(ex_id, i, erec.prompt_len, erec.max_tokens, self.prefix_len[i], record=erec,
                       prefix_group=self.prefix_group[i])
-        if self.engine.add_request(req):
-            erec.accepted = True
-            self.requests[ex.id] = req
-            if self._report_dispatch:
-                self.proxy.on_dispatched(t, ex)
-        else:
-            erec.fate, erec.finished_at = "refused", t
-            self._do(t, self.proxy.on_engine_refused(t, ex))
+        reps, cl = self.exec_replica, self.cluster
+        r = cl.place(ex)
+        tried = None
+        while r is not None:
+            reps[ex_id] = r
+            if self.engines[r].add_request(req):
+                erec.accepted = True
+                self.requests[ex_id] = req
+                if self._report_dispatch:
+                    self.proxy.on_dispatched(t, ex)
+                return
+            if tried is None:
+                tried = [r]
+            r = cl.reroute(i, tried)
+        erec.fate, erec.finished_at = "refused", t
+        self._do(t, self.proxy.on_engine_refused(t, ex))
 
-    def _engine_view(self, t: float) -> EngineView:
-        """Uncomputed prompt tokens of the executions waiting or running in
-        the engine (or on their way in), and the recent prompt throughput."""
-        return EngineView(float(self.engine.uncomputed_prompt_tokens()), self.prompt_rate.rate(t))
-
-    def _on_first_token(self, req: Request, t: float) -> None:
-        rec = req.record
-        self.prompt_rate.add(t, rec.prompt_computed if rec is not None else req.num_prompt_tokens)
+    def _do_and_log_replica_queues(self, t: float, actions: list) -> None:
+        """`_do` where each replica has a proxy queue of its own: their
+        lengths are logged once the actions are all carried out."""
+        Interpreter._do(self, t, actions)
+        if not self._action_stack:
+            for p, log in zip(self.cluster.proxies, self.queue_logs):
+                if p.queued != log[-1][1]:
+                    log.append((t, p.queued))
 
     def _on_finished(self, req: Request, t: float) -> None:
         self.requests.pop(req.request_id, None)
@@ -356,7 +468,9 @@ class Run:
             self._do(t, self.proxy.on_finished(t, ex))
 
     def _snapshot(self, t: float, _arg=None) -> None:
-        self.counters_at[t] = dict(self.engine.scheduler.counters)
+        for r, e in enumerate(self.engines):
+            self.counters_at_r[r][t] = dict(e.scheduler.counters)
+        self.counters_at[t] = sum_counters(c[t] for c in self.counters_at_r)
 
     # ------------------------------------------------------------------- run
     def run(self, until: float | None = None) -> RunLog:
@@ -381,18 +495,36 @@ class Run:
         return self._log(end, wall)
 
     def _log(self, end: float, wall: float) -> RunLog:
-        eng = self.engine
+        """The cluster's RunLog (its engines' series, counters and work
+        summed); `self.parts` keeps each engine's (`ReplicaParts`)."""
         ts = np.arange(0.0, math.floor(end) + 1.0)
-        waiting, running = (v.astype(np.int64) for v in sample_columns(eng.gauge_log, ts, (1, 2)))
+        waiting, running, engine_r, extra_r = [], [], [], []
+        for e in self.engines:
+            w, r = (v.astype(np.int64) for v in sample_columns(e.gauge_log, ts, (1, 2)))
+            waiting.append(w)
+            running.append(r)
+            steps, busy = e.work_by(end)
+            engine_r.append({"steps": steps, "preemptions": e.scheduler.num_preemptions,
+                             "aborted_before_scheduled": e.aborted_before_scheduled})
+            extra_r.append({"busy_s": busy, "step_events": e.num_step_events})
+        self.parts = ReplicaParts(ts, waiting, running, engine_r, extra_r)
         proxy_queue = sample_log(self.proxy_queue_log, ts, 1).astype(np.int64)
-        series = Series(t=ts, waiting=waiting, running=running, proxy_queue=proxy_queue)
-        s = eng.scheduler
-        steps, busy = eng.work_by(end)
+        series = Series(t=ts, waiting=sum(waiting[1:], waiting[0]), running=sum(running[1:], running[0]),
+                        proxy_queue=proxy_queue)
         return RunLog(calls=self.call_log, attempts=self.attempt_log, executions=ExecutionTable(self.executions),
-                      series=series, counters=dict(s.counters), counters_at=dict(self.counters_at),
-                      engine={"steps": steps, "preemptions": s.num_preemptions,
-                              "aborted_before_scheduled": eng.aborted_before_scheduled},
-                      end_time=end, wall_s=wall, extra={"busy_s": busy, "step_events": eng.num_step_events})
+                      series=series, counters=sum_counters(e.scheduler.counters for e in self.engines),
+                      counters_at=dict(self.counters_at), engine=sum_counters(engine_r),
+                      end_time=end, wall_s=wall, extra=sum_counters(extra_r))
+
+
+class ReplicaParts(NamedTuple):
+    """Each engine's part of a run's log: its 1 s samples (at `t`), its
+    engine work and its step events."""
+    t: np.ndarray
+    waiting: list
+    running: list
+    engine: list
+    extra: list
 
 
 def simulate(profile: Profile, trace: Trace, condition: Condition, scenario: Scenario, seed: int = 0,

@@ -149,7 +149,7 @@ def test_an_engines_503_is_retried_on_another_replica(placement):
 
     async def fn(lp, post):
         statuses = [(await post(c))[0] for c in range(4)]
-        return statuses, dict(lp.exec_replica), lp.rerouted + (lp.proxy.rerouted if lp.replica_mode else 0)
+        return statuses, dict(lp.exec_replica), lp.rerouted
     statuses, where, rerouted = asyncio.run(
         _with_proxy(mocks, RouterConfig("round-robin", 1, placement), "no-retry", fn))
     assert statuses == [200] * 4
@@ -284,7 +284,7 @@ def test_llmsim_proxy_before_several_engines_routes_by_call_and_names_an_engine_
                                           headers={"X-Call-Id": str(c), "X-Attempt": str(attempt)}) as r:
                             assert r.status == 200
                             await r.read()
-            assert lp.router is not None and lp.replica_mode
+            assert lp.router is not None and lp.cluster.placement == "replica"
             missing = await P.unreachable([urls[0], f"http://127.0.0.1:{closed}"], 2.0)
             return missing
         finally:

@@ -191,11 +191,11 @@ class FleetLiveRun(LiveRun):
         for i, r in lp.exec_replica.items():
             if i < len(ex_rep):
                 ex_rep[i], placed[i] = r, lp.exec_placed[i]
-        if lp.replica_mode:
-            landed = lp.proxy.landed
+        landed = lp.cluster.landed()
+        if landed is not None:          # the router placed each attempt
             att_rep = np.array([landed[k] if (k := lp.attempt_index.get((str(a.call), a.number))) is not None else -1
                                 for a in fleet.attempts], dtype=np.int64)
-        else:
+        else:                           # attempts land where their executions do
             att_rep = np.array([ex_rep[a.execution] if 0 <= a.execution < len(ex_rep) else -1
                                 for a in fleet.attempts], dtype=np.int64)
         call_rep = first_landing(fleet.attempts, att_rep, len(fleet.calls))
@@ -219,7 +219,7 @@ class FleetLiveRun(LiveRun):
             replicas.append(replica_log(fleet, r, att_rep, ex_rep, call_rep,
                                         Series(t=ts, waiting=col(0), running=col(1), proxy_queue=col(2)),
                                         counters, at, engine, {}))
-        rerouted = lp.rerouted + (lp.proxy.rerouted if lp.replica_mode else 0)
+        rerouted = lp.rerouted
         rc = self.router_config
         return FleetLog(fleet, replicas, att_rep, ex_rep, placed, call_rep, rerouted,
                         {"replicas": n, "router": rc.policy, "router_retries": rc.retries, "proxy": rc.proxy,

@@ -43,7 +43,7 @@ from aiohttp import web
 
 from sim import measures
 from sim.conditions import Condition
-from sim.fleet import sum_counters
+from sim.model import sum_counters
 from sim.policy.client import CallState, RetryingClient, Retry, Delivered
 from sim.runlog import AttemptRecord, CallRecord, RunLog, Series, refusal_outcome
 from sim.scenario import Scenario
@@ -200,7 +200,7 @@ class LiveRun:
                 for r, url in enumerate(self.urls):
                     async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                         m = parse_metrics(await resp.text())
-                    q = self.proxy.proxy.proxies[r].queued if self.proxy.replica_mode else 0
+                    q = self.proxy.cluster.queued_at(r)
                     per.append((m.get("vllm:num_requests_waiting", 0.0), m.get("vllm:num_requests_running", 0.0), q,
                                 {v: m[c] for c, v in COUNTERS.items() if c in m}))
                 self.samples.append(Sample(t, sum(p[0] for p in per), sum(p[1] for p in per), self.proxy.proxy.queued,

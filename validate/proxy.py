@@ -7,7 +7,8 @@ request is an attempt: its call is named by the `X-Call-Id` header (a request
 without it is a call of its own) and its number by `X-Attempt` (otherwise
 counted per call id, 0 first). The key is the call id plus the request body
 (the full generation parameters). The proxy's actions are carried out as
-`sim.model.Run._do` carries them out in simulated time:
+the simulator carries them out in simulated time, by the same interpreter
+(`sim.policy.stack.Interpreter`):
 
 - `Subscribe`: the attempt's handler streams the execution's chunks: first
   every chunk streamed so far (replay), then the rest as they arrive.
@@ -31,12 +32,14 @@ the prompt tokens of executions that got their first token over the last
 any. The engine's `/metrics` is scraped every second for its waiting and
 running gauges, exported again by the proxy.
 
-A fleet: given several engine URLs, the proxy routes with the simulator's
-own `sim.policy.router.Router` (`RouterConfig`: policy, retries K,
-placement). With `proxy = "deployment"` the one policy core places each
-execution it dispatches on the replica the router picks; with `"replica"`
-a sidecar policy core stands before each engine (`ReplicaProxies`, as the
-simulator drives it) and the router places each attempt. Either way an
+A fleet: given several engine URLs, the proxy binds the simulator's own
+stack to them (`sim.policy.stack.Stack.from_config(condition, router)`,
+`RouterConfig`: policy, retries K, placement), and asks the bound cluster,
+as the simulator does, where each execution goes (`created`, `place`) and
+where an engine's 503 sends it next (`reroute`). With `proxy = "deployment"`
+the one policy core places each execution it dispatches on the replica the
+router picks; with `"replica"` a sidecar policy core stands before each
+engine (`ReplicaProxies`) and the router places each attempt. Either way an
 engine's 503 is retried on another replica while the router's retries allow
 (the sidecar's 503 passes through `ReplicaProxies`, the deployment's is
 re-sent here). The router's views of replica r: `outstanding` is the
@@ -90,9 +93,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from sim.conditions import Condition
 from sim.runlog import ExecutionRecord
-from sim.policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel,
+from sim.policy.proxy import (Attempt, EngineView, PromptRate, Subscribe, Refuse, Cancel,
                               Complete, Drop, Wake)
-from sim.policy.router import ReplicaProxies, ReplicaView, Router, RouterConfig
+from sim.policy.router import ReplicaView, RouterConfig
+from sim.policy.stack import Interpreter, Stack
 
 from .engine import parse_metrics
 
@@ -193,7 +197,7 @@ class Metrics:
                                         "tokens of completed executions / max tokens (accepted)", registry=r)
 
 
-class LiveProxy:
+class LiveProxy(Interpreter):
     """The policy core on the asyncio clock, in front of `upstream` (one
     engine URL, or a list of them behind `router`; see the module docstring
     on fleets). `prompt_throughput` is one engine's."""
@@ -201,6 +205,7 @@ class LiveProxy:
     def __init__(self, upstream: str | Sequence[str], condition: Condition, prompt_throughput: float | None = None,
                  scrape_every_s: float = 1.0, max_body_bytes: int = MAX_BODY_BYTES, keep_records: bool = True,
                  router: RouterConfig | None = None):
+        Interpreter.__init__(self)
         ups = [upstream] if isinstance(upstream, str) else list(upstream)
         if not ups:
             raise ValueError("the live proxy needs at least one engine URL")
@@ -213,29 +218,20 @@ class LiveProxy:
         self.keep_records = keep_records
         self.condition = condition
         self.scrape_every_s = scrape_every_s
-        self.prompt_rate = PromptRate(60.0)
         # per replica: prompt tokens dispatched and awaiting their first token, executions sent and not ended, the
-        # engine's scraped gauges, the prompt throughput seen
+        # engine's scraped gauges
         self.awaiting = [0] * n
         self.held = [0] * n
         self.engine_gauges: list[dict] = [{} for _ in range(n)]
-        self.prompt_rates = [PromptRate(60.0) for _ in range(n)]
-        self.rerouted = 0                          # executions the router sent on after an engine's 503
         self.router_config = router
-        self.router: Router | None = None
-        self.replica_mode = router is not None and router.proxy == "replica"
-        if router is None:
-            self.proxy = Proxy(condition.proxy, engine_view=self._engine_view, prompt_throughput=prompt_throughput)
-        else:
-            self.router = Router(router, n, view=self._replica_view)
-            if self.replica_mode:
-                self.proxy = ReplicaProxies([Proxy(condition.proxy,
-                                                   engine_view=(lambda t, r=r: self._engine_view_of(r, t)),
-                                                   prompt_throughput=prompt_throughput) for r in range(n)],
-                                            self.router)
-            else:
-                self.proxy = Proxy(condition.proxy, engine_view=self._engine_view,
-                                   prompt_throughput=prompt_throughput * n if prompt_throughput else prompt_throughput)
+        # the stack's proxy and router over the engines (`sim.policy.stack`), as the simulator binds them
+        pt = prompt_throughput
+        self.cluster = cl = Stack.from_config(condition, router).bind(
+            n, self._engine_view_of, lambda grp: pt * len(grp) if pt else pt, replica_view=self._replica_view)
+        self.router, self.proxy = cl.router, cl.proxy
+        if not keep_records:            # the interpreter's queue log: its last entry only
+            self.proxy_queue_log = deque(self.proxy_queue_log, maxlen=1)
+        self.prompt_rates = [PromptRate(60.0) for _ in cl.groups]    # the prompt throughput each proxy sees
         self.exec_replica: dict[int, int] = {}     # execution id -> its replica (keep_records)
         self.exec_placed: dict[int, float] = {}    # execution id -> when it got that replica
         self.attempt_index: dict[tuple[str, int], int] = {}   # (call, attempt) -> index in proxy.landed
@@ -294,111 +290,122 @@ class LiveProxy:
                 gauge.set(sum(g.get(key, 0.0) for g in self.engine_gauges))
             await asyncio.sleep(self.scrape_every_s)
 
-    def _engine_view(self, t: float) -> EngineView:
-        return EngineView(float(sum(self.awaiting)), self.prompt_rate.rate(t))
-
-    def _engine_view_of(self, r: int, t: float) -> EngineView:
-        """A sidecar's view: its own engine."""
-        return EngineView(float(self.awaiting[r]), self.prompt_rates[r].rate(t))
+    def _engine_view_of(self, group: tuple, g: int, t: float) -> EngineView:
+        """What the g-th policy core knows of the engines it feeds
+        (`group`): the prompt tokens sent there awaiting their first token,
+        and the prompt throughput seen there."""
+        return EngineView(float(sum(self.awaiting[r] for r in group)), self.prompt_rates[g].rate(t))
 
     def _replica_view(self, r: int) -> ReplicaView:
         """What the router reads of replica r: the executions this proxy has
-        sent it and not seen end, plus its sidecar's queue; the KV cache
-        usage its engine's /metrics gave at the last scrape."""
-        queued = self.proxy.proxies[r].queued if self.replica_mode else 0
-        return ReplicaView(self.held[r] + queued, self.engine_gauges[r].get("vllm:kv_cache_usage_perc", 0.0))
+        sent it and not seen end, plus its own proxy queue (a sidecar's); the
+        KV cache usage its engine's /metrics gave at the last scrape."""
+        return ReplicaView(self.held[r] + self.cluster.queued_at(r),
+                           self.engine_gauges[r].get("vllm:kv_cache_usage_perc", 0.0))
 
     @property
     def outstanding(self) -> int:
         """Executions dispatched to the engines and not finished."""
-        if self.replica_mode:
-            return sum(p.outstanding for p in self.proxy.proxies)
-        return self.proxy.outstanding
+        return self.cluster.outstanding
+
+    @property
+    def rerouted(self) -> int:
+        """Requests the router sent on to another replica after a 503."""
+        return self.cluster.rerouted
 
     # ------------------------------------------------------------- actions
-    def _do(self, t: float, actions: list) -> None:
-        """Carry out the proxy's actions (mirrors sim.model.Run._do)."""
+    # the handlers of the policy core's actions, carried out by the
+    # simulator's own interpreter (`sim.policy.stack.Interpreter._do`)
+    def _subscribe(self, t: float, a: Subscribe) -> None:
         m = self.metrics
-        for a in actions:
-            if isinstance(a, Subscribe):
-                w = self.waiters[id(a.attempt)]
-                if self.keep_records:
-                    self.subscriptions[(str(a.attempt.call_id), a.attempt.number)] = (a.execution.id,
-                                                                                      a.attempt.attached)
-                if a.attempt.attached:
-                    m.attached.inc()
-                else:
-                    st = self.streams[a.execution.id] = w.new_stream()
-                    m.created.inc()
-                    st.record = ExecutionRecord(id=a.execution.id, call=_call_number(a.attempt.call_id),
-                                                attempt=a.attempt.number, prompt_len=st.prompt_len,
-                                                max_tokens=st.max_tokens, created_at=t)
-                    if self.replica_mode:            # a sidecar's execution: its replica is the sidecar's
-                        self._place(st, self.proxy.replica_of(a.execution), t)
-                    if self.keep_records:
-                        self.executions.append(st.record)
-                w.stream = self.streams[a.execution.id]
-                w.notify()
-            elif isinstance(a, Dispatch):
-                st = self.streams[a.execution.id]
-                at_once = st.record is not None and st.record.created_at == t     # not held in the proxy queue
-                if self.router is not None and not self.replica_mode:
-                    self._place(st, self.router.pick(a.execution.call_id), t)
-                st.task = asyncio.create_task(self._upstream(a.execution, st, st.received if at_once else None))
-                st.record.dispatched_at = t
-                self.awaiting[st.replica] += st.prompt_len
-                self.held[st.replica] += 1
-            elif isinstance(a, Cancel):
-                st = self.streams.pop(a.execution.id)
-                st.fate = "cancelled"
-                st.record.cancel_requested_at = st.record.finished_at = t
-                st.record.fate, st.record.tokens_generated = "aborted", st.tokens
-                m.cancelled.inc()
-                if st.task is not None:
-                    st.task.cancel()
-            elif isinstance(a, Refuse):
-                w = self.waiters[id(a.attempt)]
-                w.refused = a
-                m.refused.labels(a.reason, str(a.status)).inc()
-                w.notify()
-            elif isinstance(a, Complete):
-                w = self.waiters[id(a.attempt)]
-                w.completed = True
-                w.notify()
-            elif isinstance(a, Drop):
-                st = self.streams.pop(a.execution.id)
-                st.fate = "dropped"
-                st.record.fate, st.record.finished_at = "dropped", t
-                m.dropped.inc()
-            elif isinstance(a, Wake):
-                loop = asyncio.get_running_loop()
-                when = loop.time() + max(0.0, a.at - self.now())
-                loop.call_at(when, self._wake, a.execution)
-            else:  # pragma: no cover
-                raise TypeError(f"unknown proxy action {a!r}")
-        m.queue.set(self.proxy.queued)
-        m.outstanding.set(self.outstanding)
+        w = self.waiters[id(a.attempt)]
+        if self.keep_records:
+            self.subscriptions[(str(a.attempt.call_id), a.attempt.number)] = (a.execution.id, a.attempt.attached)
+        if a.attempt.attached:
+            m.attached.inc()
+        else:
+            st = self.streams[a.execution.id] = w.new_stream()
+            m.created.inc()
+            st.record = ExecutionRecord(id=a.execution.id, call=_call_number(a.attempt.call_id),
+                                        attempt=a.attempt.number, prompt_len=st.prompt_len,
+                                        max_tokens=st.max_tokens, created_at=t)
+            r = self.cluster.created(a.execution)
+            if r is not None:                # placed when created (a sidecar's execution)
+                st.tried.append(r)
+                self._place(st, r, t)
+            if self.keep_records:
+                self.executions.append(st.record)
+        w.stream = self.streams[a.execution.id]
+        w.notify()
+
+    def _dispatch(self, t: float, ex) -> None:
+        st = self.streams[ex.id]
+        at_once = st.record is not None and st.record.created_at == t     # not held in the proxy queue
+        if not st.tried:                     # placed when dispatched (the proxy before the router)
+            r = self.cluster.place(ex)
+            st.tried.append(r)
+            self._place(st, r, t)
+        st.task = asyncio.create_task(self._upstream(ex, st, st.received if at_once else None))
+        st.record.dispatched_at = t
+        self.awaiting[st.replica] += st.prompt_len
+        self.held[st.replica] += 1
+
+    def _cancel(self, t: float, a: Cancel) -> None:
+        st = self.streams.pop(a.execution.id)
+        st.fate = "cancelled"
+        st.record.cancel_requested_at = st.record.finished_at = t
+        st.record.fate, st.record.tokens_generated = "aborted", st.tokens
+        self.metrics.cancelled.inc()
+        if st.task is not None:
+            st.task.cancel()
+
+    def _refuse(self, t: float, a: Refuse) -> None:
+        w = self.waiters[id(a.attempt)]
+        w.refused = a
+        self.metrics.refused.labels(a.reason, str(a.status)).inc()
+        w.notify()
+
+    def _complete(self, t: float, a: Complete) -> None:
+        w = self.waiters[id(a.attempt)]
+        w.completed = True
+        w.notify()
+
+    def _drop(self, t: float, a: Drop) -> None:
+        st = self.streams.pop(a.execution.id)
+        st.fate = "dropped"
+        st.record.fate, st.record.finished_at = "dropped", t
+        self.metrics.dropped.inc()
+
+    def _wake_at(self, t: float, a: Wake) -> None:
+        loop = asyncio.get_running_loop()
+        when = loop.time() + max(0.0, a.at - self.now())
+        loop.call_at(when, self._wake, a.execution)
+
+    def _do(self, t: float, actions: list) -> None:
+        """Carry the actions out (`Interpreter._do`), then set the queue and outstanding gauges."""
+        Interpreter._do(self, t, actions)
+        self.metrics.queue.set(self.proxy.queued)
+        self.metrics.outstanding.set(self.outstanding)
 
     def _place(self, st: Stream, r: int, t: float) -> None:
-        """The execution of `st` goes to replica r (after those in st.tried)."""
+        """The execution of `st` goes to replica r (the last of st.tried)."""
         st.replica = r
-        st.tried.append(r)
         if self.keep_records and st.record is not None:
             self.exec_replica[st.record.id], self.exec_placed[st.record.id] = r, t
 
     def _reroute(self, st: Stream, ex) -> bool:
-        """An engine answered 503 to the execution of `st`: with one proxy
-        before the router, send it to another replica while the router's
-        retries allow (True); otherwise it is refused (False)."""
-        if self.router is None or self.replica_mode or not self.router.may_retry(st.tried):
+        """An engine answered 503 to the execution of `st`: send it to the
+        replica the cluster names next (True; the router's retries of one
+        proxy before it), if any; otherwise it is refused (False)."""
+        r = self.cluster.reroute(ex.call_id, st.tried)
+        if r is None:
             return False
         old = st.replica
         self.awaiting[old] -= st.prompt_len
         self.held[old] -= 1
-        self._place(st, self.router.pick(ex.call_id, st.tried), self.now())
+        self._place(st, r, self.now())
         self.awaiting[st.replica] += st.prompt_len
         self.held[st.replica] += 1
-        self.rerouted += 1
         return True
 
     def _wake(self, ex) -> None:
@@ -410,8 +417,7 @@ class LiveProxy:
             st.first_token = True
             self.awaiting[st.replica] -= st.prompt_len
             t = self.now()
-            self.prompt_rate.add(t, st.prompt_len)
-            self.prompt_rates[st.replica].add(t, st.prompt_len)
+            self.prompt_rates[self.cluster.group_of[st.replica]].add(t, st.prompt_len)
             if st.record is not None:
                 st.record.first_token_at = t
 
@@ -584,8 +590,9 @@ class LiveProxy:
         t = self.now()
         try:
             actions = self.proxy.on_attempt(t, att, params, plen)
-            if self.replica_mode and self.keep_records:
-                self.attempt_index[(att.call_id, att.number)] = len(self.proxy.landed) - 1
+            landed = self.cluster.landed()
+            if landed is not None and self.keep_records:     # the router placed the attempt itself
+                self.attempt_index[(att.call_id, att.number)] = len(landed) - 1
             self._do(t, actions)
             return await self._serve(request, att, w, bool(body.get("stream")))
         except (asyncio.CancelledError, ConnectionResetError) as e:

@@ -1,0 +1,302 @@
+"""The layers between the workload and the cluster of engines, as one stack.
+
+A stack names its layers in order from the application to the engines: the
+client (`sim.policy.client`), then the proxy (`sim.policy.proxy`, with the
+condition's controls) and the router (`sim.policy.router`) in one of two
+placements:
+
+- `deployment`: the proxy before the router. The proxy sees every attempt;
+  the router places each execution the proxy dispatches (an upstream
+  attempt), and on an engine's 503 tries another replica while its retries
+  allow.
+- `replica`: the router before a sidecar proxy per replica. The router
+  places each attempt; a sidecar's 503 (its deadline check, or its engine's
+  cap) is retried on another replica likewise (`ReplicaProxies`).
+
+`Stack.from_config(condition, router, scenario)` is the stack of a
+condition (its proxy; its client on the scenario's deadline and backoff) and
+a `[fleet]` router config (None: the default router, which over one engine
+places everything on it).
+`Stack.bind(n, ...)` makes the stack's policy objects for a cluster of n
+engines: a `Cluster`, whose `proxy` the driver sends attempts to and whose
+`place` / `reroute` name the engine an execution goes to. A driver (the
+simulator's `sim.model.Run`, the live `validate.proxy.LiveProxy`) carries
+the proxy's actions out and asks the cluster where each execution goes;
+neither branches on the placement. Nothing here reads a clock.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Sequence
+
+from .client import ClientConfig
+from .proxy import (Cancel, Complete, Dispatch, Drop, EngineView, Execution, Proxy, ProxyConfig, Refuse, Subscribe,
+                    Wake)
+from .router import ReplicaProxies, Router, RouterConfig
+
+LAYERS = ("client", "proxy", "router")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The layers in order from the application to the engines: each entry
+    is (kind, config), the kinds of `LAYERS`."""
+    layers: tuple
+
+    def __post_init__(self):
+        kinds = [k for k, _ in self.layers]
+        if sorted(kinds) != sorted(LAYERS) or kinds[0] != "client":
+            raise ValueError(f"a stack is the client, then the proxy and the router in either order; got {kinds}")
+
+    @classmethod
+    def from_config(cls, condition, router: RouterConfig | None = None, scenario=None) -> "Stack":
+        """A condition's client (its retries on the scenario's deadline and
+        backoff; None without a scenario) and proxy, and the router: the
+        proxy before the router (`router.proxy` "deployment", the default)
+        or after it (a sidecar per replica: "replica")."""
+        router = router if router is not None else RouterConfig()
+        client: ClientConfig | None = condition.client_config(scenario) if scenario is not None else None
+        proxy = ("proxy", condition.proxy)
+        below = (proxy, ("router", router)) if router.proxy == "deployment" else (("router", router), proxy)
+        return cls((("client", client),) + below)
+
+    def config(self, kind: str):
+        return next(c for k, c in self.layers if k == kind)
+
+    @property
+    def proxy_before_router(self) -> bool:
+        kinds = [k for k, _ in self.layers]
+        return kinds.index("proxy") < kinds.index("router")
+
+    def bind(self, n: int, engine_view: Callable[[tuple, int, float], EngineView],
+             prompt_throughput: Callable[[tuple], float | None], replica_view=None, outstanding=None,
+             kv_usage=None) -> "Cluster":
+        """The stack's proxy and router over a cluster of n engines.
+        `engine_view(group, g, t)` is what the g-th proxy reads of the engines
+        of `group` (the replicas it feeds) at t; `prompt_throughput(group)`
+        their prompt throughput before any history; the router reads
+        `replica_view`, `outstanding` and `kv_usage` (see `Router`)."""
+        router = Router(self.config("router"), n, view=replica_view, outstanding=outstanding, kv_usage=kv_usage)
+        cfg: ProxyConfig = self.config("proxy")
+        kind = ProxyBeforeRouter if self.proxy_before_router else SidecarPerReplica
+        groups = kind.groups(n)
+        proxies = [Proxy(cfg, engine_view=partial(engine_view, grp, g), prompt_throughput=prompt_throughput(grp))
+                   for g, grp in enumerate(groups)]
+        return kind(router, proxies, groups)
+
+
+class Cluster:
+    """The stack's proxies and router over n engines. `proxy` is driven as
+    one proxy (`sim.policy.proxy.Proxy`'s methods and actions);
+    `proxies[g]` stands before the replicas `groups[g]`. `execution_replica`
+    maps an execution's id to its replica (a driver sets it as it places
+    the execution; `execution_replicas` reads it out); `rerouted` counts
+    requests the router retried on another replica."""
+    placement = ""
+    per_replica_queues = False      # each replica has a proxy queue of its own
+    placed_at_creation = False      # an execution has its replica from its creation (else from its dispatch)
+
+    def __init__(self, router: Router, proxies: Sequence[Proxy], groups: tuple):
+        self.router = router
+        self.proxies = list(proxies)
+        self.groups = groups
+        self.group_of = [0] * router.n
+        for g, grp in enumerate(groups):
+            for r in grp:
+                self.group_of[r] = g
+        self.execution_replica: dict[int, int] | list[int] = {}
+
+    def execution_replicas(self, n: int) -> list[int]:
+        """The replica of executions 0..n-1 (-1: never placed)."""
+        get = self.execution_replica.get
+        return [get(i, -1) for i in range(n)]
+
+    @property
+    def rerouted(self) -> int:
+        return self._rerouted
+
+    @property
+    def outstanding(self) -> int:
+        """Executions dispatched to the engines and not finished."""
+        return sum(p.outstanding for p in self.proxies)
+
+    def queued_at(self, r: int) -> int:
+        """Executions held for replica r alone in a proxy queue."""
+        return 0
+
+    def created(self, ex: Execution) -> int | None:
+        """The replica a new execution has from its creation (None: it gets
+        one when dispatched)."""
+        return None
+
+    def place(self, ex: Execution) -> int:
+        """The replica an execution being dispatched goes to first."""
+        raise NotImplementedError
+
+    def reroute(self, call_id, tried: list) -> int | None:
+        """The engines of `tried` refused (503) an execution: the replica
+        to try next (appended to `tried`), or None (it is refused)."""
+        return None
+
+    def landed(self) -> list | None:
+        """The replica each attempt was last sent to, in the order the
+        proxy saw them; None where attempts land with their executions."""
+        return None
+
+    def calls_stay_home(self, engine_cap) -> bool:
+        """Whether every request of a call goes to the one replica
+        `router.home(call)` names in advance and what happens to a call
+        touches no other replica."""
+        raise NotImplementedError
+
+
+class ProxyBeforeRouter(Cluster):
+    """One proxy before the router: the router places executions."""
+    placement = "deployment"
+
+    @staticmethod
+    def groups(n: int) -> tuple:
+        return (tuple(range(n)),)
+
+    def __init__(self, router, proxies, groups):
+        super().__init__(router, proxies, groups)
+        self.proxy = self.proxies[0]
+        self._rerouted = 0
+
+    def place(self, ex: Execution) -> int:
+        return self.router.pick(ex.call_id)
+
+    def reroute(self, call_id, tried: list) -> int | None:
+        if not self.router.may_retry(tried):
+            return None
+        self._rerouted += 1
+        r = self.router.pick(call_id, tried)
+        tried.append(r)
+        return r
+
+    def calls_stay_home(self, engine_cap) -> bool:
+        # a hashing router that never moves a request on 503, and no proxy
+        # queue (one that dispatches, when a seat frees, the queued
+        # execution of any call)
+        moves = self.router.config.retries > 0 and engine_cap is not None
+        return (self.router.home(0) is not None and not moves
+                and self.proxy.config.proxy_cap is None)
+
+
+class SidecarPerReplica(Cluster):
+    """A sidecar proxy before each engine, behind the router: the router
+    places attempts (`ReplicaProxies`)."""
+    placement = "replica"
+    per_replica_queues = True
+    placed_at_creation = True
+
+    @staticmethod
+    def groups(n: int) -> tuple:
+        return tuple((r,) for r in range(n))
+
+    def __init__(self, router, proxies, groups):
+        super().__init__(router, proxies, groups)
+        self.proxy = ReplicaProxies(self.proxies, router)
+        self.execution_replica = self.proxy.execution_replica
+
+    @property
+    def rerouted(self) -> int:
+        return self.proxy.rerouted
+
+    def execution_replicas(self, n: int) -> list[int]:
+        reps = self.execution_replica         # by id, from each execution's creation
+        return reps[:n] + [-1] * (n - len(reps))
+
+    def queued_at(self, r: int) -> int:
+        return self.proxies[r].queued
+
+    def created(self, ex: Execution) -> int | None:
+        return self.execution_replica[ex.id]
+
+    def place(self, ex: Execution) -> int:
+        return self.execution_replica[ex.id]
+
+    def landed(self) -> list | None:
+        return self.proxy.landed
+
+    def calls_stay_home(self, engine_cap) -> bool:
+        # a 503 the router retries elsewhere: the engine's cap, or a sidecar's deadline check
+        moves = self.router.config.retries > 0 and (engine_cap is not None
+                                                    or self.proxies[0].config.queue == "deadline")
+        return self.router.home(0) is not None and not moves
+
+
+class Interpreter:
+    """Carries a layer's actions out: the one interpreter of the simulator
+    (`sim.model.Run`) and the live proxy (`validate.proxy.LiveProxy`). A
+    driver subclasses it with one handler per action, each given the time:
+    `_subscribe(t, Subscribe)`, `_dispatch(t, execution)`, `_cancel(t,
+    Cancel)`, `_refuse(t, Refuse)`, `_complete(t, Complete)`, `_drop(t,
+    Drop)`, `_wake_at(t, Wake)`. As each list of actions ends, the length of
+    the queue of `proxy` is appended to `proxy_queue_log` as (t, length) if
+    it changed."""
+
+    def __init__(self):
+        self.proxy_queue_log: list = [(0.0, 0)]     # (t, proxy queue length) at changes
+        self._action_stack: list = []       # (t, actions) lists being carried out (see _do)
+        self._doing = False                 # _do's loop is running
+        self._handlers = {Subscribe: self._subscribe, Cancel: self._cancel, Refuse: self._refuse,
+                          Complete: self._complete, Drop: self._drop, Wake: self._wake_at}
+
+    def _do(self, t: float, actions: list) -> None:
+        """Carry out the actions in order. Actions that a handler's own call
+        produces (an engine refusal's, which dispatches the next queued
+        execution) run next, before the rest of the outer list, as a nested
+        call would run them, but from one loop: a long chain of refusals
+        does not grow the stack. `_action_stack` holds the lists left to
+        carry out once a handler produced actions (empty otherwise)."""
+        stack = self._action_stack
+        if self._doing:                     # a handler's own actions: the loop running already takes them next
+            stack.append((t, iter(actions)))
+            return
+        if actions:
+            self._doing = True
+            handlers = self._handlers
+            k = 0
+            for a in actions:
+                k += 1
+                ta = type(a)
+                if ta is Subscribe:
+                    self._subscribe(t, a)
+                elif ta is Dispatch:
+                    self._dispatch(t, a.execution)
+                else:
+                    handlers[ta](t, a)
+                if stack:                   # the handler's own actions, on the stack now, come first
+                    stack.insert(0, (t, iter(actions[k:])))
+                    self._do_nested()       # each list ends in turn, this one's rest last
+                    self._doing = False
+                    return
+            self._doing = False
+        q = self.proxy.queued
+        if q != self.proxy_queue_log[-1][1]:
+            self.proxy_queue_log.append((t, q))
+
+    def _do_nested(self) -> None:
+        """`_do`'s loop once a handler's own actions are on the stack: the
+        top list first, then the rest of the lists below it."""
+        stack, handlers = self._action_stack, self._handlers
+        while stack:
+            at, it = stack[-1]
+            depth = len(stack)
+            for a in it:
+                if type(a) is Dispatch:
+                    self._dispatch(at, a.execution)
+                else:
+                    handlers[type(a)](at, a)
+                if len(stack) != depth:
+                    break                   # the handler's own actions, on the stack now, come first
+            else:
+                stack.pop()
+                q = self.proxy.queued
+                if q != self.proxy_queue_log[-1][1]:
+                    self.proxy_queue_log.append((at, q))
+
+
+__all__ = ["LAYERS", "Stack", "Cluster", "ProxyBeforeRouter", "SidecarPerReplica", "Interpreter"]
