@@ -96,7 +96,7 @@ SCHEMA = {
     "client": CLIENT_KEYS,
     "proxy": PROXY_KEYS,
     "measures": ("burst", "burst_start_s", "burst_end_s", "hold_end_s") + MEASURE_KEYS,
-    "phase": ("name", "duration_s", "load", "rate"),
+    "phase": ("name", "duration_s", "load", "rate", "arrivals"),
     "prefix_group": ("tokens", "share"),
     "lengths": ("dist", "mean", "sd", "median", "value", "file", "column"),
 }
@@ -276,8 +276,11 @@ def _phases(w: _Doc, measures: _Doc) -> tuple[dict, str | None]:
             raise d.err("load", "and rate both given: give the rate in calls/s or as a load in multiples of Ĉ, not both")
         if load is None and rate is None:
             raise d.err("load", "is missing: give load (x Ĉ) or rate (calls/s)")
+        arrivals = d.str_("arrivals", "poisson")
+        if arrivals not in ("poisson", "constant"):
+            raise d.err("arrivals", f"must be poisson or constant, got {arrivals!r}")
         phases.append(Phase(float(dur), None if load is None else float(load), None if rate is None else float(rate),
-                            d.str_("name", f"phase {i + 1}")))
+                            d.str_("name", f"phase {i + 1}"), arrivals))
     names = [p.name for p in phases]
     if len(set(names)) != len(names):
         raise w.err("phases", f"names must differ, got {names}")
