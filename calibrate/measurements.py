@@ -52,7 +52,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from scipy.optimize import least_squares
 
-from calibrate.prior import MODELS
+from calibrate.prior import GPU, MODELS, ModelShape, step_time
 from calibrate.published import PUBLISHED
 from sim.capacity import capacity_protocol
 from sim.engine.step_time import COEFFICIENTS, StepTimeModel
@@ -133,6 +133,8 @@ def read_experiments(path: str) -> list[Experiment]:
     try:
         with open(jpath, encoding="utf-8") as f:
             doc = json.load(f)
+    except OSError as e:
+        raise MeasurementsError(f"{jpath}: cannot read it ({e.strerror or e})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise MeasurementsError(f"{jpath}: not valid JSON ({getattr(e, 'msg', e)}"
                                 f"{f' at line {e.lineno}' if hasattr(e, 'lineno') else ''})") from None
@@ -190,6 +192,8 @@ def _read_csv(path: str) -> dict:
     try:
         with open(path, newline="", encoding="utf-8") as f:
             rows = list(csv.reader(f))
+    except OSError as e:
+        raise MeasurementsError(f"{path}: cannot read it ({e.strerror or e})") from None
     except (csv.Error, UnicodeDecodeError) as e:
         raise MeasurementsError(f"{path}: not a CSV file ({e})") from None
     if not rows:
@@ -326,7 +330,6 @@ def physical_floor(profile: Profile) -> dict:
     prior = profile.step_time.to_dict()
     if not shape or not gpu:
         return {k: 0.0 for k in COEFFICIENTS}
-    from calibrate.prior import GPU, ModelShape, step_time
     best = step_time(ModelShape(**shape), GPU(**gpu), mfu=1.0, bw_eff=1.0, attn_eff=1.0, step_overhead_s=0.0,
                      request_overhead_s=0.0)
     return {k: min(1.0, best[k] / prior[k]) if prior[k] > 0 else 0.0 for k in COEFFICIENTS}

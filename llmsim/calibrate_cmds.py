@@ -7,12 +7,13 @@ import sys
 import time
 
 from calibrate import live_capacity
+from calibrate import measurements as ms
 from calibrate.capture import capture
 from calibrate.fit import WEIGHTS, build_profile, fit_report, load_sources
 from calibrate.from_log import LogError, profile_from_log
 from calibrate.prior import GPUS, prior_profile, shape_from_config
 from sim.capacity import capacity_protocol
-from sim.profile import ProfileError, from_dict
+from sim.profile import ProfileError, from_dict, load_profile
 from validate import engine
 
 from . import args
@@ -160,8 +161,6 @@ def cmd_calibrate_fit(a) -> int:
 def cmd_calibrate_fit_published(a) -> int:
     """Refit a profile's step time to a fitting set of published measurements
     (calibrate.measurements) jointly with its published figures."""
-    from calibrate import measurements as ms
-    from sim.profile import load_profile
     _check_dir(a.out)
     try:
         prof = load_profile(a.model)
