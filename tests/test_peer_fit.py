@@ -221,3 +221,8 @@ def test_physical_floor_is_the_roofline_at_full_efficiency():
     fl = ms.physical_floor(prof)
     assert all(0 <= fl[k] <= 1 for k in COEFFICIENTS)
     assert fl["per_decode_ctx_s"] * prof.step_time.per_decode_ctx_s == pytest.approx(131072 / 3.35e12, rel=1e-6)
+
+
+def test_fit_refuses_an_unknown_coefficient_to_free(experiments):
+    with pytest.raises(ms.MeasurementsError, match="unknown coefficient 'per_step'"):
+        ms.fit(load_profile("qwen2.5-7b"), experiments[-1:], None, free=("per_step",))
