@@ -226,3 +226,16 @@ def test_physical_floor_is_the_roofline_at_full_efficiency():
 def test_fit_refuses_an_unknown_coefficient_to_free(experiments):
     with pytest.raises(ms.MeasurementsError, match="unknown coefficient 'per_step'"):
         ms.fit(load_profile("qwen2.5-7b"), experiments[-1:], None, free=("per_step",))
+
+
+def test_fit_published_cli_writes_a_profile_with_its_provenance(tmp_path, capsys):
+    out = tmp_path / "q.json"
+    assert main(["calibrate", "fit-published", "qwen2.5-7b", "--measurements", DATA, "--duration", "40",
+                 "--warmup", "10", "--max-evals", "3", "-o", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert "evaluation 1:" in cap.err and "identified by the data" in cap.err
+    assert "E2E meas" in cap.out and "per_decode_ctx_s" in cap.out
+    prof = load_profile(str(out))
+    pm = prof.provenance["measurements"]
+    assert [x["exp_id"] for x in pm["experiments"]] == ["64"] and pm["simulation"]["duration_s"] == 40.0
+    assert abs(prof.capacity / PUBLISHED["qwen2.5-7b"]["capacity"] - 1) < 0.03
