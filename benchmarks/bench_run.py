@@ -1,4 +1,4 @@
-"""Wall time of full paper-scenario runs (SPEC §1 at pulse 2.7 on the embedded
+"""Wall time of full paper-scenario runs (the reference scenario at pulse 2.7 on the embedded
 qwen2.5-7b profile, seed 0): the `cancel` and `no-control` conditions, with the
 closed-form fast-forward of decode-only stretches and stepping one engine step
 at a time. Prints, per condition and mode, the median wall seconds and CPU

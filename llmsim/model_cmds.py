@@ -73,7 +73,7 @@ def cmd_run(a) -> int:
 
 def cmd_capacity(a) -> int:
     dep = deployment(a, burst=False, capacity=False)
-    prof, sc = dep.profile, dep.scenario.with_(phases=None)
+    prof, sc = dep.profile, dep.scenario
     seeds = a.seeds if a.seeds is not None else [a.seed]
 
     def progress(st):
@@ -119,11 +119,11 @@ def cmd_latency(a) -> int:
     return 0
 
 
-def diagnose_table(recs: list[dict], deadline_s: float, margins: dict | None = None) -> str:
+def diagnose_table(recs: list[dict], summ: dict, deadline_s: float, margins: dict | None = None) -> str:
     """The diagnostic table: per condition, P(recovered) over the seeds with
-    its interval and the cohorts' shares (sim.verdict.table), the rates over
-    the primary interval, and the margin when given ({condition: text})."""
-    summ = verdict.summarize_by(recs)
+    its interval and the cohorts' shares (sim.verdict.table of `summ`, the
+    records' sim.verdict.summarize_by), the rates over the primary interval,
+    and the margin when given ({condition: text})."""
     rate = {k: {n: f"{sum(r['rates_xC'][k] for r in recs if r['condition'] == n) / summ[n]['n']:.2f}" for n in summ}
             for k in ("created", "accepted")}
     extra = {"created/C": rate["created"], "accepted/C": rate["accepted"]}
@@ -173,7 +173,8 @@ def cmd_diagnose(a) -> int:
                    for c in DIAGNOSTIC}
     if len(seeds) > 1:
         print(f"{len(seeds)} seeds ({_seed_list(seeds)})")
-    print(diagnose_table(recs, sc.deadline_s, margins))
+    summ = verdict.summarize_by(recs)
+    print(diagnose_table(recs, summ, sc.deadline_s, margins))
     print(verdict.legend(len(seeds)))
     print(f"recovered: two consecutive {sc.window_s:g} s hold windows each delivering >= "
           f"{100 * sc.recovery_delivery:g}% within {sc.deadline_s:g} s with a queue mean <= "
@@ -192,7 +193,7 @@ def cmd_diagnose(a) -> int:
         print(reference.table(ref_rows))
     args.write_json(a.json, {"model": prof.name, "pulse": pulse, "seeds": seeds, "capacity": dep.capacity,
                              "scenario_name": dep.name, "scenario_hash": dep.content_hash,
-                             "runs": recs, "reference": ref_rows})
+                             "summary": summ, "runs": recs, "reference": ref_rows})
     return 0
 
 

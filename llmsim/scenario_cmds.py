@@ -99,6 +99,8 @@ def cmd_check(a) -> int:
         f, caps = dep.fleet, dep.capacity_info["replicas"]
         print(f"fleet: {f.replicas} replicas behind a {f.router.policy} router (retries {f.router.retries}), proxy "
               f"per {f.router.proxy}; Ĉ per replica " + ", ".join(f"{p.name} {c:.3f}" for p, c in zip(f.profiles, caps)))
+    for sec, values in dep.sections.items():
+        print(f"[{sec}]: " + ", ".join(f"{k} = {v!r}" for k, v in values.items()))
     if dep.trace_source is not None:
         t = dep.trace_source
         print(f"trace {t.path} ({t.info['dialect']} columns, sha256 {t.sha256}): {t.info['calls']} calls over "

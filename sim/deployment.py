@@ -9,14 +9,16 @@ API (what commands build on):
   name of `sim.scenario.SCENARIOS`. `build_prior(hf_config_path, gpu) -> dict`
   makes a profile dict for `[model] hf_config` (the roofline prior lives
   above sim). Raises `ScenarioError` (one line naming the file and key).
-- `from_document(doc, source, base_dir, build_prior)`: the same from a parsed
-  document (a dict shaped like the file).
+- `from_document(doc, source, base_dir, build_prior, trace_speedup, schema)`:
+  the same from a parsed document (a dict shaped like the file), checked
+  against `schema` (default `sim.schema.SCHEMA`, read when called).
 - `Deployment`, frozen:
   - `name`, `profile` (overrides applied), `scenario`, `condition` (from
     `[proxy]`), `engine_cap`, `seed`, `trace_source` (a `TraceSource` or
     None), `content_hash` (of the resolved deployment, not of the file's
     text), `document()` (the resolved document), `identity()` (what a record
-    carries).
+    carries), `fleet` (a `sim.fleet.FleetSpec` or None), `sections` (the
+    sections of layers no resolver here reads, as checked, with defaults).
   - `capacity` / `capacity_info`: Ĉ of this workload on this engine (given
     in the file, the profile's, or the capacity protocol's on this workload,
     computed once and cached by content hash; `sim.run.workload_capacity`).
@@ -36,15 +38,18 @@ API (what commands build on):
   - `implications()`: calls per phase, Ĉ, the burst's backlog against the
     deadline, KV seats for the mean prompt (`llmsim scenario check`).
 
-File sections (every key optional; the reference design's value by default):
-`[model]` profile | hf_config + gpu, and capacity; `[engine]` vLLM's flags
-(`sim.profile.ENGINE_FLAGS`) and `max_num_queued_reqs` (the engine cap);
-`[workload]` phases (duration_s, load or rate, name), prompt and response
-(`{dist = "normal"|"lognormal"|"fixed"|"empirical", ...}`), shared_prefix
-or prefix_groups, mixed_share, mixed_prompt_len, or trace (CSV) with
-trace_speedup; `[client]` the Scenario's client fields; `[proxy]` condition plus control overrides;
-`[measures]` burst (a phase's name) or burst_start_s/burst_end_s with a
-trace, and the Scenario's measure fields.
+File sections: the rows of `sim.schema.SCHEMA`, which checks the file
+(every key optional; the reference design's value by default) and from
+which `to_toml` writes it. `[model]` profile | hf_config + gpu, and
+capacity; `[engine]` vLLM's flags and `max_num_queued_reqs` (the engine
+cap); `[workload]` phases (absent: the reference design's), prompt and
+response lengths, shared_prefix or prefix_groups, mixed_share,
+mixed_prompt_len, or trace (CSV) with trace_speedup; `[client]` and
+`[measures]` the Scenario's fields of those names (with the burst phase, or
+burst_start_s/burst_end_s with a trace); `[proxy]` condition plus control
+overrides; `[faults]`; `[fleet]` replicas behind a router. A section of the
+table that no resolver here reads (a layer's) is kept as checked, with its
+defaults, in `Deployment.sections`.
 """
 from __future__ import annotations
 
@@ -62,44 +67,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .conditions import CONDITIONS, Condition, compose, get_condition, parse_cancel
+from .conditions import Condition, compose, get_condition, parse_cancel
 from .policy.proxy import ProxyConfig
-from .profile import ENGINE_FLAGS, Profile, ProfileError, embedded_names, from_dict, load_profile, with_engine
-from .fleet import FLEET_KEYS, FleetSpec, fleet_spec, run_fleet
+from .profile import Profile, ProfileError, embedded_names, from_dict, load_profile, with_engine
+from .fleet import FleetSpec, run_fleet
+from .policy.router import RouterConfig
 from .run import run_one, workload_capacity
-from .scenario import PAPER, SCENARIOS, Lengths, Phase, Scenario
+from .scenario import PAPER, REFERENCE_PHASES, SCENARIOS, Lengths, Phase, Scenario
+from . import schema as _schema
+from .schema import NUMBER, PAIRS, SCHEMA, TABLE, TABLES, Key, Schema, ScenarioError
 from .workload import Trace, TraceError, make_trace, read_trace
 
 
-class ScenarioError(ValueError):
-    """A scenario file that cannot be used: one line naming the file and key."""
-
-
-DEFAULT_MODEL = "qwen2.5-7b"
+DEFAULT_MODEL = SCHEMA.row("model", "profile").default
 SCENARIO_MODEL = {"paper": "qwen2.5-7b", "scaled": "vllm-cpu-tiny", "cpu-small": "vllm-cpu-tiny",
                   "cpu-tiny": "vllm-cpu-tiny"}
-CLIENT_KEYS = ("deadline_s", "max_retries", "backoff_min_s", "backoff_max_s", "max_retry_after_s")
-MEASURE_KEYS = ("delivery_horizon_s", "primary_skip_s", "window_s", "recovery_delivery", "recovery_queue_mean",
-                "recovery_queue_growth")
-PROXY_KEYS = ("condition", "retries", "cancel", "coalesce", "budget", "order", "proxy_cap", "queue",
-              "defer_s", "budget_window_s")
-FLAT_PHASE_KEYS = ("base_s", "pulse_s", "hold_s", "base_load", "pulse", "hold_load")
-SCHEMA = {
-    "": ("name", "about", "seed", "model", "engine", "workload", "client", "proxy", "measures", "faults", "fleet"),
-    "fleet": FLEET_KEYS,
-    "faults": ("stalls", "leak_blocks_on_abort"),
-    "stall": ("start_s", "duration_s"),
-    "model": ("profile", "hf_config", "gpu", "capacity"),
-    "engine": ENGINE_FLAGS + ("max_num_queued_reqs",),
-    "workload": ("phases", "prompt", "response", "shared_prefix", "prefix_groups", "mixed_share", "mixed_prompt_len", "trace",
-                 "trace_speedup", "prompt_mean", "prompt_sd", "response_median", "response_mean") + FLAT_PHASE_KEYS,
-    "client": CLIENT_KEYS,
-    "proxy": PROXY_KEYS,
-    "measures": ("burst", "burst_start_s", "burst_end_s", "hold_end_s") + MEASURE_KEYS,
-    "phase": ("name", "duration_s", "load", "rate", "arrivals"),
-    "prefix_group": ("tokens", "share"),
-    "lengths": ("dist", "mean", "sd", "median", "value", "file", "column"),
-}
+# the sections read by this module's resolvers; any other section of the table (a layer's) is kept as checked
+RESOLVED = ("model", "engine", "workload", "client", "proxy", "measures", "faults", "fleet")
 
 
 @dataclass(frozen=True)
@@ -115,24 +99,15 @@ class TraceSource:
         return {"path": self.path, "speedup": self.speedup, "sha256": self.sha256, **self.info}
 
 
-# ------------------------------------------------------------ type checking
 class _Doc:
-    """Typed access to one section of the document, with errors that name the
-    file and the key."""
+    """One table of a document already checked against the schema, with
+    errors that name the file and the key."""
 
-    def __init__(self, source: str, section: str, d: dict, schema: str | None = None):
-        self.source, self.section, self.d = source, section, d
-        if not isinstance(d, dict):
-            raise ScenarioError(f"{source}: {section or 'the file'} must be a table")
-        valid = SCHEMA[schema if schema is not None else section]
-        for k in d:
-            if k not in valid:
-                close = difflib.get_close_matches(k, valid, n=1, cutoff=0.5)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
-                raise ScenarioError(f"{source}: unknown key {self.where(k)!r}{hint}")
+    def __init__(self, source: str, where: str, d: dict | None):
+        self.source, self.where_, self.d = source, where, d if d is not None else {}
 
     def where(self, k: str) -> str:
-        return f"{self.section}.{k}" if self.section else k
+        return f"{self.where_}.{k}" if self.where_ else k
 
     def err(self, k: str, msg: str) -> ScenarioError:
         return ScenarioError(f"{self.source}: {self.where(k)} {msg}")
@@ -140,53 +115,33 @@ class _Doc:
     def has(self, k: str) -> bool:
         return k in self.d
 
-    def num(self, k: str, default=None, positive=False, allow_zero=True, whole=False):
-        if k not in self.d:
-            return default
-        v = self.d[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (whole and not isinstance(v, int)):
-            raise self.err(k, f"must be a {'whole number' if whole else 'number'}, got {v!r}")
-        if not math.isfinite(v):
-            raise self.err(k, f"must be finite, got {v!r}")
-        if positive and (v < 0 or (v == 0 and not allow_zero)):
-            raise self.err(k, f"must be {'non-negative' if allow_zero else 'positive'}, got {v!r}")
-        return v
+    def get(self, k: str, default=None):
+        return self.d.get(k, default)
 
-    def str_(self, k: str, default=None):
-        if k not in self.d:
-            return default
-        v = self.d[k]
-        if not isinstance(v, str):
-            raise self.err(k, f"must be a string, got {v!r}")
-        return v
+    def sub(self, k: str) -> "_Doc":
+        return _Doc(self.source, self.where(k), self.d.get(k))
 
-    def bool_(self, k: str, default=None):
-        if k not in self.d:
-            return default
-        v = self.d[k]
-        if not isinstance(v, bool):
-            raise self.err(k, f"must be true or false, got {v!r}")
-        return v
 
-    def sub(self, k: str, schema: str) -> "_Doc":
-        return _Doc(self.source, self.where(k), self.d[k], schema)
+def _values(schema: Schema, section: str, d: dict) -> dict:
+    """A checked table's values as the code takes them: numbers as floats,
+    whole numbers as ints."""
+    return {k: float(v) if schema.row(section, k).type == NUMBER else v for k, v in d.items()}
 
 
 # ---------------------------------------------------------------- resolving
 def _lengths(sec: _Doc, k: str, base_dir: str) -> Lengths:
-    d = sec.sub(k, "lengths")
-    kind = d.str_("dist")
+    d = sec.sub(k)
+    kind = d.get("dist")
     if kind is None:
         raise d.err("dist", "is missing: give normal, lognormal, fixed or empirical")
     if kind == "empirical":
-        path, col = d.str_("file"), d.str_("column")
+        path, col = d.get("file"), d.get("column")
         if path is None or col is None:
             raise sec.err(k, "(empirical) needs file and column")
         values = _column(os.path.join(base_dir, path), col, f"{sec.source}: {sec.where(k)}")
         return Lengths("empirical", values=values, source=f"{path}:{col}")
     try:
-        return Lengths(kind, mean=d.num("mean"), sd=d.num("sd"), median=d.num("median"),
-                       value=d.num("value", whole=True))
+        return Lengths(kind, mean=d.get("mean"), sd=d.get("sd"), median=d.get("median"), value=d.get("value"))
     except ValueError as e:
         raise sec.err(k, str(e)) from None
 
@@ -211,10 +166,8 @@ def _column(path: str, col: str, where: str) -> tuple:
     return tuple(out)
 
 
-def _profile(doc: _Doc, base_dir: str, build_prior) -> tuple[Profile, dict]:
-    m = doc.sub("model", "model") if doc.has("model") else _Doc(doc.source, "model", {})
-    prof_name, cfg, gpu = m.str_("profile"), m.str_("hf_config"), m.str_("gpu")
-    cap = m.num("capacity", positive=True, allow_zero=False)
+def _profile(m: _Doc, base_dir: str, build_prior) -> tuple[Profile, dict]:
+    prof_name, cfg, gpu, cap = m.get("profile"), m.get("hf_config"), m.get("gpu"), m.get("capacity")
     prof, named = _named_profile(m, prof_name, cfg, gpu, base_dir, build_prior)
     return prof, (dict(named, capacity=float(cap)) if cap is not None else named)
 
@@ -245,99 +198,65 @@ def _named_profile(m: _Doc, prof_name, cfg, gpu, base_dir: str, build_prior) -> 
         raise m.err("profile", str(e)) from None
 
 
-def _phases(w: _Doc, measures: _Doc) -> tuple[dict, str | None]:
-    """Scenario fields of the arrivals, and the burst's phase name."""
-    if w.has("phases") and any(w.has(k) for k in FLAT_PHASE_KEYS):
-        k = next(k for k in FLAT_PHASE_KEYS if w.has(k))
-        raise w.err(k, "and workload.phases both given: give the phases one way")
-    burst = measures.str_("burst")
+def _phases(w: _Doc, me: _Doc, schema: Schema) -> tuple[dict, str | None]:
+    """The arrivals as Scenario fields (phases, the burst's index) and the
+    burst's name. No phases: the reference design's, the burst its pulse."""
+    burst = me.get("burst")
     if not w.has("phases"):
-        flat = {k: w.num(k, getattr(PAPER, k), positive=True, allow_zero=k.endswith("load") or k == "pulse")
-                for k in FLAT_PHASE_KEYS}
-        for k in ("pulse_s", "hold_s"):
-            if flat[k] <= 0:
-                raise w.err(k, f"must be positive, got {flat[k]!r}")
-        if burst not in (None, "pulse"):
-            raise measures.err("burst", f"names no phase: the phases are base, pulse, hold; got {burst!r}")
-        return flat, "pulse"
-    ph = w.d["phases"]
-    if not isinstance(ph, list) or not ph:
-        raise w.err("phases", "must be a non-empty list of tables {duration_s, load | rate, name}")
-    phases = []
-    for i, p in enumerate(ph):
-        d = _Doc(w.source, f"workload.phases[{i}]", p, "phase")
-        dur = d.num("duration_s")
-        if dur is None:
-            raise d.err("duration_s", "is missing")
-        if dur <= 0:
-            raise d.err("duration_s", f"must be positive, got {dur!r}")
-        load, rate = d.num("load", positive=True), d.num("rate", positive=True)
-        if load is not None and rate is not None:
-            raise d.err("load", "and rate both given: give the rate in calls/s or as a load in multiples of Ĉ, not both")
-        if load is None and rate is None:
-            raise d.err("load", "is missing: give load (x Ĉ) or rate (calls/s)")
-        arrivals = d.str_("arrivals", "poisson")
-        if arrivals not in ("poisson", "constant"):
-            raise d.err("arrivals", f"must be poisson or constant, got {arrivals!r}")
-        phases.append(Phase(float(dur), None if load is None else float(load), None if rate is None else float(rate),
-                            d.str_("name", f"phase {i + 1}"), arrivals))
+        phases = REFERENCE_PHASES
+        burst = "pulse" if burst is None else burst
+    else:
+        phases = []
+        for i, p in enumerate(w.get("phases")):
+            d = _Doc(w.source, f"workload.phases[{i}]", p)
+            if not d.has("duration_s"):
+                raise d.err("duration_s", "is missing")
+            if d.has("load") and d.has("rate"):
+                raise d.err("load", "and rate both given: give the rate in calls/s or as a load in multiples of Ĉ, "
+                                    "not both")
+            if not d.has("load") and not d.has("rate"):
+                raise d.err("load", "is missing: give load (x Ĉ) or rate (calls/s)")
+            phases.append(Phase(**{"name": f"phase {i + 1}", **_values(schema, "phase", p)}))
+        phases = tuple(phases)
     names = [p.name for p in phases]
     if len(set(names)) != len(names):
         raise w.err("phases", f"names must differ, got {names}")
     if burst is not None and burst not in names:
         close = difflib.get_close_matches(burst, names, n=1)
-        raise measures.err("burst", f"names no phase ({', '.join(names)})" +
-                           (f"; did you mean {close[0]!r}?" if close else f", got {burst!r}"))
-    if burst is None:
-        return {"phases": tuple(phases), "base_s": sum(p.duration_s for p in phases), "pulse_s": 0.0,
-                "hold_s": 0.0}, None
-    k = names.index(burst)
-    b = phases[k]
-    out = {"base_s": sum(p.duration_s for p in phases[:k]), "pulse_s": b.duration_s,
-           "hold_s": sum(p.duration_s for p in phases[k + 1:])}
-    reference = (len(phases) == 3 and k == 1 and all(p.load is not None for p in phases)
-                 and names == ["base", "pulse", "hold"])
-    if reference:                          # the reference design's shape: its own fields, no phase list
-        out.update(base_load=phases[0].load, pulse=b.load, hold_load=phases[2].load)
-    else:
-        out.update(phases=tuple(phases), pulse=b.load if b.load is not None else PAPER.pulse,
-                   base_load=PAPER.base_load, hold_load=PAPER.hold_load)
-    return out, burst
+        raise me.err("burst", f"names no phase ({', '.join(names)})" +
+                     (f"; did you mean {close[0]!r}?" if close else f", got {burst!r}"))
+    return {"phases": phases, "burst": None if burst is None else names.index(burst)}, burst
 
 
 def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_prior=None,
-                  trace_speedup: float | None = None) -> "Deployment":
+                  trace_speedup: float | None = None, schema: Schema | None = None) -> "Deployment":
     """The deployment a parsed scenario document describes (see the module
-    docstring); `trace_speedup`, when given, replaces the file's."""
+    docstring), checked against `schema`; `trace_speedup`, when given,
+    replaces the file's."""
+    schema = schema or _schema.SCHEMA
+    schema.check(d, source)
     doc = _Doc(source, "", d)
-    secs = {s: doc.sub(s, s) if doc.has(s) else _Doc(source, s, {})
-            for s in ("model", "engine", "workload", "client", "proxy", "measures")}
-    name = doc.str_("name", os.path.splitext(os.path.basename(source))[0])
-    seed = doc.num("seed", 0, positive=True, whole=True)
-    about = doc.str_("about", "")
-    prof, model_doc = _profile(doc, base_dir, build_prior)
+    secs = {s: doc.sub(s) for s in schema.sections()}
+    name = d.get("name", os.path.splitext(os.path.basename(source))[0])
+    prof, model_doc = _profile(secs["model"], base_dir, build_prior)
     prof, engine_cap = _engine(secs["engine"], prof)
     w, me = secs["workload"], secs["measures"]
     if w.has("trace"):
         sc, trace_src, burst = _replayed(w, me, base_dir, trace_speedup)
     else:
-        (sc, burst), trace_src = _generated(w, me, base_dir), None
-    scenario = _scenario(sc, secs["client"], me, prof, trace_src is None)
+        (sc, burst), trace_src = _generated(w, me, base_dir, schema), None
+    scenario = _scenario(sc, secs["client"], me, prof, trace_src is None, schema)
     if doc.has("faults"):
-        scenario = scenario.with_(**_faults(doc.sub("faults", "faults")))
+        scenario = scenario.with_(**_faults(secs["faults"]))
     _check_lengths(w, scenario, trace_src, prof)
-    cond, proxy_doc = _proxy(secs["proxy"])
-    fleet = None
-    if doc.has("fleet"):
-        fl = doc.sub("fleet", "fleet")
-        overrides = {k: v for k, v in secs["engine"].d.items() if k != "max_num_queued_reqs"}
-        try:
-            fleet = fleet_spec(fl.d, prof, lambda name: _replica_profile(fl, name, base_dir, overrides))
-        except ValueError as e:
-            raise ScenarioError(f"{source}: fleet.{e}") from None
-    return Deployment(name=name, about=about, profile=prof, model=model_doc, scenario=scenario, condition=cond,
-                      engine_cap=engine_cap, proxy=proxy_doc, seed=int(seed), trace_source=trace_src, burst=burst,
-                      base_dir=base_dir, build_prior=build_prior, fleet=fleet)
+    cond, proxy_doc = _proxy(secs["proxy"], schema)
+    fleet = _fleet(secs["fleet"], prof, secs["engine"], base_dir, schema) if doc.has("fleet") else None
+    layers = {s: {**schema.defaults(s), **_values(schema, s, d[s])} for s in schema.sections()
+              if s not in RESOLVED and s in d}
+    return Deployment(name=name, about=d.get("about", ""), profile=prof, model=model_doc, scenario=scenario,
+                      condition=cond, engine_cap=engine_cap, proxy=proxy_doc, seed=int(d.get("seed", 0)),
+                      trace_source=trace_src, burst=burst, base_dir=base_dir, build_prior=build_prior, fleet=fleet,
+                      sections=layers, schema=schema)
 
 
 def _faults(f: _Doc) -> dict:
@@ -345,17 +264,9 @@ def _faults(f: _Doc) -> dict:
     seconds from T) and a KV block leak on abort."""
     out: dict = {}
     if f.has("stalls"):
-        v = f.d["stalls"]
-        if not isinstance(v, list) or not all(isinstance(x, list) and len(x) == 2 for x in v):
-            raise f.err("stalls", f"must be a list of [start_s, duration_s] pairs, got {v!r}")
-        stalls = []
-        for i, (t, d) in enumerate(v):
-            pair = _Doc(f.source, f"{f.where('stalls')}[{i}]", {"start_s": t, "duration_s": d}, "stall")
-            stalls.append((float(pair.num("start_s", positive=True)),
-                           float(pair.num("duration_s", positive=True, allow_zero=False))))
-        out["stalls"] = tuple(sorted(stalls))
+        out["stalls"] = tuple(sorted((float(t), float(s)) for t, s in f.get("stalls")))
     if f.has("leak_blocks_on_abort"):
-        out["leak_blocks_on_abort"] = f.bool_("leak_blocks_on_abort") or None
+        out["leak_blocks_on_abort"] = f.get("leak_blocks_on_abort") or None
     return out
 
 
@@ -366,57 +277,57 @@ def _engine(eng: _Doc, prof: Profile) -> tuple[Profile, int | None]:
         prof = with_engine(prof, overrides)
     except ProfileError as e:
         raise ScenarioError(f"{eng.source}: engine: {e}") from None
-    return prof, eng.num("max_num_queued_reqs", None, positive=True, allow_zero=False, whole=True)
+    return prof, eng.get("max_num_queued_reqs")
 
 
 def _replayed(w: _Doc, me: _Doc, base_dir: str, trace_speedup: float | None) -> tuple[dict, TraceSource, str | None]:
-    """[workload] trace: Scenario fields, the trace and the burst's name."""
-    clash = [k for k in ("phases", "prompt", "response", "mixed_share", "prefix_groups") + FLAT_PHASE_KEYS
-             + ("prompt_mean", "prompt_sd", "response_median", "response_mean") if w.has(k)]
+    """[workload] trace: Scenario fields (the phases as windows of the trace:
+    before the burst, the burst, after it), the trace and the burst's name."""
+    clash = [k for k in ("phases", "prompt", "response", "mixed_share", "prefix_groups") if w.has(k)]
     if clash:
         raise w.err(clash[0], "and workload.trace both given: a trace fixes arrivals and lengths")
     if me.has("burst"):
         raise me.err("burst", "names a phase, but a trace has none: give burst_start_s and burst_end_s")
-    path = os.path.join(base_dir, w.str_("trace"))
-    speed = trace_speedup if trace_speedup is not None else w.num("trace_speedup", 1.0, positive=True,
-                                                                 allow_zero=False)
+    path = os.path.join(base_dir, w.get("trace"))
+    speed = trace_speedup if trace_speedup is not None else w.get("trace_speedup", 1.0)
     try:
-        tr, info = read_trace(path, speed, int(w.num("shared_prefix", 0, positive=True, whole=True)))
+        tr, info = read_trace(path, speed, int(w.get("shared_prefix", 0)))
     except TraceError as e:
         raise ScenarioError(f"{w.source}: workload.trace: {e}") from None
     with open(path, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()[:16]
-    a, b = me.num("burst_start_s", positive=True), me.num("burst_end_s", positive=True)
+    a, b = me.get("burst_start_s"), me.get("burst_end_s")
     if (a is None) != (b is None):
         raise me.err("burst_start_s" if a is None else "burst_end_s", "is missing: give both ends of the burst")
-    end = me.num("hold_end_s", float(tr.arrival[-1]), positive=True)
+    end = me.get("hold_end_s", float(tr.arrival[-1]))
     if a is not None and not b > a:
         raise me.err("burst_end_s", f"must be after burst_start_s ({a}), got {b}")
     if a is not None and not end > b:
         raise me.err("hold_end_s", f"must be after burst_end_s ({b}), got {end} (the trace's last call "
                                    f"arrives at {tr.arrival[-1]:.1f} s)")
-    sc = dict(base_s=float(a if a is not None else end), pulse_s=float(b - a) if a is not None else 0.0,
-              hold_s=float(end - b) if a is not None else 0.0, shared_prefix=int(tr.shared_prefix),
+    if a is None:
+        windows = [(float(end), "trace")]
+    else:
+        windows = [(float(a), "base"), (float(b - a), "pulse"), (float(end - b), "hold")]
+    phases = tuple(Phase(t, name=n) for t, n in windows if t > 0)
+    sc = dict(phases=phases, burst=None if a is None else [p.name for p in phases].index("pulse"),
+              shared_prefix=int(tr.shared_prefix),
               prompt=Lengths("empirical", values=tuple(int(x) for x in tr.prompt_len), source=f"trace:{sha}"),
               response=Lengths("empirical", values=tuple(int(x) for x in tr.max_tokens), source=f"trace:{sha}"),
               prompt_mean=float(tr.prompt_len.mean()), response_mean=float(tr.max_tokens.mean()))
-    return sc, TraceSource(w.str_("trace"), float(speed), sha, tr, info), ("trace" if a is not None else None)
+    return sc, TraceSource(w.get("trace"), float(speed), sha, tr, info), ("trace" if a is not None else None)
 
 
-def _generated(w: _Doc, me: _Doc, base_dir: str) -> tuple[dict, str | None]:
+def _generated(w: _Doc, me: _Doc, base_dir: str, schema: Schema) -> tuple[dict, str | None]:
     """[workload] phases and lengths: Scenario fields and the burst's name."""
     for k in ("burst_start_s", "burst_end_s", "hold_end_s"):
         if me.has(k):
             raise me.err(k, "only goes with workload.trace; name the burst phase with measures.burst")
     if w.has("trace_speedup"):
         raise w.err("trace_speedup", "only goes with workload.trace")
-    sc, burst = _phases(w, me)
+    sc, burst = _phases(w, me, schema)
     for k in ("prompt", "response"):
         if w.has(k):
-            flat = [f for f in ((("prompt_mean", "prompt_sd") if k == "prompt" else
-                                 ("response_median", "response_mean"))) if w.has(f)]
-            if flat:
-                raise w.err(flat[0], f"and workload.{k} both given: give the {k} lengths one way")
             L = _lengths(w, k, base_dir)
             if k == "prompt" and L.kind == "normal":
                 sc.update(prompt_mean=float(L.mean), prompt_sd=float(L.sd))
@@ -424,52 +335,38 @@ def _generated(w: _Doc, me: _Doc, base_dir: str) -> tuple[dict, str | None]:
                 sc.update(response_median=float(L.median), response_mean=float(L.mean))
             else:
                 sc[k] = L
-    for k in ("prompt_mean", "prompt_sd", "response_median", "response_mean"):
-        if w.has(k):
-            sc[k] = float(w.num(k, positive=True, allow_zero=k == "prompt_sd"))
     if w.has("shared_prefix"):
-        sc["shared_prefix"] = int(w.num("shared_prefix", positive=True, whole=True))
+        sc["shared_prefix"] = int(w.get("shared_prefix"))
     if w.has("prefix_groups"):
         if w.has("shared_prefix"):
             raise w.err("shared_prefix", "and workload.prefix_groups both given: give the prefixes one way")
-        groups = _prefix_groups(w)
+        groups = tuple((int(g["tokens"]), float(g["share"])) for g in _prefix_groups(w))
         sc.update(prefix_groups=groups, shared_prefix=min(g[0] for g in groups))
     for k, L in (("prompt_mean", sc.get("prompt")), ("response_mean", sc.get("response"))):
         if L is not None:                # the mean the proxy's first throughput estimate uses
             sc[k] = float(L.expected)
     if w.has("mixed_prompt_len"):
-        sc["mixed_prompt_len"] = int(w.num("mixed_prompt_len", positive=True, allow_zero=False, whole=True))
-    share = w.num("mixed_share", None, positive=True)
+        sc["mixed_prompt_len"] = int(w.get("mixed_prompt_len"))
+    share = w.get("mixed_share")
     if share is not None:
-        if share > 1:
-            raise w.err("mixed_share", f"must lie in [0, 1], got {share!r}")
         sc["mixed_share"] = float(share) if share > 0 else None
     return sc, burst
 
 
-def _scenario(sc: dict, cl: _Doc, me: _Doc, prof: Profile, generated: bool) -> Scenario:
-    """The Scenario: the workload's fields, [client] and [measures], with the
-    defaults that follow the deadline (Retry-After cap, primary cohort's
-    start, delivery horizon = hold + one deadline)."""
-    for k in CLIENT_KEYS:
-        if cl.has(k):
-            sc[k] = cl.num(k, positive=True, allow_zero=k != "deadline_s", whole=k == "max_retries")
+def _scenario(sc: dict, cl: _Doc, me: _Doc, prof: Profile, generated: bool, schema: Schema) -> Scenario:
+    """The Scenario: the workload's fields, and the [client] and [measures]
+    keys that are Scenario fields, with the defaults that follow the
+    deadline (Retry-After cap, primary cohort's start, delivery horizon =
+    hold + one deadline)."""
+    for sec in (cl, me):
+        sc.update({k: v for k, v in _values(schema, sec.where_, sec.d).items() if schema.row(sec.where_, k).field})
     deadline = sc.get("deadline_s", PAPER.deadline_s)
     sc.setdefault("max_retry_after_s", float(deadline))
-    if sc.get("backoff_min_s", PAPER.backoff_min_s) > sc.get("backoff_max_s", PAPER.backoff_max_s):
-        raise cl.err("backoff_min_s", "must not exceed client.backoff_max_s")
-    for k in MEASURE_KEYS:
-        if me.has(k):
-            sc[k] = me.num(k, positive=True, allow_zero=k in ("recovery_queue_mean", "recovery_queue_growth"))
-    if sc.get("window_s", 1.0) <= 0:
-        raise me.err("window_s", "must be positive")
-    if not 0 < sc.get("recovery_delivery", PAPER.recovery_delivery) <= 1:
-        raise me.err("recovery_delivery", "must lie in (0, 1]")
     sc.setdefault("primary_skip_s", float(deadline))
-    sc.setdefault("delivery_horizon_s", float(sc.get("hold_s", PAPER.hold_s) + deadline))
     if generated and (sc.get("prompt") is not None or sc.get("response") is not None):
         sc["max_call_tokens"] = int(prof.engine["max_model_len"])
-    return PAPER.with_(**{k: (float(v) if isinstance(v, int) and k.endswith("_s") else v) for k, v in sc.items()})
+    s = PAPER.with_(**sc)
+    return s if "delivery_horizon_s" in sc else s.with_(delivery_horizon_s=float(s.hold_s + deadline))
 
 
 def _check_lengths(w: _Doc, scenario: Scenario, trace_src: TraceSource | None, prof: Profile) -> None:
@@ -489,61 +386,48 @@ def _check_lengths(w: _Doc, scenario: Scenario, trace_src: TraceSource | None, p
                     f"({longest} tokens) must be shorter than the shortest prompt")
 
 
-def _proxy(px: _Doc) -> tuple[Condition, dict]:
+def _proxy(px: _Doc, schema: Schema) -> tuple[Condition, dict]:
     """[proxy]: the condition, and the section as resolved."""
-    cname = px.str_("condition", "no-control")
-    if cname not in CONDITIONS:
-        close = difflib.get_close_matches(cname, list(CONDITIONS), n=1)
-        raise px.err("condition", f"{cname!r} is not a named condition" +
-                     (f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(CONDITIONS)}"))
-    changes = {}
-    if px.has("retries"):
-        changes["retries"] = px.bool_("retries")
+    cname = px.get("condition", schema.row("proxy", "condition").default)
     if px.has("cancel"):
         try:
-            parse_cancel(px.str_("cancel"))
+            parse_cancel(px.get("cancel"))
         except ValueError as e:
             raise px.err("cancel", str(e)) from None
-        changes["cancel"] = px.str_("cancel")
-    if px.has("coalesce"):
-        changes["coalesce"] = px.bool_("coalesce")
-    if px.has("budget"):
-        changes["budget"] = px.num("budget", positive=True)
-    for k, valid in (("order", ("budget-first", "lookup-first")), ("queue", ("fifo", "deadline", "lifo"))):
-        if px.has(k):
-            v = px.str_(k)
-            if v not in valid:
-                raise px.err(k, f"must be one of {', '.join(valid)}, got {v!r}")
-            changes[k] = v
-    if px.has("proxy_cap"):
-        changes["proxy_cap"] = int(px.num("proxy_cap", positive=True, whole=True))
+    times = ("defer_s", "budget_window_s")
+    changes = {k: px.get(k) for k in schema.names("proxy") if k != "condition" and k not in times and px.has(k)}
     cond = compose(cname, **changes) if changes else get_condition(cname)
-    times = {k: float(px.num(k, positive=True, allow_zero=k == "defer_s")) for k in ("defer_s", "budget_window_s")
-             if px.has(k)}
-    if times.get("budget_window_s", 1.0) <= 0:
-        raise px.err("budget_window_s", "must be positive")
-    others = {k: px.d[k] for k in PROXY_KEYS if k not in ("condition", "defer_s", "budget_window_s") and px.has(k)}
-    return cond, {"condition": cname, **others, **times}
+    return cond, {"condition": cname, **changes, **{k: float(px.get(k)) for k in times if px.has(k)}}
 
 
-def _prefix_groups(w: _Doc) -> tuple:
-    v = w.d["prefix_groups"]
-    if not isinstance(v, list) or not v:
-        raise w.err("prefix_groups", "must be a non-empty list of tables {tokens, share}")
-    out = []
-    for i, g in enumerate(v):
-        d = _Doc(w.source, f"workload.prefix_groups[{i}]", g, "prefix_group")
-        tok, share = d.num("tokens", positive=True, whole=True), d.num("share", positive=True, allow_zero=False)
-        if tok is None or share is None:
-            raise d.err("tokens" if tok is None else "share", "is missing")
-        out.append((int(tok), float(share)))
-    total = sum(g[1] for g in out)
+def _prefix_groups(w: _Doc) -> list:
+    groups = w.get("prefix_groups")
+    for i, g in enumerate(groups):
+        d = _Doc(w.source, f"workload.prefix_groups[{i}]", g)
+        for k in ("tokens", "share"):
+            if not d.has(k):
+                raise d.err(k, "is missing")
+    total = sum(g["share"] for g in groups)
     if abs(total - 1.0) > 1e-9:
         raise w.err("prefix_groups", f"shares must add up to 1, got {total:g}")
-    return tuple(out)
+    return groups
 
 
-def _replica_profile(fl: "_Doc", name: str, base_dir: str, overrides: dict) -> Profile:
+def _fleet(fl: _Doc, prof: Profile, eng: _Doc, base_dir: str, schema: Schema) -> FleetSpec:
+    """[fleet]: the router and one profile per replica, each with [engine]'s overrides."""
+    v = {**schema.defaults("fleet"), **fl.d}
+    names = v.get("profiles")
+    n = v.get("replicas", len(names) if names is not None else 1)
+    if names is not None and len(names) != n:
+        raise fl.err("profiles", f"names {len(names)} profiles for {n} replicas: give one per replica")
+    router = RouterConfig(v["router"], v["router_retries"], v["proxy"])
+    overrides = {k: x for k, x in eng.d.items() if k != "max_num_queued_reqs"}
+    profiles = (tuple(_replica_profile(fl, x, base_dir, overrides) for x in names) if names is not None
+                else (prof,) * n)
+    return FleetSpec(router, profiles, tuple(names) if names is not None else None)
+
+
+def _replica_profile(fl: _Doc, name: str, base_dir: str, overrides: dict) -> Profile:
     """A replica's profile named in [fleet] profiles, with [engine]'s overrides."""
     path = os.path.join(base_dir, name)
     if name not in embedded_names() and not os.path.isabs(name) and os.path.exists(path):
@@ -614,6 +498,8 @@ class Deployment:
     base_dir: str = field(default=".", compare=False)        # relative paths in the document are from here
     build_prior: object = field(default=None, compare=False, repr=False)
     fleet: FleetSpec | None = None  # [fleet]: replicas behind a router; None: one engine
+    sections: dict = field(default_factory=dict)   # sections of layers no resolver here reads, as checked
+    schema: Schema | None = field(default=None, compare=False, repr=False)   # None: sim.schema.SCHEMA
 
     @property
     def proxy_times(self) -> dict:
@@ -638,12 +524,7 @@ class Deployment:
                 me.update(burst_start_s=s.pulse_start, burst_end_s=s.pulse_end)
             me["hold_end_s"] = s.hold_end if self.burst is not None else s.base_s
         else:
-            if s.phases is None:
-                w["phases"] = [{"name": "base", "duration_s": s.base_s, "load": s.base_load},
-                               {"name": "pulse", "duration_s": s.pulse_s, "load": s.pulse},
-                               {"name": "hold", "duration_s": s.hold_s, "load": s.hold_load}]
-            else:
-                w["phases"] = [p.to_dict() for p in s.phases]
+            w["phases"] = [{"name": p.name, **p.to_dict()} for p in s.phases]
             if self.burst is not None:
                 me["burst"] = self.burst
             w["prompt"] = _lengths_doc(s.prompt) if s.prompt else {"dist": "normal", "mean": s.prompt_mean,
@@ -657,9 +538,9 @@ class Deployment:
             w["mixed_share"] = s.mixed_share or 0.0
             w["mixed_prompt_len"] = s.mixed_prompt_len
         doc["workload"] = w
-        doc["client"] = {k: getattr(s, k) for k in CLIENT_KEYS}
+        doc["client"] = self._fields("client")
         doc["proxy"] = dict(self.proxy)
-        me.update({k: getattr(s, k) for k in MEASURE_KEYS})
+        me.update(self._fields("measures"))
         doc["measures"] = me
         faults = {}
         if s.stalls:
@@ -670,7 +551,18 @@ class Deployment:
             doc["faults"] = faults
         if self.fleet is not None:
             doc["fleet"] = self.fleet.document()
+        for sec, values in self.sections.items():
+            doc[sec] = dict(values)
         return doc
+
+    def _fields(self, section: str) -> dict:
+        """The section's keys that are Scenario fields, with the scenario's values."""
+        return {k.name: getattr(self.scenario, k.name) for k in self.table.rows(section) if k.field}
+
+    @property
+    def table(self) -> Schema:
+        """The schema the deployment was read with."""
+        return self.schema or _schema.SCHEMA
 
     @functools.cached_property
     def content_hash(self) -> str:
@@ -749,9 +641,7 @@ class Deployment:
         replayed trace or a burst given as a rate."""
         if self.trace_source is not None:
             return None
-        if self.scenario.phases is None:
-            return self.scenario.pulse
-        b = _burst_phase(self)
+        b = self.scenario.burst_phase
         return b.load if b is not None else None
 
     def run(self, seed: int | None = None, condition: Condition | str | None = None,
@@ -809,7 +699,7 @@ class Deployment:
 
     # -- presenting
     def to_toml(self) -> str:
-        return to_toml(self.document(), self.profile.engine)
+        return to_toml(self.document(), self.profile.engine, self.table)
 
     def implications(self) -> dict:
         """What the scenario implies: calls per phase at Ĉ, the burst's
@@ -826,8 +716,7 @@ class Deployment:
                 burst_rate = n / s.pulse_s
         else:
             out["phases"] = []
-            names = ([p.name for p in s.phases] if s.phases is not None else ["base", "pulse", "hold"])
-            for name, (a, b, r) in zip(names, s.arrival_phases(cap)):
+            for name, (a, b, r) in zip([p.name for p in s.phases], s.arrival_phases(cap)):
                 out["phases"].append({"name": name, "duration_s": b - a, "rate": r, "calls": r * (b - a)})
             if self.burst is not None:
                 burst_rate = next(p["rate"] for p in out["phases"] if p["name"] == self.burst)
@@ -846,12 +735,6 @@ class Deployment:
                      "mean_prompt": mean_prompt, "mean_response": mean_resp, "blocks_per_call": per,
                      "seats": e["num_gpu_blocks"] // per, "max_num_seqs": e["max_num_seqs"]}
         return out
-
-
-def _burst_phase(dep: Deployment) -> Phase | None:
-    if dep.scenario.phases is None or dep.burst is None:
-        return None
-    return next((p for p in dep.scenario.phases if p.name == dep.burst), None)
 
 
 def _profile_hash(p: Profile) -> str:
@@ -883,54 +766,53 @@ def _toml_value(v) -> str:
     raise TypeError(f"cannot write {v!r} as TOML")
 
 
-COMMENTS = {
-    "model": "an embedded profile (" + ", ".join(["qwen2.5-7b", "qwen3-14b", "llama-3.1-8b", "vllm-cpu-tiny"])
-             + ") or a profile JSON path;\n# or hf_config = \"config.json\" with gpu = \"h100\" (a roofline prior, "
-               "not a measurement);\n# capacity = Ĉ in calls/s of this workload when known (else the profile's, or "
-               "the\n# capacity protocol's on this workload where its mix or engine differs)",
-    "engine": "overrides of the profile's flags, named as vLLM's: max_num_seqs, max_num_batched_tokens,\n"
-              "# block_size, max_model_len, async_scheduling, and the KV cache as ONE of kv_cache_tokens,\n"
-              "# num_gpu_blocks or gpu_memory_utilization; max_num_queued_reqs: the engine refuses (503) beyond it.\n"
-              "# The profile's values:",
-    "workload": "phases: duration_s and a load (x the workload's Ĉ) or a rate (calls/s); lengths:\n"
-                "# {dist = \"normal\", mean, sd} | {dist = \"lognormal\", median, mean} | {dist = \"fixed\", value}\n"
-                "# | {dist = \"empirical\", file, column}; or trace = \"calls.csv\" (Vidur's arrived_at,\n"
-                "# num_prefill_tokens, num_decode_tokens or Azure's TIMESTAMP, ContextTokens, GeneratedTokens)",
-    "client": "each call: a deadline, up to max_retries retries after a uniform backoff wait, Retry-After\n"
-              "# honoured up to max_retry_after_s",
-    "proxy": "a named condition (llmsim conditions) and changes to it: retries, cancel, coalesce, budget,\n"
-             "# order, proxy_cap, queue; defer_s and budget_window_s set the proxy's own times",
-    "faults": "engine faults: stalls = [[start_s, duration_s], ...] (the engine does nothing meanwhile); "
-              "leak_blocks_on_abort = true (aborted requests' KV blocks are never returned)",
-    "fleet": "replicas behind a router: router = round-robin | least-outstanding | least-kv | prefix-affinity |\n"
-             "# call-affinity; router_retries: other replicas tried on a 503; proxy = deployment (one proxy before\n"
-             "# the router) | replica (a sidecar proxy before each engine); profiles: one per replica (default the\n"
-             "# model's for all)",
-    "measures": "burst: the burst phase (pulse cohort; hold = after it; primary = primary_skip_s after its end);\n"
-                "# with a trace, burst_start_s and burst_end_s",
-}
+def _comment(text: str, indent: str = "") -> list[str]:
+    return [f"{indent}# {line}" for line in text.splitlines()]
 
 
-def to_toml(doc: dict, engine: dict | None = None) -> str:
-    """A resolved document as a commented TOML file; `engine` (the profile's
-    flags) is listed, commented out, under [engine]."""
+def _documented(schema: Schema, r: Key) -> str:
+    """A row's comment, with the keys of its tables for a TABLE, TABLES or PAIRS row."""
+    if r.type in (TABLE, TABLES, PAIRS) and r.of is not None:
+        return f"{r.comment}: {{{', '.join(schema.names(r.table))}}}"
+    if r.choices:
+        return f"{r.comment}: {' | '.join(r.choices)}"
+    return r.comment
+
+
+def to_toml(doc: dict, engine: dict | None = None, schema: Schema | None = None) -> str:
+    """A resolved document as a commented TOML file, written from the
+    schema's rows: each section with its comment, each key given after its
+    comment, each key not given commented out with its default (or what it
+    defaults to) and comment, an absent section likewise; `engine` (the
+    profile's flags) gives [engine]'s defaults."""
+    schema = schema or _schema.SCHEMA
     lines = [f"# llmsim scenario {doc['name']}" + (f": {doc['about']}" if doc.get("about") else ""),
              "# every key is optional; an absent key takes the reference design's value (docs/model.md)"]
-    for k in ("name", "about", "seed"):
-        lines.append(f"{k} = {_toml_value(doc[k])}")
-    for sec in ("model", "engine", "workload", "client", "proxy", "measures", "faults", "fleet"):
-        if sec not in doc:
-            continue
-        lines += ["", f"[{sec}]", f"# {COMMENTS[sec]}"]
-        if sec == "engine" and engine:
-            shown = dict(engine, async_scheduling=engine["depth"] > 1)
-            shown.pop("depth")
-            lines += [f"#   {k} = {_toml_value(v)}" for k, v in shown.items() if k not in doc[sec]]
-        for k, v in doc[sec].items():
-            if k == "phases":
-                lines.append("phases = [")
-                lines += [f"  {_toml_value(p)}," for p in v]
-                lines.append("]")
-            else:
-                lines.append(f"{k} = {_toml_value(v)}")
+    for r in schema.rows(""):
+        if r.type != TABLE and r.name in doc:
+            lines += _comment(r.comment) + [f"{r.name} = {_toml_value(doc[r.name])}"]
+    shown = {}
+    if engine:
+        shown = dict(engine, async_scheduling=engine["depth"] > 1)
+        shown.pop("depth")
+    for sec in schema.sections():
+        given = doc.get(sec)
+        lines.append("")
+        lines += [f"[{sec}]"] if given is not None else [f"# [{sec}] (not given)"]
+        lines += _comment(schema.comment(sec))
+        for r in schema.rows(sec):
+            about = _documented(schema, r)
+            if given is not None and r.name in given:
+                v = given[r.name]
+                lines += _comment(about)
+                if r.type == TABLES:
+                    lines.append(f"{r.name} = [")
+                    lines += [f"  {_toml_value(x)}," for x in v]
+                    lines.append("]")
+                else:
+                    lines.append(f"{r.name} = {_toml_value(v)}")
+                continue
+            default = shown.get(r.name) if sec == "engine" else r.default
+            lines.append(f"#   {r.name} = {_toml_value(default)}  # {about}" if default is not None
+                         else f"#   {r.name}: {about}")
     return "\n".join(lines) + "\n"

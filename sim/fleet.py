@@ -11,10 +11,10 @@ proxy stands is the router config's `proxy`:
   router places each attempt; a sidecar's 503 is retried likewise.
 With one replica either gives the single engine's run, event for event.
 
-`run_fleet` runs one and returns the record: the fleet's own §8 record (all
+`run_fleet` runs one and returns the record: the fleet's own result record (all
 calls, attempts and executions; the engines' series, counters and work
 summed; Ĉ the sum of the replicas') with two more keys,
-- `replicas`: per replica the §8 record of what reached it (`replica_log`),
+- `replicas`: per replica the result record of what reached it (`replica_log`),
 - `fleet`: the router, the calls each replica got first, attempts moved to a
   replica other than their call's previous one, prefix-cache hit share per
   replica, and the calls that ever had two live executions on different
@@ -47,8 +47,7 @@ from .workload import Trace
 
 INF = float("inf")
 NAN = float("nan")
-RECORD_KEYS = ("fleet", "replicas")              # keys a fleet's record has beyond the §8 record
-FLEET_KEYS = ("replicas", "router", "router_retries", "proxy", "profiles")   # of a scenario's [fleet]
+RECORD_KEYS = ("fleet", "replicas")              # keys a fleet's record has beyond the result record
 # a call's record in a replica's log when the call reached it only after another replica
 ELSEWHERE = "elsewhere"
 _ANY = object()         # a timer that may reach every replica (see _RoutedTimers)
@@ -56,8 +55,9 @@ _ANY = object()         # a timer that may reach every replica (see _RoutedTimer
 
 @dataclass(frozen=True)
 class FleetSpec:
-    """A scenario's [fleet]: the router and one profile per replica;
-    `profile_names` as the file named them (None: the model's for all)."""
+    """A scenario's [fleet] (read by `sim.deployment` against `sim.schema`):
+    the router and one profile per replica; `profile_names` as the file
+    named them (None: the model's for all)."""
     router: RouterConfig
     profiles: tuple = field(repr=False)
     profile_names: tuple | None = None
@@ -84,31 +84,6 @@ class FleetSpec:
         return {"capacity": float(sum(i["capacity"] for i in infos)), "key": infos[0].get("key"),
                 "source": "; ".join(sources),
                 "replicas": [float(i["capacity"]) for i in infos]}
-
-
-def fleet_spec(d: dict, model_profile: Profile, load_profile) -> FleetSpec:
-    """A [fleet] table as a FleetSpec; `load_profile(name)` resolves a name
-    in `profiles`. Raises ValueError starting with the key at fault."""
-    n = d.get("replicas")
-    names = d.get("profiles")
-    if names is not None and (not isinstance(names, list) or not names
-                              or not all(isinstance(x, str) for x in names)):
-        raise ValueError(f"profiles must be a list of profile names, one per replica, got {names!r}")
-    if n is None:
-        n = len(names) if names is not None else 1
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"replicas must be a whole number >= 1, got {n!r}")
-    if names is not None and len(names) != n:
-        raise ValueError(f"profiles names {len(names)} profiles for {n} replicas: give one per replica")
-    for k in ("router", "proxy"):
-        if k in d and not isinstance(d[k], str):
-            raise ValueError(f"{k} must be a string, got {d[k]!r}")
-    retries = d.get("router_retries", 0)
-    if isinstance(retries, bool) or not isinstance(retries, int):
-        raise ValueError(f"router_retries must be a whole number >= 0, got {retries!r}")
-    router = RouterConfig(d.get("router", "round-robin"), retries, d.get("proxy", "deployment"))
-    profiles = tuple(load_profile(x) for x in names) if names is not None else (model_profile,) * n
-    return FleetSpec(router, profiles, tuple(names) if names is not None else None)
 
 
 @dataclass
@@ -669,7 +644,7 @@ def moved_attempts(log: FleetLog) -> int:
 
 
 def fleet_measures(log: FleetLog) -> dict:
-    """The fleet's own measures beyond the §8 record (see the module docstring)."""
+    """The fleet's own measures beyond the result record (see the module docstring)."""
     n = len(log.replicas)
     calls = np.bincount(log.call_replica[log.call_replica >= 0], minlength=n)
     landed = np.bincount(log.attempt_replica[log.attempt_replica >= 0], minlength=n)
@@ -692,8 +667,8 @@ def simulate_fleet(profiles: list[Profile], trace: Trace, condition: Condition, 
 
 
 def fleet_record(log: FleetLog, scenario: Scenario, capacities: list[float], inputs: dict) -> dict:
-    """The fleet's record: the §8 record of the whole fleet (Ĉ the sum of
-    `capacities`), `replicas` (each replica's §8 record at its own Ĉ) and
+    """The fleet's record: the result record of the whole fleet (Ĉ the sum of
+    `capacities`), `replicas` (each replica's result record at its own Ĉ) and
     `fleet` (`fleet_measures`)."""
     rec = measures.record(log.fleet, scenario, sum(capacities), inputs)
     rec["replicas"] = [measures.record(rl, scenario, c, inputs) for rl, c in zip(log.replicas, capacities)]

@@ -31,7 +31,7 @@ COUNTER_KEYS = ("prompt_tokens_total", "prefix_cache_queries_total", "prefix_cac
 
 
 # --------------------------------------------------------------------------
-# Recovery (§5)
+# Recovery (docs/model.md#measures)
 # --------------------------------------------------------------------------
 
 def good_windows(window_delivery: Sequence[float], window_queue_mean: Sequence[float],
@@ -223,7 +223,7 @@ def window_stats(log: RunLog, scenario: Scenario) -> dict[str, np.ndarray]:
 
 
 # --------------------------------------------------------------------------
-# The §8 record
+# The result record (docs/model.md#result-record)
 # --------------------------------------------------------------------------
 
 def _clean(x: Any) -> Any:

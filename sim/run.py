@@ -108,7 +108,7 @@ def workload_capacity(profile: Profile, scenario: Scenario, seed: int = 0) -> di
             hit = json.load(f)
     if hit is None:
         start = start_rate(profile, scenario)
-        res = capacity_protocol(profile, scenario.with_(phases=None), seed=seed, start_rate=start)
+        res = capacity_protocol(profile, scenario, seed=seed, start_rate=start)
         hit = {"capacity": res["capacity"], "source": "capacity protocol on this workload", "key": key,
                "saturated_stage": res["saturated_stage"], "start_rate": start}
         if path:

@@ -2,13 +2,17 @@
 one a parameter, and the registry of named scenarios (`SCENARIOS`) that
 simulation, calibration and validation share.
 
-Beyond the reference design a Scenario may carry a list of arrival `phases`
-(`Phase`: a duration and a load in multiples of Ĉ or a rate in calls/s; the
-burst is the phase starting at `base_s` and lasting `pulse_s`, so the cohorts
-follow from it), prompt and response length distributions (`Lengths`),
-prefix groups with shares, a mixed-prompt share and a cut to the engine's
-context length. Each is left out of `to_dict` while unset, so the reference
-scenarios read exactly as before; scenario files (`sim.deployment`) set them.
+The arrivals are a list of `phases` (`Phase`: a duration and a load in
+multiples of Ĉ or a rate in calls/s) and the index of the burst phase; the
+reference design's base / pulse / hold is a preset of them
+(`reference_phases`), and the cohorts' bounds (`base_s`, `pulse_s`,
+`hold_s`, `pulse_end`, `hold_end`) are computed from them. Beyond the
+reference design a Scenario may carry prompt and response length
+distributions (`Lengths`), prefix groups with shares, a mixed-prompt share
+and a cut to the engine's context length. Each is left out of `to_dict`
+while unset, and phases of the reference design's shape are given there by
+its six fields, so the reference scenarios read exactly as before; scenario
+files (`sim.deployment`) set them.
 
 Named scenarios:
 - `paper`: the reference design as written (947 s of arrivals, 120 s deadline) — the default
@@ -46,9 +50,10 @@ ARRIVALS = ("poisson", "constant")
 @dataclass(frozen=True)
 class Phase:
     """One phase of the arrivals: `duration_s` seconds of arrivals at `rate`
-    calls/s, or at `load` x the workload's capacity Ĉ (exactly one of the two
-    is given). `arrivals`: `poisson` (the default) or `constant` (one call
-    every 1/rate seconds from the phase's start, as load generators such as
+    calls/s, or at `load` x the workload's capacity Ĉ (at most one of the two
+    is given; neither: a window of a replayed trace, whose calls come from the
+    trace). `arrivals`: `poisson` (the default) or `constant` (one call every
+    1/rate seconds from the phase's start, as load generators such as
     inference-perf and guidellm send)."""
     duration_s: float
     load: float | None = None
@@ -60,8 +65,10 @@ class Phase:
         if not (isinstance(self.duration_s, (int, float)) and math.isfinite(self.duration_s)
                 and self.duration_s > 0):
             raise ValueError(f"phase duration_s must be positive, got {self.duration_s!r}")
-        if (self.load is None) == (self.rate is None):
-            raise ValueError("a phase gives either load (x Ĉ) or rate (calls/s), not both and not neither")
+        if self.load is not None and self.rate is not None:
+            raise ValueError("a phase gives either load (x Ĉ) or rate (calls/s), not both")
+        if self.load is None and self.rate is None:
+            return
         v = self.load if self.load is not None else self.rate
         if not (math.isfinite(v) and v >= 0):
             raise ValueError(f"phase {'load' if self.load is not None else 'rate'} must be non-negative, got {v!r}")
@@ -69,6 +76,8 @@ class Phase:
             raise ValueError(f"phase arrivals must be one of {', '.join(ARRIVALS)}, got {self.arrivals!r}")
 
     def calls_per_s(self, capacity: float) -> float:
+        if self.load is None and self.rate is None:
+            raise ValueError(f"phase {self.name!r} is a window of a replayed trace: it generates no calls")
         return self.rate if self.rate is not None else self.load * capacity
 
     def to_dict(self) -> dict:
@@ -125,29 +134,46 @@ class Lengths:
                                       if getattr(self, f) is not None}}
 
 
-@dataclass(frozen=True)
+def reference_phases(base_s: float = 120.0, pulse_s: float = 107.0, hold_s: float = 720.0, base_load: float = 0.6,
+                     pulse: float = 2.7, hold_load: float = 0.6) -> tuple[Phase, ...]:
+    """The reference design's arrivals as phases: base, the burst (pulse) and
+    hold, each at a load in multiples of Ĉ."""
+    return (Phase(float(base_s), load=base_load, name="base"), Phase(float(pulse_s), load=pulse, name="pulse"),
+            Phase(float(hold_s), load=hold_load, name="hold"))
+
+
+REFERENCE_PHASES = reference_phases()
+# the reference design's arrivals by their old names: durations and loads of the phase before the burst, the
+# burst, and the phase after it (`Scenario.with_` and the constructor take them)
+PHASE_FIELDS = ("base_s", "pulse_s", "hold_s", "base_load", "hold_load", "pulse")
+
+
+@dataclass(frozen=True, init=False)
 class Scenario:
-    # §1 workload phases (seconds) and rates (multiples of capacity)
-    base_s: float = 120.0
-    pulse_s: float = 107.0
-    hold_s: float = 720.0
-    base_load: float = 0.6
-    hold_load: float = 0.6
-    pulse: float = 2.7
-    # §1 prompts and responses (tokens)
+    """The workload, client and measure constants. The arrivals are `phases`
+    with `burst` the index of the burst phase (None: no burst); the cohorts'
+    bounds follow from them: `base_s` (the phases before the burst),
+    `pulse_s` (the burst's), `hold_s` (the phases after it), and the loads
+    `base_load`, `pulse`, `hold_load` of the phase before, at and after the
+    burst. Those six names are also accepted by the constructor and `with_`,
+    which set the phases' durations and loads (the reference design's
+    shape: one phase before the burst, one after)."""
+    # the workload (docs/model.md#workload): the arrivals, and prompts and responses (tokens)
+    phases: tuple[Phase, ...] = REFERENCE_PHASES
+    burst: int | None = 1
     prompt_mean: float = 12_000.0
     prompt_sd: float = 1_200.0
     shared_prefix: int = 2_000
     mixed_prompt_len: int = 3_000
     response_median: float = 300.0
     response_mean: float = 400.0
-    # §2 client
+    # client: docs/model.md#client
     deadline_s: float = 120.0
     max_retries: int = 3
     backoff_min_s: float = 0.25
     backoff_max_s: float = 3.0
     max_retry_after_s: float = 120.0
-    # §5 measures
+    # measures: docs/model.md#measures
     delivery_horizon_s: float = 840.0
     primary_skip_s: float = 120.0   # primary cohort starts this long after the pulse ends
     window_s: float = 60.0
@@ -155,9 +181,6 @@ class Scenario:
     recovery_queue_mean: float = 2.0
     recovery_queue_growth: float = 0.01
     # Beyond the reference design; each is left out of `to_dict` while unset.
-    # phases: the arrivals as a list of phases, the burst (pulse) being the one
-    # that starts at base_s and lasts pulse_s; unset: base / pulse / hold above
-    phases: tuple[Phase, ...] | None = None
     prompt: Lengths | None = None       # unset: normal(prompt_mean, prompt_sd)
     response: Lengths | None = None     # unset: lognormal(response_median, response_mean)
     mixed_share: float | None = None    # share of calls given mixed_prompt_len-token prompts
@@ -167,6 +190,83 @@ class Scenario:
     # device hiccup); leak_blocks_on_abort, an aborted request's KV blocks never returned. Unset: none
     stalls: tuple[tuple[float, float], ...] | None = None
     leak_blocks_on_abort: bool | None = None
+
+    def __init__(self, **kw):
+        flat = {k: kw.pop(k) for k in PHASE_FIELDS if k in kw}
+        for f in fields(self):
+            object.__setattr__(self, f.name, kw.pop(f.name, f.default))
+        if kw:
+            raise TypeError(f"Scenario has no field {next(iter(kw))!r}")
+        object.__setattr__(self, "phases", tuple(self.phases))
+        if self.burst is not None and not 0 <= self.burst < len(self.phases):
+            raise ValueError(f"the burst phase {self.burst} is not one of the {len(self.phases)} phases")
+        if flat:
+            object.__setattr__(self, "phases", self._set_phases(flat))
+
+    def _set_phases(self, flat: dict) -> tuple[Phase, ...]:
+        """The phases with the durations and loads named as the reference
+        design's changed (one phase before the burst, one after)."""
+        ph, k = list(self.phases), self.burst
+        if k is None:
+            raise ValueError(f"{', '.join(flat)}: the scenario has no burst phase to set them around")
+        where = {"base_s": (k - 1, "duration_s"), "pulse_s": (k, "duration_s"), "hold_s": (k + 1, "duration_s"),
+                 "base_load": (k - 1, "load"), "pulse": (k, "load"), "hold_load": (k + 1, "load")}
+        for name, v in flat.items():
+            i, attr = where[name]
+            if not (0 <= i < len(ph)) or (name.startswith("base") and k != 1) or \
+                    (name.startswith("hold") and k != len(ph) - 2):
+                raise ValueError(f"{name}: the scenario's phases have not one phase {'before' if i < k else 'after'} "
+                                 "the burst; set the phases")
+            ph[i] = replace(ph[i], **({attr: v, "rate": None} if attr == "load" else {attr: v}))
+        return tuple(ph)
+
+    # -- the arrivals as the cohorts read them
+    @property
+    def burst_phase(self) -> Phase | None:
+        return None if self.burst is None else self.phases[self.burst]
+
+    @property
+    def base_s(self) -> float:
+        k = len(self.phases) if self.burst is None else self.burst
+        return float(sum(p.duration_s for p in self.phases[:k]))
+
+    @property
+    def pulse_s(self) -> float:
+        return 0.0 if self.burst is None else float(self.phases[self.burst].duration_s)
+
+    @property
+    def hold_s(self) -> float:
+        return 0.0 if self.burst is None else float(sum(p.duration_s for p in self.phases[self.burst + 1:]))
+
+    def _load(self, i: int, default: float) -> float | None:
+        if self.burst is None or not 0 <= i < len(self.phases) or self.phases[i].load is None:
+            return default
+        return self.phases[i].load
+
+    @property
+    def base_load(self) -> float:
+        """The load of the phase before the burst (the reference design's when it has none)."""
+        return self._load(self.burst - 1 if self.burst else -1, REFERENCE_PHASES[0].load)
+
+    @property
+    def pulse(self) -> float:
+        """The burst's load (the reference design's when given as a rate or with no burst)."""
+        return self._load(-1 if self.burst is None else self.burst, REFERENCE_PHASES[1].load)
+
+    @property
+    def hold_load(self) -> float:
+        return self._load(-1 if self.burst is None else self.burst + 1, REFERENCE_PHASES[2].load)
+
+    @property
+    def is_reference_shape(self) -> bool:
+        """Three phases named base, pulse, hold, each at a load, the burst the second."""
+        return ([p.name for p in self.phases] == ["base", "pulse", "hold"] and self.burst == 1
+                and all(p.load is not None for p in self.phases))
+
+    @property
+    def replayed(self) -> bool:
+        """The phases are windows of a replayed trace (no loads, no rates)."""
+        return all(p.load is None and p.rate is None for p in self.phases)
 
     @property
     def pulse_start(self) -> float:
@@ -192,15 +292,16 @@ class Scenario:
         }
 
     def with_(self, **kw) -> "Scenario":
-        return replace(self, **kw)
+        """The scenario with fields changed; also the six names of
+        `PHASE_FIELDS` (the phases' durations and loads around the burst).
+        New `phases` keep the burst's index unless `burst` is given."""
+        flat = {k: kw.pop(k) for k in PHASE_FIELDS if k in kw}
+        out = replace(self, **kw)
+        return Scenario(**{f.name: getattr(out, f.name) for f in fields(out)}, **flat) if flat else out
 
     def arrival_phases(self, capacity: float) -> list[tuple[float, float, float]]:
         """(start, end, calls/s) of each phase, loads taken at `capacity`
         (`arrival_kinds` gives how each phase's calls arrive)."""
-        if self.phases is None:
-            return [(0.0, self.base_s, self.base_load * capacity),
-                    (self.pulse_start, self.pulse_end, self.pulse * capacity),
-                    (self.pulse_end, self.hold_end, self.hold_load * capacity)]
         out, t = [], 0.0
         for p in self.phases:
             out.append((t, t + p.duration_s, p.calls_per_s(capacity)))
@@ -209,8 +310,6 @@ class Scenario:
 
     def arrival_kinds(self) -> list[str]:
         """How the calls of each phase of `arrival_phases` arrive: poisson or constant."""
-        if self.phases is None:
-            return ["poisson"] * 3
         return [p.arrivals for p in self.phases]
 
     @property
@@ -226,10 +325,27 @@ class Scenario:
                 "mixed": ({"share": self.mixed_share, "len": self.mixed_prompt_len} if self.mixed_share else None)}
 
     def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)
-             if f.name not in _EXTENDED or getattr(self, f.name) is not None}
-        if self.phases is not None:
-            d["phases"] = [p.to_dict() for p in self.phases]
+        """As records give it: the cohorts' bounds (base_s, pulse_s, hold_s)
+        and the loads (base_load, hold_load, pulse) first; the phases as a
+        list unless they are the reference design's shape (or a replayed
+        trace's windows), whose loads the three say."""
+        plain = self.is_reference_shape or self.replayed
+        ref = REFERENCE_PHASES
+        b = self.burst_phase
+        d: dict = {"base_s": self.base_s, "pulse_s": self.pulse_s, "hold_s": self.hold_s,
+                   "base_load": self.phases[0].load if self.is_reference_shape else ref[0].load,
+                   "hold_load": self.phases[2].load if self.is_reference_shape else ref[2].load,
+                   "pulse": b.load if b is not None and b.load is not None else ref[1].load}
+        d.update({f.name: getattr(self, f.name) for f in fields(self)
+                  if f.name not in ("phases", "burst") + _EXTENDED or getattr(self, f.name) is not None})
+        d.pop("phases", None)
+        d.pop("burst", None)
+        for k in _EXTENDED:                  # the extended fields after the others, phases first
+            if k in d:
+                d[k] = d.pop(k)
+        if not plain:
+            d = {**{k: v for k, v in d.items() if k not in _EXTENDED}, "phases": [p.to_dict() for p in self.phases],
+                 **{k: v for k, v in d.items() if k in _EXTENDED}}
         if self.prefix_groups is not None:
             d["prefix_groups"] = [list(g) for g in self.prefix_groups]
         if self.stalls is not None:
@@ -240,7 +356,7 @@ class Scenario:
         return d
 
 
-_EXTENDED = ("phases", "prompt", "response", "mixed_share", "max_call_tokens", "prefix_groups", "stalls",
+_EXTENDED = ("prompt", "response", "mixed_share", "max_call_tokens", "prefix_groups", "stalls",
              "leak_blocks_on_abort")
 
 

@@ -1,4 +1,4 @@
-"""The golden result records: a fixed set of runs whose §8 records guard
+"""The golden result records: a fixed set of runs whose result records guard
 refactors. `python -m tests.golden` rewrites tests/data/golden_records.json
 (only with a stated reason in the commit); tests/test_golden.py compares."""
 from __future__ import annotations

@@ -37,7 +37,7 @@ def test_trace_with_a_constant_phase_keeps_the_poisson_phases_calls():
 
 
 def test_poisson_is_the_default_and_reads_as_before():
-    sc = PAPER.with_(phases=(Phase(50.0, rate=2.0, name="a"),))
+    sc = PAPER.with_(phases=(Phase(50.0, rate=2.0, name="a"),), burst=0)
     explicit = make_trace(1.0, sc, 3, phases=[(0.0, 50.0, 2.0)])
     default = make_trace(1.0, sc, 3)
     assert np.array_equal(explicit.arrival, default.arrival)

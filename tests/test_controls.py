@@ -1,4 +1,4 @@
-"""The proxy's overload controls (SPEC §3) on hand-written event sequences,
+"""The proxy's overload controls (docs/model.md#proxy) on hand-written event sequences,
 with the exact actions expected, and hypothesis properties of the policy
 core driven by random event sequences."""
 from __future__ import annotations

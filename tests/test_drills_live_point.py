@@ -24,7 +24,7 @@ from validate import validation as V
 from validate.live_run import LiveRun
 
 FAKE = Path(__file__).resolve().parent / "fake_vllm.py"
-DRILL = NamedScenario("drill", _scaled(200.0), time_scale=200.0, about="SPEC's times / 200, for drills")
+DRILL = NamedScenario("drill", _scaled(200.0), time_scale=200.0, about="the reference scenario's times / 200, for drills")
 CAPACITY = 4.0
 
 

@@ -2,7 +2,7 @@
 routing; call affinity with coalescing never leaves a call with live
 executions on two replicas (and without affinity the record counts the calls
 that had them); calls are conserved across replicas; a replica's record is
-a single engine's §8 record; [fleet] in scenario files and the queues figure."""
+a single engine's result record; [fleet] in scenario files and the queues figure."""
 from __future__ import annotations
 
 import json
@@ -467,7 +467,7 @@ def test_phase_map_of_a_fleet_of_one_is_the_single_engines(tmp_path):
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_replica_records_from_the_fleets_columns_are_those_of_their_records(tiny3, placement):
     """A replica's executions carry their columns, cut from the fleet's; the
-    §8 record measured from them is the one measured from the records."""
+    result record measured from them is the one measured from the records."""
     import dataclasses
     from sim import measures
     from sim.fleet import replica_log

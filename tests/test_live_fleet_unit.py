@@ -13,7 +13,7 @@ from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 
 from sim.conditions import get_condition
-from sim.fleet import FLEET_KEYS
+from sim.schema import SCHEMA
 from sim.policy.router import RouterConfig, call_key, mix64
 from sim.scenario import PAPER
 from sim.workload import Trace
@@ -230,7 +230,7 @@ def test_fleet_live_run_records_each_replica_and_conserves_calls():
     log, mocks = asyncio.run(go())
     rec = live_fleet_record(log, sc, [5.0, 5.0], {"model": "mock", "condition": "coalesce"})
     f = rec["fleet"]
-    assert set(FLEET_KEYS) <= set(f)
+    assert set(SCHEMA.names("fleet")) <= set(f)
     assert sum(f["calls"]) + f["calls_unrouted"] == n
     assert all(c.outcome == "delivered" for c in log.fleet.calls)
     assert f["calls"] == [len(mocks[0].seen), len(mocks[1].seen)] and min(f["calls"]) > 0

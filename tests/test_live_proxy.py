@@ -31,7 +31,7 @@ What each case shows, and in which of the engine's `/metrics` counters:
 (b) clients that give up under cancellation `now` (condition `cancel`),
     aborted by vLLM. In prefill (30k-token prompt):
     `vllm:prefix_cache_queries_total` counts the prompt while
-    `vllm:prompt_tokens_total` does not (the counter gap of SPEC §4), and no
+    `vllm:prompt_tokens_total` does not (the counter gap: docs/model.md#counters), and no
     `vllm:request_success_total` series moves (vLLM does not count aborts
     there; its `finished_reason="abort"` series stays 0). In decode
     (max_tokens 20000, ~60 s of decode; the client leaves after 5 tokens):

@@ -58,10 +58,9 @@ def get_json(url: str, timeout: float = 10) -> dict:
 def wait_drained(proxy_url: str, limit_s: float = 400.0) -> dict:
     """Poll /stats until the proxy holds nothing live. While the engine
     drains a storm, the proxy reads hundreds of streams on two cores shared
-    with the engine; an answer slower than 10 s (seen once in CI, when a
-    retry's replay took a write per token) is waited for again within
+    with the engine; an answer slower than 10 s is waited for again within
     `limit_s`: the promise checked here is what the proxy holds once
-    drained, not how fast it answers meanwhile (README: the storm, measured)."""
+    drained, not how fast it answers meanwhile (docs/promises.md#the-storm-measured)."""
     t_end = time.monotonic() + limit_s
     while True:
         try:

@@ -1,5 +1,5 @@
 """The live run's own logic (validate/live_run.py: the policy core's retrying
-client over HTTP through the live proxy, the RunLog and the §8 record) against
+client over HTTP through the live proxy, the RunLog and the result record) against
 an in-process stub standing in for a vLLM server (SlotStub: k requests at a
 time, FIFO, max_tokens chunks each; it is a stub, not vLLM). Loopback only;
 a few seconds of wall time."""

@@ -1,9 +1,9 @@
 """Live: `llmsim validate` end to end on the real CPU vLLM engine, on the
-`cpu-tiny` smoke scenario (SPEC's times / 16: 7.5 s deadline, ~1 minute of
+`cpu-tiny` smoke scenario (the reference scenario's times / 16: 7.5 s deadline, ~1 minute of
 arrivals), one point. Deselect with `-m "not live"`.
 
 Time budget: engine start-up ~50 s, the point ~1.5-2 min, the resumed rerun
-a second. It checks the harness, not the model: both records are complete §8
+a second. It checks the harness, not the model: both records are complete result
 records of the same trace, the live one was produced by the retrying client
 through the proxy against vLLM (attempts, executions and engine counters are
 real), the JSON is written after the point, and a rerun resumes from it

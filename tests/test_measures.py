@@ -1,4 +1,4 @@
-"""SPEC §5 measures and the §8 record on hand-built run logs."""
+"""The measures and the result record (docs/model.md#measures, #result-record) on hand-built run logs."""
 from __future__ import annotations
 
 import json

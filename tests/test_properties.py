@@ -501,7 +501,7 @@ def light_hold_cases(draw) -> Case:
     # backlog and show two good 20 s windows
     s = draw(scenarios(hold_load=st.floats(0.3, 0.45), pulse=st.floats(1.5, 2.7), max_retries=st.just(3),
                        pulse_s=st.just(10.0), prompt_mean=st.floats(600.0, 1500.0)))
-    # the SPEC's growth limit of 0.01/s is 0.6 calls over a 60 s window: keep
+    # the recovery rule's growth limit of 0.01/s is 0.6 calls over a 60 s window: keep
     # that per window, or a single waiting request sampled at the end of a 20 s
     # window fails it
     s = s.with_(hold_s=120.0, window_s=20.0, primary_skip_s=20.0, base_load=min(s.base_load, 0.5),

@@ -178,7 +178,7 @@ def test_capacity_belongs_to_the_workload():
     mixed = workload_capacity(prof, PAPER.with_(mixed_share=0.5))
     assert mixed["source"].startswith("capacity protocol") and mixed["capacity"] > 1.3 * prof.capacity
     assert workload_capacity(prof, PAPER.with_(mixed_share=0.5)) is mixed            # once, cached
-    # the same protocol as `llmsim capacity` (SPEC §6 from 1.0 calls/s)
+    # the same protocol as `llmsim capacity` (docs/model.md#capacity-ĉ, from 1.0 calls/s)
     assert mixed["capacity"] == capacity_protocol(prof, PAPER.with_(mixed_share=0.5))["capacity"]
 
 

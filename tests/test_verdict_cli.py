@@ -114,3 +114,22 @@ def test_advise_searches_a_fleets_router(tmp_path, capsys):
     assert d["top"][0]["margin"]["axes"][0]["probes"][0]["p"] == d["top"][0]["summary"]["p"]
     out = capsys.readouterr().out
     assert "router: " in out and "   margin: " in out
+
+
+def test_diagnose_json_carries_each_conditions_verdict_as_run_seeds_does(tiny, tmp_path):
+    diag, run = tmp_path / "d.json", tmp_path / "r.json"
+    assert main(["diagnose", "--model", tiny, "--scenario", "cpu-tiny", "--seeds", "2", "--json", str(diag)]) == 0
+    assert main(["run", "--model", tiny, "--scenario", "cpu-tiny", "--condition", "no-retry", "--seeds", "2",
+                 "--json", str(run)]) == 0
+    d, r = json.loads(diag.read_text()), json.loads(run.read_text())
+    assert list(d["summary"]) == ["no-control", "cancel", "no-retry+cancel", "no-retry"]
+    for cond, s in d["summary"].items():
+        runs = [x for x in d["runs"] if x["condition"] == cond]
+        assert set(s) == set(r["summary"]) and s["n"] == len(runs) == 2
+        assert s["recovered"] == sum(bool(x["recovered"]) for x in runs)
+        assert s["lo"] <= s["p"] <= s["hi"] and isinstance(s["tipping"], bool)
+    mine, theirs = d["summary"]["no-retry"], r["summary"]
+    assert (mine["recovered"], mine["tipping"], mine["too_few"]) == (theirs["recovered"], theirs["tipping"],
+                                                                     theirs["too_few"])
+    assert (mine["lo"], mine["hi"]) == pytest.approx((theirs["lo"], theirs["hi"]))
+    assert mine["hold_delivered"] == pytest.approx(theirs["hold_delivered"])

@@ -1,4 +1,4 @@
-"""Early termination, KV reservation and abort latency (SPEC §10), on the
+"""Early termination, KV reservation and abort latency (docs/model.md#steady-load-cancellation-waste), on the
 engine harness with exact numbers: every step takes 1 s, blocks hold 4
 tokens, the token budget is 8, unless said otherwise."""
 import pytest

