@@ -55,7 +55,7 @@ from scipy.optimize import least_squares
 from calibrate.prior import GPU, MODELS, ModelShape, step_time
 from calibrate.published import PUBLISHED
 from sim.capacity import capacity_protocol
-from sim.engine.step_time import COEFFICIENTS, StepTimeModel
+from sim.engine.step_time import FORM_MODELS, step_time_model
 from sim.latency import latency
 from sim.profile import Profile, ProfileError, from_dict, with_engine
 from sim.scenario import PAPER, Lengths
@@ -328,15 +328,17 @@ def physical_floor(profile: Profile) -> dict:
     profile without them."""
     shape, gpu = profile.raw.get("model"), profile.raw.get("hardware")
     prior = profile.step_time.to_dict()
+    names = profile.step_time.coefficients
     if not shape or not gpu:
-        return {k: 0.0 for k in COEFFICIENTS}
+        return {k: 0.0 for k in names}
     best = step_time(ModelShape(**shape), GPU(**gpu), mfu=1.0, bw_eff=1.0, attn_eff=1.0, step_overhead_s=0.0,
-                     request_overhead_s=0.0)
-    return {k: min(1.0, best[k] / prior[k]) if prior[k] > 0 else 0.0 for k in COEFFICIENTS}
+                     request_overhead_s=0.0, form=profile.step_time.form)
+    return {k: min(1.0, best[k] / prior[k]) if prior[k] > 0 else 0.0 for k in names}
 
 
 def _scaled(profile: Profile, prior: dict, m) -> Profile:
-    st = StepTimeModel(**{k: prior[k] * float(x) for k, x in zip(COEFFICIENTS, m)})
+    names = FORM_MODELS[prior.get("form", "linear")].coefficients
+    st = step_time_model(dict(prior, **{k: prior[k] * float(x) for k, x in zip(names, m)}))
     return replace(profile, step_time=st)
 
 
@@ -390,9 +392,10 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
     simulated}, stages, evaluations, cost, status}. Coefficients named in
     `free` are fitted even where the data do not identify them (they then
     take up whatever the identified ones leave)."""
-    bad = [k for k in free if k not in COEFFICIENTS]
+    names = profile.step_time.coefficients
+    bad = [k for k in free if k not in names]
     if bad:
-        raise MeasurementsError(f"unknown coefficient {bad[0]!r}; valid: {', '.join(COEFFICIENTS)}")
+        raise MeasurementsError(f"unknown coefficient {bad[0]!r}; valid: {', '.join(names)}")
     if not experiments:
         raise MeasurementsError(f"no experiment of {profile.name}'s model to fit")
     free_names = tuple(free)
@@ -402,7 +405,7 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
                                                         if k in target.get("latency", {})]
     want = {k: target[k] if k == "capacity" else target["latency"][k] for k in keys}
     stages = [(e, s) for e in experiments for s in e.stages]
-    n = len(COEFFICIENTS)
+    n = len(names)
     count = [0]
 
     def data(m):
@@ -429,11 +432,11 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
         m[k] += DIFF_STEP
         J0[:, k] = (data(m) - r0) / DIFF_STEP
     ident, se = identified_terms(J0)
-    free = sorted(set(ident) | {COEFFICIENTS.index(k) for k in free_names})
+    free = sorted(set(ident) | {names.index(k) for k in free_names})
     if log:
-        log("  identified by the data: " + (", ".join(COEFFICIENTS[k] for k in ident) or "none") + "; fitted: "
-            + (", ".join(COEFFICIENTS[k] for k in free) or "none") + "; held at the "
-            "prior: " + (", ".join(COEFFICIENTS[k] for k in range(n) if k not in free) or "none"))
+        log("  identified by the data: " + (", ".join(names[k] for k in ident) or "none") + "; fitted: "
+            + (", ".join(names[k] for k in free) or "none") + "; held at the "
+            "prior: " + (", ".join(names[k] for k in range(n) if k not in free) or "none"))
 
     def full(x):
         m = np.ones(n)
@@ -444,7 +447,7 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
         return np.concatenate([data(full(x)), PRIOR_WEIGHT * (np.asarray(x) - 1.0)])
 
     floor = physical_floor(profile)
-    lo = np.array([floor[COEFFICIENTS[k]] for k in free])
+    lo = np.array([floor[names[k]] for k in free])
     if free:
         sol = least_squares(resid, np.ones(len(free)), bounds=(lo, np.full(len(free), M_MAX)),
                             method="trf", diff_step=DIFF_STEP, max_nfev=max_evals, xtol=1e-3, ftol=1e-3)
@@ -454,12 +457,12 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
     fitted = _scaled(profile, prior, m)
     sim_pub = published_figures(fitted, target) if keys else {}
     return {"step_time": fitted.step_time.to_dict(), "prior": prior,
-            "multipliers": dict(zip(COEFFICIENTS, map(float, m))),
-            "floor": floor, "at_floor": [COEFFICIENTS[k] for k in free if m[k] <= floor[COEFFICIENTS[k]] + 1e-3],
-            "standard_error": dict(zip(COEFFICIENTS, se)),
-            "identified": [COEFFICIENTS[k] for k in ident],
+            "multipliers": dict(zip(names, map(float, m))),
+            "floor": floor, "at_floor": [names[k] for k in free if m[k] <= floor[names[k]] + 1e-3],
+            "standard_error": {k: v if math.isfinite(v) else None for k, v in zip(names, se)},
+            "identified": [names[k] for k in ident],
             "freed": list(free_names),
-            "held_by_prior": [COEFFICIENTS[k] for k in range(n) if k not in free],
+            "held_by_prior": [names[k] for k in range(n) if k not in free],
             "published": {"target": target, "simulated": sim_pub},
             "stages": compare(fitted, experiments, duration_s, warmup_s),
             "evaluations": count[0], "cost": cost, "status": status}
@@ -550,7 +553,12 @@ def coefficient_table(prior: dict, fitted: dict, se: dict | None = None, held=()
     """The step-time coefficients before and after, their ratio, and whether
     the data identified each."""
     lines = [f"{'coefficient':<20} {'before':>12} {'after':>12} {'after/before':>12}  data"]
-    for k in COEFFICIENTS:
+    if fitted.get("form", "linear") != prior.get("form", "linear"):
+        lines.insert(0, f"step-time form: {prior.get('form', 'linear')} before, {fitted.get('form', 'linear')} after")
+    for k in FORM_MODELS[fitted.get("form", "linear")].coefficients:
+        if k not in prior:
+            lines.append(f"{k:<20} {'-':>12} {fitted[k]:>12.4e} {'-':>12}  fitted")
+            continue
         a, b = prior[k], fitted[k]
         ratio = f"{b / a:>12.3f}" if a else f"{'-':>12}"
         s = (se or {}).get(k)

@@ -4,12 +4,12 @@ key pairs) and decode attention (context tokens read).
 
 Two forms (a profile's `step_time.form`):
   linear    (the default) the sum of the five terms (`StepTimeModel`);
-  roofline  the larger of the step's compute time and its memory time, plus
-            the fixed and per-request overheads (`RooflineStepTimeModel`):
+  roofline  each kernel the larger of its compute and its memory time
+            (`RooflineStepTimeModel`, docs/profiles.md#the-step-time-form):
               fixed_s + per_request_s * reqs
-                + max(per_token_s * tokens + per_prefill_pair_s * pairs,     compute
-                      weights_s + per_decode_ctx_s * decode context)         memory
-            (`docs/profiles.md#the-step-time-form`).
+                + max(per_token_s * tokens, weights_s)       matrix products
+                + per_prefill_pair_s * pairs                 prefill attention (compute)
+                + per_decode_ctx_s * decode context          decode attention (memory)
 `step_time_model(d)` builds either from a profile's `step_time` object."""
 from __future__ import annotations
 
@@ -55,20 +55,9 @@ class StepTimeModel:
         """How many of the decode-only steps of `fast_forward_duration`, run
         one after another from `start`, end before `t` (at most 2**30)."""
         n, ctx = num_decode_reqs, decode_context
-        # the i-th step ends at start + cum(i), cum(i) = i * first_step_s + growth_s * i * (i - 1) / 2
         first_step_s = self.fixed_s + (self.per_request_s + self.per_token_s) * n + self.per_decode_ctx_s * ctx
-        growth_s = self.per_decode_ctx_s * n
-        room = t - start
-        if room <= 0:
-            done = 0
-        elif growth_s > 0:
-            half = first_step_s - growth_s / 2
-            done = min(int((-half + math.sqrt(half ** 2 + 2 * growth_s * room)) / growth_s), 1 << 30)
-        elif first_step_s > 0:
-            done = min(int(room / first_step_s), 1 << 30)
-        else:
-            return 1 << 30              # steps take no time
-        return self._exact_steps_before(n, ctx, start, t, done)
+        done = _steps_within(first_step_s, self.per_decode_ctx_s * n, t - start)
+        return 1 << 30 if done < 0 else self._exact_steps_before(n, ctx, start, t, done)
 
     def _exact_steps_before(self, n: int, ctx: float, start: float, t: float, done: int) -> int:
         """`done`, an estimate of fast_forward_steps_before, made exact."""
@@ -88,69 +77,43 @@ class StepTimeModel:
 
 @dataclass(frozen=True)
 class RooflineStepTimeModel(StepTimeModel):
-    """A step takes the larger of its compute time (every scheduled token's
-    matrix products, `per_token_s`, and the prefill chunks' attention,
-    `per_prefill_pair_s`) and its memory time (the weights read once,
-    `weights_s`, and the decode requests' KV context read,
-    `per_decode_ctx_s`), plus the fixed (`fixed_s`: launch and scheduling)
-    and per-request (`per_request_s`) overheads. Below the ridge point
-    (weights_s / per_token_s tokens) a step is memory-bound: a decode batch
-    grows its time by its context only."""
+    """A step runs, layer by layer, the linear layers' matrix products (the
+    layer's weights read once, `weights_s` in all; 2 x parameters FLOPs a
+    scheduled token, `per_token_s`) and the attention (the prefill chunks'
+    query-key pairs, compute-bound, `per_prefill_pair_s`; the decode
+    requests' KV context read, memory-bound, `per_decode_ctx_s`), plus the
+    fixed (`fixed_s`: launch and scheduling) and per-request
+    (`per_request_s`) overheads. Each kernel takes the larger of its compute
+    and its memory time: the matrix products max(per_token_s x tokens,
+    weights_s), so below the ridge point (weights_s / per_token_s tokens) a
+    step's tokens ride on the weights' read and a decode batch grows its time
+    by its context only; the attention kernels are bound each by one of them."""
     weights_s: float
 
     form = "roofline"
     coefficients = ROOFLINE_COEFFICIENTS
 
     def duration(self, num_reqs: int, num_tokens: int, prefill_pairs: float, decode_ctx: float) -> float:
-        compute = self.per_token_s * num_tokens + self.per_prefill_pair_s * prefill_pairs
-        memory = self.weights_s + self.per_decode_ctx_s * decode_ctx
-        return self.fixed_s + self.per_request_s * num_reqs + (compute if compute > memory else memory)
+        matmul = self.per_token_s * num_tokens
+        if matmul < self.weights_s:
+            matmul = self.weights_s
+        return (self.fixed_s + self.per_request_s * num_reqs + matmul + self.per_prefill_pair_s * prefill_pairs
+                + self.per_decode_ctx_s * decode_ctx)
 
-    def _compute_bound_steps(self, n: int, ctx: float) -> float:
-        """How many decode-only steps from the first (context `ctx`, growing by
-        n a step) are compute-bound (memory time below compute time); inf for
-        all of them."""
-        gap = self.per_token_s * n - (self.weights_s + self.per_decode_ctx_s * ctx)
-        if gap <= 0:
-            return 0
-        growth = self.per_decode_ctx_s * n
-        return math.ceil(gap / growth) if growth > 0 else math.inf
+    def _first_step_s(self, n: int, ctx: float) -> float:
+        """The first of a run of decode-only steps of n requests, context ctx."""
+        matmul = self.per_token_s * n
+        return (self.fixed_s + self.per_request_s * n + (matmul if matmul > self.weights_s else self.weights_s)
+                + self.per_decode_ctx_s * ctx)
 
     def fast_forward_duration(self, num_decode_reqs: int, decode_context: float, num_steps: int) -> float:
-        """As `StepTimeModel.fast_forward_duration`: the first k steps
-        compute-bound, the rest memory-bound (closed form)."""
         n, m = num_decode_reqs, num_steps
-        k = min(self._compute_bound_steps(n, decode_context), m)
-        growth = self.per_decode_ctx_s * n
-        memory0 = self.weights_s + self.per_decode_ctx_s * decode_context
-        return (m * (self.fixed_s + self.per_request_s * n) + k * self.per_token_s * n + (m - k) * memory0
-                + growth * (m * (m - 1) - k * (k - 1)) / 2.0)
+        return m * self._first_step_s(n, decode_context) + self.per_decode_ctx_s * n * (m * (m - 1) / 2.0)
 
     def fast_forward_steps_before(self, num_decode_reqs: int, decode_context: float, start: float, t: float) -> int:
         n, ctx = num_decode_reqs, decode_context
-        room = t - start
-        base = self.fixed_s + self.per_request_s * n
-        k = self._compute_bound_steps(n, ctx)
-        compute_step = base + self.per_token_s * n
-        growth = self.per_decode_ctx_s * n
-        if room <= 0:
-            done = 0
-        elif k > 0 and (k == math.inf or room <= k * compute_step):
-            if compute_step <= 0:
-                return 1 << 30          # steps take no time
-            done = min(int(room / compute_step), 1 << 30)
-        else:
-            # k compute-bound steps, then memory-bound ones from context ctx + k n
-            room -= k * compute_step
-            first_step_s = base + self.weights_s + self.per_decode_ctx_s * (ctx + k * n)
-            if growth > 0:
-                half = first_step_s - growth / 2
-                done = min(k + int((-half + math.sqrt(half ** 2 + 2 * growth * room)) / growth), 1 << 30)
-            elif first_step_s > 0:
-                done = min(k + int(room / first_step_s), 1 << 30)
-            else:
-                return 1 << 30
-        return self._exact_steps_before(n, ctx, start, t, done)
+        done = _steps_within(self._first_step_s(n, ctx), self.per_decode_ctx_s * n, t - start)
+        return 1 << 30 if done < 0 else self._exact_steps_before(n, ctx, start, t, done)
 
     def to_dict(self) -> dict:
         return {"form": self.form, **asdict(self)}
@@ -167,6 +130,21 @@ def step_time_model(d: dict) -> StepTimeModel:
 
 
 FORM_MODELS = {"linear": StepTimeModel, "roofline": RooflineStepTimeModel}
+
+
+def _steps_within(first_step_s: float, growth_s: float, room: float) -> int:
+    """About how many steps, the i-th (from 0) taking first_step_s + i x
+    growth_s, end within `room` seconds, at most 2**30; -1 when steps take
+    no time (all of them end before any time)."""
+    # the i-th step ends at cum(i) = i * first_step_s + growth_s * i * (i - 1) / 2
+    if room <= 0:
+        return 0
+    if growth_s > 0:
+        half = first_step_s - growth_s / 2
+        return min(int((-half + math.sqrt(half ** 2 + 2 * growth_s * room)) / growth_s), 1 << 30)
+    if first_step_s > 0:
+        return min(int(room / first_step_s), 1 << 30)
+    return -1                   # steps take no time
 
 
 def prefill_pairs(q: int, ctx_before: int) -> float:
