@@ -66,6 +66,8 @@ PUBLISHED_SCALE = {"capacity": 0.004, "ttft_p50": 0.03, "e2e_p50": 0.03}
 M_MAX = 5.0               # a coefficient may grow to M_MAX x its prior
 SE_IDENTIFIED = 0.25      # a coefficient is identified when the data alone give its multiplier within +-0.25
 DIFF_STEP = 0.05          # finite-difference step of the multipliers (the simulation is piecewise smooth)
+FRONTEND_UNIT_S = 0.01    # the frontend time's parameter is in units of 10 ms (steps of 0.5 ms)
+FRONTEND_MAX_S = 0.02     # at most 20 ms a call outside the engine
 
 EXPERIMENT_KEYS = ("exp_id", "model", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
                    "system_prompt_len", "question_len", "output_len", "groups_sharing_a_system_prompt", "stages")
@@ -287,13 +289,16 @@ def simulate_stage(profile: Profile, e: Experiment, stage: Stage, duration_s: fl
 
 
 def compare(profile: Profile, experiments: list[Experiment], duration_s: float = 90.0, warmup_s: float = 20.0,
-            log=None) -> list[dict]:
+            log=None, frontend_s: float = 0.0) -> list[dict]:
     """One row per stage: measured and simulated TTFT and E2E means (s) and
-    their relative residuals (simulated / measured - 1)."""
+    their relative residuals (simulated / measured - 1). `frontend_s`, the
+    time a call spends in the server outside the engine (`fit`), is added to
+    both simulated means."""
     out = []
     for e in experiments:
         for s in e.stages:
             got = simulate_stage(profile, e, s, duration_s, warmup_s)
+            got = dict(got, ttft_mean=got["ttft_mean"] + frontend_s, e2e_mean=got["e2e_mean"] + frontend_s)
             row = {"exp_id": e.exp_id, "model": e.model, "vllm": e.vllm, "stage": s.index, "rate": s.rate,
                    "max_num_batched_tokens": e.flags["max_num_batched_tokens"],
                    "ttft_mean_measured": s.ttft_mean_s, "ttft_mean_simulated": got["ttft_mean"],
@@ -382,7 +387,8 @@ def identified_terms(jac: np.ndarray, limit: float = SE_IDENTIFIED) -> tuple[lis
 
 
 def fit(profile: Profile, experiments: list[Experiment], published: dict | None = None,
-        duration_s: float = 90.0, warmup_s: float = 20.0, max_evals: int = 60, log=None, free=()) -> dict:
+        duration_s: float = 90.0, warmup_s: float = 20.0, max_evals: int = 60, log=None, free=(),
+        frontend: bool = True) -> dict:
     """Fit the step-time coefficients to the experiments and the published
     figures (module docstring). First the data's Jacobian at the prior says
     which coefficients the data identify (standard error of the multiplier
@@ -391,7 +397,14 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
     standard_error, identified, held_by_prior, published: {target,
     simulated}, stages, evaluations, cost, status}. Coefficients named in
     `free` are fitted even where the data do not identify them (they then
-    take up whatever the identified ones leave)."""
+    take up whatever the identified ones leave). With `frontend`, the
+    measured means are compared with the simulated ones plus `frontend_s`,
+    the time a call spends in the server outside the engine (HTTP, the
+    prompt's tokenization, the hand-over to the engine, the first token's
+    way back: the same for every call, at least 0 and at most
+    FRONTEND_MAX_S), fitted where the data identify it as the coefficients
+    are (else held at 0); it is the measurement's, not the engine's, and the
+    profile does not simulate it."""
     names = profile.step_time.coefficients
     bad = [k for k in free if k not in names]
     if bad:
@@ -408,52 +421,64 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
     n = len(names)
     count = [0]
 
-    def data(m):
+    def data(m, f=0.0):
         p = _scaled(profile, prior, m)
         r = []
         for e, s in stages:
             got = simulate_stage(p, e, s, duration_s, warmup_s)
-            r += [math.log(got["ttft_mean"] / s.ttft_mean_s) / STAGE_SCALE,
-                  math.log(got["e2e_mean"] / s.e2e_mean_s) / STAGE_SCALE]
+            r += [math.log((got["ttft_mean"] + f) / s.ttft_mean_s) / STAGE_SCALE,
+                  math.log((got["e2e_mean"] + f) / s.e2e_mean_s) / STAGE_SCALE]
         if keys:
             got = published_figures(p, target)
             r += [math.log(got[k] / want[k]) / PUBLISHED_SCALE[k] for k in keys]
         count[0] += 1
         if log:
-            log(f"  evaluation {count[0]}: m = [{', '.join(f'{x:.3f}' for x in m)}], rms residual "
+            log(f"  evaluation {count[0]}: m = [{', '.join(f'{x:.3f}' for x in m)}]"
+                + (f", frontend {f * 1e3:.2f} ms" if frontend else "") + ", rms residual "
                 f"{float(np.sqrt(np.mean(np.square(r)))):.2f} (in tolerances: {STAGE_SCALE:.0%} a stage)")
         return np.array(r)
 
-    # which coefficients the data identify, from the Jacobian at the prior
+    # which coefficients (and the frontend time, column n) the data identify, from the Jacobian at the prior
     r0 = data(np.ones(n))
-    J0 = np.empty((len(r0), n))
+    J0 = np.empty((len(r0), n + frontend))
     for k in range(n):
         m = np.ones(n)
         m[k] += DIFF_STEP
         J0[:, k] = (data(m) - r0) / DIFF_STEP
+    if frontend:
+        J0[:, n] = (data(np.ones(n), DIFF_STEP * FRONTEND_UNIT_S) - r0) / DIFF_STEP
     ident, se = identified_terms(J0)
+    fit_frontend = n in ident
+    ident = [k for k in ident if k < n]
+    frontend_se = se[n] if frontend else math.inf
+    se = se[:n]
     free = sorted(set(ident) | {names.index(k) for k in free_names})
     if log:
         log("  identified by the data: " + (", ".join(names[k] for k in ident) or "none") + "; fitted: "
             + (", ".join(names[k] for k in free) or "none") + "; held at the "
-            "prior: " + (", ".join(names[k] for k in range(n) if k not in free) or "none"))
+            "prior: " + (", ".join(names[k] for k in range(n) if k not in free) or "none")
+            + ("; the frontend time " + ("fitted" if fit_frontend else "not identified: held at 0") if frontend
+               else ""))
+    nf = len(free)
 
     def full(x):
         m = np.ones(n)
-        m[free] = x
-        return m
+        m[free] = x[:nf]
+        return m, (x[nf] * FRONTEND_UNIT_S if fit_frontend else 0.0)
 
     def resid(x):
-        return np.concatenate([data(full(x)), PRIOR_WEIGHT * (np.asarray(x) - 1.0)])
+        return np.concatenate([data(*full(x)), PRIOR_WEIGHT * (np.asarray(x[:nf]) - 1.0)])
 
     floor = physical_floor(profile)
-    lo = np.array([floor[names[k]] for k in free])
-    if free:
-        sol = least_squares(resid, np.ones(len(free)), bounds=(lo, np.full(len(free), M_MAX)),
+    lo = [floor[names[k]] for k in free] + [0.0] * fit_frontend
+    hi = [M_MAX] * nf + [FRONTEND_MAX_S / FRONTEND_UNIT_S] * fit_frontend
+    if lo:
+        sol = least_squares(resid, np.array([1.0] * nf + [0.0] * fit_frontend), bounds=(lo, hi),
                             method="trf", diff_step=DIFF_STEP, max_nfev=max_evals, xtol=1e-3, ftol=1e-3)
-        m, cost, status = full(sol.x), float(sol.cost), sol.message
+        (m, frontend_s), cost, status = full(sol.x), float(sol.cost), sol.message
     else:
-        m, cost, status = np.ones(n), float(0.5 * np.sum(r0 ** 2)), "no coefficient identified: the prior kept"
+        m, frontend_s = np.ones(n), 0.0
+        cost, status = float(0.5 * np.sum(r0 ** 2)), "no coefficient identified: the prior kept"
     fitted = _scaled(profile, prior, m)
     sim_pub = published_figures(fitted, target) if keys else {}
     return {"step_time": fitted.step_time.to_dict(), "prior": prior,
@@ -463,20 +488,23 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
             "identified": [names[k] for k in ident],
             "freed": list(free_names),
             "held_by_prior": [names[k] for k in range(n) if k not in free],
+            "frontend_s": float(frontend_s),
+            "frontend": ("fitted" if fit_frontend else "held at 0 (not identified)") if frontend else "not fitted",
+            "frontend_standard_error_s": (frontend_se * FRONTEND_UNIT_S if math.isfinite(frontend_se) else None),
             "published": {"target": target, "simulated": sim_pub},
-            "stages": compare(fitted, experiments, duration_s, warmup_s),
+            "stages": compare(fitted, experiments, duration_s, warmup_s, frontend_s=frontend_s),
             "evaluations": count[0], "cost": cost, "status": status}
 
 
 def refit_profile(profile: Profile, experiments: list[Experiment], source: str, duration_s: float = 90.0,
-                  warmup_s: float = 20.0, max_evals: int = 60, log=None, free=()) -> dict:
+                  warmup_s: float = 20.0, max_evals: int = 60, log=None, free=(), frontend: bool = True) -> dict:
     """The profile's JSON with its step time refitted (`fit`) jointly with its
     published figures (`PUBLISHED[profile.name]`, if any), Ĉ from the
     capacity protocol, and the fit's provenance (`provenance.measurements`)."""
     mine = experiments_for(experiments, profile)
     target = PUBLISHED.get(profile.name)
     before = compare(profile, mine, duration_s, warmup_s)
-    res = fit(profile, mine, target, duration_s, warmup_s, max_evals, log, free)
+    res = fit(profile, mine, target, duration_s, warmup_s, max_evals, log, free, frontend)
     d = json.loads(json.dumps(profile.raw))
     d["step_time"] = res["step_time"]
     fitted = from_dict(d, profile.name)
@@ -505,6 +533,12 @@ def refit_profile(profile: Profile, experiments: list[Experiment], source: str, 
         "identified": res["identified"],
         "held_by_prior": res["held_by_prior"],
         "freed": res["freed"],
+        "frontend_s": res["frontend_s"],
+        "frontend": (f"{res['frontend']}: the time a call spends in the server outside the engine (HTTP, "
+                     "tokenization, the hand-over to the engine and the first token's way back), added to every "
+                     "simulated TTFT and E2E mean before comparing them with the measured; the measurement's, not "
+                     "the engine's: the profile does not simulate it"),
+        "frontend_standard_error_s": res["frontend_standard_error_s"],
         "kv_cache": (f"not identified by these experiments: their calls in flight hold at most "
                      f"{kv_share:.0%} of the KV cache, so its size never binds; the block count a server "
                      "reported is used for its experiment, the profile's own KV derivation is kept"),
@@ -517,7 +551,7 @@ def refit_profile(profile: Profile, experiments: list[Experiment], source: str, 
                    + f", prior {PRIOR_WEIGHT:g} x (m - 1); {res['evaluations']} evaluations"),
         "date": datetime.date.today().isoformat(),
         "tool": f"python -m llmsim calibrate fit-published {profile.name} --measurements {source}"
-                + "".join(f" --free {k}" for k in free),
+                + "".join(f" --free {k}" for k in free) + ("" if frontend else " --no-frontend"),
     }
     return d
 
@@ -575,6 +609,11 @@ def fit_table(profile: dict) -> str:
     out = [stage_table(pm["stages"], pm.get("stages_before")), "",
            coefficient_table(pm["prior_step_time"], profile["step_time"], pm.get("standard_error"),
                              pm.get("held_by_prior", ()))]
+    if "frontend_s" in pm:
+        se = pm.get("frontend_standard_error_s")
+        out.append(f"{'frontend_s':<20} {pm['frontend_s']:>12.4e}  {pm['frontend'].split(':')[0]}"
+                   + (f", se {se * 1e3:.2f} ms" if se is not None else "")
+                   + " (outside the engine: added to the simulated means, not simulated)")
     sim = profile["provenance"].get("simulated") or {}
     pub = profile["provenance"].get("published") or {}
     if sim:

@@ -177,7 +177,8 @@ def cmd_calibrate_fit_published(a) -> int:
          f"(evaluations of all of them and of the published figures follow)")
     try:
         d = ms.refit_profile(prof, exps, a.measurements, duration_s=a.duration, warmup_s=a.warmup,
-                             max_evals=a.max_evals, log=_say, free=tuple(a.free or ()))
+                             max_evals=a.max_evals, log=_say, free=tuple(a.free or ()),
+                             frontend=not a.no_frontend)
     except (ms.MeasurementsError, ValueError, RuntimeError) as e:
         raise _err(f"calibrate fit-published: {e}") from None
     from_dict(d, a.out)
@@ -402,6 +403,9 @@ def add_subcommands(sub) -> None:
                    help="seconds of a stage's start left out of its means (default 20)")
     q.add_argument("--max-evals", type=args.positive(int), default=60,
                    help="most evaluations of the optimiser (each simulates every stage; default 60)")
+    q.add_argument("--no-frontend", action="store_true",
+                   help="compare the simulated means with the measured as they are, without fitting the time a "
+                        "call spends in the server outside the engine")
     q.add_argument("--free", action="append", metavar="COEFFICIENT",
                    help="fit this step-time coefficient even where the data do not identify it (repeatable)")
     q.set_defaults(fn=cmd_calibrate_fit_published)
