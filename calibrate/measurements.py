@@ -597,8 +597,10 @@ def coefficient_table(prior: dict, fitted: dict, se: dict | None = None, held=()
         ratio = f"{b / a:>12.3f}" if a else f"{'-':>12}"
         s = (se or {}).get(k)
         how = "held at the prior (not identified)" if k in held else "fitted"
-        if s is not None and math.isfinite(s):
+        if s is not None and math.isfinite(s) and s < 100:
             how += f", se of the multiplier {s:.2f}"
+        elif k in held:
+            how += ", the data do not bound it"
         lines.append(f"{k:<20} {a:>12.4e} {b:>12.4e} {ratio}  {how}")
     return "\n".join(lines)
 
