@@ -38,7 +38,14 @@ coefficients the data identify: a coefficient whose multiplier the data alone
 give to within `SE_IDENTIFIED` is fitted (the largest such set: the least
 identified coefficient is held, one at a time, until every free one is
 within it), the others are held at the prior and reported as such, so that no term absorbs what another
-one's error leaves.
+one's error leaves. The coefficients are those of the profile's step-time form
+(`sim.engine.step_time`: linear, or roofline with `weights_s`).
+
+The measured means include the time a call spends in the server outside the
+engine (HTTP, tokenization, the hand-over to the engine); the fit adds one
+constant, `frontend_s` (0 to `FRONTEND_MAX_S`), to every simulated mean,
+identified from the Jacobian as the coefficients are; it is reported, not
+simulated (`frontend=False`: the means compared as they are).
 """
 from __future__ import annotations
 
