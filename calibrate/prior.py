@@ -7,6 +7,10 @@ Step time (the linear form of `sim.engine.step_time`):
   per_token_s        = 2 * non-embedding params / (peak * mfu)
   per_prefill_pair_s = 4 * layers * heads * head_dim / (peak * attn_eff)   (QK^T and PV per query-key pair)
   per_decode_ctx_s   = KV bytes per token / (bandwidth * bw_eff)
+The roofline form (form="roofline") takes the weights' read out of fixed_s:
+  fixed_s            = step_overhead_s
+  weights_s          = weight bytes / (bandwidth * bw_eff)
+and a step the larger of its compute and its memory time (sim.engine.step_time).
 
 KV capacity (vLLM's profiling run): blocks = floor((total memory * utilization
 - weights - activation/graph reserve) / (bytes per token * block size)).
@@ -98,15 +102,19 @@ def kv_cache(shape: ModelShape, gpu: GPU, utilization: float = 0.9, block_size: 
 
 
 def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: float | None = None,
-              step_overhead_s: float = 0.002, request_overhead_s: float = 2e-5) -> dict:
+              step_overhead_s: float = 0.002, request_overhead_s: float = 2e-5, form: str = "linear") -> dict:
     attn_eff = mfu if attn_eff is None else attn_eff
-    return {
-        "fixed_s": shape.weight_bytes / (gpu.bandwidth * bw_eff) + step_overhead_s,
+    weights_s = shape.weight_bytes / (gpu.bandwidth * bw_eff)
+    if form not in ("linear", "roofline"):
+        raise ValueError(f"form must be linear or roofline, got {form!r}")
+    out = {"form": "roofline"} if form == "roofline" else {}
+    return out | {
+        "fixed_s": step_overhead_s if form == "roofline" else weights_s + step_overhead_s,
         "per_request_s": 2 * shape.hidden * shape.vocab / (gpu.peak_flops * mfu) + request_overhead_s,
         "per_token_s": 2 * shape.non_embedding_params / (gpu.peak_flops * mfu),
         "per_prefill_pair_s": 4 * shape.layers * shape.heads * shape.head_dim / (gpu.peak_flops * attn_eff),
         "per_decode_ctx_s": shape.kv_bytes_per_token / (gpu.bandwidth * bw_eff),
-    }
+    } | ({"weights_s": weights_s} if form == "roofline" else {})
 
 
 def prior_profile(model: str, gpu: str = "h100", mfu: float = 0.6, bw_eff: float = 0.8,

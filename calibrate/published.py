@@ -2,7 +2,10 @@
 published figures (docs/model.md, "Calibration"): the capacity protocol's Ĉ and, where given, the
 median time to first token and to last token at a stated rate.
 
-    python -m calibrate.published qwen2.5-7b -o sim/profiles/qwen2.5-7b.json
+    python -m calibrate.published qwen2.5-7b -o sim/profiles/qwen2.5-7b.json [--form roofline]
+
+`--form roofline` builds the roofline step time (sim.engine.step_time): the
+larger of a step's compute and memory time rather than their sum.
 """
 from __future__ import annotations
 
@@ -28,9 +31,9 @@ PUBLISHED = {
 }
 
 
-def evaluate(model: str, x, gpu: str = "h100") -> tuple[dict, dict]:
+def evaluate(model: str, x, gpu: str = "h100", form: str = "linear") -> tuple[dict, dict]:
     mfu, bw_eff, overhead = x
-    d = prior_profile(model, gpu, mfu=mfu, bw_eff=bw_eff, step_overhead_s=overhead, capacity=1.0)
+    d = prior_profile(model, gpu, mfu=mfu, bw_eff=bw_eff, step_overhead_s=overhead, capacity=1.0, form=form)
     prof = from_dict(d)
     cap = capacity_protocol(prof)
     out = {"capacity": cap["capacity"]}
@@ -42,7 +45,7 @@ def evaluate(model: str, x, gpu: str = "h100") -> tuple[dict, dict]:
     return d, out
 
 
-def fit(model: str, gpu: str = "h100", x0=(0.65, 0.9, 0.001), log=print) -> dict:
+def fit(model: str, gpu: str = "h100", x0=(0.65, 0.9, 0.001), log=print, form: str = "linear") -> dict:
     target = PUBLISHED[model]
     lat = target.get("latency", {})
     keys = ["capacity"] + [k for k in ("ttft_p50", "e2e_p50") if k in lat]
@@ -51,7 +54,7 @@ def fit(model: str, gpu: str = "h100", x0=(0.65, 0.9, 0.001), log=print) -> dict
     weights = np.array([4.0] + [1.0] * (len(keys) - 1))
 
     def resid(x):
-        _, got = evaluate(model, x, gpu)
+        _, got = evaluate(model, x, gpu, form)
         r = np.log(np.array([got[k] for k in keys]) / want) * weights
         log(f"  mfu={x[0]:.4f} bw_eff={x[1]:.4f} overhead={x[2] * 1e3:.3f} ms -> "
             + ", ".join(f"{k}={got[k]:.3f}" for k in keys))
@@ -62,7 +65,7 @@ def fit(model: str, gpu: str = "h100", x0=(0.65, 0.9, 0.001), log=print) -> dict
         # one figure: fit the compute efficiency alone; the memory efficiency
         # and per-step overhead of this GPU and engine build come from the
         # model whose latencies were published on it
-        x0 = _reference_factors(gpu, x0)
+        x0 = _reference_factors(gpu, x0, form)
         def resid1(m):
             return resid([m[0], x0[1], x0[2]])
         sol = least_squares(resid1, [x0[0]], bounds=([lo[0]], [hi[0]]), diff_step=0.02, xtol=1e-3)
@@ -70,7 +73,7 @@ def fit(model: str, gpu: str = "h100", x0=(0.65, 0.9, 0.001), log=print) -> dict
     else:
         sol = least_squares(resid, x0, bounds=(lo, hi), diff_step=0.02, xtol=1e-3)
         x = list(sol.x)
-    d, got = evaluate(model, x, gpu)
+    d, got = evaluate(model, x, gpu, form)
     d["capacity"] = got["capacity"]
     d["provenance"] = {
         "kind": "fitted to published figures",
@@ -81,14 +84,15 @@ def fit(model: str, gpu: str = "h100", x0=(0.65, 0.9, 0.001), log=print) -> dict
         "simulated": got,
         "fitted": {"mfu": x[0], "bw_eff": x[1], "step_overhead_s": x[2]},
         "date": datetime.date.today().isoformat(),
-        "tool": "python -m calibrate.published " + model,
+        "tool": "python -m calibrate.published " + model + (f" --form {form}" if form != "linear" else ""),
     }
     return d
 
 
-def _reference_factors(gpu: str, default):
+def _reference_factors(gpu: str, default, form: str = "linear"):
     """Fitted (mfu, bw_eff, step_overhead_s) of the embedded profile fitted to
-    published latencies on the same GPU, else `default`."""
+    published latencies on the same GPU with the same step-time form, else
+    `default`."""
     for name, target in PUBLISHED.items():
         if "latency" not in target:
             continue
@@ -97,7 +101,7 @@ def _reference_factors(gpu: str, default):
         except ProfileError:
             continue
         fitted = prof.provenance.get("fitted")
-        if fitted and prof.raw.get("hardware", {}).get("name") == GPUS[gpu].name:
+        if fitted and prof.step_time.form == form and prof.raw.get("hardware", {}).get("name") == GPUS[gpu].name:
             return (fitted["mfu"], fitted["bw_eff"], fitted["step_overhead_s"])
     return default
 
@@ -106,12 +110,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", choices=sorted(PUBLISHED))
     ap.add_argument("--gpu", default="h100")
+    ap.add_argument("--form", choices=("linear", "roofline"), default="linear",
+                    help="the step time's form: the sum of the terms, or the larger of compute and memory time")
     ap.add_argument("-o", "--out", required=True)
     a = ap.parse_args(argv)
     if a.model not in MODELS:
         print(f"no shape known for {a.model}", file=sys.stderr)
         return 2
-    d = fit(a.model, a.gpu)
+    d = fit(a.model, a.gpu, form=a.form)
     with open(a.out, "w") as f:
         json.dump(d, f, indent=2)
         f.write("\n")

@@ -7,12 +7,13 @@ import sys
 import time
 
 from calibrate import live_capacity
+from calibrate import measurements as ms
 from calibrate.capture import capture
 from calibrate.fit import WEIGHTS, build_profile, fit_report, load_sources
 from calibrate.from_log import LogError, profile_from_log
 from calibrate.prior import GPUS, prior_profile, shape_from_config
 from sim.capacity import capacity_protocol
-from sim.profile import ProfileError, from_dict
+from sim.profile import ProfileError, from_dict, load_profile
 from validate import engine
 
 from . import args
@@ -154,6 +155,36 @@ def cmd_calibrate_fit(a) -> int:
     _write(a.out, prof)
     print(f"capacity {prof['capacity']:.4f} calls/s ({prof['capacity_protocol']['scenario_name']} scenario) "
           f"-> {a.out}")
+    return 0
+
+
+def cmd_calibrate_fit_published(a) -> int:
+    """Refit a profile's step time to a fitting set of published measurements
+    (calibrate.measurements) jointly with its published figures."""
+    _check_dir(a.out)
+    try:
+        prof = load_profile(a.model)
+        exps = ms.read_experiments(a.measurements)
+    except (ProfileError, ms.MeasurementsError) as e:
+        raise _err(f"calibrate fit-published: {e}") from None
+    mine = ms.experiments_for(exps, prof)
+    if not mine:
+        models = sorted({e.model for e in exps})
+        raise _err(f"calibrate fit-published: no experiment in {a.measurements} ran {prof.name}'s model "
+                   f"({(prof.raw.get('model') or {}).get('name', prof.name)}); it has {', '.join(models)}")
+    n = sum(len(e.stages) for e in mine)
+    _say(f"{prof.name}: {len(mine)} experiments, {n} stages, each simulated for {a.duration:g} s "
+         f"(evaluations of all of them and of the published figures follow)")
+    try:
+        d = ms.refit_profile(prof, exps, a.measurements, duration_s=a.duration, warmup_s=a.warmup,
+                             max_evals=a.max_evals, log=_say, free=tuple(a.free or ()),
+                             frontend=not a.no_frontend)
+    except (ms.MeasurementsError, ValueError, RuntimeError) as e:
+        raise _err(f"calibrate fit-published: {e}") from None
+    from_dict(d, a.out)
+    _write(a.out, d)
+    print(ms.fit_table(d))
+    print(f"-> {a.out}")
     return 0
 
 
@@ -359,6 +390,25 @@ def add_subcommands(sub) -> None:
                    help="workload of the capacity protocol: scaled (the small CPU engine's) or paper (the reference design's); "
                         "default: paper for steps timed on a GPU, scaled otherwise")
     q.set_defaults(fn=cmd_calibrate_fit)
+    q = cs.add_parser("fit-published", help="refit a profile's step time to published latency measurements of a "
+                                            "real vLLM (a folder of experiments.json + measurements.csv) jointly "
+                                            "with its published figures")
+    q.add_argument("model", help="an embedded profile or a profile file (its step time is the prior)")
+    q.add_argument("--measurements", default="calibrate/data/peer-h100",
+                   help="folder of experiments.json and measurements.csv (default calibrate/data/peer-h100)")
+    q.add_argument("-o", "--out", required=True, help="the refitted profile (JSON)")
+    q.add_argument("--duration", type=args.positive(), default=90.0,
+                   help="seconds simulated per stage (default 90)")
+    q.add_argument("--warmup", type=args.positive(allow_zero=True), default=20.0,
+                   help="seconds of a stage's start left out of its means (default 20)")
+    q.add_argument("--max-evals", type=args.positive(int), default=60,
+                   help="most evaluations of the optimiser (each simulates every stage; default 60)")
+    q.add_argument("--no-frontend", action="store_true",
+                   help="compare the simulated means with the measured as they are, without fitting the time a "
+                        "call spends in the server outside the engine")
+    q.add_argument("--free", action="append", metavar="COEFFICIENT",
+                   help="fit this step-time coefficient even where the data do not identify it (repeatable)")
+    q.set_defaults(fn=cmd_calibrate_fit_published)
     q = cs.add_parser("capacity", help="the capacity protocol (time-scaled) on a live engine and the "
                                        "simulator; stores both in the profile")
     q.add_argument("--engine", default="cpu", help="cpu (start the CPU engine, stop it after) or an engine URL")

@@ -110,11 +110,11 @@ def cmd_latency(a) -> int:
         raise args.UsageError("latency: a replayed trace has its own arrivals; latency needs a scenario of "
                               "length distributions (it sends them at --rate)")
     prof = dep.profile
-    res = latency(prof, a.rate, a.duration, scenario=dep.scenario, seed=a.seed)
+    res = latency(prof, a.rate, a.duration, scenario=dep.scenario, seed=a.seed, arrivals=a.arrivals)
     res.update(scenario_name=dep.name, scenario_hash=dep.content_hash)
-    print(f"{prof.name} at {a.rate:g} calls/s for {a.duration:g} s ({res['calls']} calls after warm-up): "
-          f"TTFT p50 {res['ttft_p50']:.3f} s, p90 {res['ttft_p90']:.3f} s; "
-          f"E2E p50 {res['e2e_p50']:.3f} s, p90 {res['e2e_p90']:.3f} s")
+    print(f"{prof.name} at {a.rate:g} calls/s ({a.arrivals}) for {a.duration:g} s ({res['calls']} calls after "
+          f"warm-up): TTFT mean {res['ttft_mean']:.3f} s, p50 {res['ttft_p50']:.3f} s, p90 {res['ttft_p90']:.3f} s; "
+          f"E2E mean {res['e2e_mean']:.3f} s, p50 {res['e2e_p50']:.3f} s, p90 {res['e2e_p90']:.3f} s")
     args.write_json(a.json, res)
     return 0
 
@@ -272,10 +272,12 @@ def add_subcommands(sub) -> None:
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(fn=cmd_capacity)
 
-    p = sub.add_parser("latency", help="steady Poisson load straight to the engine: TTFT and E2E percentiles")
+    p = sub.add_parser("latency", help="steady load straight to the engine: TTFT and E2E means and percentiles")
     model_arg(p, None)
     scenario_arg(p, trace_speedup=False)
     p.add_argument("--rate", type=args.positive(most=args.RATE_MAX), required=True, help="calls/s")
+    p.add_argument("--arrivals", choices=("poisson", "constant"), default="poisson",
+                   help="poisson (default) or constant: one call every 1/rate s, as inference-perf and guidellm send")
     p.add_argument("--duration", type=args.positive(most=args.DURATION_MAX), default=600.0, help="seconds of arrivals (default 600)")
     p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
     p.add_argument("--max-batched-tokens", type=args.positive(int), default=None)

@@ -1,6 +1,7 @@
 """Latency at a steady load (`llmsim latency`): calls sent straight
-to the engine at a Poisson rate — no retries, no proxy controls, no deadline —
-and their time to first token and to last token."""
+to the engine at a Poisson or constant rate — no retries, no proxy controls,
+no deadline — and their time to first token and to last token (means and
+percentiles)."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,11 +18,13 @@ STRAIGHT = Condition("straight", retries=False, proxy=ProxyConfig(cancellation="
 
 def latency(profile: Profile, rate: float, duration_s: float = 600.0, warmup_s: float = 60.0,
             scenario: Scenario = PAPER, seed: int = 0, max_batched_tokens: int | None = None,
-            mixed_prompts: bool = False) -> dict:
+            mixed_prompts: bool = False, arrivals: str = "poisson") -> dict:
+    """Calls arriving at `rate` for `duration_s` (`arrivals` poisson or
+    constant); the statistics are of the calls created after `warmup_s`."""
     if rate <= 0 or duration_s <= 0:
         raise ValueError("rate and duration must be positive")
     sc = scenario.with_(deadline_s=1e9, delivery_horizon_s=1e9)
-    trace = make_trace(1.0, sc, seed, mixed_prompts=mixed_prompts, phases=[(0.0, duration_s, rate)])
+    trace = make_trace(1.0, sc, seed, mixed_prompts=mixed_prompts, phases=[(0.0, duration_s, rate, arrivals)])
     run = Run(profile, trace, STRAIGHT, sc, seed, max_batched_tokens)
     log = run.run(until=duration_s + 3600.0)
     ex = [e for e in log.executions if e.created_at >= warmup_s and e.fate == "completed"]
@@ -33,5 +36,6 @@ def latency(profile: Profile, rate: float, duration_s: float = 600.0, warmup_s: 
     return {"model": profile.name, "rate": rate, "duration_s": duration_s, "warmup_s": warmup_s, "seed": seed,
             "calls": len(ex), "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90),
             "e2e_p50": pct(e2e, 50), "e2e_p90": pct(e2e, 90),
+            "ttft_mean": float(ttft.mean()), "e2e_mean": float(e2e.mean()), "arrivals": arrivals,
             "undelivered": sum(1 for e in log.executions if e.fate != "completed"),
             "wall_s": log.wall_s}

@@ -4,7 +4,9 @@ capacity Ĉ, and where it all came from. Embedded profiles live in
 
 Schema (all keys required unless marked optional):
   name                 str
-  step_time            {fixed_s, per_request_s, per_token_s, per_prefill_pair_s, per_decode_ctx_s}  seconds
+  step_time            {fixed_s, per_request_s, per_token_s, per_prefill_pair_s, per_decode_ctx_s}  seconds;
+                       optional form: "linear" (the default, their sum) or "roofline" (with weights_s:
+                       the larger of compute and memory time, sim.engine.step_time)
   engine               {max_num_seqs, max_num_batched_tokens, block_size, num_gpu_blocks, depth, max_model_len}
   capacity             float, calls/s (Ĉ) — of this profile's engine under the reference workload
   provenance           {kind: "measured" | "fitted to published figures" | ..., ...}
@@ -25,7 +27,7 @@ from importlib import resources
 from pathlib import Path
 
 from .engine.scheduler import SchedulerConfig
-from .engine.step_time import StepTimeModel, COEFFICIENTS
+from .engine.step_time import FORM_MODELS, FORMS, StepTimeModel, step_time_model
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_gpu_blocks", "depth", "max_model_len")
 ENGINE_MAX = 2**31 - 1
@@ -85,12 +87,16 @@ def from_dict(d: dict, source: str = "profile") -> Profile:
         raise ProfileError(f"{source}: missing key(s) {', '.join(missing)}")
     if not isinstance(d["name"], str) or not d["name"].strip():
         raise ProfileError(f"{source}: name must be a non-empty string, got {_show(d['name'])}")
-    st = _section(d, "step_time", COEFFICIENTS, source)
-    for k in COEFFICIENTS:
+    form = d["step_time"].get("form", "linear") if isinstance(d["step_time"], dict) else "linear"
+    if form not in FORMS:
+        raise ProfileError(f"{source}: step_time.form must be one of {', '.join(FORMS)}, got {_show(form)}")
+    coefficients = FORM_MODELS[form].coefficients
+    st = _section(d, "step_time", coefficients, source)
+    for k in coefficients:
         if not _number(st[k]) or not 0 <= st[k] < math.inf or not math.isfinite(float(st[k])):
             raise ProfileError(f"{source}: step_time.{k} must be a finite non-negative number (seconds), "
                                f"got {_show(st[k])}")
-    model = StepTimeModel(**{k: float(st[k]) for k in COEFFICIENTS})
+    model = step_time_model(st)
     eng = _section(d, "engine", ENGINE_KEYS, source)
     for k in ENGINE_KEYS:
         v, top = eng[k], DEPTH_MAX if k == "depth" else ENGINE_MAX

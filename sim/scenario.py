@@ -44,18 +44,22 @@ import math
 from dataclasses import dataclass, asdict, field, fields, replace
 
 LENGTH_KINDS = ("normal", "lognormal", "fixed", "empirical")
+ARRIVALS = ("poisson", "constant")
 
 
 @dataclass(frozen=True)
 class Phase:
-    """One phase of the arrivals: `duration_s` seconds of Poisson arrivals at
-    `rate` calls/s, or at `load` x the workload's capacity Ĉ (at most one of
-    the two is given; neither: a window of a replayed trace, whose calls come
-    from the trace)."""
+    """One phase of the arrivals: `duration_s` seconds of arrivals at `rate`
+    calls/s, or at `load` x the workload's capacity Ĉ (at most one of the two
+    is given; neither: a window of a replayed trace, whose calls come from the
+    trace). `arrivals`: `poisson` (the default) or `constant` (one call every
+    1/rate seconds from the phase's start, as load generators such as
+    inference-perf and guidellm send)."""
     duration_s: float
     load: float | None = None
     rate: float | None = None
     name: str = ""
+    arrivals: str = "poisson"
 
     def __post_init__(self):
         if not (isinstance(self.duration_s, (int, float)) and math.isfinite(self.duration_s)
@@ -68,6 +72,8 @@ class Phase:
         v = self.load if self.load is not None else self.rate
         if not (math.isfinite(v) and v >= 0):
             raise ValueError(f"phase {'load' if self.load is not None else 'rate'} must be non-negative, got {v!r}")
+        if self.arrivals not in ARRIVALS:
+            raise ValueError(f"phase arrivals must be one of {', '.join(ARRIVALS)}, got {self.arrivals!r}")
 
     def calls_per_s(self, capacity: float) -> float:
         if self.load is None and self.rate is None:
@@ -75,7 +81,9 @@ class Phase:
         return self.rate if self.rate is not None else self.load * capacity
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None and v != ""}
+        """As JSON; Poisson arrivals (the default) are left out."""
+        return {k: v for k, v in asdict(self).items() if v is not None and v != "" and
+                not (k == "arrivals" and v == "poisson")}
 
 
 @dataclass(frozen=True)
@@ -292,12 +300,17 @@ class Scenario:
         return Scenario(**{f.name: getattr(out, f.name) for f in fields(out)}, **flat) if flat else out
 
     def arrival_phases(self, capacity: float) -> list[tuple[float, float, float]]:
-        """(start, end, calls/s) of each phase, loads taken at `capacity`."""
+        """(start, end, calls/s) of each phase, loads taken at `capacity`
+        (`arrival_kinds` gives how each phase's calls arrive)."""
         out, t = [], 0.0
         for p in self.phases:
             out.append((t, t + p.duration_s, p.calls_per_s(capacity)))
             t += p.duration_s
         return out
+
+    def arrival_kinds(self) -> list[str]:
+        """How the calls of each phase of `arrival_phases` arrive: poisson or constant."""
+        return [p.arrivals for p in self.phases]
 
     @property
     def workload_key(self) -> dict:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from .conditions import CONDITIONS
 from .policy.router import PROXY_PLACEMENTS, ROUTERS
 from .profile import ENGINE_FLAGS
-from .scenario import LENGTH_KINDS, PAPER
+from .scenario import ARRIVALS, LENGTH_KINDS, PAPER
 
 NUMBER, WHOLE, STRING, BOOL, TABLE, TABLES, PAIRS, STRINGS = (
     "number", "whole number", "string", "true or false", "table", "list of tables", "list of pairs",
@@ -276,6 +276,8 @@ SCHEMA = Schema([
     Key("phase", "duration_s", NUMBER, "its length in seconds", **POSITIVE),
     Key("phase", "load", NUMBER, "calls/s in multiples of the workload's Ĉ (or rate)", lo=0.0),
     Key("phase", "rate", NUMBER, "calls/s (or load)", lo=0.0),
+    Key("phase", "arrivals", STRING, "poisson, or constant: one call every 1/rate s (as load generators send)",
+        default="poisson", choices=ARRIVALS),
     # one group of [workload] prefix_groups
     Key("prefix_group", "tokens", WHOLE, "the group's prefix tokens", lo=0),
     Key("prefix_group", "share", NUMBER, "the group's share of the calls (shares add up to 1)", **POSITIVE),

@@ -20,5 +20,8 @@ def design(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
 
 def predict(model: StepTimeModel, rows: list[dict]) -> np.ndarray:
     """The model's duration of each step row."""
+    if model.form != "linear":
+        return np.array([model.duration(r["num_reqs"], r["num_tokens"], r["prefill_pairs"], r["decode_ctx"])
+                         for r in rows], dtype=float)
     X, _ = design(rows)
     return X @ np.array([getattr(model, k) for k in COEFFICIENTS])

@@ -18,7 +18,6 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .conditions import Condition
-from .engine.step_time import COEFFICIENTS, StepTimeModel
 from .profile import Profile
 from .run import run_one
 from .scenario import Scenario
@@ -57,7 +56,7 @@ def perturbed(profile: Profile, speed: float = 1.0, kv: float = 1.0) -> Profile:
         raise ValueError(f"speed and kv factors must be positive, got {speed}, {kv}")
     if speed == 1.0 and kv == 1.0:
         return profile
-    st = StepTimeModel(**{k: getattr(profile.step_time, k) * speed for k in COEFFICIENTS})
+    st = profile.step_time.scaled(speed)
     eng = dict(profile.engine, num_gpu_blocks=max(1, int(round(profile.engine["num_gpu_blocks"] * kv))))
     return dataclasses.replace(profile, step_time=st, engine=eng)
 

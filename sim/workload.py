@@ -10,7 +10,7 @@ from datetime import datetime
 
 import numpy as np
 
-from .scenario import Lengths, Scenario
+from .scenario import ARRIVALS, Lengths, Scenario
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,25 @@ def poisson_arrivals(rng: np.random.Generator, rate: float, start: float, end: f
     return np.sort(rng.uniform(start, end, n))
 
 
+def constant_arrivals(rate: float, start: float, end: float) -> np.ndarray:
+    """One call every 1/rate seconds on [start, end), the first at start."""
+    if rate <= 0 or end <= start:
+        return np.empty(0)
+    t = start + np.arange(int(math.ceil((end - start) * rate)) + 1) / rate
+    return t[t < end]
+
+
+def phase_arrivals(rng: np.random.Generator, start: float, end: float, rate: float,
+                   kind: str = "poisson") -> np.ndarray:
+    """The arrival times of one phase: Poisson (drawn from `rng`) or constant
+    (no draw)."""
+    if kind == "constant":
+        return constant_arrivals(rate, start, end)
+    if kind != "poisson":
+        raise ValueError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {kind!r}")
+    return poisson_arrivals(rng, rate, start, end)
+
+
 def draw_lengths(rng: np.random.Generator, d: Lengths, n: int) -> np.ndarray:
     """n token counts from the distribution `d`, rounded (not clamped)."""
     if d.kind == "normal":
@@ -67,10 +86,11 @@ def draw_lengths(rng: np.random.Generator, d: Lengths, n: int) -> np.ndarray:
 
 
 def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bool = False,
-               phases: list[tuple[float, float, float]] | None = None) -> Trace:
-    """The trace for one seed. `phases` is a list of (start, end, rate calls/s);
-    by default the scenario's phases (`Scenario.arrival_phases`) at
-    `capacity`. With `prefix_groups` each call joins a group (drawn by the
+               phases: list[tuple] | None = None) -> Trace:
+    """The trace for one seed. `phases` is a list of (start, end, rate calls/s)
+    or (start, end, rate, arrivals) with arrivals `poisson` (the default) or
+    `constant`; by default the scenario's phases (`Scenario.arrival_phases`,
+    arriving as `Scenario.arrival_kinds`) at `capacity`. With `prefix_groups` each call joins a group (drawn by the
     groups' shares after every other draw) and starts with its prefix.
     `mixed_prompts` gives half the calls `mixed_prompt_len`-token
     prompts (as `mixed_share = 0.5` does). With `max_call_tokens` a call's
@@ -79,9 +99,9 @@ def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bo
         raise ValueError(f"capacity must be positive, got {capacity}")
     s = scenario
     if phases is None:
-        phases = s.arrival_phases(capacity)
+        phases = [p + (k,) for p, k in zip(s.arrival_phases(capacity), s.arrival_kinds())]
     rng = np.random.default_rng(seed)
-    arrival = np.concatenate([poisson_arrivals(rng, r, a, b) for a, b, r in phases])
+    arrival = np.concatenate([phase_arrivals(rng, *p) for p in phases])
     n = len(arrival)
     prompt = draw_lengths(rng, s.prompt or Lengths("normal", mean=s.prompt_mean, sd=s.prompt_sd), n)
     share = 0.5 if mixed_prompts else s.mixed_share

@@ -451,6 +451,31 @@ def test_fast_forward_matches_stepping_one_step_at_a_time(case: Case):
     assert math.isclose(fast.end_time, slow.end_time, rel_tol=1e-9)
 
 
+@st.composite
+def roofline_cases(draw) -> Case:
+    """A case whose engine has the roofline step time: part of fixed_s is the
+    weights' read (weights_s), the ridge point drawn within the decode
+    batches' sizes so that runs of decode steps meet it from either side."""
+    case = draw(cases())
+    st_ = case.profile.step_time.to_dict()
+    ridge = draw(st.floats(0.3, 1.5)) * case.profile.engine["max_num_seqs"]
+    st_ = dict(st_, form="roofline", weights_s=st_["per_token_s"] * ridge)
+    st_["fixed_s"] = max(0.0, st_["fixed_s"] - st_["weights_s"])
+    profile = from_dict(dict(case.profile.raw, step_time=st_), "property test")
+    return Case(profile, case.scenario, case.condition, case.capacity, case.seed, case.mixed_prompts)
+
+
+@examples(10)
+@given(roofline_cases())
+def test_roofline_fast_forward_matches_stepping_one_step_at_a_time(case: Case):
+    fast, slow = case.run(fast_forward=True), case.run(fast_forward=False)
+    rf, rs = _without_wall(case.record(fast)), _without_wall(case.record(slow))
+    for r in (rf, rs):
+        r.get("extra", {}).pop("step_events", None)
+    assert_close(rf, rs)
+    assert math.isclose(fast.end_time, slow.end_time, rel_tol=1e-9)
+
+
 def _tiny_profile(num_gpu_blocks: int, depth: int) -> Profile:
     """10 ms steps whatever their content."""
     return from_dict({

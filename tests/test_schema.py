@@ -192,15 +192,23 @@ def test_a_layers_section_added_as_rows_is_checked_kept_written_and_documented(t
 
 
 def test_a_phase_key_added_as_a_row_is_checked_and_documented():
-    schema = SCHEMA.with_rows(Key("phase", "arrivals", STRING, "how calls arrive in the phase", default="poisson",
-                                  choices=("poisson", "constant")))
-    doc = {"workload": {"phases": [{"name": "a", "duration_s": 5.0, "load": 1.0, "arrivals": "constant"}]}}
+    schema = SCHEMA.with_rows(Key("phase", "shape", STRING, "how the rate moves in the phase", default="flat",
+                                  choices=("flat", "ramp")))
+    doc = {"workload": {"phases": [{"name": "a", "duration_s": 5.0, "load": 1.0, "shape": "ramp"}]}}
     assert schema.check(doc, "p.toml") is doc
-    doc["workload"]["phases"][0]["arrivals"] = "bursty"
-    with pytest.raises(ScenarioError, match=r"workload.phases\[0\].arrivals must be one of poisson, constant"):
+    doc["workload"]["phases"][0]["shape"] = "bursty"
+    with pytest.raises(ScenarioError, match=r"workload.phases\[0\].shape must be one of flat, ramp"):
         schema.check(doc, "p.toml")
     text = from_document({}, "p.toml", schema=schema).to_toml()
-    assert "{name, duration_s, load, rate, arrivals}" in text
+    assert "{name, duration_s, load, rate, arrivals, shape}" in text
+
+
+def test_the_phase_arrivals_row_is_checked():
+    doc = {"workload": {"phases": [{"name": "a", "duration_s": 5.0, "rate": 1.0, "arrivals": "bursty"}]}}
+    with pytest.raises(ScenarioError, match=r"workload.phases\[0\].arrivals must be one of poisson, constant"):
+        SCHEMA.check(doc, "p.toml")
+    doc["workload"]["phases"][0]["arrivals"] = "constant"
+    assert from_document(doc, "p.toml").scenario.phases[0].arrivals == "constant"
 
 
 def test_a_schema_refuses_a_row_twice_or_a_table_without_rows():

@@ -1,13 +1,25 @@
-"""Step-time model (docs/model.md): a physically shaped linear function of a step's
+"""Step-time model (docs/model.md): a physically shaped function of a step's
 composition — fixed cost, per request, per token, prefill attention (query x
-key pairs) and decode attention (context tokens read)."""
+key pairs) and decode attention (context tokens read).
+
+Two forms (a profile's `step_time.form`):
+  linear    (the default) the sum of the five terms (`StepTimeModel`);
+  roofline  each kernel the larger of its compute and its memory time
+            (`RooflineStepTimeModel`, docs/profiles.md#the-step-time-form):
+              fixed_s + per_request_s * reqs
+                + max(per_token_s * tokens, weights_s)       matrix products
+                + per_prefill_pair_s * pairs                 prefill attention (compute)
+                + per_decode_ctx_s * decode context          decode attention (memory)
+`step_time_model(d)` builds either from a profile's `step_time` object."""
 from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass, asdict, replace
 
 COEFFICIENTS = ("fixed_s", "per_request_s", "per_token_s", "per_prefill_pair_s", "per_decode_ctx_s")
+ROOFLINE_COEFFICIENTS = COEFFICIENTS + ("weights_s",)
+FORMS = ("linear", "roofline")
 
 
 @dataclass(frozen=True)
@@ -18,8 +30,11 @@ class StepTimeModel:
     per_prefill_pair_s: float
     per_decode_ctx_s: float
 
+    form = "linear"
+    coefficients = COEFFICIENTS
+
     def __post_init__(self):
-        for k in COEFFICIENTS:
+        for k in self.coefficients:
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"step-time coefficient {k} must be a non-negative number, got {v!r}")
@@ -40,27 +55,96 @@ class StepTimeModel:
         """How many of the decode-only steps of `fast_forward_duration`, run
         one after another from `start`, end before `t` (at most 2**30)."""
         n, ctx = num_decode_reqs, decode_context
-        # the i-th step ends at start + cum(i), cum(i) = i * first_step_s + growth_s * i * (i - 1) / 2
         first_step_s = self.fixed_s + (self.per_request_s + self.per_token_s) * n + self.per_decode_ctx_s * ctx
-        growth_s = self.per_decode_ctx_s * n
-        room = t - start
-        if room <= 0:
-            done = 0
-        elif growth_s > 0:
-            half = first_step_s - growth_s / 2
-            done = min(int((-half + math.sqrt(half ** 2 + 2 * growth_s * room)) / growth_s), 1 << 30)
-        elif first_step_s > 0:
-            done = min(int(room / first_step_s), 1 << 30)
-        else:
-            return 1 << 30              # steps take no time
+        done = _steps_within(first_step_s, self.per_decode_ctx_s * n, t - start)
+        return 1 << 30 if done < 0 else self._exact_steps_before(n, ctx, start, t, done)
+
+    def _exact_steps_before(self, n: int, ctx: float, start: float, t: float, done: int) -> int:
+        """`done`, an estimate of fast_forward_steps_before, made exact."""
         while done > 0 and start + self.fast_forward_duration(n, ctx, done) >= t:
             done -= 1
         while done < 1 << 30 and start + self.fast_forward_duration(n, ctx, done + 1) < t:
             done += 1
         return done
 
+    def scaled(self, factor: float) -> "StepTimeModel":
+        """The model with every coefficient x `factor`."""
+        return replace(self, **{k: getattr(self, k) * factor for k in self.coefficients})
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class RooflineStepTimeModel(StepTimeModel):
+    """A step runs, layer by layer, the linear layers' matrix products (the
+    layer's weights read once, `weights_s` in all; 2 x parameters FLOPs a
+    scheduled token, `per_token_s`) and the attention (the prefill chunks'
+    query-key pairs, compute-bound, `per_prefill_pair_s`; the decode
+    requests' KV context read, memory-bound, `per_decode_ctx_s`), plus the
+    fixed (`fixed_s`: launch and scheduling) and per-request
+    (`per_request_s`) overheads. Each kernel takes the larger of its compute
+    and its memory time: the matrix products max(per_token_s x tokens,
+    weights_s), so below the ridge point (weights_s / per_token_s tokens) a
+    step's tokens ride on the weights' read and a decode batch grows its time
+    by its context only; the attention kernels are bound each by one of them."""
+    weights_s: float
+
+    form = "roofline"
+    coefficients = ROOFLINE_COEFFICIENTS
+
+    def duration(self, num_reqs: int, num_tokens: int, prefill_pairs: float, decode_ctx: float) -> float:
+        matmul = self.per_token_s * num_tokens
+        if matmul < self.weights_s:
+            matmul = self.weights_s
+        return (self.fixed_s + self.per_request_s * num_reqs + matmul + self.per_prefill_pair_s * prefill_pairs
+                + self.per_decode_ctx_s * decode_ctx)
+
+    def _first_step_s(self, n: int, ctx: float) -> float:
+        """The first of a run of decode-only steps of n requests, context ctx."""
+        matmul = self.per_token_s * n
+        return (self.fixed_s + self.per_request_s * n + (matmul if matmul > self.weights_s else self.weights_s)
+                + self.per_decode_ctx_s * ctx)
+
+    def fast_forward_duration(self, num_decode_reqs: int, decode_context: float, num_steps: int) -> float:
+        n, m = num_decode_reqs, num_steps
+        return m * self._first_step_s(n, decode_context) + self.per_decode_ctx_s * n * (m * (m - 1) / 2.0)
+
+    def fast_forward_steps_before(self, num_decode_reqs: int, decode_context: float, start: float, t: float) -> int:
+        n, ctx = num_decode_reqs, decode_context
+        done = _steps_within(self._first_step_s(n, ctx), self.per_decode_ctx_s * n, t - start)
+        return 1 << 30 if done < 0 else self._exact_steps_before(n, ctx, start, t, done)
+
+    def to_dict(self) -> dict:
+        return {"form": self.form, **asdict(self)}
+
+
+def step_time_model(d: dict) -> StepTimeModel:
+    """The model of a profile's `step_time` object: `form` (default linear)
+    and its coefficients (`StepTimeModel.coefficients`), as floats."""
+    form = d.get("form", "linear")
+    if form not in FORMS:
+        raise ValueError(f"step_time.form must be one of {', '.join(FORMS)}, got {form!r}")
+    cls = FORM_MODELS[form]
+    return cls(**{k: float(d[k]) for k in cls.coefficients})
+
+
+FORM_MODELS = {"linear": StepTimeModel, "roofline": RooflineStepTimeModel}
+
+
+def _steps_within(first_step_s: float, growth_s: float, room: float) -> int:
+    """About how many steps, the i-th (from 0) taking first_step_s + i x
+    growth_s, end within `room` seconds, at most 2**30; -1 when steps take
+    no time (all of them end before any time)."""
+    # the i-th step ends at cum(i) = i * first_step_s + growth_s * i * (i - 1) / 2
+    if room <= 0:
+        return 0
+    if growth_s > 0:
+        half = first_step_s - growth_s / 2
+        return min(int((-half + math.sqrt(half ** 2 + 2 * growth_s * room)) / growth_s), 1 << 30)
+    if first_step_s > 0:
+        return min(int(room / first_step_s), 1 << 30)
+    return -1                   # steps take no time
 
 
 def prefill_pairs(q: int, ctx_before: int) -> float:

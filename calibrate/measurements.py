@@ -1,0 +1,634 @@
+"""Fit an embedded profile to published aggregate measurements of a real
+vLLM (docs/profiles.md): experiments of a load generator sending a fixed
+workload at constant rates, with the measured mean time to first token (TTFT)
+and time to last token (E2E) per stage, jointly with the reference design's
+published figures (`calibrate.published.PUBLISHED`: Ĉ, and TTFT and E2E at a
+stated rate) that the profile already satisfies.
+
+The file format is the one of `calibrate/data/peer-h100/`: a folder (or its
+`experiments.json`) holding
+
+  experiments.json  {"experiments": [{exp_id, model, vllm, max_num_seqs, max_model_len,
+                     max_num_batched_tokens, gpu_memory_utilization, [total_kv_blocks_measured],
+                     system_prompt_len, question_len, output_len, groups_sharing_a_system_prompt,
+                     stages: [{rate, duration}, ...]}, ...]}
+  measurements.csv  exp_id, stage_index (0, 1, ...; -1 = the whole run, not used), e2e_mean_ms,
+                    ttft_mean_ms (other columns kept as they are)
+
+Each stage is simulated on its own (`simulate_stage`): constant arrivals at
+the stage's rate, every prompt the system prompt of one of the groups (a
+shared prefix) and a question, every response exactly `output_len` tokens,
+the server's flags applied to the profile (`sim.profile.with_engine`), the
+KV cache as the server reported it or, without a report, the profile's KV
+derivation at the stated memory utilization. A stage is simulated for
+`duration_s` (a steady state is reached within a few E2E times), not the
+experiment's full length.
+
+The fit (`fit`): each step-time coefficient is the profile's (the roofline
+prior with efficiency factors fitted to the published figures,
+`calibrate.published`) times a multiplier m, bounded below by physics
+(`physical_floor`: no term below the roofline of peak compute and full memory
+bandwidth, so none is ever negative) and above by `M_MAX`; the residuals are the log
+ratios simulated / measured of every stage's TTFT and E2E means (scaled by
+`STAGE_SCALE`), of the published figures (scaled by their tolerances), and
+`PRIOR_WEIGHT` x (m - 1) per coefficient, which holds a coefficient at its
+prior where the data say nothing about it. scipy.optimize.least_squares with
+bounds (trf). Before it, the residuals' Jacobian at the prior says which
+coefficients the data identify: a coefficient whose multiplier the data alone
+give to within `SE_IDENTIFIED` is fitted (the largest such set: the least
+identified coefficient is held, one at a time, until every free one is
+within it), the others are held at the prior and reported as such, so that no term absorbs what another
+one's error leaves. The coefficients are those of the profile's step-time form
+(`sim.engine.step_time`: linear, or roofline with `weights_s`).
+
+The measured means include the time a call spends in the server outside the
+engine (HTTP, tokenization, the hand-over to the engine); the fit adds one
+constant, `frontend_s` (0 to `FRONTEND_MAX_S`), to every simulated mean,
+identified from the Jacobian as the coefficients are; it is reported, not
+simulated (`frontend=False`: the means compared as they are).
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from calibrate.prior import GPU, MODELS, ModelShape, step_time
+from calibrate.published import PUBLISHED
+from sim.capacity import capacity_protocol
+from sim.engine.step_time import FORM_MODELS, step_time_model
+from sim.latency import latency
+from sim.profile import Profile, ProfileError, from_dict, with_engine
+from sim.scenario import PAPER, Lengths
+
+STAGE_SCALE = 0.02        # a stage's log residual in units of 2 %
+PRIOR_WEIGHT = 1.0        # residual of a coefficient's multiplier m: PRIOR_WEIGHT * (m - 1)
+PUBLISHED_SCALE = {"capacity": 0.004, "ttft_p50": 0.03, "e2e_p50": 0.03}
+M_MAX = 5.0               # a coefficient may grow to M_MAX x its prior
+SE_IDENTIFIED = 0.25      # a coefficient is identified when the data alone give its multiplier within +-0.25
+DIFF_STEP = 0.05          # finite-difference step of the multipliers (the simulation is piecewise smooth)
+FRONTEND_UNIT_S = 0.01    # the frontend time's parameter is in units of 10 ms (steps of 0.5 ms)
+FRONTEND_MAX_S = 0.02     # at most 20 ms a call outside the engine
+
+EXPERIMENT_KEYS = ("exp_id", "model", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
+                   "system_prompt_len", "question_len", "output_len", "groups_sharing_a_system_prompt", "stages")
+CSV_COLUMNS = ("exp_id", "stage_index", "e2e_mean_ms", "ttft_mean_ms")
+
+
+class MeasurementsError(ValueError):
+    """A file of experiments that cannot be used; the message names the file
+    and the experiment, key or line."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    rate: float               # calls/s, constant arrivals
+    duration_s: float         # as measured (the simulation runs its own duration)
+    ttft_mean_s: float
+    e2e_mean_s: float
+    measured: dict = field(default_factory=dict, compare=False)     # the CSV row as read
+
+
+@dataclass(frozen=True)
+class Experiment:
+    exp_id: str
+    model: str                # as named by the source, e.g. meta-llama/Llama-3.1-8B-Instruct
+    vllm: str
+    flags: dict               # vLLM's flags as with_engine keys
+    system_prompt_len: int
+    question_len: int
+    output_len: int
+    groups: int
+    stages: tuple[Stage, ...]
+    kv_blocks: int | None     # the KV block count the server reported, if any
+    raw: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.system_prompt_len + self.question_len
+
+
+def _num(v, where: str, whole=False, positive=True):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (whole and not isinstance(v, int)):
+        raise MeasurementsError(f"{where} must be a {'whole number' if whole else 'number'}, got {v!r}")
+    if not math.isfinite(v) or (positive and v <= 0):
+        raise MeasurementsError(f"{where} must be a positive finite number, got {v!r}")
+    return v
+
+
+def _paths(path: str) -> tuple[str, str]:
+    if os.path.isdir(path):
+        return os.path.join(path, "experiments.json"), os.path.join(path, "measurements.csv")
+    return path, os.path.join(os.path.dirname(path) or ".", "measurements.csv")
+
+
+def read_experiments(path: str) -> list[Experiment]:
+    """The experiments of a folder (or its experiments.json) with their
+    measured stages. Raises MeasurementsError (one line) for a missing or
+    malformed file, an experiment lacking a key, a bad value, or a stage
+    without its measurement."""
+    jpath, cpath = _paths(path)
+    for p in (jpath, cpath):
+        if not os.path.isfile(p):
+            raise MeasurementsError(f"{p}: no such file (a fitting set is experiments.json and measurements.csv "
+                                    "in one folder)")
+    try:
+        with open(jpath, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise MeasurementsError(f"{jpath}: cannot read it ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MeasurementsError(f"{jpath}: not valid JSON ({getattr(e, 'msg', e)}"
+                                f"{f' at line {e.lineno}' if hasattr(e, 'lineno') else ''})") from None
+    exps = doc.get("experiments") if isinstance(doc, dict) else None
+    if not isinstance(exps, list) or not exps:
+        raise MeasurementsError(f"{jpath}: needs a non-empty list 'experiments'")
+    rows = _read_csv(cpath)
+    out, seen = [], set()
+    for i, e in enumerate(exps):
+        if not isinstance(e, dict):
+            raise MeasurementsError(f"{jpath}: experiments[{i}] must be an object")
+        miss = [k for k in EXPERIMENT_KEYS if k not in e]
+        if miss:
+            raise MeasurementsError(f"{jpath}: experiments[{i}] lacks {', '.join(miss)}")
+        eid = str(e["exp_id"])
+        if eid in seen:
+            raise MeasurementsError(f"{jpath}: exp_id {eid} appears twice")
+        seen.add(eid)
+        where = f"{jpath}: experiment {eid}"
+        flags = {k: _num(e[k], f"{where}: {k}", whole=True) for k in ("max_num_seqs", "max_model_len",
+                                                                     "max_num_batched_tokens")}
+        if e.get("tp", 1) != 1:
+            raise MeasurementsError(f"{where}: tp {e['tp']!r}: only one GPU per engine (tp 1) is modelled")
+        kv = e.get("total_kv_blocks_measured")
+        if kv is not None:
+            kv = _num(kv, f"{where}: total_kv_blocks_measured", whole=True)
+            flags["num_gpu_blocks"] = kv
+        else:
+            flags["gpu_memory_utilization"] = _num(e.get("gpu_memory_utilization", 0.9),
+                                                   f"{where}: gpu_memory_utilization")
+        lens = {k: _num(e[k], f"{where}: {k}", whole=True, positive=k != "system_prompt_len")
+                for k in ("system_prompt_len", "question_len", "output_len", "groups_sharing_a_system_prompt")}
+        if lens["system_prompt_len"] < 0:
+            raise MeasurementsError(f"{where}: system_prompt_len must not be negative")
+        st = e["stages"]
+        if not isinstance(st, list) or not st:
+            raise MeasurementsError(f"{where}: stages must be a non-empty list of {{rate, duration}}")
+        stages = []
+        for k, s in enumerate(st):
+            if not isinstance(s, dict) or "rate" not in s or "duration" not in s:
+                raise MeasurementsError(f"{where}: stages[{k}] must be an object with rate and duration")
+            m = rows.get((eid, k))
+            if m is None:
+                raise MeasurementsError(f"{cpath}: no row for experiment {eid} stage_index {k}")
+            stages.append(Stage(k, float(_num(s["rate"], f"{where}: stages[{k}].rate")),
+                                float(_num(s["duration"], f"{where}: stages[{k}].duration")),
+                                m["ttft_mean_ms"] / 1e3, m["e2e_mean_ms"] / 1e3, m["row"]))
+        out.append(Experiment(eid, str(e["model"]), str(e.get("vllm", "unknown")), flags,
+                              lens["system_prompt_len"], lens["question_len"], lens["output_len"],
+                              lens["groups_sharing_a_system_prompt"], tuple(stages), kv, e))
+    return out
+
+
+def _read_csv(path: str) -> dict:
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+    except OSError as e:
+        raise MeasurementsError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except (csv.Error, UnicodeDecodeError) as e:
+        raise MeasurementsError(f"{path}: not a CSV file ({e})") from None
+    if not rows:
+        raise MeasurementsError(f"{path}: empty (needs a header with {', '.join(CSV_COLUMNS)})")
+    head = [h.strip() for h in rows[0]]
+    miss = [c for c in CSV_COLUMNS if c not in head]
+    if miss:
+        raise MeasurementsError(f"{path}: the header lacks {', '.join(miss)}")
+    out = {}
+    for line, r in enumerate(rows[1:], start=2):
+        if not r or all(not c.strip() for c in r):
+            continue
+        if len(r) < len(head):
+            raise MeasurementsError(f"{path} line {line}: {len(r)} fields, the header has {len(head)}")
+        row = dict(zip(head, (c.strip() for c in r)))
+        try:
+            idx = int(row["stage_index"])
+        except ValueError:
+            raise MeasurementsError(f"{path} line {line}: stage_index must be a whole number, "
+                                    f"got {row['stage_index']!r}") from None
+        vals = {}
+        for c in ("e2e_mean_ms", "ttft_mean_ms"):
+            try:
+                v = float(row[c])
+            except ValueError:
+                v = float("nan")
+            if not (math.isfinite(v) and v > 0):
+                raise MeasurementsError(f"{path} line {line}: {c} must be a positive number of ms, got {row[c]!r}")
+            vals[c] = v
+        if vals["ttft_mean_ms"] > vals["e2e_mean_ms"]:
+            raise MeasurementsError(f"{path} line {line}: ttft_mean_ms exceeds e2e_mean_ms")
+        if idx < 0:
+            continue                                    # the whole run: not a stage
+        key = (row["exp_id"], idx)
+        if key in out:
+            raise MeasurementsError(f"{path} line {line}: a second row for experiment {key[0]} stage {idx}")
+        out[key] = dict(vals, row=row)
+    return out
+
+
+def profile_name_for(model: str) -> str | None:
+    """The embedded profile of a model named as Hugging Face does
+    (meta-llama/Llama-3.1-8B-Instruct -> llama-3.1-8b), or None."""
+    tail = model.rsplit("/", 1)[-1].lower()
+    for name, shape in MODELS.items():
+        if shape.name.lower() == tail:
+            return name
+    return None
+
+
+def experiments_for(experiments: list[Experiment], profile: Profile) -> list[Experiment]:
+    """The experiments run on the model of `profile` (its `model.name` or its name)."""
+    shape = (profile.raw.get("model") or {}).get("name", "")
+    return [e for e in experiments if e.model.rsplit("/", 1)[-1].lower() == shape.lower()
+            or profile_name_for(e.model) == profile.name]
+
+
+def experiment_scenario(e: Experiment):
+    """The experiment's workload: every prompt one of `groups` system prompts
+    (each a prefix group) and a question, every response `output_len`."""
+    pre = e.system_prompt_len
+    groups = tuple((pre, 1.0) for _ in range(e.groups)) if pre > 0 else None
+    return PAPER.with_(prompt=Lengths("fixed", value=e.prompt_len), response=Lengths("fixed", value=e.output_len),
+                       shared_prefix=pre, prefix_groups=groups, max_call_tokens=e.flags["max_model_len"])
+
+
+def experiment_profile(profile: Profile, e: Experiment) -> Profile:
+    """The profile with the experiment's server flags and KV cache."""
+    try:
+        return with_engine(profile, e.flags)
+    except ProfileError as err:
+        raise MeasurementsError(f"experiment {e.exp_id}: {err}") from None
+
+
+def kv_peak_share(profile: Profile, e: Experiment, stage: Stage, e2e_s: float) -> float:
+    """About how much of the KV cache the stage's calls in flight hold (Little's
+    law: rate x E2E calls, each its prompt and half its response)."""
+    tokens = stage.rate * e2e_s * (e.prompt_len + e.output_len / 2.0)
+    return tokens / experiment_profile(profile, e).kv_tokens
+
+
+def simulate_stage(profile: Profile, e: Experiment, stage: Stage, duration_s: float = 90.0,
+                   warmup_s: float = 20.0, seed: int = 0) -> dict:
+    """The simulator's TTFT and E2E means (s) of one stage: `duration_s` of
+    constant arrivals at the stage's rate, calls created after `warmup_s`."""
+    p = experiment_profile(profile, e)
+    r = latency(p, stage.rate, duration_s=duration_s, warmup_s=warmup_s, scenario=experiment_scenario(e),
+                seed=seed, arrivals="constant")
+    return {"ttft_mean": r["ttft_mean"], "e2e_mean": r["e2e_mean"], "ttft_p90": r["ttft_p90"],
+            "e2e_p90": r["e2e_p90"], "calls": r["calls"]}
+
+
+def compare(profile: Profile, experiments: list[Experiment], duration_s: float = 90.0, warmup_s: float = 20.0,
+            log=None, frontend_s: float = 0.0) -> list[dict]:
+    """One row per stage: measured and simulated TTFT and E2E means (s) and
+    their relative residuals (simulated / measured - 1). `frontend_s`, the
+    time a call spends in the server outside the engine (`fit`), is added to
+    both simulated means."""
+    out = []
+    for e in experiments:
+        for s in e.stages:
+            got = simulate_stage(profile, e, s, duration_s, warmup_s)
+            got = dict(got, ttft_mean=got["ttft_mean"] + frontend_s, e2e_mean=got["e2e_mean"] + frontend_s)
+            row = {"exp_id": e.exp_id, "model": e.model, "vllm": e.vllm, "stage": s.index, "rate": s.rate,
+                   "max_num_batched_tokens": e.flags["max_num_batched_tokens"],
+                   "ttft_mean_measured": s.ttft_mean_s, "ttft_mean_simulated": got["ttft_mean"],
+                   "e2e_mean_measured": s.e2e_mean_s, "e2e_mean_simulated": got["e2e_mean"],
+                   "ttft_residual": got["ttft_mean"] / s.ttft_mean_s - 1,
+                   "e2e_residual": got["e2e_mean"] / s.e2e_mean_s - 1,
+                   "kv_peak_share": kv_peak_share(profile, e, s, got["e2e_mean"])}
+            out.append(row)
+            if log:
+                log(f"  exp {e.exp_id} stage {s.index} ({s.rate:g}/s): TTFT {got['ttft_mean'] * 1e3:.1f} ms "
+                    f"(measured {s.ttft_mean_s * 1e3:.1f}), E2E {got['e2e_mean'] * 1e3:.0f} ms "
+                    f"(measured {s.e2e_mean_s * 1e3:.0f})")
+    return out
+
+
+def published_figures(profile: Profile, target: dict) -> dict:
+    """The simulator's figures for the published ones: the capacity protocol's
+    Ĉ and, where published, the median TTFT and E2E at the stated rate."""
+    cap = capacity_protocol(profile)["capacity"]
+    out = {"capacity": cap}
+    lat = target.get("latency")
+    if lat:
+        r = latency(replace(profile, capacity=cap), lat["rate"])
+        out.update(ttft_p50=r["ttft_p50"], e2e_p50=r["e2e_p50"])
+    return out
+
+
+def physical_floor(profile: Profile) -> dict:
+    """The least each coefficient can physically be, as a multiple of the
+    profile's: the roofline at full efficiency (peak compute, full memory
+    bandwidth, no overhead) of the profile's model shape and GPU; zeros for a
+    profile without them."""
+    shape, gpu = profile.raw.get("model"), profile.raw.get("hardware")
+    prior = profile.step_time.to_dict()
+    names = profile.step_time.coefficients
+    if not shape or not gpu:
+        return {k: 0.0 for k in names}
+    best = step_time(ModelShape(**shape), GPU(**gpu), mfu=1.0, bw_eff=1.0, attn_eff=1.0, step_overhead_s=0.0,
+                     request_overhead_s=0.0, form=profile.step_time.form)
+    return {k: min(1.0, best[k] / prior[k]) if prior[k] > 0 else 0.0 for k in names}
+
+
+def _scaled(profile: Profile, prior: dict, m) -> Profile:
+    names = FORM_MODELS[prior.get("form", "linear")].coefficients
+    st = step_time_model(dict(prior, **{k: prior[k] * float(x) for k, x in zip(names, m)}))
+    return replace(profile, step_time=st)
+
+
+def identifiability(jac: np.ndarray) -> list[float]:
+    """Per coefficient, the standard error of its multiplier that the data
+    alone give (rows of `jac`: residuals in units of their tolerance, columns:
+    multipliers), the others free: sqrt of the diagonal of (J^T J)^-1; inf for
+    a coefficient the data do not move or that another can stand in for."""
+    JTJ = jac.T @ jac
+    out = []
+    for k in range(jac.shape[1]):
+        if not np.any(jac[:, k]):
+            out.append(math.inf)
+            continue
+        try:
+            cov = np.linalg.inv(JTJ)
+            v = cov[k, k]
+        except np.linalg.LinAlgError:
+            v = math.inf
+        out.append(float(math.sqrt(v)) if v > 0 and math.isfinite(v) else math.inf)
+    return out
+
+
+def identified_terms(jac: np.ndarray, limit: float = SE_IDENTIFIED) -> tuple[list[int], list[float]]:
+    """The largest set of coefficients the data identify: all of them, less,
+    one at a time, the one with the largest standard error (`identifiability`
+    of the columns still free) while it exceeds `limit`. Returns the free
+    columns and every column's standard error (a held one's: when it was
+    held)."""
+    free = list(range(jac.shape[1]))
+    se = [math.inf] * jac.shape[1]
+    while free:
+        s = identifiability(jac[:, free])
+        for k, v in zip(free, s):
+            se[k] = v
+        worst = int(np.argmax(s))
+        if s[worst] <= limit:
+            break
+        free.pop(worst)
+    return free, se
+
+
+def fit(profile: Profile, experiments: list[Experiment], published: dict | None = None,
+        duration_s: float = 90.0, warmup_s: float = 20.0, max_evals: int = 60, log=None, free=(),
+        frontend: bool = True) -> dict:
+    """Fit the step-time coefficients to the experiments and the published
+    figures (module docstring). First the data's Jacobian at the prior says
+    which coefficients the data identify (standard error of the multiplier
+    below `SE_IDENTIFIED`); the others stay at their prior; then the
+    identified ones are fitted. Returns {step_time, multipliers, prior,
+    standard_error, identified, held_by_prior, published: {target,
+    simulated}, stages, evaluations, cost, status}. Coefficients named in
+    `free` are fitted even where the data do not identify them (they then
+    take up whatever the identified ones leave). With `frontend`, the
+    measured means are compared with the simulated ones plus `frontend_s`,
+    the time a call spends in the server outside the engine (HTTP, the
+    prompt's tokenization, the hand-over to the engine, the first token's
+    way back: the same for every call, at least 0 and at most
+    FRONTEND_MAX_S), fitted where the data identify it as the coefficients
+    are (else held at 0); it is the measurement's, not the engine's, and the
+    profile does not simulate it."""
+    names = profile.step_time.coefficients
+    bad = [k for k in free if k not in names]
+    if bad:
+        raise MeasurementsError(f"unknown coefficient {bad[0]!r}; valid: {', '.join(names)}")
+    if not experiments:
+        raise MeasurementsError(f"no experiment of {profile.name}'s model to fit")
+    free_names = tuple(free)
+    prior = profile.step_time.to_dict()
+    target = published or {}
+    keys = [k for k in ("capacity",) if k in target] + [k for k in ("ttft_p50", "e2e_p50")
+                                                        if k in target.get("latency", {})]
+    want = {k: target[k] if k == "capacity" else target["latency"][k] for k in keys}
+    stages = [(e, s) for e in experiments for s in e.stages]
+    n = len(names)
+    count = [0]
+
+    def data(m, f=0.0):
+        p = _scaled(profile, prior, m)
+        r = []
+        for e, s in stages:
+            got = simulate_stage(p, e, s, duration_s, warmup_s)
+            r += [math.log((got["ttft_mean"] + f) / s.ttft_mean_s) / STAGE_SCALE,
+                  math.log((got["e2e_mean"] + f) / s.e2e_mean_s) / STAGE_SCALE]
+        if keys:
+            got = published_figures(p, target)
+            r += [math.log(got[k] / want[k]) / PUBLISHED_SCALE[k] for k in keys]
+        count[0] += 1
+        if log:
+            log(f"  evaluation {count[0]}: m = [{', '.join(f'{x:.3f}' for x in m)}]"
+                + (f", frontend {f * 1e3:.2f} ms" if frontend else "") + ", rms residual "
+                f"{float(np.sqrt(np.mean(np.square(r)))):.2f} (in tolerances: {STAGE_SCALE:.0%} a stage)")
+        return np.array(r)
+
+    # which coefficients (and the frontend time, column n) the data identify, from the Jacobian at the prior
+    r0 = data(np.ones(n))
+    J0 = np.empty((len(r0), n + frontend))
+    for k in range(n):
+        m = np.ones(n)
+        m[k] += DIFF_STEP
+        J0[:, k] = (data(m) - r0) / DIFF_STEP
+    if frontend:
+        J0[:, n] = (data(np.ones(n), DIFF_STEP * FRONTEND_UNIT_S) - r0) / DIFF_STEP
+    ident, se = identified_terms(J0)
+    fit_frontend = n in ident
+    ident = [k for k in ident if k < n]
+    frontend_se = se[n] if frontend else math.inf
+    se = se[:n]
+    free = sorted(set(ident) | {names.index(k) for k in free_names})
+    if log:
+        log("  identified by the data: " + (", ".join(names[k] for k in ident) or "none") + "; fitted: "
+            + (", ".join(names[k] for k in free) or "none") + "; held at the "
+            "prior: " + (", ".join(names[k] for k in range(n) if k not in free) or "none")
+            + ("; the frontend time " + ("fitted" if fit_frontend else "not identified: held at 0") if frontend
+               else ""))
+    nf = len(free)
+
+    def full(x):
+        m = np.ones(n)
+        m[free] = x[:nf]
+        return m, (x[nf] * FRONTEND_UNIT_S if fit_frontend else 0.0)
+
+    def resid(x):
+        return np.concatenate([data(*full(x)), PRIOR_WEIGHT * (np.asarray(x[:nf]) - 1.0)])
+
+    floor = physical_floor(profile)
+    lo = [floor[names[k]] for k in free] + [0.0] * fit_frontend
+    hi = [M_MAX] * nf + [FRONTEND_MAX_S / FRONTEND_UNIT_S] * fit_frontend
+    if lo:
+        sol = least_squares(resid, np.array([1.0] * nf + [0.0] * fit_frontend), bounds=(lo, hi),
+                            method="trf", diff_step=DIFF_STEP, max_nfev=max_evals, xtol=1e-3, ftol=1e-3)
+        (m, frontend_s), cost, status = full(sol.x), float(sol.cost), sol.message
+    else:
+        m, frontend_s = np.ones(n), 0.0
+        cost, status = float(0.5 * np.sum(r0 ** 2)), "no coefficient identified: the prior kept"
+    fitted = _scaled(profile, prior, m)
+    sim_pub = published_figures(fitted, target) if keys else {}
+    return {"step_time": fitted.step_time.to_dict(), "prior": prior,
+            "multipliers": dict(zip(names, map(float, m))),
+            "floor": floor, "at_floor": [names[k] for k in free if m[k] <= floor[names[k]] + 1e-3],
+            "standard_error": {k: v if math.isfinite(v) else None for k, v in zip(names, se)},
+            "identified": [names[k] for k in ident],
+            "freed": list(free_names),
+            "held_by_prior": [names[k] for k in range(n) if k not in free],
+            "frontend_s": float(frontend_s),
+            "frontend": ("fitted" if fit_frontend else "held at 0 (not identified)") if frontend else "not fitted",
+            "frontend_standard_error_s": (frontend_se * FRONTEND_UNIT_S if math.isfinite(frontend_se) else None),
+            "published": {"target": target, "simulated": sim_pub},
+            "stages": compare(fitted, experiments, duration_s, warmup_s, frontend_s=frontend_s),
+            "evaluations": count[0], "cost": cost, "status": status}
+
+
+def refit_profile(profile: Profile, experiments: list[Experiment], source: str, duration_s: float = 90.0,
+                  warmup_s: float = 20.0, max_evals: int = 60, log=None, free=(), frontend: bool = True) -> dict:
+    """The profile's JSON with its step time refitted (`fit`) jointly with its
+    published figures (`PUBLISHED[profile.name]`, if any), Ĉ from the
+    capacity protocol, and the fit's provenance (`provenance.measurements`)."""
+    mine = experiments_for(experiments, profile)
+    target = PUBLISHED.get(profile.name)
+    before = compare(profile, mine, duration_s, warmup_s)
+    res = fit(profile, mine, target, duration_s, warmup_s, max_evals, log, free, frontend)
+    d = json.loads(json.dumps(profile.raw))
+    d["step_time"] = res["step_time"]
+    fitted = from_dict(d, profile.name)
+    cap = res["published"]["simulated"].get("capacity") or capacity_protocol(fitted)["capacity"]
+    d["capacity"] = cap
+    prov = d.setdefault("provenance", {"kind": "fitted to published measurements"})
+    if res["published"]["simulated"]:
+        prov["simulated"] = res["published"]["simulated"]
+    kv_share = max(r["kv_peak_share"] for r in res["stages"])
+    prov["measurements"] = {
+        "note": ("step-time coefficients refitted: each the roofline prior's (with the efficiency factors under "
+                 "'fitted') times a multiplier >= 0, fitted to the mean TTFT and E2E of every stage below, "
+                 "simulated with constant arrivals and the server's flags, jointly with the published figures "
+                 "above; a coefficient the data do not identify is held at its prior"),
+        "source": source,
+        "experiments": [{"exp_id": e.exp_id, "model": e.model, "vllm": e.vllm,
+                         "flags": {k: v for k, v in e.flags.items()},
+                         "workload": {"system_prompt_len": e.system_prompt_len, "question_len": e.question_len,
+                                      "output_len": e.output_len, "groups": e.groups,
+                                      "arrivals": "constant"}} for e in mine],
+        "prior_step_time": res["prior"],
+        "multipliers": res["multipliers"],
+        "physical_floor": res["floor"],
+        "at_physical_floor": res["at_floor"],
+        "standard_error": res["standard_error"],
+        "identified": res["identified"],
+        "held_by_prior": res["held_by_prior"],
+        "freed": res["freed"],
+        "frontend_s": res["frontend_s"],
+        "frontend": (f"{res['frontend']}: the time a call spends in the server outside the engine (HTTP, "
+                     "tokenization, the hand-over to the engine and the first token's way back), added to every "
+                     "simulated TTFT and E2E mean before comparing them with the measured; the measurement's, not "
+                     "the engine's: the profile does not simulate it"),
+        "frontend_standard_error_s": res["frontend_standard_error_s"],
+        "kv_cache": (f"not identified by these experiments: their calls in flight hold at most "
+                     f"{kv_share:.0%} of the KV cache, so its size never binds; the block count a server "
+                     "reported is used for its experiment, the profile's own KV derivation is kept"),
+        "stages_before": [_brief(r) for r in before],
+        "stages": [_brief(r) for r in res["stages"]],
+        "simulation": {"duration_s": duration_s, "warmup_s": warmup_s, "seed": 0},
+        "method": (f"scipy.optimize.least_squares (trf, bounds: the roofline at full efficiency <= coefficient <= {M_MAX:g} x prior) on log residuals: stages in "
+                   f"units of {STAGE_SCALE:.0%}, published figures in units of "
+                   + ", ".join(f"{k} {v:.1%}" for k, v in PUBLISHED_SCALE.items())
+                   + f", prior {PRIOR_WEIGHT:g} x (m - 1); {res['evaluations']} evaluations"),
+        "date": datetime.date.today().isoformat(),
+        "tool": f"python -m llmsim calibrate fit-published {profile.name} --measurements {source}"
+                + "".join(f" --free {k}" for k in free) + ("" if frontend else " --no-frontend"),
+    }
+    return d
+
+
+def _brief(r: dict) -> dict:
+    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()
+            if k not in ("model", "vllm")}
+
+
+def stage_table(rows: list[dict], before: list[dict] | None = None) -> str:
+    """Predicted against measured, one line a stage (means in ms, residuals
+    simulated / measured - 1); with `before`, the residuals of the profile
+    before the fit beside them."""
+    head = (f"{'exp':>4} {'stage':>5} {'rate':>5} {'mnbt':>5} | {'TTFT meas':>9} {'sim':>6} {'resid':>7} | "
+            f"{'E2E meas':>8} {'sim':>6} {'resid':>7}")
+    if before:
+        head += f" | {'before: TTFT':>12} {'E2E':>7}"
+    lines = [head, "-" * len(head)]
+    old = {(b["exp_id"], b["stage"]): b for b in before or []}
+    for r in rows:
+        line = (f"{r['exp_id']:>4} {r['stage']:>5} {r['rate']:>5g} {r['max_num_batched_tokens']:>5} | "
+                f"{r['ttft_mean_measured'] * 1e3:>9.1f} {r['ttft_mean_simulated'] * 1e3:>6.1f} "
+                f"{r['ttft_residual']:>+7.1%} | {r['e2e_mean_measured'] * 1e3:>8.0f} "
+                f"{r['e2e_mean_simulated'] * 1e3:>6.0f} {r['e2e_residual']:>+7.1%}")
+        b = old.get((r["exp_id"], r["stage"]))
+        if b:
+            line += f" | {b['ttft_residual']:>+12.1%} {b['e2e_residual']:>+7.1%}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def coefficient_table(prior: dict, fitted: dict, se: dict | None = None, held=()) -> str:
+    """The step-time coefficients before and after, their ratio, and whether
+    the data identified each."""
+    lines = [f"{'coefficient':<20} {'before':>12} {'after':>12} {'after/before':>12}  data"]
+    if fitted.get("form", "linear") != prior.get("form", "linear"):
+        lines.insert(0, f"step-time form: {prior.get('form', 'linear')} before, {fitted.get('form', 'linear')} after")
+    for k in FORM_MODELS[fitted.get("form", "linear")].coefficients:
+        if k not in prior:
+            lines.append(f"{k:<20} {'-':>12} {fitted[k]:>12.4e} {'-':>12}  fitted")
+            continue
+        a, b = prior[k], fitted[k]
+        ratio = f"{b / a:>12.3f}" if a else f"{'-':>12}"
+        s = (se or {}).get(k)
+        how = "held at the prior (not identified)" if k in held else "fitted"
+        if s is not None and math.isfinite(s) and s < 100:
+            how += f", se of the multiplier {s:.2f}"
+        elif k in held:
+            how += ", the data do not bound it"
+        lines.append(f"{k:<20} {a:>12.4e} {b:>12.4e} {ratio}  {how}")
+    return "\n".join(lines)
+
+
+def fit_table(profile: dict) -> str:
+    """The tables of a refitted profile (`refit_profile`): stages and coefficients."""
+    pm = profile["provenance"]["measurements"]
+    out = [stage_table(pm["stages"], pm.get("stages_before")), "",
+           coefficient_table(pm["prior_step_time"], profile["step_time"], pm.get("standard_error"),
+                             pm.get("held_by_prior", ()))]
+    if "frontend_s" in pm:
+        se = pm.get("frontend_standard_error_s")
+        out.append(f"{'frontend_s':<20} {pm['frontend_s']:>12.4e}  {pm['frontend'].split(':')[0]}"
+                   + (f", se {se * 1e3:.2f} ms" if se is not None else "")
+                   + " (outside the engine: added to the simulated means, not simulated)")
+    sim = profile["provenance"].get("simulated") or {}
+    pub = profile["provenance"].get("published") or {}
+    if sim:
+        out.append("")
+        out.append("published figures: " + ", ".join(
+            f"{k} {sim[k]:.3f} (published {pub[k] if k == 'capacity' else pub.get('latency', {}).get(k)})"
+            for k in ("capacity", "ttft_p50", "e2e_p50") if k in sim))
+    out.append("KV cache: " + pm["kv_cache"])
+    return "\n".join(out)

@@ -1,0 +1,257 @@
+"""Fitting embedded profiles to published aggregate measurements of a real
+vLLM (calibrate.measurements, docs/profiles.md): reading the fitting set, the
+simulated experiments against the measured ones, the fit itself on measurements
+the simulator made, and the reference design's published figures that the
+refitted profiles must still reproduce."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from calibrate import measurements as ms
+from calibrate.published import PUBLISHED
+from llmsim.cli import main
+from sim.capacity import capacity_protocol
+from sim.engine.step_time import RooflineStepTimeModel, StepTimeModel, step_time_model
+from sim.latency import latency
+from sim.profile import load_profile
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "calibrate", "data", "peer-h100")
+FITTED = ("llama-3.1-8b", "qwen2.5-7b")
+TOLERANCE = 0.05
+# Stages the refitted profiles cannot bring within 5 % (docs/profiles.md, "What the fit cannot do"):
+# filled from the refit's result, each with its reason.
+_MNBT = ("max_num_batched_tokens 1024 is measured 4-13 % slower than 2048 and 8192 with the same workload; in "
+         "the simulator the three are the same engine (no prefill is chunked at these rates, so the token budget "
+         "never binds and no step differs)")
+_SPREAD = ("at 20/s the same simulated engine stands for experiments 16, 22 and 23, measured at 2278, 2582 and "
+           "2236 ms: no one value is within 5 % of both 2236 and 2582 ms, and the fit sits between them")
+KNOWN_OUTSIDE: dict[tuple[str, int], str] = {("22", 1): _MNBT, ("23", 1): _SPREAD}
+
+
+@pytest.fixture(scope="module")
+def experiments():
+    return ms.read_experiments(DATA)
+
+
+def stages():
+    exps = ms.read_experiments(DATA)
+    out = []
+    for name in FITTED:
+        for e in ms.experiments_for(exps, load_profile(name)):
+            for s in e.stages:
+                marks = ()
+                if (e.exp_id, s.index) in KNOWN_OUTSIDE:
+                    marks = pytest.mark.xfail(strict=True, reason=KNOWN_OUTSIDE[(e.exp_id, s.index)])
+                out.append(pytest.param(name, e.exp_id, s.index, id=f"{name}-exp{e.exp_id}-stage{s.index}",
+                                        marks=marks))
+    return out
+
+
+# ------------------------------------------------------------------ the fitting set as read
+def test_fitting_set_reads_every_experiment_and_stage(experiments):
+    by_id = {e.exp_id: e for e in experiments}
+    assert sorted(by_id) == ["16", "22", "23", "64"]
+    assert [s.rate for s in by_id["16"].stages] == [8.0, 20.0]
+    assert by_id["64"].kv_blocks == 65352 and by_id["64"].flags["num_gpu_blocks"] == 65352
+    assert "num_gpu_blocks" not in by_id["22"].flags and by_id["22"].flags["max_num_batched_tokens"] == 1024
+    s = by_id["16"].stages[1]
+    assert s.e2e_mean_s == pytest.approx(2.2780596) and s.ttft_mean_s == pytest.approx(0.0298748)
+    assert ms.profile_name_for("meta-llama/Llama-3.1-8B-Instruct") == "llama-3.1-8b"
+    assert [e.exp_id for e in ms.experiments_for(experiments, load_profile("qwen2.5-7b"))] == ["64"]
+
+
+def test_experiment_workload_and_engine(experiments):
+    e = next(x for x in experiments if x.exp_id == "22")
+    sc = ms.experiment_scenario(e)
+    assert sc.prompt.value == 547 and sc.response.value == 248 and len(sc.prefix_groups) == 9
+    p = ms.experiment_profile(load_profile("llama-3.1-8b"), e)
+    assert p.engine["max_num_batched_tokens"] == 1024 and p.engine["max_num_seqs"] == 128
+    assert p.engine["max_model_len"] == 4096
+
+
+def _copy(tmp_path):
+    d = tmp_path / "set"
+    shutil.copytree(DATA, d)
+    for f in d.iterdir():
+        os.chmod(f, 0o644)
+    return d
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda d: (d / "measurements.csv").unlink(), "measurements.csv: no such file"),
+    (lambda d: (d / "experiments.json").write_text("{oops"), "not valid JSON"),
+    (lambda d: (d / "experiments.json").write_text('{"experiments": []}'), "non-empty list"),
+    (lambda d: _edit_json(d, lambda e: e[0].pop("output_len")), "lacks output_len"),
+    (lambda d: _edit_json(d, lambda e: e[0]["stages"][0].update(rate=-8)), "stages[0].rate must be a positive"),
+    (lambda d: _edit_json(d, lambda e: e[1].update(exp_id=16)), "exp_id 16 appears twice"),
+    (lambda d: (d / "measurements.csv").write_text("exp_id,stage_index,e2e_mean_ms\n"), "lacks ttft_mean_ms"),
+    (lambda d: _edit_csv(d, "2278.0596", "fast"), "e2e_mean_ms must be a positive number"),
+    (lambda d: _edit_csv(d, "\n16,meta-llama/Llama-3.1-8B-Instruct,general,H100,1,2048,1,", "\n16,x,general,H100,1,2048,7,"),
+     "no row for experiment 16 stage_index 1"),
+])
+def test_malformed_fitting_set_is_one_line(tmp_path, capsys, edit, says):
+    d = _copy(tmp_path)
+    edit(d)
+    with pytest.raises(ms.MeasurementsError, match=None) as err:
+        ms.read_experiments(str(d))
+    assert says in str(err.value) and "\n" not in str(err.value)
+    rc = main(["calibrate", "fit-published", "llama-3.1-8b", "--measurements", str(d), "-o", str(tmp_path / "o.json")])
+    out = capsys.readouterr().err
+    assert rc == 2 and says in out and out.count("\n") == 1 and not (tmp_path / "o.json").exists()
+
+
+def _edit_json(d, fn):
+    doc = json.loads((d / "experiments.json").read_text())
+    fn(doc["experiments"])
+    (d / "experiments.json").write_text(json.dumps(doc))
+
+
+def _edit_csv(d, old, new):
+    text = (d / "measurements.csv").read_text()
+    assert old in text
+    (d / "measurements.csv").write_text(text.replace(old, new, 1))
+
+
+def test_fit_published_refuses_a_model_without_experiments(tmp_path, capsys):
+    rc = main(["calibrate", "fit-published", "qwen3-14b", "--measurements", DATA, "-o", str(tmp_path / "o.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no experiment" in err and "Qwen3-14B" in err and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------ residuals of the embedded profiles
+@pytest.mark.parametrize("name,exp_id,stage", stages())
+def test_fitting_set_stage_within_tolerance(experiments, name, exp_id, stage):
+    prof = load_profile(name)
+    e = next(x for x in experiments if x.exp_id == exp_id)
+    s = e.stages[stage]
+    got = ms.simulate_stage(prof, e, s)
+    # the time a call spends in the server outside the engine, fitted with the profile (not simulated)
+    frontend_s = prof.provenance["measurements"]["frontend_s"]
+    assert 0 <= frontend_s <= ms.FRONTEND_MAX_S
+    assert abs((got["ttft_mean"] + frontend_s) / s.ttft_mean_s - 1) <= TOLERANCE, got
+    assert abs((got["e2e_mean"] + frontend_s) / s.e2e_mean_s - 1) <= TOLERANCE, got
+
+
+@pytest.mark.parametrize("name", FITTED)
+def test_refit_profile_records_its_residuals_and_they_reproduce(experiments, name):
+    prof = load_profile(name)
+    pm = prof.provenance["measurements"]
+    mine = ms.experiments_for(experiments, prof)
+    assert [x["exp_id"] for x in pm["experiments"]] == [e.exp_id for e in mine]
+    assert all(x["vllm"] for x in pm["experiments"])
+    rows = ms.compare(prof, mine, pm["simulation"]["duration_s"], pm["simulation"]["warmup_s"],
+                      frontend_s=pm["frontend_s"])
+    for r, rec in zip(rows, pm["stages"]):
+        assert (r["exp_id"], r["stage"]) == (rec["exp_id"], rec["stage"])
+        assert r["e2e_residual"] == pytest.approx(rec["e2e_residual"], abs=1e-4)
+        assert r["ttft_residual"] == pytest.approx(rec["ttft_residual"], abs=1e-4)
+    # the refit is no worse than the profile it started from, stage by stage taken together
+    err = lambda rs: sum(abs(x["e2e_residual"]) + abs(x["ttft_residual"]) for x in rs)
+    assert err(pm["stages"]) <= err(pm["stages_before"]) + 1e-9
+
+
+@pytest.mark.parametrize("name", FITTED)
+def test_refit_coefficients_stay_physical(name):
+    prof = load_profile(name)
+    pm = prof.provenance["measurements"]
+    st = prof.step_time.to_dict()
+    names = prof.step_time.coefficients
+    for k in names:
+        assert st[k] >= pm["physical_floor"][k] * pm["prior_step_time"][k] * (1 - 1e-9), k
+        if k in pm["held_by_prior"]:
+            assert st[k] == pytest.approx(pm["prior_step_time"][k], rel=1e-12), k
+    assert set(pm["identified"]) | set(pm["held_by_prior"]) == set(names)
+
+
+def test_refit_profiles_have_the_roofline_form_and_the_others_keep_theirs():
+    for name in FITTED:
+        prof = load_profile(name)
+        assert isinstance(prof.step_time, RooflineStepTimeModel), name
+        pm = prof.provenance["measurements"]
+        assert pm["prior_step_time"]["form"] == "roofline" and "weights_s" in pm["multipliers"]
+    assert type(load_profile("qwen3-14b").step_time) is StepTimeModel
+
+
+# ------------------------------------------------------------------ the reference design's figures
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_capacity_within_one_percent(name):
+    prof = load_profile(name)
+    cap = capacity_protocol(prof)["capacity"]
+    assert cap == pytest.approx(prof.capacity, rel=1e-9)
+    assert abs(cap / PUBLISHED[name]["capacity"] - 1) <= 0.01
+
+
+def test_published_latency_of_the_reference_rate():
+    prof = load_profile("qwen2.5-7b")
+    lat = PUBLISHED["qwen2.5-7b"]["latency"]
+    r = latency(prof, lat["rate"])
+    assert abs(r["ttft_p50"] / lat["ttft_p50"] - 1) <= 0.05
+    assert abs(r["e2e_p50"] / lat["e2e_p50"] - 1) <= 0.05
+
+
+# ------------------------------------------------------------------ the fit on measurements the simulator made
+def test_fit_recovers_a_known_engine_from_its_own_measurements(experiments):
+    """Measurements made by the simulator with known coefficients: the fit
+    brings every stage back within 1 % and the coefficients that were moved
+    near the truth; a coefficient these stages cannot tell apart is held at
+    its prior."""
+    prof = load_profile("qwen2.5-7b")
+    assert prof.step_time.form == "roofline"
+    truth = {"weights_s": 1.08, "per_token_s": 0.9}
+    st = prof.step_time.to_dict()
+    true_prof = replace(prof, step_time=step_time_model(dict(st, **{k: st[k] * v for k, v in truth.items()})))
+    base = next(x for x in experiments if x.exp_id == "64")
+    frontend_s = 0.003                  # 3 ms a call outside the engine, in every measured mean
+    stages = []
+    for k, rate in enumerate((3.0, 12.0, 24.0)):
+        got = ms.simulate_stage(true_prof, base, ms.Stage(k, rate, 60.0, 1.0, 2.0), 40.0, 10.0)
+        stages.append(ms.Stage(k, rate, 60.0, got["ttft_mean"] + frontend_s, got["e2e_mean"] + frontend_s))
+    e = replace(base, stages=tuple(stages))
+    res = ms.fit(prof, [e], None, duration_s=40.0, warmup_s=10.0, max_evals=40)
+    for r in res["stages"]:
+        assert abs(r["e2e_residual"]) < 0.01 and abs(r["ttft_residual"]) < 0.01
+    assert res["multipliers"]["weights_s"] == pytest.approx(1.08, abs=0.03)
+    assert res["frontend"] == "fitted" and res["frontend_s"] == pytest.approx(frontend_s, abs=0.001)
+    assert res["multipliers"]["per_token_s"] == pytest.approx(0.9, abs=0.05)
+    assert res["held_by_prior"] and all(res["multipliers"][k] == 1.0 for k in res["held_by_prior"])
+
+
+def test_identified_terms_hold_a_coefficient_the_data_cannot_tell_apart():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=20), rng.normal(size=20)
+    jac = np.column_stack([a * 50, b * 50, (a + 1e-4 * rng.normal(size=20)) * 50])   # third ~ first
+    free, se = ms.identified_terms(jac)
+    assert 1 in free and len(free) == 2 and se[1] < ms.SE_IDENTIFIED
+    assert np.isinf(ms.identifiability(np.column_stack([a, np.zeros(20)]))[1])
+
+
+def test_physical_floor_is_the_roofline_at_full_efficiency():
+    prof = load_profile("llama-3.1-8b")
+    fl = ms.physical_floor(prof)
+    assert set(fl) == set(prof.step_time.coefficients) and all(0 <= fl[k] <= 1 for k in fl)
+    assert fl["per_decode_ctx_s"] * prof.step_time.per_decode_ctx_s == pytest.approx(131072 / 3.35e12, rel=1e-6)
+
+
+def test_fit_refuses_an_unknown_coefficient_to_free(experiments):
+    with pytest.raises(ms.MeasurementsError, match="unknown coefficient 'per_step'"):
+        ms.fit(load_profile("qwen2.5-7b"), experiments[-1:], None, free=("per_step",))
+
+
+def test_fit_published_cli_writes_a_profile_with_its_provenance(tmp_path, capsys):
+    out = tmp_path / "q.json"
+    assert main(["calibrate", "fit-published", "qwen2.5-7b", "--measurements", DATA, "--duration", "40",
+                 "--warmup", "10", "--max-evals", "3", "-o", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert "evaluation 1:" in cap.err and "identified by the data" in cap.err
+    assert "E2E meas" in cap.out and "per_decode_ctx_s" in cap.out
+    prof = load_profile(str(out))
+    pm = prof.provenance["measurements"]
+    assert [x["exp_id"] for x in pm["experiments"]] == ["64"] and pm["simulation"]["duration_s"] == 40.0
+    assert "frontend_s" in cap.out and 0 <= pm["frontend_s"] <= ms.FRONTEND_MAX_S
+    assert abs(prof.capacity / PUBLISHED["qwen2.5-7b"]["capacity"] - 1) < 0.03
