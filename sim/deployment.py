@@ -73,7 +73,7 @@ from .profile import Profile, ProfileError, embedded_names, from_dict, load_prof
 from .fleet import FleetSpec, run_fleet
 from .policy.router import RouterConfig
 from .run import run_one, workload_capacity
-from .scenario import PAPER, REFERENCE_PHASES, SCENARIOS, Lengths, Phase, Scenario
+from .scenario import CLIENT_FIELDS, PAPER, REFERENCE_PHASES, SCENARIOS, Lengths, Phase, Scenario, TrafficClass
 from . import schema as _schema
 from .schema import NUMBER, PAIRS, SCHEMA, TABLE, TABLES, Key, Schema, ScenarioError
 from .workload import Trace, TraceError, make_trace, read_trace
@@ -283,7 +283,7 @@ def _engine(eng: _Doc, prof: Profile) -> tuple[Profile, int | None]:
 def _replayed(w: _Doc, me: _Doc, base_dir: str, trace_speedup: float | None) -> tuple[dict, TraceSource, str | None]:
     """[workload] trace: Scenario fields (the phases as windows of the trace:
     before the burst, the burst, after it), the trace and the burst's name."""
-    clash = [k for k in ("phases", "prompt", "response", "mixed_share", "prefix_groups") if w.has(k)]
+    clash = [k for k in ("phases", "prompt", "response", "mixed_share", "prefix_groups", "classes") if w.has(k)]
     if clash:
         raise w.err(clash[0], "and workload.trace both given: a trace fixes arrivals and lengths")
     if me.has("burst"):
@@ -350,7 +350,30 @@ def _generated(w: _Doc, me: _Doc, base_dir: str, schema: Schema) -> tuple[dict, 
     share = w.get("mixed_share")
     if share is not None:
         sc["mixed_share"] = float(share) if share > 0 else None
+    if w.has("classes"):
+        sc["classes"] = _classes(w, base_dir)
     return sc, burst
+
+
+def _classes(w: _Doc, base_dir: str) -> tuple[TrafficClass, ...]:
+    """[workload] classes: each a TrafficClass; names given and distinct, shares adding up to 1."""
+    out, names = [], set()
+    for i, c in enumerate(w.get("classes")):
+        d = _Doc(w.source, f"workload.classes[{i}]", c)
+        for k in ("name", "share"):
+            if not d.has(k):
+                raise d.err(k, "is missing")
+        if c["name"] in names:
+            raise d.err("name", f"{c['name']!r} names two classes")
+        names.add(c["name"])
+        kw = {k: int(c[k]) if k == "max_retries" else float(c[k]) for k in CLIENT_FIELDS if k in c}
+        lengths = {k: _lengths(d, k, base_dir) for k in ("prompt", "response") if d.has(k)}
+        out.append(TrafficClass(name=c["name"], share=float(c["share"]), priority=int(c.get("priority", 0)),
+                                must_recover=bool(c.get("must_recover", True)), **lengths, **kw))
+    total = sum(c.share for c in out)
+    if abs(total - 1.0) > 1e-9:
+        raise w.err("classes", f"shares must add up to 1, got {total:g}")
+    return tuple(out)
 
 
 def _scenario(sc: dict, cl: _Doc, me: _Doc, prof: Profile, generated: bool, schema: Schema) -> Scenario:
@@ -537,6 +560,8 @@ class Deployment:
                 w["shared_prefix"] = s.shared_prefix
             w["mixed_share"] = s.mixed_share or 0.0
             w["mixed_prompt_len"] = s.mixed_prompt_len
+            if s.classes:
+                w["classes"] = [_class_doc(c) for c in s.classes]
         doc["workload"] = w
         doc["client"] = self._fields("client")
         doc["proxy"] = dict(self.proxy)
@@ -655,6 +680,8 @@ class Deployment:
         s = self.scenario
         pulse = self.run_pulse
         cfg = dataclasses.asdict(self.profile.scheduler_config())
+        if cfg["scheduling_policy"] == "fcfs":
+            del cfg["scheduling_policy"]        # the default: records read as before
         extra = {"deployment": self.identity(), "engine_config": dict(cfg, depth=self.profile.depth)}
         if self.fleet is not None:
             return run_fleet(list(self.fleet.profiles), self.condition_for(condition), trace, s,
@@ -735,6 +762,14 @@ class Deployment:
                      "mean_prompt": mean_prompt, "mean_response": mean_resp, "blocks_per_call": per,
                      "seats": e["num_gpu_blocks"] // per, "max_num_seqs": e["max_num_seqs"]}
         return out
+
+
+def _class_doc(c: TrafficClass) -> dict:
+    d = {k: v for k, v in dataclasses.asdict(c).items() if v is not None and k not in ("prompt", "response")}
+    for k in ("prompt", "response"):
+        if getattr(c, k) is not None:
+            d[k] = _lengths_doc(getattr(c, k))
+    return d
 
 
 def _profile_hash(p: Profile) -> str:

@@ -291,7 +291,8 @@ class FleetRun(Run):
         erec = self.executions[ex_id]
         erec.dispatched_at = t
         prefix, group = self.trace.prefix_of(call_id)
-        req = Request(ex_id, call_id, erec.prompt_len, erec.max_tokens, prefix, record=erec, prefix_group=group)
+        req = Request(ex_id, call_id, erec.prompt_len, erec.max_tokens, prefix, record=erec, prefix_group=group,
+                      priority=self.call_priority[call_id])
         reps = self.exec_replica
         if self.replica_mode:
             r = reps[ex_id]

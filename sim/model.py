@@ -16,10 +16,11 @@ import simpy
 from simpy.core import StopSimulation
 from simpy.events import NORMAL, URGENT, Event
 
+from .classes import call_priorities, clients
 from .conditions import Condition
 from .engine.core import Call, EngineCore, EngineConfig
 from .engine.request import Request
-from .policy.client import RetryingClient, CallState, Retry, Delivered
+from .policy.client import CallState, Retry, Delivered
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel, Complete,
                            Drop, Wake)
 from .profile import Profile
@@ -264,7 +265,9 @@ class Run:
         self.done = env.event()
         self._over: list = []       # [True] once every call is over and `done` triggered (its length: Timers' stop)
         self.timers = Timers(env, horizon=self._horizon, stop=self._over.__len__)
-        self.client = RetryingClient(condition.client_config(scenario), uniform_draws(np.random.default_rng([seed, 1])))
+        # traffic classes: each call's client settings and engine priority are its class's (sim.classes)
+        self.client = clients(condition, scenario, trace, uniform_draws(np.random.default_rng([seed, 1])))
+        self.call_priority = call_priorities(trace, scenario)
         self.proxy_queue_log: list[tuple[float, int]] = [(0.0, 0)]   # (t, proxy queue length) at changes
         self._build(profile, condition, scenario, max_batched_tokens, fast_forward)
         n = len(trace)
@@ -510,7 +513,7 @@ class Run:
         erec.dispatched_at = t
         i = ex.call_id
         req = Request(ex.id, i, erec.prompt_len, erec.max_tokens, self.prefix_len[i], record=erec,
-                      prefix_group=self.prefix_group[i])
+                      prefix_group=self.prefix_group[i], priority=self.call_priority[i])
         if self.engine.add_request(req):
             erec.accepted = True
             self.requests[ex.id] = req

@@ -1,6 +1,7 @@
 """The open-loop trace of docs/model.md: every call's planned arrival, prompt and
 response length, fixed by a seed and replayed identically across conditions
-(`make_trace`), or read from a CSV file of recorded calls (`read_trace`)."""
+(`make_trace`), or read from a CSV file of recorded calls (`read_trace`). With
+traffic classes each call also carries its class (`Trace.klass`)."""
 from __future__ import annotations
 
 import csv
@@ -21,6 +22,7 @@ class Trace:
     shared_prefix: int        # leading prompt tokens identical across calls (the least, with groups)
     prefix_len: np.ndarray | None = None     # per call: its prefix group's tokens (int64); None: shared_prefix
     prefix_group: np.ndarray | None = None   # per call: its prefix group (int64, 0 first); None: all in group 0
+    klass: np.ndarray | None = None          # per call: its traffic class (int64, index into scenario.classes)
 
     def __len__(self) -> int:
         return len(self.arrival)
@@ -83,13 +85,19 @@ def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bo
     rng = np.random.default_rng(seed)
     arrival = np.concatenate([poisson_arrivals(rng, r, a, b) for a, b, r in phases])
     n = len(arrival)
-    prompt = draw_lengths(rng, s.prompt or Lengths("normal", mean=s.prompt_mean, sd=s.prompt_sd), n)
+    klass = None
+    if s.classes:                   # each call's class, by the classes' shares
+        shares = np.array([c.share for c in s.classes], dtype=float)
+        klass = rng.choice(len(shares), size=n, p=shares / shares.sum()).astype(np.int64)
+    prompt = _draw_by_class(rng, s.prompt or Lengths("normal", mean=s.prompt_mean, sd=s.prompt_sd), n, klass,
+                            s.classes, "prompt")
     share = 0.5 if mixed_prompts else s.mixed_share
     if share:
         short = rng.random(n) < share
         prompt[short] = s.mixed_prompt_len
     prompt = np.maximum(prompt, s.shared_prefix + 1)
-    resp = draw_lengths(rng, s.response or Lengths("lognormal", median=s.response_median, mean=s.response_mean), n)
+    resp = _draw_by_class(rng, s.response or Lengths("lognormal", median=s.response_median, mean=s.response_mean),
+                          n, klass, s.classes, "response")
     resp = np.maximum(1, resp)
     prefix_len = group = None
     shared = s.shared_prefix
@@ -105,7 +113,20 @@ def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bo
         resp = np.minimum(resp, s.max_call_tokens - pre - 1)
         prompt = np.maximum(np.minimum(prompt, s.max_call_tokens - resp), pre + 1)
     return Trace(arrival=arrival, prompt_len=prompt, max_tokens=resp, shared_prefix=shared,
-                 prefix_len=prefix_len, prefix_group=group)
+                 prefix_len=prefix_len, prefix_group=group, klass=klass)
+
+
+def _draw_by_class(rng: np.random.Generator, d: Lengths, n: int, klass, classes, which: str) -> np.ndarray:
+    """n lengths: from `d` (no classes: one draw, as ever), else per class in
+    the classes' order, each from the class's own distribution (its `which`)
+    or `d`."""
+    if klass is None:
+        return draw_lengths(rng, d, n)
+    out = np.empty(n, dtype=np.int64)
+    for k, c in enumerate(classes):
+        idx = np.flatnonzero(klass == k)
+        out[idx] = draw_lengths(rng, getattr(c, which) or d, len(idx))
+    return out
 
 
 # ------------------------------------------------------------------ replay
