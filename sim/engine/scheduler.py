@@ -197,26 +197,27 @@ class Scheduler:
         token_budget = max_num_batched_tokens - num_decode
         num_prefill = 0
         kv = self.kv_cache_manager
-        if self.prefilling and self.by_priority:
-            token_budget, num_prefill, preempted, num_decode = self._schedule_prefills_by_priority(
-                output, step, token_budget, preempted)
-        elif self.prefilling:
-            for r in list(self.prefilling):
-                if token_budget <= 0:
-                    break
-                if r.status != RUNNING:
-                    continue                # preempted above as a victim
-                num_new_tokens = r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens   # r.num_tokens - ...
-                if num_new_tokens > token_budget:
-                    num_new_tokens = token_budget
-                while not kv.allocate_slots(r, num_new_tokens):
-                    preempted = True
-                    if self._preempt_last(step) is r:
+        if self.prefilling:
+            if self.by_priority:
+                token_budget, num_prefill, preempted, num_decode = self._schedule_prefills_by_priority(
+                    output, step, token_budget, preempted)
+            else:
+                for r in list(self.prefilling):
+                    if token_budget <= 0:
                         break
-                if r.status == RUNNING:
-                    self._schedule_chunk(output, r, num_new_tokens, step)
-                    token_budget -= num_new_tokens
-                    num_prefill += 1
+                    if r.status != RUNNING:
+                        continue                # preempted above as a victim
+                    num_new_tokens = r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens   # r.num_tokens - ...
+                    if num_new_tokens > token_budget:
+                        num_new_tokens = token_budget
+                    while not kv.allocate_slots(r, num_new_tokens):
+                        preempted = True
+                        if self._preempt_last(step) is r:
+                            break
+                    if r.status == RUNNING:
+                        self._schedule_chunk(output, r, num_new_tokens, step)
+                        token_budget -= num_new_tokens
+                        num_prefill += 1
 
         # 2. waiting requests, from the head, unless this step preempted
         blocked = False
