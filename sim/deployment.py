@@ -352,6 +352,19 @@ def _generated(w: _Doc, me: _Doc, base_dir: str, schema: Schema) -> tuple[dict, 
         sc["mixed_share"] = float(share) if share > 0 else None
     if w.has("classes"):
         sc["classes"] = _classes(w, base_dir)
+    names = {c.name for c in sc.get("classes", ())}
+    for i, p in enumerate(sc["phases"]):
+        if p.shares is None:
+            continue
+        d = _Doc(w.source, f"workload.phases[{i}]", {})
+        if not names:
+            raise d.err("shares", "gives class shares, but workload.classes declares no class")
+        unknown = [c for c, _ in p.shares if c not in names]
+        if unknown:
+            raise d.err("shares", f"names no class {unknown[0]!r} ({', '.join(sorted(names))})")
+        total = sum(x for _, x in p.shares)
+        if abs(total - 1.0) > 1e-9:
+            raise d.err("shares", f"must add up to 1, got {total:g}")
     return sc, burst
 
 

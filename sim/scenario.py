@@ -56,8 +56,12 @@ class Phase:
     load: float | None = None
     rate: float | None = None
     name: str = ""
+    # with traffic classes: ((class name, share), ...) of this phase's calls; None: the classes' own shares
+    shares: tuple | None = None
 
     def __post_init__(self):
+        if self.shares is not None:
+            object.__setattr__(self, "shares", tuple((str(c), float(x)) for c, x in self.shares))
         if not (isinstance(self.duration_s, (int, float)) and math.isfinite(self.duration_s)
                 and self.duration_s > 0):
             raise ValueError(f"phase duration_s must be positive, got {self.duration_s!r}")
@@ -75,7 +79,10 @@ class Phase:
         return self.rate if self.rate is not None else self.load * capacity
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None and v != ""}
+        d = {k: v for k, v in asdict(self).items() if v is not None and v != ""}
+        if "shares" in d:
+            d["shares"] = [list(x) for x in d["shares"]]
+        return d
 
 
 @dataclass(frozen=True)

@@ -296,6 +296,10 @@ SCHEMA = Schema([
     Key("phase", "duration_s", NUMBER, "its length in seconds", **POSITIVE),
     Key("phase", "load", NUMBER, "calls/s in multiples of the workload's Ĉ (or rate)", lo=0.0),
     Key("phase", "rate", NUMBER, "calls/s (or load)", lo=0.0),
+    Key("phase", "shares", PAIRS, "with classes: [[class, share], ...] of this phase's calls (default: the "
+                                  "classes' shares)", of="class_share"),
+    Key("class_share", "class", STRING, "a class's name"),
+    Key("class_share", "share", NUMBER, "its share of the phase's calls (shares add up to 1)", lo=0.0),
     # one group of [workload] prefix_groups
     Key("prefix_group", "tokens", WHOLE, "the group's prefix tokens", lo=0),
     Key("prefix_group", "share", NUMBER, "the group's share of the calls (shares add up to 1)", **POSITIVE),

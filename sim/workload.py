@@ -83,12 +83,10 @@ def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bo
     if phases is None:
         phases = s.arrival_phases(capacity)
     rng = np.random.default_rng(seed)
-    arrival = np.concatenate([poisson_arrivals(rng, r, a, b) for a, b, r in phases])
+    by_phase = [poisson_arrivals(rng, r, a, b) for a, b, r in phases]
+    arrival = np.concatenate(by_phase)
     n = len(arrival)
-    klass = None
-    if s.classes:                   # each call's class, by the classes' shares
-        shares = np.array([c.share for c in s.classes], dtype=float)
-        klass = rng.choice(len(shares), size=n, p=shares / shares.sum()).astype(np.int64)
+    klass = _draw_classes(rng, s, [len(x) for x in by_phase]) if s.classes else None
     prompt = _draw_by_class(rng, s.prompt or Lengths("normal", mean=s.prompt_mean, sd=s.prompt_sd), n, klass,
                             s.classes, "prompt")
     share = 0.5 if mixed_prompts else s.mixed_share
@@ -114,6 +112,24 @@ def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bo
         prompt = np.maximum(np.minimum(prompt, s.max_call_tokens - resp), pre + 1)
     return Trace(arrival=arrival, prompt_len=prompt, max_tokens=resp, shared_prefix=shared,
                  prefix_len=prefix_len, prefix_group=group, klass=klass)
+
+
+def _draw_classes(rng: np.random.Generator, s: Scenario, counts: list[int]) -> np.ndarray:
+    """Each call's class (index into s.classes): by the classes' shares, or
+    phase by phase where phases give their own shares (`Phase.shares`)."""
+    shares = np.array([c.share for c in s.classes], dtype=float)
+    if all(p.shares is None for p in s.phases) or len(counts) != len(s.phases):
+        return rng.choice(len(shares), size=sum(counts), p=shares / shares.sum()).astype(np.int64)
+    index = {c.name: k for k, c in enumerate(s.classes)}
+    out = []
+    for p, m in zip(s.phases, counts):
+        q = shares
+        if p.shares is not None:
+            q = np.zeros(len(shares))
+            for name, x in p.shares:
+                q[index[name]] += x
+        out.append(rng.choice(len(q), size=m, p=q / q.sum()).astype(np.int64))
+    return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
 
 
 def _draw_by_class(rng: np.random.Generator, d: Lengths, n: int, klass, classes, which: str) -> np.ndarray:
