@@ -364,7 +364,7 @@ class Scenario:
                 "mixed": ({"share": self.mixed_share, "len": self.mixed_prompt_len} if self.mixed_share else None),
                 **({"classes": [{"share": c.share, "prompt": c.prompt and c.prompt.to_dict(),
                                  "response": c.response and c.response.to_dict()} for c in self.classes]}
-                   if self.classes else {})}
+                   if self.classes and any(c.prompt or c.response for c in self.classes) else {})}
 
     def to_dict(self) -> dict:
         """As records give it: the cohorts' bounds (base_s, pulse_s, hold_s)

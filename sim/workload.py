@@ -116,8 +116,11 @@ def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bo
 
 def _draw_classes(rng: np.random.Generator, s: Scenario, counts: list[int]) -> np.ndarray:
     """Each call's class (index into s.classes): by the classes' shares, or
-    phase by phase where phases give their own shares (`Phase.shares`)."""
+    phase by phase where phases give their own shares (`Phase.shares`). One
+    class takes no draw: its trace is the trace without classes."""
     shares = np.array([c.share for c in s.classes], dtype=float)
+    if len(shares) == 1:
+        return np.zeros(sum(counts), dtype=np.int64)
     if all(p.shares is None for p in s.phases) or len(counts) != len(s.phases):
         return rng.choice(len(shares), size=sum(counts), p=shares / shares.sum()).astype(np.int64)
     index = {c.name: k for k, c in enumerate(s.classes)}

@@ -200,7 +200,7 @@ def test_a_phase_key_added_as_a_row_is_checked_and_documented():
     with pytest.raises(ScenarioError, match=r"workload.phases\[0\].arrivals must be one of poisson, constant"):
         schema.check(doc, "p.toml")
     text = from_document({}, "p.toml", schema=schema).to_toml()
-    assert "{name, duration_s, load, rate, arrivals}" in text
+    assert "{name, duration_s, load, rate, shares, arrivals}" in text
 
 
 def test_a_schema_refuses_a_row_twice_or_a_table_without_rows():
