@@ -3,14 +3,18 @@ client and priority by its class, the record's `classes` and the
 deployment's verdict by the classes that must recover."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
+import os
 
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
 import golden
+from llmsim.cli import main
 from sim.classes import ClassClients, call_priorities, clients
 from sim.conditions import CONDITIONS
 from sim.deployment import from_document
@@ -152,3 +156,23 @@ def test_a_bad_class_is_one_line_naming_the_key(classes, workload, message):
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ScenarioError, match="scheduling_policy must be one of fcfs, priority"):
         from_document({"engine": {"scheduling_policy": "sjf"}}, "c.toml")
+
+
+def test_diagnose_prints_a_table_per_class(tmp_path):
+    """`llmsim diagnose --scenario` on the worked example: after the usual
+    table (the deployment's verdict, chat's), one per class with its deadline;
+    the JSON runs carry each class's record."""
+    out, path = io.StringIO(), tmp_path / "d.json"
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "classes-chat-batch.toml")
+    with contextlib.redirect_stdout(out):
+        assert main(["diagnose", "--scenario", example, "--seed", "0", "--json", str(path)]) == 0
+    text = out.getvalue()
+    assert "class chat (share 0.7, priority 0, deadline 30 s, must recover):" in text
+    assert "class batch (share 0.3, priority 10, deadline 120 s):" in text
+    assert "hold <=30s" in text and "the deployment recovers when chat does" in text
+    runs = json.loads(path.read_text())["runs"]
+    assert len(runs) == 4
+    for r in runs:
+        assert set(r["classes"]) == {"chat", "batch"}
+        assert r["recovered"] == r["classes"]["chat"]["recovered"]
+        assert r["engine_config"]["scheduling_policy"] == "priority"
