@@ -283,7 +283,7 @@ def _engine(eng: _Doc, prof: Profile) -> tuple[Profile, int | None]:
 def _replayed(w: _Doc, me: _Doc, base_dir: str, trace_speedup: float | None) -> tuple[dict, TraceSource, str | None]:
     """[workload] trace: Scenario fields (the phases as windows of the trace:
     before the burst, the burst, after it), the trace and the burst's name."""
-    clash = [k for k in ("phases", "prompt", "response", "mixed_share", "prefix_groups", "classes") if w.has(k)]
+    clash = [k for k in ("phases", "prompt", "response", "mixed_share", "prefix_groups") if w.has(k)]
     if clash:
         raise w.err(clash[0], "and workload.trace both given: a trace fixes arrivals and lengths")
     if me.has("burst"):
@@ -315,7 +315,36 @@ def _replayed(w: _Doc, me: _Doc, base_dir: str, trace_speedup: float | None) -> 
               prompt=Lengths("empirical", values=tuple(int(x) for x in tr.prompt_len), source=f"trace:{sha}"),
               response=Lengths("empirical", values=tuple(int(x) for x in tr.max_tokens), source=f"trace:{sha}"),
               prompt_mean=float(tr.prompt_len.mean()), response_mean=float(tr.max_tokens.mean()))
+    if w.has("classes") or tr.klass is not None:
+        classes, klass = _trace_classes(w, tr, info)
+        sc["classes"], tr = classes, dataclasses.replace(tr, klass=klass)
     return sc, TraceSource(w.get("trace"), float(speed), sha, tr, info), ("trace" if a is not None else None)
+
+
+def _trace_classes(w: _Doc, tr: Trace, info: dict) -> tuple:
+    """[workload] classes with a trace: each call's class from the trace's
+    `class` column, which must name declared classes; a class's share is its
+    share of the trace's calls (a share given is not used)."""
+    if tr.klass is None:
+        raise w.err("classes", "with a trace needs the trace's class column (each call's class by name)")
+    if not w.has("classes"):
+        raise w.err("trace", f"has a class column ({', '.join(info['classes'])}): declare workload.classes")
+    for i, c in enumerate(w.get("classes")):
+        d = _Doc(w.source, f"workload.classes[{i}]", c)
+        if "name" not in c:
+            raise d.err("name", "is missing")
+        for k in ("prompt", "response"):
+            if k in c:
+                raise d.err(k, "and workload.trace both given: a trace fixes arrivals and lengths")
+    names = [c["name"] for c in w.get("classes")]
+    unknown = [x for x in info["classes"] if x not in names]
+    if unknown:
+        raise w.err("trace", f"names a class {unknown[0]!r} that workload.classes does not declare "
+                             f"({', '.join(names)})")
+    klass = np.asarray([names.index(x) for x in info["classes"]], dtype=np.int64)[tr.klass]
+    counts = np.bincount(klass, minlength=len(names)) / len(klass)
+    docs = [dict(c, share=float(x)) for c, x in zip(w.get("classes"), counts)]
+    return _classes(_Doc(w.source, w.where_, dict(w.d, classes=docs)), ".", shares_of_trace=True), klass
 
 
 def _generated(w: _Doc, me: _Doc, base_dir: str, schema: Schema) -> tuple[dict, str | None]:
@@ -368,8 +397,9 @@ def _generated(w: _Doc, me: _Doc, base_dir: str, schema: Schema) -> tuple[dict, 
     return sc, burst
 
 
-def _classes(w: _Doc, base_dir: str) -> tuple[TrafficClass, ...]:
-    """[workload] classes: each a TrafficClass; names given and distinct, shares adding up to 1."""
+def _classes(w: _Doc, base_dir: str, shares_of_trace: bool = False) -> tuple[TrafficClass, ...]:
+    """[workload] classes: each a TrafficClass; names given and distinct,
+    shares adding up to 1 (with a trace, its own: a class may have none)."""
     out, names = [], set()
     for i, c in enumerate(w.get("classes")):
         d = _Doc(w.source, f"workload.classes[{i}]", c)
@@ -384,7 +414,7 @@ def _classes(w: _Doc, base_dir: str) -> tuple[TrafficClass, ...]:
         out.append(TrafficClass(name=c["name"], share=float(c["share"]), priority=int(c.get("priority", 0)),
                                 must_recover=bool(c.get("must_recover", True)), **lengths, **kw))
     total = sum(c.share for c in out)
-    if abs(total - 1.0) > 1e-9:
+    if abs(total - 1.0) > 1e-9 and not shares_of_trace:
         raise w.err("classes", f"shares must add up to 1, got {total:g}")
     return tuple(out)
 
@@ -556,6 +586,8 @@ class Deployment:
         if self.trace_source is not None:
             w = {"trace": self.trace_source.path, "trace_speedup": self.trace_source.speedup,
                  "shared_prefix": int(self.trace_source.trace.shared_prefix)}
+            if s.classes:
+                w["classes"] = [_class_doc(c) for c in s.classes]
             if self.burst is not None:
                 me.update(burst_start_s=s.pulse_start, burst_end_s=s.pulse_end)
             me["hold_end_s"] = s.hold_end if self.burst is not None else s.base_s

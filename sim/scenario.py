@@ -157,8 +157,8 @@ class TrafficClass:
     must_recover: bool = True
 
     def __post_init__(self):
-        if not (math.isfinite(self.share) and self.share > 0):
-            raise ValueError(f"class {self.name!r}: share must be positive, got {self.share!r}")
+        if not (math.isfinite(self.share) and self.share >= 0):
+            raise ValueError(f"class {self.name!r}: share must be non-negative, got {self.share!r}")
 
     def client(self, scenario: "Scenario") -> "Scenario":
         """`scenario` with this class's client settings (a Retry-After cap

@@ -182,7 +182,9 @@ def read_trace(path: str, speedup: float = 1.0, shared_prefix: int = 0) -> tuple
     (`TIMESTAMP, ContextTokens, GeneratedTokens`; times in seconds or as
     date-times); optional columns `prefix_group` (any label: calls of one
     group share their prefix) and `prefix_tokens` (the call's prefix length,
-    one per group; without it every group's prefix is `shared_prefix`). Returns the trace and a description (dialect,
+    one per group; without it every group's prefix is `shared_prefix`) and
+    `class` (a traffic class's name: `Trace.klass` numbers the labels in
+    order of appearance, listed as the description's `classes`). Returns the trace and a description (dialect,
     calls, span, speedup). Raises TraceError naming the file (and line) for
     a missing or unreadable file, an unknown header, an empty trace, a time
     that is negative, not a number or earlier than the row before, or a
@@ -210,8 +212,10 @@ def read_trace(path: str, speedup: float = 1.0, shared_prefix: int = 0) -> tuple
     it, ip, ir = (head.index(c) for c in cols)
     ipx = head.index("prefix_tokens") if "prefix_tokens" in head else None
     igr = head.index("prefix_group") if "prefix_group" in head else None
-    times, prompts, resps, prefixes, groups = [], [], [], [], []
+    icl = head.index("class") if "class" in head else None
+    times, prompts, resps, prefixes, groups, classes = [], [], [], [], [], []
     labels: dict[str, int] = {}
+    class_labels: dict[str, int] = {}
     prev = -math.inf
     for line, row in enumerate(rows[1:], start=2):
         if not row or all(not c.strip() for c in row):
@@ -249,6 +253,11 @@ def read_trace(path: str, speedup: float = 1.0, shared_prefix: int = 0) -> tuple
             if not label:
                 raise TraceError(f"{where}: prefix_group is empty")
             groups.append(labels.setdefault(label, len(labels)))
+        if icl is not None:
+            label = row[icl].strip()
+            if not label:
+                raise TraceError(f"{where}: class is empty")
+            classes.append(class_labels.setdefault(label, len(class_labels)))
     if not times:
         raise TraceError(f"{path}: empty trace (a header and no calls)")
     t0 = times[0]
@@ -271,6 +280,10 @@ def read_trace(path: str, speedup: float = 1.0, shared_prefix: int = 0) -> tuple
         raise TraceError(f"{path}: call {bad[0] + 1}: the shared prefix ({prefix if plen is None else plen[bad[0]]}) "
                          f"is not shorter than its prompt ({prompt[bad[0]]})")
     trace = Trace(arrival=arrival, prompt_len=prompt, max_tokens=np.asarray(resps, dtype=np.int64),
-                  shared_prefix=int(prefix), prefix_len=plen, prefix_group=group)
-    return trace, {"dialect": dialect, "calls": len(times), "span_s": float(arrival[-1]), "speedup": speedup,
-                   "shared_prefix": int(prefix), "prefix_groups": int(group.max()) + 1 if group is not None else 1}
+                  shared_prefix=int(prefix), prefix_len=plen, prefix_group=group,
+                  klass=np.asarray(classes, dtype=np.int64) if icl is not None else None)
+    info = {"dialect": dialect, "calls": len(times), "span_s": float(arrival[-1]), "speedup": speedup,
+            "shared_prefix": int(prefix), "prefix_groups": int(group.max()) + 1 if group is not None else 1}
+    if icl is not None:
+        info["classes"] = list(class_labels)     # the labels of Trace.klass's values, in order
+    return trace, info

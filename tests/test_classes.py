@@ -176,3 +176,21 @@ def test_diagnose_prints_a_table_per_class(tmp_path):
         assert set(r["classes"]) == {"chat", "batch"}
         assert r["recovered"] == r["classes"]["chat"]["recovered"]
         assert r["engine_config"]["scheduling_policy"] == "priority"
+
+
+def test_a_replayed_trace_gives_each_call_its_class_by_a_column(tmp_path):
+    (tmp_path / "t.csv").write_text("arrived_at,num_prefill_tokens,num_decode_tokens,class\n"
+                                    "0.0,3000,100,chat\n0.5,12000,300,batch\n1.0,3000,120,chat\n")
+    doc = {"workload": {"trace": "t.csv", "classes": [{"name": "chat", "priority": 0},
+                                                      {"name": "batch", "priority": 5}]},
+           "measures": {"burst_start_s": 0.2, "burst_end_s": 0.6, "hold_end_s": 2.0}}
+    dep = from_document(doc, str(tmp_path / "s.toml"), base_dir=str(tmp_path))
+    assert dep.trace().klass.tolist() == [0, 1, 0]
+    assert [round(c.share, 3) for c in dep.scenario.classes] == [0.667, 0.333]     # the trace's own
+    assert call_priorities(dep.trace(), dep.scenario) == [0, 5, 0]
+    doc["workload"]["classes"] = [{"name": "chat"}]
+    with pytest.raises(ScenarioError, match="names a class 'batch' that workload.classes does not declare"):
+        from_document(doc, "s.toml", base_dir=str(tmp_path))
+    del doc["workload"]["classes"]
+    with pytest.raises(ScenarioError, match="has a class column"):
+        from_document(doc, "s.toml", base_dir=str(tmp_path))
