@@ -30,9 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_fleet import own_calls  # noqa: E402
 from sim.conditions import get_condition  # noqa: E402
-from sim.engine.core import EngineCore, call_later  # noqa: E402
+from sim.clock import Clock  # noqa: E402
+from sim.engine.core import EngineCore  # noqa: E402
 from sim.engine.request import Request  # noqa: E402
-from sim.model import Clock, Run, engine_config  # noqa: E402
+from sim.model import Run, engine_config  # noqa: E402
 from sim.policy.router import RouterConfig  # noqa: E402
 from sim.profile import load_profile  # noqa: E402
 from sim.runlog import ExecutionRecord  # noqa: E402
@@ -100,10 +101,10 @@ def replay(profile, condition, inputs: list[tuple], until: float) -> tuple[Engin
             fn(r)
         at[0] = i = i + 1
         if i < len(groups):
-            call_later(env, times[i] - env.now, feed)
+            env.call_later(times[i] - env.now, feed)
 
     if groups:
-        call_later(env, times[0], feed)
+        env.call_later(times[0], feed)
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sim.model import Clock  # noqa: E402
+from sim.clock import Clock  # noqa: E402
 from sim.profile import load_profile  # noqa: E402
 from sim.run import run_one  # noqa: E402
 

@@ -22,13 +22,9 @@ summed; Ĉ the sum of the replicas') with two more keys,
 """
 from __future__ import annotations
 
-import heapq
 import math
-from array import array
-from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
-from operator import attrgetter
 
 import numpy as np
 
@@ -36,12 +32,14 @@ from . import measures
 from .conditions import Condition, get_condition
 from .engine.core import EngineCore
 from .engine.request import Request
-from .model import Run, Timers, never, engine_config, prompt_throughput
+from .clock import RoutedTimers as _RoutedTimers
+from .model import Run, never, engine_config, prompt_throughput
 from .policy.proxy import EngineView, PromptRate, Proxy
 from .policy.router import ReplicaProxies, ReplicaView, Router, RouterConfig
 from .profile import Profile
 from .run import run_inputs, workload_capacity
-from .runlog import CALL_OUTCOMES, AttemptTable, CallRecord, CallTable, RunLog, Series, sample_log
+from .runlog import (CALL_OUTCOMES, CallRecord, CallTable, ExecutionTable, RunLog, Series, column, sample_log,
+                     take)
 from .scenario import Scenario
 from .workload import Trace
 
@@ -50,7 +48,6 @@ NAN = float("nan")
 RECORD_KEYS = ("fleet", "replicas")              # keys a fleet's record has beyond the result record
 # a call's record in a replica's log when the call reached it only after another replica
 ELSEWHERE = "elsewhere"
-_ANY = object()         # a timer that may reach every replica (see _RoutedTimers)
 
 
 @dataclass(frozen=True)
@@ -212,8 +209,8 @@ class FleetRun(Run):
         return sum(map(len, self._gauge_logs())) + len(self.proxy_queue_log)
 
     def _horizon(self) -> float:
-        """The earliest end of a step in flight; -INF while an engine is idle
-        (an input may start a step on it at once)."""
+        """The timers' horizon (the contract in sim.clock): the earliest end
+        of a step in flight; -INF while an engine is idle."""
         h = INF
         for e in self.engines:
             p = e.pending
@@ -224,18 +221,18 @@ class FleetRun(Run):
         return h
 
     def _next_input_time_of(self, r: int) -> float:
-        """A bound on when engine r may next get input (or be read by the
-        router): the next timer; and while a proxy that feeds r holds a
-        queue, the next moment a request may finish where that proxy's
-        queue drains on finishes: r's own steps in flight that finish one
-        (its sidecar); with the deployment's proxy, any engine's, and for
-        another engine also the end of its steps in flight (a step it has
-        not scheduled yet may finish one just after); with sidecars, an
-        engine's 503 to an execution its sidecar dispatched from its queue
-        sends the attempt on to another replica, so where the router retries
-        and engines have a cap, another sidecar's queue counts likewise.
-        Where every call stays on its home replica, only the timers of r's
-        calls count, and the arrival of the next call r is home to."""
+        """Engine r's horizon (the contract in sim.clock): the next timer; and
+        while a proxy that feeds r holds a queue, the next moment a request
+        may finish where that proxy's queue drains on finishes: r's own
+        steps in flight that finish one (its sidecar); with the deployment's
+        proxy, any engine's, and for another engine also the end of its
+        steps in flight (a step it has not scheduled yet may finish one just
+        after); with sidecars, an engine's 503 to an execution its sidecar
+        dispatched from its queue sends the attempt on to another replica,
+        so where the router retries and engines have a cap, another
+        sidecar's queue counts likewise. Where every call stays on its home
+        replica, only the timers of r's calls count, and the arrival of the
+        next call r is home to."""
         if self._routed_timers is not None:
             t = self._routed_timers.next_time_of(r)
             calls, i = self._calls_of[r], self._calls_at[r]
@@ -353,7 +350,7 @@ class FleetRun(Run):
         engine_r = [{"steps": w[0], "preemptions": e.scheduler.num_preemptions,
                      "aborted_before_scheduled": e.aborted_before_scheduled} for e, w in zip(self.engines, work)]
         extra_r = [{"busy_s": w[1], "step_events": e.num_step_events} for e, w in zip(self.engines, work)]
-        executions = ExecutionList(self.executions)
+        executions = ExecutionTable(self.executions).read_all()     # the replicas' slices cut its columns
         fleet = RunLog(calls=self.call_log, attempts=self.attempt_log, executions=executions,
                        series=Series(t=ts, waiting=sum(waiting[1:], waiting[0]), running=sum(running[1:], running[0]),
                                      proxy_queue=fleet_pq),
@@ -368,75 +365,23 @@ class FleetRun(Run):
             a_exec = column(self.attempt_log, "execution")
             att_rep = np.where(a_exec >= 0, ex_rep[np.maximum(a_exec, 0)] if len(ex_rep) else -1, -1)
         call_rep = first_landing(self.attempt_log, att_rep, len(self.call_log))
-        by_replica = executions.split(ex_rep, n)
         replicas = [replica_log(fleet, r, att_rep, ex_rep, call_rep,
                                 Series(t=ts, waiting=waiting[r], running=running[r], proxy_queue=pq[r]),
                                 dict(self.engines[r].scheduler.counters), self.counters_at_r[r], engine_r[r],
-                                extra_r[r], by_replica[r]) for r in range(n)]
+                                extra_r[r]) for r in range(n)]
         rerouted = self.rerouted + (self.proxy.rerouted if self.replica_mode else 0)
         return FleetLog(fleet, replicas, att_rep, ex_rep, self._placed(executions), call_rep,
                         rerouted, {"replicas": n, "router": self.router_config.policy,
                                    "router_retries": self.router_config.retries, "proxy": self.router_config.proxy,
                                    "profiles": [p.name for p in self.profiles]})
 
-    def _placed(self, executions: "ExecutionList") -> np.ndarray:
+    def _placed(self, executions: ExecutionTable) -> np.ndarray:
         """When each execution got its replica, by id (NaN: never): its
         dispatch, or with sidecars, its creation until it is dispatched."""
-        cols = executions.columns
-        placed = cols["dispatched_at"]
+        placed = column(executions, "dispatched_at")
         if self.replica_mode:
-            placed = np.where(np.isnan(placed), cols["created_at"], placed)
+            placed = np.where(np.isnan(placed), column(executions, "created_at"), placed)
         return placed
-
-
-class _RoutedTimers(Timers):
-    """The driver's timers, each also filed under the replica its firing may
-    reach, so that a replica's next input skips the timers of the others. A
-    timer whose function is in `by_call` reaches its call's replica
-    (`home[call id]`), the call id being its argument (`by_call[fn]`
-    False) or the argument's `call_id` (True); one whose function maps to
-    None is filed under no replica (the caller bounds its firing otherwise);
-    any other timer (a counter snapshot) may reach every replica."""
-
-    def __init__(self, env, horizon, stop, n: int, home: list[int], by_call: dict):
-        super().__init__(env, horizon, stop)
-        self.home = home
-        self.by_call = by_call
-        self.due: list[list] = [[] for _ in range(n)]
-        self.due_lanes: list[deque] = [deque() for _ in range(n)]    # each replica's lane (see Timers)
-        self.due_any: list = []
-
-    def at(self, t: float, fn, arg=None, seq: int | None = None, in_order: bool = False) -> list:
-        entry = Timers.at(self, t, fn, arg, seq, in_order)
-        attr = self.by_call.get(getattr(fn, "__func__", None), _ANY)
-        if attr is _ANY:
-            heapq.heappush(self.due_any, entry)
-        elif attr is not None:
-            r = self.home[arg.call_id if attr else arg]
-            lane = self.due_lanes[r]
-            if in_order and (not lane or lane[-1] < entry):
-                lane.append(entry)
-            else:
-                heapq.heappush(self.due[r], entry)
-        return entry
-
-    def next_time_of(self, r: int) -> float:
-        """The time of the next live timer that may reach replica r (INF: none)."""
-        h, lane, t = self.due[r], self.due_lanes[r], INF
-        while h and not h[0][5]:
-            heapq.heappop(h)
-        while lane and not lane[0][5]:
-            lane.popleft()
-        if lane and (not h or lane[0] < h[0]):
-            t = lane[0][2]
-        elif h:
-            t = h[0][2]
-        h = self.due_any
-        while h and not h[0][5]:
-            heapq.heappop(h)
-        if h and h[0][2] < t:
-            t = h[0][2]
-        return t
 
 
 def _next_finish(e: EngineCore) -> float:
@@ -453,29 +398,6 @@ def sum_counters(dicts) -> dict:
     for d in dicts:
         for k, v in d.items():
             out[k] = out[k] + v if k in out else v
-    return out
-
-
-_DTYPES = {"q": np.int64, "d": np.float64, "b": np.int8}
-
-
-def column(records, name: str) -> np.ndarray:
-    """One field of a table (`AttemptTable`, `CallTable`: a view of its
-    column, codes as stored) or of a list of records, as a numpy array."""
-    if isinstance(records, (AttemptTable, CallTable)):
-        typecode = next(f[1] for f in records.FIELDS if f[0] == name)
-        col = getattr(records, name)
-        return np.frombuffer(col, dtype=_DTYPES[typecode]) if len(col) else np.zeros(0, _DTYPES[typecode])
-    return np.array([getattr(x, name) for x in records])
-
-
-def _table_of(cls, columns: dict):
-    """A table of class `cls` with the given numpy columns (one per field)."""
-    out = cls()
-    for name, typecode, _ in cls.FIELDS:
-        col = array(typecode)
-        col.frombytes(np.ascontiguousarray(columns[name], dtype=_DTYPES[typecode]).tobytes())
-        setattr(out, name, col)
     return out
 
 
@@ -502,73 +424,32 @@ def first_landing(attempts, attempt_replica: np.ndarray, n_calls: int) -> np.nda
     return out
 
 
-_EXEC_FIELDS = (("id", np.int64), ("call", np.int64), ("attempt", np.int64), ("max_tokens", np.int64),
-                ("created_at", np.float64), ("dispatched_at", np.float64), ("accepted", np.bool_),
-                ("first_scheduled_at", np.float64), ("first_token_at", np.float64), ("finished_at", np.float64),
-                ("fate", "<U16"), ("cancel_requested_at", np.float64), ("tokens_generated", np.int64),
-                ("prompt_computed", np.int64), ("prompt_in_flight", np.int64), ("orphaned_at", np.float64))
-
-
-class ExecutionList(list):
-    """Execution records (`ExecutionRecord`) with `columns`: each field the
-    measures read as a numpy array, one row per record, taken in one pass
-    per field (or given, for a subset of another list's rows)."""
-
-    def __init__(self, records=(), columns: dict | None = None):
-        super().__init__(records)
-        if columns is None:
-            columns = {name: np.fromiter(map(attrgetter(name), self), dtype=dtype, count=len(self))
-                       for name, dtype in _EXEC_FIELDS}
-        self.columns = columns
-
-    @staticmethod
-    def ids(records) -> np.ndarray:
-        cols = getattr(records, "columns", None)
-        if cols is not None:
-            return cols["id"]
-        return np.fromiter((e.id for e in records), dtype=np.int64, count=len(records))
-
-    def split(self, part: np.ndarray, n: int) -> list["ExecutionList"]:
-        """The records of each part 0..n-1 (`part[row]`, -1 for none), in order."""
-        order = np.argsort(part, kind="stable")
-        bounds = np.searchsorted(part[order], np.arange(-1, n + 1))
-        out = []
-        for r in range(n):
-            rows = order[bounds[r + 1]:bounds[r + 2]]
-            out.append(ExecutionList(map(self.__getitem__, rows.tolist()) if len(rows) else (),
-                                     {k: v[rows] for k, v in self.columns.items()}))
-        return out
-
-
 def replica_log(fleet: RunLog, r: int, attempt_replica: np.ndarray, execution_replica: np.ndarray,
                 call_replica: np.ndarray, series: Series, counters: dict, counters_at: dict, engine: dict,
-                extra: dict, executions: list | None = None) -> RunLog:
-    """Replica r's RunLog: the attempts that landed on it, the executions it
-    ran (`executions` where the caller has them, in id order), its engine's
+                extra: dict) -> RunLog:
+    """Replica r's RunLog: slices of the fleet's store (`take`), the
+    attempts that landed on it and the executions it ran, with its engine's
     series, counters and work; its calls are those that landed on it first
     (each call belongs to one replica). A call that reached r only after
     another replica stands in its calls as a record with id -1, no planned
     time and outcome `elsewhere` (no cohort counts it); from the fleet's
     tables the replica's are tables (`ReplicaCallTable`), from lists of
     records, lists."""
-    if executions is None:
-        rows = np.flatnonzero(execution_replica[ExecutionList.ids(fleet.executions)] == r)
-        executions = ExecutionList(map(fleet.executions.__getitem__, rows.tolist()))
+    ex = fleet.executions
+    executions = take(ex, np.flatnonzero(execution_replica[column(ex, "id")] == r))
     here = call_replica == r
-    rows = attempt_replica == r
-    cl, at = fleet.calls, fleet.attempts
-    if isinstance(cl, CallTable) and isinstance(at, AttemptTable):
-        calls = _table_of(ReplicaCallTable, {
+    attempts = take(fleet.attempts, np.flatnonzero(attempt_replica == r))
+    cl = fleet.calls
+    if isinstance(cl, CallTable):
+        calls = ReplicaCallTable.of_columns({
             "id": np.where(here, column(cl, "id"), -1),
             "planned_at": np.where(here, column(cl, "planned_at"), NAN),
             "delivered_at": np.where(here, column(cl, "delivered_at"), NAN),
             "attempts": np.where(here, column(cl, "attempts"), 0),
             "outcome": np.where(here, column(cl, "outcome"), _ELSEWHERE_CODE)})
-        attempts = _table_of(AttemptTable, {name: column(at, name)[rows] for name, _, _ in AttemptTable.FIELDS})
     else:
         elsewhere = CallRecord(-1, NAN, outcome=ELSEWHERE)
         calls = [c if h else elsewhere for c, h in zip(cl, here.tolist())]
-        attempts = [a for a, x in zip(at, rows.tolist()) if x]
     return RunLog(calls=calls, attempts=attempts, executions=executions, series=series, counters=counters,
                   counters_at=counters_at, engine=engine, end_time=fleet.end_time, wall_s=0.0, extra=extra)
 
@@ -579,11 +460,10 @@ def split_calls(log: FleetLog) -> int:
     first of its finish (completed, aborted, dropped, refused) and the
     proxy's cancel, or the run's end."""
     ex = log.fleet.executions
-    if not ex:
+    if not len(ex):
         return 0
     rep = log.execution_replica
-    cols = getattr(ex, "columns", None) or ExecutionList(ex).columns
-    ids, call, fin, cancel = cols["id"], cols["call"], cols["finished_at"], cols["cancel_requested_at"]
+    ids, call, fin, cancel = (column(ex, name) for name in ("id", "call", "finished_at", "cancel_requested_at"))
     start = log.execution_placed[ids]
     stop = np.fmin(fin, cancel)
     stop = np.where(np.isnan(stop), log.fleet.end_time, stop)
@@ -633,7 +513,7 @@ def moved_attempts(log: FleetLog) -> int:
     """Attempts that landed on a replica other than the one their call's
     previous landed attempt reached."""
     att = log.fleet.attempts
-    if not att:
+    if not len(att):
         return 0
     calls = column(att, "call")
     rep = log.attempt_replica

@@ -2,8 +2,9 @@
 `RunLog`. Everything here is a pure function of the log and the scenario: the
 simulator and the live harness write the same record from the same kind of log.
 
-The record lists are turned into numpy columns once (`_Columns`); each record
-key is then one helper, a function of those columns.
+The log's calls, attempts and executions are read as numpy columns once
+(`_Columns`, through `sim.runlog.column`); each record key is then one
+helper, a function of those columns.
 """
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import dataclasses
 import json
 import math
 import os
-from operator import attrgetter
 from typing import Any, Sequence
 
 import numpy as np
 
-from .runlog import RunLog, AttemptTable, CallTable, Series, ATTEMPT_OUTCOMES, CALL_OUTCOMES
+from .runlog import (RunLog, ATTEMPT_OUTCOMES, CALL_OUTCOMES, EXECUTION_FATES, ExecutionTable, Series, column,
+                     take)
 from .scenario import Scenario
 
 # Tolerance on the recovery thresholds: a share computed as 49/50 or a slope
@@ -72,78 +73,44 @@ def recovery(window_delivery: Sequence[float], window_queue_mean: Sequence[float
 # Columns
 # --------------------------------------------------------------------------
 
-class _Codes(dict):
-    def __missing__(self, key):
-        return -1
-
-
-_FATES = _Codes({"": 0, "completed": 1, "aborted": 2, "dropped": 3, "refused": 4})
-_F_LIVE, _F_COMPLETED, _F_ABORTED, _F_DROPPED, _F_REFUSED = range(5)
-_OUTCOMES = _Codes({o: i for i, o in enumerate(ATTEMPT_OUTCOMES)})
-_O_COMPLETE, _O_TIMEOUT, _O_BUDGET, _O_ENGINE, _O_PROXY = (_OUTCOMES[o] for o in ATTEMPT_OUTCOMES[1:])
-_CALL_OUTCOMES = _Codes({o: i for i, o in enumerate(CALL_OUTCOMES)})
-_C_LIVE, _C_DELIVERED, _C_FAILED_ATTEMPTS, _C_FAILED_RETRY_AFTER = range(4)
-
-
-def _col(records: list, name: str, dtype) -> np.ndarray:
-    """One field of every record as a numpy column (one pass, no temporaries;
-    a list that carries its records' `columns` (name -> array) gives that)."""
-    cols = getattr(records, "columns", None)
-    if cols is not None and name in cols:
-        return cols[name].astype(dtype, copy=False)
-    return np.fromiter(map(attrgetter(name), records), dtype=dtype, count=len(records))
-
-
-def _code(records: list, name: str, table: _Codes) -> np.ndarray:
-    """A string field as integer codes (-1 for a value not in the table)."""
-    cols = getattr(records, "columns", None)
-    if cols is not None and name in cols:
-        values, inverse = np.unique(cols[name], return_inverse=True)
-        codes = np.fromiter(map(table.__getitem__, values.tolist()), dtype=np.int64, count=len(values))
-        return codes[inverse.reshape(-1)]
-    return np.fromiter(map(table.__getitem__, map(attrgetter(name), records)),
-                       dtype=np.int64, count=len(records))
-
-
-def _columns(records, spec: tuple) -> list[np.ndarray]:
-    """The columns `spec` ((name, dtype or a _Codes table), ...) of a table
-    or a list of records; a table's codes follow the same tables."""
-    if isinstance(records, (AttemptTable, CallTable)):
-        return [records.column(name) for name, _ in spec]
-    return [_code(records, name, kind) if isinstance(kind, _Codes) else _col(records, name, kind)
-            for name, kind in spec]
+_F_LIVE, _F_COMPLETED, _F_ABORTED, _F_DROPPED, _F_REFUSED = (EXECUTION_FATES.index(f) for f in (
+    "", "completed", "aborted", "dropped", "refused"))
+_O_COMPLETE, _O_TIMEOUT, _O_BUDGET, _O_ENGINE, _O_PROXY = (ATTEMPT_OUTCOMES.index(o) for o in (
+    "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy"))
+_C_LIVE, _C_DELIVERED, _C_FAILED_ATTEMPTS, _C_FAILED_RETRY_AFTER = (CALL_OUTCOMES.index(o) for o in (
+    "", "delivered", "failed_attempts", "failed_retry_after"))
 
 
 class _Columns:
-    """The RunLog's records as numpy columns, built once."""
+    """The RunLog's columns the measures read (`sim.runlog.column`), read once."""
 
     def __init__(self, log: RunLog, calls: bool = True, rest: bool = True):
-        F, I, B = np.float64, np.int64, np.bool_
         if calls:
-            self.planned, self.delivered_at, self.call_attempts, self.call_outcome = _columns(
-                log.calls, (("planned_at", F), ("delivered_at", F), ("attempts", I), ("outcome", _CALL_OUTCOMES)))
+            c = log.calls
+            self.planned, self.delivered_at, self.call_attempts, self.call_outcome = (
+                column(c, name) for name in ("planned_at", "delivered_at", "attempts", "outcome"))
         if not rest:
             return
-        self.a_call, self.a_number, self.a_sent, self.a_outcome, self.a_exec, self.a_attached = _columns(
-            log.attempts, (("call", I), ("number", I), ("sent_at", F), ("outcome", _OUTCOMES), ("execution", I),
-                           ("attached", B)))
+        a = log.attempts
+        self.a_call, self.a_number, self.a_sent, self.a_outcome, self.a_exec, self.a_attached = (
+            column(a, name) for name in ("call", "number", "sent_at", "outcome", "execution", "attached"))
         e = log.executions
-        self.e_id = _col(e, "id", I)
-        self.e_call = _col(e, "call", I)
-        self.e_attempt = _col(e, "attempt", I)
-        self.e_max_tokens = _col(e, "max_tokens", I)
-        self.e_created = _col(e, "created_at", F)
-        self.e_dispatched = _col(e, "dispatched_at", F)
-        self.e_accepted = _col(e, "accepted", B)
-        self.e_first_sched = _col(e, "first_scheduled_at", F)
-        self.e_first_token = _col(e, "first_token_at", F)
-        self.e_finished = _col(e, "finished_at", F)
-        self.e_fate = _code(e, "fate", _FATES)
-        self.e_cancel = _col(e, "cancel_requested_at", F)
-        self.e_tokens = _col(e, "tokens_generated", I)
-        self.e_prompt = _col(e, "prompt_computed", I)
-        self.e_in_flight = _col(e, "prompt_in_flight", I)
-        self.e_orphaned = _col(e, "orphaned_at", F)
+        self.e_id = column(e, "id")
+        self.e_call = column(e, "call")
+        self.e_attempt = column(e, "attempt")
+        self.e_max_tokens = column(e, "max_tokens")
+        self.e_created = column(e, "created_at")
+        self.e_dispatched = column(e, "dispatched_at")
+        self.e_accepted = column(e, "accepted")
+        self.e_first_sched = column(e, "first_scheduled_at")
+        self.e_first_token = column(e, "first_token_at")
+        self.e_finished = column(e, "finished_at")
+        self.e_fate = column(e, "fate")
+        self.e_cancel = column(e, "cancel_requested_at")
+        self.e_tokens = column(e, "tokens_generated")
+        self.e_prompt = column(e, "prompt_computed")
+        self.e_in_flight = column(e, "prompt_in_flight")
+        self.e_orphaned = column(e, "orphaned_at")
         # execution id -> row (ids are normally 0..n-1 in order)
         n = len(self.e_id)
         if n and (self.e_id == np.arange(n)).all():
@@ -497,7 +464,7 @@ CLASS_KEYS = ("cohorts", "recovered", "recovery_time_s", "rates_xC", "prompt_tok
               "calls_failed", "attempts", "executions", "windows")
 
 
-def _class_series(log: RunLog, executions: list) -> Series:
+def _class_series(log: RunLog, executions) -> Series:
     """The 1 s series of one class's executions, from their records: in the
     proxy's queue from creation to dispatch, waiting in the engine from
     dispatch (if accepted) to the first scheduled step, running from there to
@@ -510,16 +477,24 @@ def _class_series(log: RunLog, executions: list) -> Series:
         b = np.sort(np.where(np.isnan(stops), end, stops))
         return (np.searchsorted(a, t, side="right") - np.searchsorted(b, t, side="right")).astype(np.int64)
 
-    def col(name):
-        return np.fromiter((getattr(e, name) for e in executions), dtype=float, count=len(executions))
-    created, dispatched, sched, finished = (col(k) for k in ("created_at", "dispatched_at", "first_scheduled_at",
-                                                             "finished_at"))
-    accepted = np.fromiter((e.accepted for e in executions), dtype=bool, count=len(executions))
+    created, dispatched, sched, finished = (column(executions, k) for k in (
+        "created_at", "dispatched_at", "first_scheduled_at", "finished_at"))
     left_proxy = np.where(np.isnan(dispatched), finished, dispatched)
-    waited = np.where(accepted, dispatched, np.nan)
+    waited = np.where(column(executions, "accepted"), dispatched, np.nan)
     left_queue = np.where(np.isnan(sched), finished, sched)
     return Series(t=t, waiting=count(waited, left_queue), running=count(sched, finished),
                   proxy_queue=count(created, left_proxy))
+
+
+def _renumbered(store, name: str, ids: np.ndarray):
+    """A store (table or list of records) with the call ids in field `name`
+    mapped through `ids`: a table rebuilt from its columns, records copied."""
+    if hasattr(type(store), "of_columns"):
+        cols = {f[0]: column(store, f[0]) for f in store.FIELDS}
+        cols[name] = ids[cols[name]]
+        return type(store).of_columns(cols)
+    recs = [dataclasses.replace(r, **{name: int(ids[getattr(r, name)])}) for r in store]
+    return ExecutionTable(recs) if isinstance(store, ExecutionTable) else recs
 
 
 def class_log(log: RunLog, calls: np.ndarray, own_series: bool = True) -> RunLog:
@@ -528,19 +503,15 @@ def class_log(log: RunLog, calls: np.ndarray, own_series: bool = True) -> RunLog
     counters and totals as the whole run's. The series is the class's own
     (`_class_series`) or, with own_series False, the run's."""
     calls = np.asarray(calls, dtype=np.int64)
-    n = len(log.calls)
-    new_id = np.full(n, -1, dtype=np.int64)
+    new_id = np.full(len(log.calls), -1, dtype=np.int64)
     new_id[calls] = np.arange(len(calls))
-    ids = new_id.tolist()
-    replace = dataclasses.replace
-    call_recs = [replace(log.calls[i], id=ids[i]) for i in calls.tolist()]
-    a_call = np.asarray(log.attempts.column("call") if isinstance(log.attempts, AttemptTable)
-                        else [a.call for a in log.attempts], dtype=np.int64)
-    a_ids = new_id[a_call].tolist()
-    attempts = [replace(log.attempts[j], call=a_ids[j]) for j in np.flatnonzero(new_id[a_call] >= 0).tolist()]
-    executions = [replace(e, call=ids[e.call]) for e in log.executions if ids[e.call] >= 0]
+    a_rows = np.flatnonzero(new_id[column(log.attempts, "call")] >= 0)
+    e_rows = np.flatnonzero(new_id[column(log.executions, "call")] >= 0)
+    executions = _renumbered(take(log.executions, e_rows), "call", new_id)
     series = _class_series(log, executions) if own_series else log.series
-    return dataclasses.replace(log, calls=call_recs, attempts=attempts, executions=executions, series=series)
+    return dataclasses.replace(log, calls=_renumbered(take(log.calls, calls), "id", new_id),
+                               attempts=_renumbered(take(log.attempts, a_rows), "call", new_id),
+                               executions=executions, series=series)
 
 
 def class_records(log: RunLog, scenario: Scenario, capacity: float, klass: np.ndarray) -> dict:

@@ -5,27 +5,23 @@ result record from it."""
 from __future__ import annotations
 
 import gc
-import heapq
-import itertools
 import math
 import time
-from collections import deque
 
 import numpy as np
 import simpy
-from simpy.core import StopSimulation
-from simpy.events import NORMAL, URGENT, Event
 
 from .classes import call_priorities, clients
+from .clock import Clock, Timers
 from .conditions import Condition
-from .engine.core import Call, EngineCore, EngineConfig
+from .engine.core import EngineCore, EngineConfig
 from .engine.request import Request
 from .policy.client import CallState, Retry, Delivered
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Dispatch, Refuse, Cancel, Complete,
                            Drop, Wake)
 from .profile import Profile
-from .runlog import (RunLog, ExecutionRecord, Series, AttemptTable, CallTable, ATTEMPT_OUTCOMES, CALL_OUTCOMES,
-                     sample_columns, sample_log, refusal_outcome, thin_log)
+from .runlog import (RunLog, ExecutionRecord, ExecutionTable, Series, AttemptTable, CallTable, ATTEMPT_OUTCOMES,
+                     CALL_OUTCOMES, sample_columns, sample_log, refusal_outcome, thin_log)
 from .scenario import Scenario
 from .workload import Trace
 
@@ -53,188 +49,12 @@ def uniform_draws(rng: np.random.Generator, chunk: int = 512):
     return uniform
 
 
-class Clock(simpy.Environment):
-    """The SimPy environment of a run, with an event scheduled at an exact
-    time for the driver's timers (which also set `now` to a timer's own time
-    while it fires in a batch, see `Timers`)."""
-
-    def run(self, until=None):
-        """As `simpy.Environment.run` (same `until` forms, result and
-        errors), with `step()` carried out inline in its loop; a `Call`
-        entry (the engine's and the timers') runs its one callback, which
-        never stops the simulation, and is left as it was (it may be queued
-        again)."""
-        if until is not None:
-            if not isinstance(until, Event):
-                at = until if isinstance(until, int) else float(until)
-                if at <= self._now:
-                    raise ValueError(f"until ({at}) must be greater than the current simulation time")
-                until = Event(self)     # before all regular timeouts, as simpy's
-                until._ok = True
-                until._value = None
-                self.schedule(until, URGENT, at - self._now)
-            elif until.callbacks is None:
-                return until.value      # processed already
-            until.callbacks.append(StopSimulation.callback)
-        queue, pop = self._queue, heapq.heappop
-        try:
-            while queue:
-                self._now, _, _, event = pop(queue)
-                if type(event) is Call:         # one callback, which never stops the simulation
-                    event.callbacks[0](event)
-                    continue
-                callbacks, event.callbacks = event.callbacks, None
-                try:
-                    for callback in callbacks:
-                        callback(event)
-                except StopSimulation:
-                    # the rest of the event's callbacks run when the simulation resumes
-                    event.callbacks = callbacks[callbacks.index(callback) + 1:]
-                    self.schedule(event, URGENT - 1)
-                    raise
-                if not event._ok and not hasattr(event, "_defused"):
-                    exc = type(event._value)(*event._value.args)    # a failed event nobody defused
-                    exc.__cause__ = event._value
-                    raise exc
-        except StopSimulation as exc:
-            return exc.args[0]
-        if until is not None:
-            raise RuntimeError(f'No scheduled events left but "until" event was not triggered: {until}')
-        return None
-
-    def schedule_at(self, t: float, callback) -> None:
-        """Call `callback(event)` when the clock reaches `t` (>= now)."""
-        heapq.heappush(self._queue, (t, NORMAL, next(self._eid), Call(callback)))
-
-    @property
-    def events_scheduled(self) -> int:
-        """SimPy events scheduled so far (engine steps, timer batches, wake-ups)."""
-        n = next(self._eid)
-        self._eid = itertools.count(n)
-        return n
-
-
 class _Attempt(Attempt):
     """An attempt with the driver's bookkeeping: its row in the attempt log
     and its deadline timer (set by `Run._send`; None once the timer fired or
     was cancelled, so that the two make no reference cycle that would
     outlive the attempt)."""
     __slots__ = ("row", "timer")
-
-
-class Timers:
-    """Driver-side timers on the SimPy clock, cancellable, with the time of
-    the next live one (the engine may not advance past it in closed form).
-
-    A timer set at time c for time t fires at c + max(0, t - c) (the time a
-    SimPy timeout would), calling `fn(t, arg)`, timers due at one time in
-    the order they were set. Timers are kept in a heap and a lane: a timer
-    set `in_order` (the caller's timers of one kind each come due a fixed
-    time after they are set, as attempts' deadlines do) joins the lane's
-    end if due no earlier than its last one, any other the heap; the
-    lane's first entry stands for the lane in the heap, so the heap stays
-    small. Timers
-    take one SimPy event per batch: when one comes due, every later one
-    due before `horizon()` (the next time anything else can happen in the
-    simulation: the end of the engine's step in flight) fires with it, each
-    in its own order and as of its own time (`env.now` reads it), which is
-    what the policy core and the engine would see had it fired alone.
-    `horizon()` returns -INF when timers must fire one instant at a time.
-    Timers also stop batching once `stop()` is true."""
-
-    def __init__(self, env: Clock, horizon=lambda: -INF, stop=lambda: False):
-        self.env = env
-        self.heap: list[list] = []          # [fire time, seq, t, fn, arg, live]
-        self.lane: deque[list] = deque()    # entries likewise, in firing order
-        self.horizon = horizon
-        self.stop = stop
-        self.until = INF                    # no batching past this time
-        self._seq = 0
-        self._armed: list[float] = []       # times of this heap's SimPy events in the queue
-        self._firing = False
-        self._call = Call(self._tick)       # the queue entry of those events (the Clock leaves a Call as it was)
-
-    def reserve(self, n: int) -> int:
-        """Reserve n sequence numbers (for timers added later that must
-        order as if set now); returns the first."""
-        first = self._seq
-        self._seq += n
-        return first
-
-    def at(self, t: float, fn, arg=None, seq: int | None = None, in_order: bool = False) -> list:
-        now = self.env._now
-        d = t - now
-        tf = now + d if d > 0.0 else now    # now + max(0, t - now)
-        if seq is None:
-            seq = self._seq
-            self._seq += 1
-        entry = [tf, seq, t, fn, arg, True]
-        lane = self.lane
-        if in_order and (not lane or lane[-1] < entry):
-            if not lane:
-                heapq.heappush(self.heap, entry)    # the lane's first entry stands for it in the heap
-            lane.append(entry)
-        else:
-            heapq.heappush(self.heap, entry)
-        if not self._firing and (not self._armed or tf < self._armed[0]):
-            self._arm(tf)
-        return entry
-
-    def _arm(self, tf: float) -> None:
-        heapq.heappush(self._armed, tf)
-        env = self.env
-        heapq.heappush(env._queue, (tf, NORMAL, next(env._eid), self._call))     # env.schedule_at(tf, _tick)
-
-    def _pop(self) -> None:
-        """Take the heap's first entry out; if it is the lane's first, the
-        lane's next entry takes its place in the heap."""
-        h, lane = self.heap, self.lane
-        if lane and h[0] is lane[0]:
-            lane.popleft()
-            if lane:
-                heapq.heapreplace(h, lane[0])
-                return
-        heapq.heappop(h)
-
-    def _tick(self, _event) -> None:
-        env, h = self.env, self.heap
-        now = heapq.heappop(self._armed)
-        limit = min(self.horizon(), self.until)
-        if -INF < limit < INF:
-            limit -= 1e-9 * max(1.0, abs(limit))    # leave a tie with the horizon to the clock
-        pop, stop = self._pop, self.stop
-        self._firing = True
-        try:
-            while h:
-                e = h[0]
-                live = e[5]
-                if live:
-                    tf = e[0]
-                    if tf > now:
-                        if tf >= limit or stop():
-                            break
-                        env._now = tf           # as of its own time
-                    e[5] = False
-                pop()
-                if live:
-                    e[3](e[2], e[4])
-        finally:
-            env._now = now
-            self._firing = False
-        while h and not h[0][5]:
-            self._pop()
-        if h and (not self._armed or h[0][0] < self._armed[0]):
-            self._arm(h[0][0])
-
-    @staticmethod
-    def cancel(entry: list) -> None:
-        entry[5] = False
-
-    def next_time(self) -> float:
-        h = self.heap
-        while h and not h[0][5]:
-            self._pop()
-        return h[0][2] if h else INF
 
 
 def prompt_throughput(profile: Profile, scenario: Scenario) -> float:
@@ -339,7 +159,7 @@ class Run:
         self.thin_at = max(self.thin_at, 2 * self._log_entries())
 
     def _horizon(self) -> float:
-        """The next time anything but a timer can happen: the end of the
+        """The timers' horizon (the contract in sim.clock): the end of the
         engine's step in flight (-INF while it is idle)."""
         pending = self.engine.pending
         return pending[0].end if pending else -INF
@@ -399,7 +219,7 @@ class Run:
         self.done.succeed()
 
     def _close_attempt(self, att: _Attempt, t: float, outcome: int) -> None:
-        att.timer[5] = False                # Timers.cancel
+        att.timer.live = False              # Timers.cancel
         att.timer = None                    # the attempt and its timer no longer hold each other
         log = self.attempt_log
         log.ended_at[att.row] = t
@@ -494,7 +314,7 @@ class Run:
         self.timers.at(a.at, self._wake, a.execution)
 
     def _next_input_time(self) -> float:
-        """When the engine may next get input: the next timer, or — while
+        """The engine's horizon (sim.clock): the next timer, or — while
         the proxy holds executions in its queue — the end of the first step
         in flight that finishes a request (its completion frees a seat under
         the proxy cap, and a queued execution is dispatched then)."""
@@ -571,7 +391,7 @@ class Run:
         series = Series(t=ts, waiting=waiting, running=running, proxy_queue=proxy_queue)
         s = eng.scheduler
         steps, busy = eng.work_by(end)
-        return RunLog(calls=self.call_log, attempts=self.attempt_log, executions=self.executions,
+        return RunLog(calls=self.call_log, attempts=self.attempt_log, executions=ExecutionTable(self.executions),
                       series=series, counters=dict(s.counters), counters_at=dict(self.counters_at),
                       engine={"steps": steps, "preemptions": s.num_preemptions,
                               "aborted_before_scheduled": eng.aborted_before_scheduled},

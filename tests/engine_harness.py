@@ -2,8 +2,7 @@
 given times, every step taking `step_s` seconds unless a model is given."""
 from __future__ import annotations
 
-import simpy
-
+from sim.clock import Clock
 from sim.engine.core import EngineCore, EngineConfig
 from sim.engine.request import Request
 from sim.engine.scheduler import SchedulerConfig
@@ -16,7 +15,7 @@ class Harness:
                  step_s=1.0, model=None, max_queued=None, fast_forward=True, kv_policy="on-demand",
                  abort_latency="v1", leak_blocks_on_abort=False, stalls=(), abort_bound=False,
                  scheduling_policy="fcfs"):
-        self.env = simpy.Environment()
+        self.env = Clock()
         model = model or StepTimeModel(step_s, 0.0, 0.0, 0.0, 0.0)
         cfg = EngineConfig(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                            num_gpu_blocks=num_gpu_blocks, block_size=block_size,

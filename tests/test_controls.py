@@ -523,7 +523,7 @@ def test_cli_composes_a_condition_from_flags(tmp_path, capsys):
 
 
 def _timers(horizon):
-    from sim.model import Clock, Timers
+    from sim.clock import Clock, Timers
     env = Clock()
     seen = []
     timers = Timers(env, horizon=lambda: horizon)
@@ -538,7 +538,7 @@ def test_the_clock_runs_as_a_simpy_environment():
     nobody defused, and an `until` event left untriggered."""
     import pytest
     import simpy
-    from sim.model import Clock
+    from sim.clock import Clock
 
     def story(env):
         seen = []

@@ -126,3 +126,28 @@ def test_the_command_line_is_imported_by_nothing():
     bad = [(m, name) for m, imps in ALL.items() if not m.startswith("llmsim")
            for name, _ in imps if name.split(".")[0] == "llmsim"]
     assert not bad
+
+
+SIMPY_PRIVATE = ("_queue", "_now", "_eid", "_ok", "_defused", "_value")
+CLOCK = "sim.clock"     # the one module that may touch them (its docstring says why, pyproject.toml pins SimPy)
+
+
+def _private_uses(path: str):
+    """(line, name) of every SimPy private attribute the file reads or sets:
+    as an attribute (`x._now`) or by name (`hasattr(x, "_defused")`)."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in SIMPY_PRIVATE:
+            yield node.lineno, node.attr
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in SIMPY_PRIVATE):
+            yield node.lineno, node.args[1].value
+
+
+def test_the_clock_alone_touches_simpys_private_attributes():
+    paths = dict(_modules())
+    assert {n for _, n in _private_uses(paths[CLOCK])} == set(SIMPY_PRIVATE)    # the rule sees them
+    bad = [f"{m}:{line} {name}" for m, path in sorted(paths.items()) if m != CLOCK
+           for line, name in _private_uses(path)]
+    assert not bad, "SimPy's private attributes outside sim/clock.py: " + ", ".join(bad)

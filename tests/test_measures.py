@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from sim.measures import recovery, window_stats, record, summary, REQUIRED_KEYS
-from sim.runlog import (AttemptRecord, AttemptTable, CallRecord, CallTable, ExecutionRecord, RunLog, Series, NAN,
-                        ATTEMPT_OUTCOMES, CALL_OUTCOMES)
+from sim.runlog import (AttemptRecord, AttemptTable, CallRecord, CallTable, ExecutionRecord, ExecutionTable, RunLog,
+                        Series, NAN, ATTEMPT_OUTCOMES, CALL_OUTCOMES, EXECUTION_FATES, column)
 from sim.scenario import PAPER
 
 S = PAPER          # pulse end 227, hold end 947, primary from 347, 12 windows
@@ -415,8 +415,8 @@ def _as_tables(log: RunLog) -> RunLog:
         attempts.outcome[i] = ATTEMPT_OUTCOMES.index(a.outcome)
         attempts.execution[i] = a.execution
         attempts.attached[i] = a.attached
-    return RunLog(calls, attempts, log.executions, log.series, log.counters, log.counters_at, log.engine,
-                  log.end_time, log.wall_s, log.extra)
+    return RunLog(calls, attempts, ExecutionTable(log.executions), log.series, log.counters, log.counters_at,
+                  log.engine, log.end_time, log.wall_s, log.extra)
 
 
 def _nan_none(x):
@@ -430,8 +430,9 @@ def test_tables_read_as_the_records_they_hold():
     for a, b in zip(list(t.calls) + list(t.attempts), log.calls + log.attempts):
         assert type(a) is type(b)
         assert _nan_none(repr(a)) == _nan_none(repr(b))
-    assert t.attempts.column("attached").dtype == bool
-    assert list(t.attempts.column("outcome")) == [ATTEMPT_OUTCOMES.index(a.outcome) for a in log.attempts]
+    assert column(t.attempts, "attached").dtype == bool
+    assert list(column(t.attempts, "outcome")) == [ATTEMPT_OUTCOMES.index(a.outcome) for a in log.attempts]
+    assert list(column(t.executions, "fate")) == [EXECUTION_FATES.index(e.fate) for e in log.executions]
 
 
 @pytest.mark.parametrize("make", [hand_log, big_log], ids=["hand", "big"])

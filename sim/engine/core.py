@@ -14,40 +14,24 @@ callbacks on the SimPy queue (`_loop` at the top of an iteration,
 with nothing able to change them (no request finishing, no block shortage,
 admission blocked or nothing waiting, no input due before the last of them
 would be scheduled) is one output, a fast-forward, its duration in closed
-form.
+form, up to the horizon the driver gives (the contract in `sim.clock`).
 """
 from __future__ import annotations
 
 import math
 from collections import deque
-from heapq import heappush
 from dataclasses import dataclass
 from typing import Callable
 
-from simpy.events import NORMAL, URGENT
+from simpy.events import URGENT
 
+from ..clock import Clock
 from .request import Request, RUNNING, FINISHED, ABORTED, WAITING_STATUSES
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .step_time import StepTimeModel
 
 INF = float("inf")
 ABORT_LATENCIES = ("v1", "v0")
-
-
-class Call:
-    """An entry of the SimPy queue that calls `fn(self)` when the clock
-    reaches it: a triggered event, lighter than a simpy.Event."""
-    __slots__ = ("callbacks",)
-    _ok = True
-
-    def __init__(self, fn):
-        self.callbacks = [fn]
-
-
-def call_later(env, delay: float, fn, priority=NORMAL) -> None:
-    """Call `fn(event)` at env.now + delay (the time a SimPy timeout of
-    `delay` would fire, in the same order: `env.schedule` inlined)."""
-    heappush(env._queue, (env._now + delay, priority, next(env._eid), Call(fn)))
 
 
 @dataclass(frozen=True)
@@ -86,7 +70,7 @@ class EngineConfig:
 
 
 class EngineCore:
-    def __init__(self, env, config: EngineConfig, step_model: StepTimeModel,
+    def __init__(self, env: Clock, config: EngineConfig, step_model: StepTimeModel,
                  on_first_token: Callable[[Request, float], None] = None,
                  on_finished: Callable[[Request, float], None] = None,
                  next_input_time: Callable[[], float] = None,
@@ -101,11 +85,12 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, step_model, config.leak_blocks_on_abort)
         self.on_first_token = on_first_token or (lambda r, t: None)
         self.on_finished = on_finished or (lambda r, t: None)
+        # the horizon (the contract in sim.clock): no input before
+        # next_input_time(), no abort before next_abort_time() (by default,
+        # no input); a fast-forward whose admission is blocked runs up to the
+        # latter, requests added meanwhile applied at its end as of the
+        # boundaries they came in before (`_apply_adds_during`)
         self.next_input_time = next_input_time or (lambda: INF)
-        # a bound on when the engine may next get an abort (by default, any
-        # input): a fast-forward whose admission is blocked runs up to it,
-        # requests added meanwhile applied at its end as of the boundaries
-        # they came in before (`_apply_adds_during`)
         self.next_abort_time = next_abort_time or self.next_input_time
         self.fast_forward = fast_forward
         self.pending: deque[SchedulerOutput] = deque()
@@ -131,7 +116,7 @@ class EngineCore:
             self._apply_inbox = self._apply_inbox_v0
         if config.scheduler.kv_policy == "reserve":
             self._log_gauges = self._log_gauges_gap
-        call_later(env, 0.0, self._loop, URGENT)       # where a SimPy process would start
+        env.call_later(0.0, self._loop, URGENT)         # where a SimPy process would start
 
     # ------------------------------------------------------------- inputs
     def num_in_engine(self) -> int:
@@ -162,7 +147,7 @@ class EngineCore:
         mx = self.config.scheduler.max_model_len
         if r.num_prompt_tokens + r.max_tokens > mx:
             raise ValueError(f"request of {r.num_prompt_tokens}+{r.max_tokens} tokens exceeds max_model_len {mx}")
-        r.arrival_time = self.env._now
+        r.arrival_time = self.env.now
         self.inbox.append(("add", r))
         self._inbox_prompt_tokens += r.num_prompt_tokens
         self._inbox_adds += 1
@@ -178,7 +163,7 @@ class EngineCore:
     def _poke(self) -> None:
         if self._idle:
             self._idle = False
-            call_later(self.env, 0.0, self._loop)
+            self.env.call_later(0.0, self._loop)
 
     # ---------------------------------------------------------------- loop
     def _loop(self, _event=None) -> None:
@@ -196,7 +181,7 @@ class EngineCore:
             if not self.pending:
                 self._idle = True
                 return
-        call_later(env, max(0.0, self.pending[0].end - env.now), self._step_end)
+        env.call_when(self.pending[0].end, self._step_end)
 
     def _step_end(self, _event) -> None:
         """The first step in flight ended: a step boundary."""
@@ -209,9 +194,7 @@ class EngineCore:
         self._boundary(output)
         pending = self.pending
         if pending:                     # as _loop() with a step in flight
-            env = self.env
-            delay = pending[0].end - env._now
-            call_later(env, delay if delay > 0.0 else 0.0, self._step_end)
+            self.env.call_when(pending[0].end, self._step_end)
         else:
             self._loop()
 
@@ -243,7 +226,7 @@ class EngineCore:
                 return False
             self._next_stall += 1
             if env.now < start + length:
-                call_later(env, start + length - env.now, then)
+                env.call_later(start + length - env.now, then)
                 return True
         return False
 

@@ -48,8 +48,8 @@ import time
 from dataclasses import replace
 
 import numpy as np
-import simpy
 
+from ..clock import Clock
 from ..engine.core import EngineCore, EngineConfig
 from ..engine.request import Request
 from ..profile import Profile
@@ -110,7 +110,7 @@ def simulate_waste(profile: Profile, calls: dict, cancel_rate: float, kv_policy:
                    abort_latency: str = "v1", horizon_s: float = 3600.0, snapshot_times=()):
     """One run; returns (engine, requests, records, busy seconds by each
     snapshot time)."""
-    env = simpy.Environment()
+    env = Clock()
     n = len(calls["arrival"])
     cancelled = calls["u_cancel"] < cancel_rate
     events = [(float(calls["arrival"][i]), 0, i) for i in range(n)]

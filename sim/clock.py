@@ -1,0 +1,370 @@
+"""The clock of a run: everything that schedules events in simulated time.
+
+The simulator runs on SimPy. For speed, this module — and no other (see
+tests/test_layers.py) — reaches into SimPy's private attributes: the event
+queue `_queue` (a heap of (time, priority, event id, event)), the time
+`_now`, the event-id counter `_eid` and an event's `_ok`, `_value` and
+`_defused`. They were checked against the SimPy versions pyproject.toml
+pins. `PublicClock` runs the same model through SimPy's public API alone
+(`Environment.run`, `timeout`, `process`), one SimPy timeout per timer;
+tests/test_clock.py holds that its records are the fast path's.
+
+What schedules:
+- `Clock`: the SimPy environment of a run (the engine's and the
+  driver's), with `Environment.run`'s loop inlined, and the entries it runs
+  without SimPy's event machinery (`Call`): `call_later(delay, fn)`,
+  `call_when(t, fn)`;
+- `Timers`: the driver's timers (a call's arrival, an attempt's deadline, a
+  retry, a wake-up), cancellable, fired in batches (`Timer` is one timer);
+- `RoutedTimers`: timers also filed by the engine replica they may reach.
+
+The horizon (the contract between the engine and the driver). Two parties
+move past several instants at once: the engine, which decides a run of
+identical decode-only steps in closed form (a fast-forward), and the
+timers, which fire every timer due in a stretch in one SimPy event. Each
+may do so only where nothing can come in meanwhile that would have changed
+what it did, so each asks the other for a horizon, a time before which it
+promises no input:
+- the engine asks the driver `next_input_time()`: no input reaches this
+  engine before it — no request added or aborted, and nothing reads what a
+  fast-forward takes ahead (a router reading its KV usage). Every live timer
+  whose firing may reach the engine bounds it, and so does any step of any
+  engine whose end may make a proxy dispatch to it (a queued execution let
+  go when a seat frees). `next_abort_time()` is the same bound for aborts
+  alone, asked while admission is blocked (an added request then changes
+  none of the steps). The engine decides a step now only if no input is due
+  before the boundary at which stepping one step at a time would decide it
+  (`EngineCore._fast_forward_limit`);
+- the timers ask the driver `horizon()`: no event but a timer happens before
+  it — the earliest end of a step in flight, -INF while an engine is idle
+  (an input may start a step at once). A batch fires the timers due before
+  it, each in its own order and as of its own time (`now` reads it), which
+  is what the engine and the policies would see had each fired alone; a tie
+  with the horizon is left to the clock.
+A bound that is too early costs only speed; one too late changes the run.
+tests/test_engine.py compares fast-forwarding with stepping one step at a
+time, tests/test_controls.py batched timers with timers fired alone.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from functools import partial
+from heapq import heappop, heappush, heapreplace
+
+import simpy
+from simpy.core import StopSimulation
+from simpy.events import NORMAL, URGENT, Event
+
+INF = float("inf")
+
+
+class Call:
+    """An entry of the SimPy queue that calls `fn(self)` when the clock
+    reaches it: a triggered event, lighter than a simpy.Event."""
+    __slots__ = ("callbacks",)
+    _ok = True
+
+    def __init__(self, fn):
+        self.callbacks = [fn]
+
+
+class Clock(simpy.Environment):
+    """The SimPy environment of a run, with an event scheduled at an exact
+    time for the driver's timers (which also set `now` to a timer's own time
+    while it fires in a batch, see `Timers`)."""
+    public = False          # schedules through SimPy's private attributes (see PublicClock)
+
+    def call_later(self, delay: float, fn, priority=NORMAL) -> None:
+        """Call `fn(event)` at now + delay (the time a SimPy timeout of
+        `delay` would fire, in the same order: `schedule` inlined)."""
+        heappush(self._queue, (self._now + delay, priority, next(self._eid), Call(fn)))
+
+    def call_when(self, t: float, fn) -> None:
+        """Call `fn(event)` at t, or now if t has passed: now + max(0, t -
+        now), the time a SimPy timeout set now for t would fire."""
+        now = self._now
+        d = t - now
+        heappush(self._queue, (now + d if d > 0.0 else now, NORMAL, next(self._eid), Call(fn)))
+
+    def run(self, until=None):
+        """As `simpy.Environment.run` (same `until` forms, result and
+        errors), with `step()` carried out inline in its loop; a `Call`
+        entry (the engine's and the timers') runs its one callback, which
+        never stops the simulation, and is left as it was (it may be queued
+        again)."""
+        if until is not None:
+            if not isinstance(until, Event):
+                at = until if isinstance(until, int) else float(until)
+                if at <= self._now:
+                    raise ValueError(f"until ({at}) must be greater than the current simulation time")
+                until = Event(self)     # before all regular timeouts, as simpy's
+                until._ok = True
+                until._value = None
+                self.schedule(until, URGENT, at - self._now)
+            elif until.callbacks is None:
+                return until.value      # processed already
+            until.callbacks.append(StopSimulation.callback)
+        queue, pop = self._queue, heappop
+        try:
+            while queue:
+                self._now, _, _, event = pop(queue)
+                if type(event) is Call:         # one callback, which never stops the simulation
+                    event.callbacks[0](event)
+                    continue
+                callbacks, event.callbacks = event.callbacks, None
+                try:
+                    for callback in callbacks:
+                        callback(event)
+                except StopSimulation:
+                    # the rest of the event's callbacks run when the simulation resumes
+                    event.callbacks = callbacks[callbacks.index(callback) + 1:]
+                    self.schedule(event, URGENT - 1)
+                    raise
+                if not event._ok and not hasattr(event, "_defused"):
+                    exc = type(event._value)(*event._value.args)    # a failed event nobody defused
+                    exc.__cause__ = event._value
+                    raise exc
+        except StopSimulation as exc:
+            return exc.args[0]
+        if until is not None:
+            raise RuntimeError(f'No scheduled events left but "until" event was not triggered: {until}')
+        return None
+
+    def schedule_at(self, t: float, callback) -> None:
+        """Call `callback(event)` when the clock reaches `t` (>= now)."""
+        heappush(self._queue, (t, NORMAL, next(self._eid), Call(callback)))
+
+    @property
+    def events_scheduled(self) -> int:
+        """SimPy events scheduled so far (engine steps, timer batches, wake-ups)."""
+        n = next(self._eid)
+        self._eid = itertools.count(n)
+        return n
+
+
+def _call(fn):
+    """A SimPy process that calls `fn(None)` once, at its start."""
+    fn(None)
+    return
+    yield
+
+
+class PublicClock(Clock):
+    """A clock that schedules through SimPy's public API alone: each call a
+    `timeout` (one at an instant's start a `process`, which SimPy starts
+    first), run by `simpy.Environment.run`; `Timers` on it set one timeout
+    per timer and never batch. Slower; the same records as `Clock` (two
+    events due at the very same instant could order differently: a timer
+    keeps the order of the time it was set, not of a number it reserved)."""
+    public = True
+    run = simpy.Environment.run
+
+    def call_later(self, delay: float, fn, priority=NORMAL) -> None:
+        if priority == URGENT and delay == 0:
+            self.process(_call(fn))
+        else:
+            self.timeout(delay).callbacks.append(fn)
+
+    def call_when(self, t: float, fn) -> None:
+        d = t - self.now
+        self.timeout(d if d > 0.0 else 0.0).callbacks.append(fn)
+
+    def schedule_at(self, t: float, callback) -> None:
+        self.call_when(t, callback)
+
+
+class Timer:
+    """A timer of `Timers`: `fn(t, arg)` at time `t`, fired at `fires_at`
+    unless cancelled first (`live` False); timers due at one time fire in
+    the order of `seq`. The timers' heap holds it under the key (fires_at,
+    seq, timer), compared in C. `Timers.at` sets its fields (no __init__:
+    setting a timer makes no Python call)."""
+    __slots__ = ("fires_at", "seq", "t", "fn", "arg", "live")
+
+
+class Timers:
+    """Driver-side timers on the SimPy clock, cancellable, with the time of
+    the next live one (a bound on the engine's next input: see the module
+    docstring).
+
+    A timer set at time c for time t fires at c + max(0, t - c) (the time a
+    SimPy timeout would), calling `fn(t, arg)`, timers due at one time in
+    the order they were set. Timers are kept in a heap and a lane, under
+    their keys (fire time, seq, Timer): a timer set `in_order` (the caller's
+    timers of one kind each come due a fixed time after they are set, as
+    attempts' deadlines do) joins the lane's end if due no earlier than its
+    last one, any other the heap; the lane's first timer stands for the lane
+    in the heap, so the heap stays small. Timers take one SimPy event per
+    batch: when one comes due, every later one due before `horizon()` fires
+    with it (the module docstring), each as of its own time (`env.now` reads
+    it). `horizon()` returns -INF when timers must fire one instant at a
+    time. Timers also stop batching once `stop()` is true, and never batch
+    past `until`. On a `PublicClock` each timer is its own SimPy timeout."""
+
+    def __init__(self, env: Clock, horizon=lambda: -INF, stop=lambda: False):
+        self.env = env
+        self.heap: list[tuple] = []         # (fire time, seq, Timer)
+        self.lane: deque[tuple] = deque()   # likewise, in firing order
+        self.horizon = horizon
+        self.stop = stop
+        self.until = INF                    # no batching past this time
+        self._seq = 0
+        self._armed: list[float] = []       # times of this heap's SimPy events in the queue
+        self._firing = False
+        self._call = Call(self._tick)       # the queue entry of those events (the Clock leaves a Call as it was)
+        self._each = env.public             # one SimPy timeout per timer
+
+    def reserve(self, n: int) -> int:
+        """Reserve n sequence numbers (for timers added later that must
+        order as if set now); returns the first."""
+        first = self._seq
+        self._seq += n
+        return first
+
+    def at(self, t: float, fn, arg=None, seq: int | None = None, in_order: bool = False) -> Timer:
+        """Set a timer: `fn(t, arg)` at t (at once if t has passed)."""
+        now = self.env._now
+        d = t - now
+        tf = now + d if d > 0.0 else now    # now + max(0, t - now)
+        if seq is None:
+            seq = self._seq
+            self._seq += 1
+        timer = Timer()
+        timer.fires_at = tf
+        timer.seq = seq
+        timer.t = t
+        timer.fn = fn
+        timer.arg = arg
+        timer.live = True
+        key = (tf, seq, timer)
+        lane = self.lane
+        if in_order and (not lane or lane[-1] < key):
+            if not lane:
+                heappush(self.heap, key)    # the lane's first timer stands for it in the heap
+            lane.append(key)
+        else:
+            heappush(self.heap, key)
+        if self._each:
+            self.env.timeout(d if d > 0.0 else 0.0).callbacks.append(partial(self._fire, timer))
+        elif not self._firing and (not self._armed or tf < self._armed[0]):
+            self._arm(tf)
+        return timer
+
+    def _arm(self, tf: float) -> None:
+        heappush(self._armed, tf)
+        env = self.env
+        heappush(env._queue, (tf, NORMAL, next(env._eid), self._call))     # env.schedule_at(tf, _tick)
+
+    def _pop(self) -> None:
+        """Take the heap's first entry out; if it is the lane's first, the
+        lane's next entry takes its place in the heap."""
+        h, lane = self.heap, self.lane
+        if lane and h[0] is lane[0]:
+            lane.popleft()
+            if lane:
+                heapreplace(h, lane[0])
+                return
+        heappop(h)
+
+    def _tick(self, _event) -> None:
+        env, h = self.env, self.heap
+        now = heappop(self._armed)
+        limit = min(self.horizon(), self.until)
+        if -INF < limit < INF:
+            limit -= 1e-9 * max(1.0, abs(limit))    # leave a tie with the horizon to the clock
+        pop, stop = self._pop, self.stop
+        self._firing = True
+        try:
+            while h:
+                tf, _, timer = h[0]
+                live = timer.live
+                if live:
+                    if tf > now:
+                        if tf >= limit or stop():
+                            break
+                        env._now = tf           # as of its own time
+                    timer.live = False
+                pop()
+                if live:
+                    fn = timer.fn               # (a slot read, then a call: `timer.fn(...)` is no faster path)
+                    fn(timer.t, timer.arg)
+        finally:
+            env._now = now
+            self._firing = False
+        while h and not h[0][2].live:
+            self._pop()
+        if h and (not self._armed or h[0][0] < self._armed[0]):
+            self._arm(h[0][0])
+
+    @staticmethod
+    def _fire(timer: Timer, _event) -> None:
+        """A timer's own timeout (on a PublicClock) came."""
+        if timer.live:
+            timer.live = False
+            timer.fn(timer.t, timer.arg)
+
+    @staticmethod
+    def cancel(timer: Timer) -> None:
+        timer.live = False
+
+    def next_time(self) -> float:
+        """The time of the next live timer (INF: none)."""
+        h = self.heap
+        while h and not h[0][2].live:
+            self._pop()
+        return h[0][2].t if h else INF
+
+
+_ANY = object()         # a timer that may reach every replica (see RoutedTimers)
+
+
+class RoutedTimers(Timers):
+    """The driver's timers, each also filed under the replica its firing may
+    reach, so that a replica's next input skips the timers of the others. A
+    timer whose function is in `by_call` reaches its call's replica
+    (`home[call id]`), the call id being its argument (`by_call[fn]`
+    False) or the argument's `call_id` (True); one whose function maps to
+    None is filed under no replica (the caller bounds its firing otherwise);
+    any other timer (a counter snapshot) may reach every replica."""
+
+    def __init__(self, env, horizon, stop, n: int, home: list[int], by_call: dict):
+        super().__init__(env, horizon, stop)
+        self.home = home
+        self.by_call = by_call
+        self.due: list[list] = [[] for _ in range(n)]
+        self.due_lanes: list[deque] = [deque() for _ in range(n)]    # each replica's lane (see Timers)
+        self.due_any: list = []
+
+    def at(self, t: float, fn, arg=None, seq: int | None = None, in_order: bool = False) -> Timer:
+        timer = Timers.at(self, t, fn, arg, seq, in_order)
+        attr = self.by_call.get(getattr(fn, "__func__", None), _ANY)
+        key = (timer.fires_at, timer.seq, timer)
+        if attr is _ANY:
+            heappush(self.due_any, key)
+        elif attr is not None:
+            r = self.home[arg.call_id if attr else arg]
+            lane = self.due_lanes[r]
+            if in_order and (not lane or lane[-1] < key):
+                lane.append(key)
+            else:
+                heappush(self.due[r], key)
+        return timer
+
+    def next_time_of(self, r: int) -> float:
+        """The time of the next live timer that may reach replica r (INF: none)."""
+        h, lane, t = self.due[r], self.due_lanes[r], INF
+        while h and not h[0][2].live:
+            heappop(h)
+        while lane and not lane[0][2].live:
+            lane.popleft()
+        if lane and (not h or lane[0] < h[0]):
+            t = lane[0][2].t
+        elif h:
+            t = h[0][2].t
+        h = self.due_any
+        while h and not h[0][2].live:
+            heappop(h)
+        if h and h[0][2].t < t:
+            t = h[0][2].t
+        return t
