@@ -132,6 +132,26 @@ def diagnose_table(recs: list[dict], summ: dict, deadline_s: float, margins: dic
     return verdict.table(summ, deadline_s, extra, label="condition")
 
 
+def class_tables(recs: list[dict], sc) -> str:
+    """Per traffic class, the diagnostic table of its calls (each record's
+    `classes[name]`), headed by the class's priority, deadline and whether
+    the deployment's verdict needs it; the deployment's rule last."""
+    out = []
+    for c in sc.classes:
+        summ = verdict.summarize_by([dict(r["classes"][c.name], condition=r["condition"]) for r in recs])
+        deadline = c.client(sc).deadline_s
+        out.append(f"\nclass {c.name} (share {c.share:g}, priority {c.priority}, deadline {deadline:g} s"
+                   f"{', must recover' if c.must_recover else ''}):")
+        out.append(verdict.table(summ, deadline, label="condition"))
+    must = [c.name for c in sc.classes if c.must_recover]
+    if must:
+        out.append(f"\nthe deployment recovers when {', '.join(must)} {'does' if len(must) == 1 else 'do'} "
+                   "(the first table's P(recovered)); all calls together: "
+                   + ", ".join(f"{n} {v['recovered']}/{v['n']}" for n, v in verdict.summarize_by(
+                       [dict(r, **r["all_calls"]) for r in recs if "all_calls" in r]).items()))
+    return "\n".join(out)
+
+
 def cmd_diagnose(a) -> int:
     dep = deployment(a)
     prof, sc = dep.profile, dep.scenario
@@ -175,6 +195,8 @@ def cmd_diagnose(a) -> int:
         print(f"{len(seeds)} seeds ({_seed_list(seeds)})")
     summ = verdict.summarize_by(recs)
     print(diagnose_table(recs, summ, sc.deadline_s, margins))
+    if sc.classes and all("classes" in r for r in recs):
+        print(class_tables(recs, sc))
     print(verdict.legend(len(seeds)))
     print(f"recovered: two consecutive {sc.window_s:g} s hold windows each delivering >= "
           f"{100 * sc.recovery_delivery:g}% within {sc.deadline_s:g} s with a queue mean <= "

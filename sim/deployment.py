@@ -73,7 +73,7 @@ from .profile import Profile, ProfileError, embedded_names, from_dict, load_prof
 from .fleet import FleetSpec, run_fleet
 from .policy.router import RouterConfig
 from .run import run_one, workload_capacity
-from .scenario import PAPER, REFERENCE_PHASES, SCENARIOS, Lengths, Phase, Scenario
+from .scenario import CLIENT_FIELDS, PAPER, REFERENCE_PHASES, SCENARIOS, Lengths, Phase, Scenario, TrafficClass
 from . import schema as _schema
 from .schema import NUMBER, PAIRS, SCHEMA, TABLE, TABLES, Key, Schema, ScenarioError
 from .workload import Trace, TraceError, make_trace, read_trace
@@ -315,7 +315,36 @@ def _replayed(w: _Doc, me: _Doc, base_dir: str, trace_speedup: float | None) -> 
               prompt=Lengths("empirical", values=tuple(int(x) for x in tr.prompt_len), source=f"trace:{sha}"),
               response=Lengths("empirical", values=tuple(int(x) for x in tr.max_tokens), source=f"trace:{sha}"),
               prompt_mean=float(tr.prompt_len.mean()), response_mean=float(tr.max_tokens.mean()))
+    if w.has("classes") or tr.klass is not None:
+        classes, klass = _trace_classes(w, tr, info)
+        sc["classes"], tr = classes, dataclasses.replace(tr, klass=klass)
     return sc, TraceSource(w.get("trace"), float(speed), sha, tr, info), ("trace" if a is not None else None)
+
+
+def _trace_classes(w: _Doc, tr: Trace, info: dict) -> tuple:
+    """[workload] classes with a trace: each call's class from the trace's
+    `class` column, which must name declared classes; a class's share is its
+    share of the trace's calls (a share given is not used)."""
+    if tr.klass is None:
+        raise w.err("classes", "with a trace needs the trace's class column (each call's class by name)")
+    if not w.has("classes"):
+        raise w.err("trace", f"has a class column ({', '.join(info['classes'])}): declare workload.classes")
+    for i, c in enumerate(w.get("classes")):
+        d = _Doc(w.source, f"workload.classes[{i}]", c)
+        if "name" not in c:
+            raise d.err("name", "is missing")
+        for k in ("prompt", "response"):
+            if k in c:
+                raise d.err(k, "and workload.trace both given: a trace fixes arrivals and lengths")
+    names = [c["name"] for c in w.get("classes")]
+    unknown = [x for x in info["classes"] if x not in names]
+    if unknown:
+        raise w.err("trace", f"names a class {unknown[0]!r} that workload.classes does not declare "
+                             f"({', '.join(names)})")
+    klass = np.asarray([names.index(x) for x in info["classes"]], dtype=np.int64)[tr.klass]
+    counts = np.bincount(klass, minlength=len(names)) / len(klass)
+    docs = [dict(c, share=float(x)) for c, x in zip(w.get("classes"), counts)]
+    return _classes(_Doc(w.source, w.where_, dict(w.d, classes=docs)), ".", shares_of_trace=True), klass
 
 
 def _generated(w: _Doc, me: _Doc, base_dir: str, schema: Schema) -> tuple[dict, str | None]:
@@ -350,7 +379,44 @@ def _generated(w: _Doc, me: _Doc, base_dir: str, schema: Schema) -> tuple[dict, 
     share = w.get("mixed_share")
     if share is not None:
         sc["mixed_share"] = float(share) if share > 0 else None
+    if w.has("classes"):
+        sc["classes"] = _classes(w, base_dir)
+    names = {c.name for c in sc.get("classes", ())}
+    for i, p in enumerate(sc["phases"]):
+        if p.shares is None:
+            continue
+        d = _Doc(w.source, f"workload.phases[{i}]", {})
+        if not names:
+            raise d.err("shares", "gives class shares, but workload.classes declares no class")
+        unknown = [c for c, _ in p.shares if c not in names]
+        if unknown:
+            raise d.err("shares", f"names no class {unknown[0]!r} ({', '.join(sorted(names))})")
+        total = sum(x for _, x in p.shares)
+        if abs(total - 1.0) > 1e-9:
+            raise d.err("shares", f"must add up to 1, got {total:g}")
     return sc, burst
+
+
+def _classes(w: _Doc, base_dir: str, shares_of_trace: bool = False) -> tuple[TrafficClass, ...]:
+    """[workload] classes: each a TrafficClass; names given and distinct,
+    shares adding up to 1 (with a trace, its own: a class may have none)."""
+    out, names = [], set()
+    for i, c in enumerate(w.get("classes")):
+        d = _Doc(w.source, f"workload.classes[{i}]", c)
+        for k in ("name", "share"):
+            if not d.has(k):
+                raise d.err(k, "is missing")
+        if c["name"] in names:
+            raise d.err("name", f"{c['name']!r} names two classes")
+        names.add(c["name"])
+        kw = {k: int(c[k]) if k == "max_retries" else float(c[k]) for k in CLIENT_FIELDS if k in c}
+        lengths = {k: _lengths(d, k, base_dir) for k in ("prompt", "response") if d.has(k)}
+        out.append(TrafficClass(name=c["name"], share=float(c["share"]), priority=int(c.get("priority", 0)),
+                                must_recover=bool(c.get("must_recover", True)), **lengths, **kw))
+    total = sum(c.share for c in out)
+    if abs(total - 1.0) > 1e-9 and not shares_of_trace:
+        raise w.err("classes", f"shares must add up to 1, got {total:g}")
+    return tuple(out)
 
 
 def _scenario(sc: dict, cl: _Doc, me: _Doc, prof: Profile, generated: bool, schema: Schema) -> Scenario:
@@ -520,6 +586,8 @@ class Deployment:
         if self.trace_source is not None:
             w = {"trace": self.trace_source.path, "trace_speedup": self.trace_source.speedup,
                  "shared_prefix": int(self.trace_source.trace.shared_prefix)}
+            if s.classes:
+                w["classes"] = [_class_doc(c) for c in s.classes]
             if self.burst is not None:
                 me.update(burst_start_s=s.pulse_start, burst_end_s=s.pulse_end)
             me["hold_end_s"] = s.hold_end if self.burst is not None else s.base_s
@@ -537,6 +605,8 @@ class Deployment:
                 w["shared_prefix"] = s.shared_prefix
             w["mixed_share"] = s.mixed_share or 0.0
             w["mixed_prompt_len"] = s.mixed_prompt_len
+            if s.classes:
+                w["classes"] = [_class_doc(c) for c in s.classes]
         doc["workload"] = w
         doc["client"] = self._fields("client")
         doc["proxy"] = dict(self.proxy)
@@ -655,6 +725,8 @@ class Deployment:
         s = self.scenario
         pulse = self.run_pulse
         cfg = dataclasses.asdict(self.profile.scheduler_config())
+        if cfg["scheduling_policy"] == "fcfs":
+            del cfg["scheduling_policy"]        # the default: records read as before
         extra = {"deployment": self.identity(), "engine_config": dict(cfg, depth=self.profile.depth)}
         if self.fleet is not None:
             return run_fleet(list(self.fleet.profiles), self.condition_for(condition), trace, s,
@@ -735,6 +807,14 @@ class Deployment:
                      "mean_prompt": mean_prompt, "mean_response": mean_resp, "blocks_per_call": per,
                      "seats": e["num_gpu_blocks"] // per, "max_num_seqs": e["max_num_seqs"]}
         return out
+
+
+def _class_doc(c: TrafficClass) -> dict:
+    d = {k: v for k, v in dataclasses.asdict(c).items() if v is not None and k not in ("prompt", "response")}
+    for k in ("prompt", "response"):
+        if getattr(c, k) is not None:
+            d[k] = _lengths_doc(getattr(c, k))
+    return d
 
 
 def _profile_hash(p: Profile) -> str:

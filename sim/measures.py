@@ -8,6 +8,7 @@ helper, a function of those columns.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -15,7 +16,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .runlog import RunLog, ATTEMPT_OUTCOMES, CALL_OUTCOMES, EXECUTION_FATES, column
+from .runlog import (RunLog, ATTEMPT_OUTCOMES, CALL_OUTCOMES, EXECUTION_FATES, ExecutionTable, Series, column,
+                     take)
 from .scenario import Scenario
 
 # Tolerance on the recovery thresholds: a share computed as 49/50 or a slope
@@ -451,6 +453,96 @@ def record(log: RunLog, scenario: Scenario, capacity: float, inputs: dict) -> di
     if log.extra:
         rec["extra"] = log.extra
     return _clean(rec)
+
+
+# --------------------------------------------------------------------------
+# Traffic classes (docs/classes.md)
+# --------------------------------------------------------------------------
+
+# the keys of a class's record: the same measures on the class's calls
+CLASS_KEYS = ("cohorts", "recovered", "recovery_time_s", "rates_xC", "prompt_tokens", "retries", "waste",
+              "calls_failed", "attempts", "executions", "windows")
+
+
+def _class_series(log: RunLog, executions) -> Series:
+    """The 1 s series of one class's executions, from their records: in the
+    proxy's queue from creation to dispatch, waiting in the engine from
+    dispatch (if accepted) to the first scheduled step, running from there to
+    the end (a preempted execution's second wait counts as running)."""
+    t = np.asarray(log.series.t, dtype=float)
+    end = float(log.end_time) + 1.0
+
+    def count(starts, stops) -> np.ndarray:
+        a = np.sort(np.where(np.isnan(starts), np.inf, starts))
+        b = np.sort(np.where(np.isnan(stops), end, stops))
+        return (np.searchsorted(a, t, side="right") - np.searchsorted(b, t, side="right")).astype(np.int64)
+
+    created, dispatched, sched, finished = (column(executions, k) for k in (
+        "created_at", "dispatched_at", "first_scheduled_at", "finished_at"))
+    left_proxy = np.where(np.isnan(dispatched), finished, dispatched)
+    waited = np.where(column(executions, "accepted"), dispatched, np.nan)
+    left_queue = np.where(np.isnan(sched), finished, sched)
+    return Series(t=t, waiting=count(waited, left_queue), running=count(sched, finished),
+                  proxy_queue=count(created, left_proxy))
+
+
+def _renumbered(store, name: str, ids: np.ndarray):
+    """A store (table or list of records) with the call ids in field `name`
+    mapped through `ids`: a table rebuilt from its columns, records copied."""
+    if hasattr(type(store), "of_columns"):
+        cols = {f[0]: column(store, f[0]) for f in store.FIELDS}
+        cols[name] = ids[cols[name]]
+        return type(store).of_columns(cols)
+    recs = [dataclasses.replace(r, **{name: int(ids[getattr(r, name)])}) for r in store]
+    return ExecutionTable(recs) if isinstance(store, ExecutionTable) else recs
+
+
+def class_log(log: RunLog, calls: np.ndarray, own_series: bool = True) -> RunLog:
+    """The log of the calls `calls` (their ids, sorted): their calls,
+    attempts and executions, the calls numbered 0.. in that order; engine
+    counters and totals as the whole run's. The series is the class's own
+    (`_class_series`) or, with own_series False, the run's."""
+    calls = np.asarray(calls, dtype=np.int64)
+    new_id = np.full(len(log.calls), -1, dtype=np.int64)
+    new_id[calls] = np.arange(len(calls))
+    a_rows = np.flatnonzero(new_id[column(log.attempts, "call")] >= 0)
+    e_rows = np.flatnonzero(new_id[column(log.executions, "call")] >= 0)
+    executions = _renumbered(take(log.executions, e_rows), "call", new_id)
+    series = _class_series(log, executions) if own_series else log.series
+    return dataclasses.replace(log, calls=_renumbered(take(log.calls, calls), "id", new_id),
+                               attempts=_renumbered(take(log.attempts, a_rows), "call", new_id),
+                               executions=executions, series=series)
+
+
+def class_records(log: RunLog, scenario: Scenario, capacity: float, klass: np.ndarray) -> dict:
+    """Per traffic class (`scenario.classes`; `klass` each call's class):
+    `record`'s measures (`CLASS_KEYS`) on the class's calls, judged with the
+    class's deadline, plus its priority and must_recover. With one class its
+    series is the run's; with several, each class's own (`class_log`)."""
+    klass = np.asarray(klass)
+    out = {}
+    for k, c in enumerate(scenario.classes):
+        sub = class_log(log, np.flatnonzero(klass == k), own_series=len(scenario.classes) > 1)
+        rec = record(sub, c.client(scenario), capacity, {})
+        out[c.name] = {"share": c.share, "priority": c.priority, "must_recover": c.must_recover,
+                       **{key: rec[key] for key in CLASS_KEYS}}
+    return out
+
+
+def with_classes(rec: dict, classes: dict) -> dict:
+    """The record with its `classes` and the deployment's verdict: it has
+    recovered when every class that must recover has (recovery time: the
+    latest of theirs); the verdict on all calls together is kept as
+    `all_calls`. With no class that must recover the record is unchanged
+    but for `classes`."""
+    rec = dict(rec, classes=classes)
+    must = [v for v in classes.values() if v["must_recover"]]
+    if must:
+        rec["all_calls"] = {"recovered": rec["recovered"], "recovery_time_s": rec["recovery_time_s"]}
+        ok = all(v["recovered"] for v in must)
+        rec["recovered"] = ok
+        rec["recovery_time_s"] = max(v["recovery_time_s"] for v in must) if ok else None
+    return rec
 
 
 def write_json(path: str, obj) -> None:

@@ -17,7 +17,8 @@ from .clock import Clock, RoutedTimers, Timers
 from .conditions import Condition
 from .engine.core import EngineCore, EngineConfig
 from .engine.request import Request
-from .policy.client import RetryingClient, CallState, Retry, Delivered
+from .classes import call_priorities, clients
+from .policy.client import CallState, Retry, Delivered
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Refuse, Cancel, Complete,
                            Drop, Wake)
 from .policy.router import ReplicaView, RouterConfig
@@ -123,7 +124,10 @@ class Run(Interpreter):
         self._over: list = []       # [True] once every call is over and `done` triggered (its length: Timers' stop)
         self.timers = Timers(env, horizon=self._horizon_one if self.n == 1 else self._horizon_all,
                              stop=self._over.__len__)
-        self.client = RetryingClient(self.stack.config("client"), uniform_draws(np.random.default_rng([seed, 1])))
+        # traffic classes: each call's client settings and engine priority are its class's (sim.classes)
+        self.client = clients(self.stack.config("client"), condition, scenario, trace,
+                              uniform_draws(np.random.default_rng([seed, 1])))
+        self.call_priority = call_priorities(trace, scenario)
         self._build(condition, scenario, max_batched_tokens, fast_forward)
         Interpreter.__init__(self)      # after _build: its handlers are the run's, and `_do` may be replaced
         n = len(trace)
@@ -434,7 +438,7 @@ class Run(Interpreter):
         erec = self.executions[ex_id]
         erec.dispatched_at = t
         req = Request(ex_id, i, erec.prompt_len, erec.max_tokens, self.prefix_len[i], record=erec,
-                      prefix_group=self.prefix_group[i])
+                      prefix_group=self.prefix_group[i], priority=self.call_priority[i])
         reps, cl = self.exec_replica, self.cluster
         r = cl.place(ex)
         tried = None

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .engine.scheduler import SchedulerConfig
+from .engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from .engine.step_time import FORM_MODELS, FORMS, StepTimeModel, step_time_model
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_gpu_blocks", "depth", "max_model_len")
@@ -53,7 +53,8 @@ class Profile:
         return SchedulerConfig(max_num_seqs=e["max_num_seqs"],
                                max_num_batched_tokens=max_batched_tokens or e["max_num_batched_tokens"],
                                num_gpu_blocks=e["num_gpu_blocks"], block_size=e["block_size"],
-                               max_model_len=e["max_model_len"])
+                               max_model_len=e["max_model_len"],
+                               scheduling_policy=e.get("scheduling_policy", "fcfs"))
 
     @property
     def depth(self) -> int:
@@ -165,7 +166,7 @@ def load_profile(name_or_path: str) -> Profile:
 
 # vLLM's flag names (as TOML keys, '-' -> '_') that `with_engine` accepts
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "async_scheduling",
-                "kv_cache_tokens", "num_gpu_blocks", "gpu_memory_utilization")
+                "kv_cache_tokens", "num_gpu_blocks", "gpu_memory_utilization", "scheduling_policy")
 KV_FLAGS = ("kv_cache_tokens", "num_gpu_blocks", "gpu_memory_utilization")
 
 
@@ -178,7 +179,8 @@ def _whole(k: str, v) -> int:
 def with_engine(profile: Profile, overrides: dict) -> Profile:
     """The profile with some of its engine flags changed, named as vLLM's:
     `max_num_seqs`, `max_num_batched_tokens`, `block_size`, `max_model_len`,
-    `async_scheduling` (true: two steps in flight, false: one), and the KV
+    `async_scheduling` (true: two steps in flight, false: one),
+    `scheduling_policy` (fcfs | priority; a profile without it is fcfs), and the KV
     cache as at most one of `kv_cache_tokens`, `num_gpu_blocks` or
     `gpu_memory_utilization` (blocks from the profile's own KV derivation,
     its `kv_cache` section's memory, weights, reserve and bytes per token).
@@ -205,6 +207,11 @@ def with_engine(profile: Profile, overrides: dict) -> Profile:
         if not isinstance(v, bool):
             raise ProfileError(f"engine.async_scheduling must be true or false, got {v!r}")
         e["depth"] = 2 if v else 1
+    if "scheduling_policy" in overrides:
+        v = overrides["scheduling_policy"]
+        if v not in SCHEDULING_POLICIES:
+            raise ProfileError(f"engine.scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {v!r}")
+        e["scheduling_policy"] = v
     bs = e["block_size"]
     if "num_gpu_blocks" in overrides:
         e["num_gpu_blocks"] = _whole("num_gpu_blocks", overrides["num_gpu_blocks"])

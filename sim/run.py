@@ -140,8 +140,11 @@ def run_one(profile: Profile, condition: str | Condition, pulse: float, seed: in
     if trace is None:
         trace = make_trace(capacity, sc, seed)
     log = simulate(profile, trace, cond, sc, seed, max_batched_tokens=max_batched_tokens, fast_forward=fast_forward)
-    return measures.record(log, sc, capacity, run_inputs(profile, cond, pulse, seed, max_batched_tokens,
-                                                         mixed_prompts, extra))
+    rec = measures.record(log, sc, capacity, run_inputs(profile, cond, pulse, seed, max_batched_tokens,
+                                                        mixed_prompts, extra))
+    if sc.classes and trace.klass is not None:
+        rec = measures.with_classes(rec, measures.class_records(log, sc, capacity, trace.klass))
+    return rec
 
 
 def run_inputs(profile: Profile, cond: Condition, pulse, seed: int, max_batched_tokens=None,

@@ -60,8 +60,12 @@ class Phase:
     rate: float | None = None
     name: str = ""
     arrivals: str = "poisson"
+    # with traffic classes: ((class name, share), ...) of this phase's calls; None: the classes' own shares
+    shares: tuple | None = None
 
     def __post_init__(self):
+        if self.shares is not None:
+            object.__setattr__(self, "shares", tuple((str(c), float(x)) for c, x in self.shares))
         if not (isinstance(self.duration_s, (int, float)) and math.isfinite(self.duration_s)
                 and self.duration_s > 0):
             raise ValueError(f"phase duration_s must be positive, got {self.duration_s!r}")
@@ -82,8 +86,11 @@ class Phase:
 
     def to_dict(self) -> dict:
         """As JSON; Poisson arrivals (the default) are left out."""
-        return {k: v for k, v in asdict(self).items() if v is not None and v != "" and
-                not (k == "arrivals" and v == "poisson")}
+        d = {k: v for k, v in asdict(self).items() if v is not None and v != "" and
+             not (k == "arrivals" and v == "poisson")}
+        if "shares" in d:
+            d["shares"] = [list(x) for x in d["shares"]]
+        return d
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,49 @@ class Lengths:
             return {"dist": "empirical", "source": self.source, "n": len(self.values), "sha256": h}
         return {"dist": self.kind, **{f: getattr(self, f) for f in ("mean", "sd", "median", "value")
                                       if getattr(self, f) is not None}}
+
+
+CLIENT_FIELDS = ("deadline_s", "max_retries", "backoff_min_s", "backoff_max_s", "max_retry_after_s")
+
+
+@dataclass(frozen=True)
+class TrafficClass:
+    """One class of calls (docs/classes.md): its `share` of the calls, its
+    prompt and response lengths (None: the workload's), its client settings
+    (None: the scenario's [client]), the `priority` its executions carry to
+    the engine (vLLM's request priority: smaller is served first under the
+    priority policy) and whether the deployment's verdict needs it to
+    recover (`must_recover`)."""
+    name: str
+    share: float
+    prompt: Lengths | None = None
+    response: Lengths | None = None
+    deadline_s: float | None = None
+    max_retries: int | None = None
+    backoff_min_s: float | None = None
+    backoff_max_s: float | None = None
+    max_retry_after_s: float | None = None
+    priority: int = 0
+    must_recover: bool = True
+
+    def __post_init__(self):
+        if not (math.isfinite(self.share) and self.share >= 0):
+            raise ValueError(f"class {self.name!r}: share must be non-negative, got {self.share!r}")
+
+    def client(self, scenario: "Scenario") -> "Scenario":
+        """`scenario` with this class's client settings (a Retry-After cap
+        left unset follows the class's deadline when the class sets one)."""
+        kw = {k: getattr(self, k) for k in CLIENT_FIELDS if getattr(self, k) is not None}
+        if self.deadline_s is not None and self.max_retry_after_s is None:
+            kw["max_retry_after_s"] = float(self.deadline_s)
+        return scenario.with_(**kw) if kw else scenario
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        for k in ("prompt", "response"):
+            if k in d:
+                d[k] = d[k].to_dict()
+        return d
 
 
 def reference_phases(base_s: float = 120.0, pulse_s: float = 107.0, hold_s: float = 720.0, base_load: float = 0.6,
@@ -190,6 +240,8 @@ class Scenario:
     # device hiccup); leak_blocks_on_abort, an aborted request's KV blocks never returned. Unset: none
     stalls: tuple[tuple[float, float], ...] | None = None
     leak_blocks_on_abort: bool | None = None
+    # traffic classes (TrafficClass), each call drawn into one by their shares. Unset: one class, as before
+    classes: tuple[TrafficClass, ...] | None = None
 
     def __init__(self, **kw):
         flat = {k: kw.pop(k) for k in PHASE_FIELDS if k in kw}
@@ -322,7 +374,10 @@ class Scenario:
                              {"dist": "lognormal", "median": self.response_median, "mean": self.response_mean}),
                 "shared_prefix": self.shared_prefix,
                 "prefix_groups": [list(g) for g in self.prefix_groups] if self.prefix_groups else None,
-                "mixed": ({"share": self.mixed_share, "len": self.mixed_prompt_len} if self.mixed_share else None)}
+                "mixed": ({"share": self.mixed_share, "len": self.mixed_prompt_len} if self.mixed_share else None),
+                **({"classes": [{"share": c.share, "prompt": c.prompt and c.prompt.to_dict(),
+                                 "response": c.response and c.response.to_dict()} for c in self.classes]}
+                   if self.classes and any(c.prompt or c.response for c in self.classes) else {})}
 
     def to_dict(self) -> dict:
         """As records give it: the cohorts' bounds (base_s, pulse_s, hold_s)
@@ -350,6 +405,8 @@ class Scenario:
             d["prefix_groups"] = [list(g) for g in self.prefix_groups]
         if self.stalls is not None:
             d["stalls"] = [list(x) for x in self.stalls]
+        if self.classes is not None:
+            d["classes"] = [c.to_dict() for c in self.classes]
         for k in ("prompt", "response"):
             if d.get(k) is not None:
                 d[k] = d[k].to_dict()
@@ -357,7 +414,7 @@ class Scenario:
 
 
 _EXTENDED = ("prompt", "response", "mixed_share", "max_call_tokens", "prefix_groups", "stalls",
-             "leak_blocks_on_abort")
+             "leak_blocks_on_abort", "classes")
 
 
 PAPER = Scenario()

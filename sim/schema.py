@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from .conditions import CONDITIONS
 from .policy.router import PROXY_PLACEMENTS, ROUTERS
+from .engine.scheduler import SCHEDULING_POLICIES
 from .profile import ENGINE_FLAGS
 from .scenario import ARRIVALS, LENGTH_KINDS, PAPER
 
@@ -257,6 +258,9 @@ SCHEMA = Schema([
         open_lo=True),
     Key("engine", "max_num_queued_reqs", WHOLE, "the engine cap: waiting requests beyond it are refused (503)",
         **AT_LEAST_1),
+    Key("engine", "scheduling_policy", STRING, "the waiting queue's order and the preemption victim (vLLM's "
+                                               "--scheduling-policy; priority: by each class's priority)",
+        choices=SCHEDULING_POLICIES),
     # -- [workload]
     Key("workload", "phases", TABLES, "the arrivals, phase after phase", of="phase"),
     Key("workload", "prompt", TABLE, "prompt lengths: dist = normal (mean, sd), lognormal (median, mean), fixed "
@@ -271,6 +275,22 @@ SCHEMA = Schema([
         **AT_LEAST_1),
     Key("workload", "trace", STRING, "a CSV of calls replayed instead of phases and lengths"),
     Key("workload", "trace_speedup", NUMBER, "the trace's times divided by this", default=1.0, **POSITIVE),
+    Key("workload", "classes", TABLES, "traffic classes (each call drawn into one by share; own lengths, client, "
+                                       "priority; verdicts per class)",
+        of="class"),
+    # one class of [workload] classes (unset keys: the workload's lengths, the [client] settings)
+    Key("class", "name", STRING, "the class's name"),
+    Key("class", "share", NUMBER, "its share of the calls (shares add up to 1)", **POSITIVE),
+    Key("class", "prompt", TABLE, "its prompt lengths, as the workload's", of="lengths"),
+    Key("class", "response", TABLE, "its response lengths, as the workload's", of="lengths"),
+    Key("class", "deadline_s", NUMBER, "its calls' deadline", **POSITIVE),
+    Key("class", "max_retries", WHOLE, "its calls' retries", lo=0),
+    Key("class", "backoff_min_s", NUMBER, "its shortest backoff wait", lo=0.0),
+    Key("class", "backoff_max_s", NUMBER, "its longest backoff wait", lo=0.0, not_below="backoff_min_s"),
+    Key("class", "max_retry_after_s", NUMBER, "Retry-After honoured up to this (default: its deadline)", lo=0.0),
+    Key("class", "priority", WHOLE, "the engine priority of its executions (smaller first under the priority "
+                                    "policy)", default=0),
+    Key("class", "must_recover", BOOL, "the deployment recovers only if this class does", default=True),
     # one phase of [workload] phases
     Key("phase", "name", STRING, "the phase's name (default: phase N)"),
     Key("phase", "duration_s", NUMBER, "its length in seconds", **POSITIVE),
@@ -278,6 +298,10 @@ SCHEMA = Schema([
     Key("phase", "rate", NUMBER, "calls/s (or load)", lo=0.0),
     Key("phase", "arrivals", STRING, "poisson, or constant: one call every 1/rate s (as load generators send)",
         default="poisson", choices=ARRIVALS),
+    Key("phase", "shares", PAIRS, "with classes: [[class, share], ...] of this phase's calls (default: the "
+                                  "classes' shares)", of="class_share"),
+    Key("class_share", "class", STRING, "a class's name"),
+    Key("class_share", "share", NUMBER, "its share of the phase's calls (shares add up to 1)", lo=0.0),
     # one group of [workload] prefix_groups
     Key("prefix_group", "tokens", WHOLE, "the group's prefix tokens", lo=0),
     Key("prefix_group", "share", NUMBER, "the group's share of the calls (shares add up to 1)", **POSITIVE),

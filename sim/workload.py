@@ -1,6 +1,7 @@
 """The open-loop trace of docs/model.md: every call's planned arrival, prompt and
 response length, fixed by a seed and replayed identically across conditions
-(`make_trace`), or read from a CSV file of recorded calls (`read_trace`)."""
+(`make_trace`), or read from a CSV file of recorded calls (`read_trace`). With
+traffic classes each call also carries its class (`Trace.klass`)."""
 from __future__ import annotations
 
 import csv
@@ -21,6 +22,7 @@ class Trace:
     shared_prefix: int        # leading prompt tokens identical across calls (the least, with groups)
     prefix_len: np.ndarray | None = None     # per call: its prefix group's tokens (int64); None: shared_prefix
     prefix_group: np.ndarray | None = None   # per call: its prefix group (int64, 0 first); None: all in group 0
+    klass: np.ndarray | None = None          # per call: its traffic class (int64, index into scenario.classes)
 
     def __len__(self) -> int:
         return len(self.arrival)
@@ -101,15 +103,19 @@ def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bo
     if phases is None:
         phases = [p + (k,) for p, k in zip(s.arrival_phases(capacity), s.arrival_kinds())]
     rng = np.random.default_rng(seed)
-    arrival = np.concatenate([phase_arrivals(rng, *p) for p in phases])
+    by_phase = [phase_arrivals(rng, *p) for p in phases]
+    arrival = np.concatenate(by_phase)
     n = len(arrival)
-    prompt = draw_lengths(rng, s.prompt or Lengths("normal", mean=s.prompt_mean, sd=s.prompt_sd), n)
+    klass = _draw_classes(rng, s, [len(x) for x in by_phase]) if s.classes else None
+    prompt = _draw_by_class(rng, s.prompt or Lengths("normal", mean=s.prompt_mean, sd=s.prompt_sd), n, klass,
+                            s.classes, "prompt")
     share = 0.5 if mixed_prompts else s.mixed_share
     if share:
         short = rng.random(n) < share
         prompt[short] = s.mixed_prompt_len
     prompt = np.maximum(prompt, s.shared_prefix + 1)
-    resp = draw_lengths(rng, s.response or Lengths("lognormal", median=s.response_median, mean=s.response_mean), n)
+    resp = _draw_by_class(rng, s.response or Lengths("lognormal", median=s.response_median, mean=s.response_mean),
+                          n, klass, s.classes, "response")
     resp = np.maximum(1, resp)
     prefix_len = group = None
     shared = s.shared_prefix
@@ -125,7 +131,41 @@ def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bo
         resp = np.minimum(resp, s.max_call_tokens - pre - 1)
         prompt = np.maximum(np.minimum(prompt, s.max_call_tokens - resp), pre + 1)
     return Trace(arrival=arrival, prompt_len=prompt, max_tokens=resp, shared_prefix=shared,
-                 prefix_len=prefix_len, prefix_group=group)
+                 prefix_len=prefix_len, prefix_group=group, klass=klass)
+
+
+def _draw_classes(rng: np.random.Generator, s: Scenario, counts: list[int]) -> np.ndarray:
+    """Each call's class (index into s.classes): by the classes' shares, or
+    phase by phase where phases give their own shares (`Phase.shares`). One
+    class takes no draw: its trace is the trace without classes."""
+    shares = np.array([c.share for c in s.classes], dtype=float)
+    if len(shares) == 1:
+        return np.zeros(sum(counts), dtype=np.int64)
+    if all(p.shares is None for p in s.phases) or len(counts) != len(s.phases):
+        return rng.choice(len(shares), size=sum(counts), p=shares / shares.sum()).astype(np.int64)
+    index = {c.name: k for k, c in enumerate(s.classes)}
+    out = []
+    for p, m in zip(s.phases, counts):
+        q = shares
+        if p.shares is not None:
+            q = np.zeros(len(shares))
+            for name, x in p.shares:
+                q[index[name]] += x
+        out.append(rng.choice(len(q), size=m, p=q / q.sum()).astype(np.int64))
+    return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+
+
+def _draw_by_class(rng: np.random.Generator, d: Lengths, n: int, klass, classes, which: str) -> np.ndarray:
+    """n lengths: from `d` (no classes: one draw, as ever), else per class in
+    the classes' order, each from the class's own distribution (its `which`)
+    or `d`."""
+    if klass is None:
+        return draw_lengths(rng, d, n)
+    out = np.empty(n, dtype=np.int64)
+    for k, c in enumerate(classes):
+        idx = np.flatnonzero(klass == k)
+        out[idx] = draw_lengths(rng, getattr(c, which) or d, len(idx))
+    return out
 
 
 # ------------------------------------------------------------------ replay
@@ -162,7 +202,9 @@ def read_trace(path: str, speedup: float = 1.0, shared_prefix: int = 0) -> tuple
     (`TIMESTAMP, ContextTokens, GeneratedTokens`; times in seconds or as
     date-times); optional columns `prefix_group` (any label: calls of one
     group share their prefix) and `prefix_tokens` (the call's prefix length,
-    one per group; without it every group's prefix is `shared_prefix`). Returns the trace and a description (dialect,
+    one per group; without it every group's prefix is `shared_prefix`) and
+    `class` (a traffic class's name: `Trace.klass` numbers the labels in
+    order of appearance, listed as the description's `classes`). Returns the trace and a description (dialect,
     calls, span, speedup). Raises TraceError naming the file (and line) for
     a missing or unreadable file, an unknown header, an empty trace, a time
     that is negative, not a number or earlier than the row before, or a
@@ -190,8 +232,10 @@ def read_trace(path: str, speedup: float = 1.0, shared_prefix: int = 0) -> tuple
     it, ip, ir = (head.index(c) for c in cols)
     ipx = head.index("prefix_tokens") if "prefix_tokens" in head else None
     igr = head.index("prefix_group") if "prefix_group" in head else None
-    times, prompts, resps, prefixes, groups = [], [], [], [], []
+    icl = head.index("class") if "class" in head else None
+    times, prompts, resps, prefixes, groups, classes = [], [], [], [], [], []
     labels: dict[str, int] = {}
+    class_labels: dict[str, int] = {}
     prev = -math.inf
     for line, row in enumerate(rows[1:], start=2):
         if not row or all(not c.strip() for c in row):
@@ -229,6 +273,11 @@ def read_trace(path: str, speedup: float = 1.0, shared_prefix: int = 0) -> tuple
             if not label:
                 raise TraceError(f"{where}: prefix_group is empty")
             groups.append(labels.setdefault(label, len(labels)))
+        if icl is not None:
+            label = row[icl].strip()
+            if not label:
+                raise TraceError(f"{where}: class is empty")
+            classes.append(class_labels.setdefault(label, len(class_labels)))
     if not times:
         raise TraceError(f"{path}: empty trace (a header and no calls)")
     t0 = times[0]
@@ -251,6 +300,10 @@ def read_trace(path: str, speedup: float = 1.0, shared_prefix: int = 0) -> tuple
         raise TraceError(f"{path}: call {bad[0] + 1}: the shared prefix ({prefix if plen is None else plen[bad[0]]}) "
                          f"is not shorter than its prompt ({prompt[bad[0]]})")
     trace = Trace(arrival=arrival, prompt_len=prompt, max_tokens=np.asarray(resps, dtype=np.int64),
-                  shared_prefix=int(prefix), prefix_len=plen, prefix_group=group)
-    return trace, {"dialect": dialect, "calls": len(times), "span_s": float(arrival[-1]), "speedup": speedup,
-                   "shared_prefix": int(prefix), "prefix_groups": int(group.max()) + 1 if group is not None else 1}
+                  shared_prefix=int(prefix), prefix_len=plen, prefix_group=group,
+                  klass=np.asarray(classes, dtype=np.int64) if icl is not None else None)
+    info = {"dialect": dialect, "calls": len(times), "span_s": float(arrival[-1]), "speedup": speedup,
+            "shared_prefix": int(prefix), "prefix_groups": int(group.max()) + 1 if group is not None else 1}
+    if icl is not None:
+        info["classes"] = list(class_labels)     # the labels of Trace.klass's values, in order
+    return trace, info

@@ -13,12 +13,13 @@ from sim.runlog import ExecutionRecord
 class Harness:
     def __init__(self, num_gpu_blocks=100, block_size=4, budget=8, max_num_seqs=16, depth=1,
                  step_s=1.0, model=None, max_queued=None, fast_forward=True, kv_policy="on-demand",
-                 abort_latency="v1", leak_blocks_on_abort=False, stalls=(), abort_bound=False):
+                 abort_latency="v1", leak_blocks_on_abort=False, stalls=(), abort_bound=False,
+                 scheduling_policy="fcfs"):
         self.env = Clock()
         model = model or StepTimeModel(step_s, 0.0, 0.0, 0.0, 0.0)
         cfg = EngineConfig(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                            num_gpu_blocks=num_gpu_blocks, block_size=block_size,
-                                           kv_policy=kv_policy),
+                                           kv_policy=kv_policy, scheduling_policy=scheduling_policy),
                            depth=depth, max_queued=max_queued, abort_latency=abort_latency,
                            leak_blocks_on_abort=leak_blocks_on_abort, stalls=stalls)
         self.timers = []
@@ -44,10 +45,10 @@ class Harness:
         ev = self.env.timeout(t - self.env.now)
         ev.callbacks.append(lambda _e: (timers.remove(t), fn()))
 
-    def add(self, t, rid, prompt, max_tokens, call=None, prefix=0, stop_at=None):
+    def add(self, t, rid, prompt, max_tokens, call=None, prefix=0, stop_at=None, priority=0):
         rec = ExecutionRecord(id=rid, call=rid if call is None else call, attempt=0, prompt_len=prompt,
                               max_tokens=max_tokens, created_at=t)
-        req = Request(rid, rec.call, prompt, max_tokens, prefix, record=rec, stop_at=stop_at)
+        req = Request(rid, rec.call, prompt, max_tokens, prefix, record=rec, stop_at=stop_at, priority=priority)
         self.requests[rid] = req
 
         def go():

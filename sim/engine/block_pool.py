@@ -117,6 +117,14 @@ class BlockPool:
             if not n:
                 return
 
+    def put_back(self, n: int) -> None:
+        """Return n blocks taken with `take_free` and never filled (no hash)
+        to the end of the free queue."""
+        plain = Extent(UNHASHED, 0, n)
+        plain.free = True
+        self.free_queue.append(plain)
+        self.num_free += n
+
     def new_extent(self, space: int, lo: int, hi: int, owner) -> Extent:
         """A fresh extent of hi-lo newly allocated blocks, held by `owner`."""
         self.take_free(hi - lo)

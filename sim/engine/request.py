@@ -22,10 +22,13 @@ class Request:
         "join_computed_tokens", "join_output_tokens", "block_phase",
         # early termination and waste accounting
         "stop_at", "out_limit", "reserve_top", "abort_seen", "outputs_seen",
+        # the priority policy's key (smaller first), as vLLM's `priority`
+        "priority",
     )
 
     def __init__(self, request_id: int, call_id: int, num_prompt_tokens: int, max_tokens: int,
-                 shared_prefix: int = 0, record=None, stop_at: int | None = None, prefix_group: int = 0):
+                 shared_prefix: int = 0, record=None, stop_at: int | None = None, prefix_group: int = 0,
+                 priority: int = 0):
         self.request_id = request_id
         self.call_id = call_id
         self.num_prompt_tokens = int(num_prompt_tokens)
@@ -60,6 +63,7 @@ class Request:
         self.reserve_top = 0            # reserve policy: blocks set aside up to this block position
         self.abort_seen = -1            # last processed step when its abort arrived
         self.outputs_seen = 0           # outputs streamed before its abort arrived
+        self.priority = priority        # read only under the priority policy
 
     @property
     def num_tokens(self) -> int:

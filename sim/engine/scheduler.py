@@ -11,6 +11,16 @@
      remaining prompt fits in free blocks after its prefix-cache hit, and a
      head that does not fit stops admission (head-of-line blocking).
 
+Under the priority policy (`scheduling_policy = "priority"`, vLLM's
+`--scheduling-policy priority`) the waiting queue is ordered by (priority,
+arrival time), smaller first, and a preempted request goes back by that key
+rather than to the front (`PriorityWaitingQueue`); a request that needs a KV
+block when none is free preempts the running request with the largest
+(priority, arrival time) instead of the most recently admitted one, which
+gives back the tokens it had been given in this step (see
+`_schedule_prefills_by_priority`). Admission is otherwise the same: from the
+head, whole prompt must fit, a head that does not fit stops it.
+
 Blocks and the prefix cache belong to the `KVCacheManager`; decoding requests
 form a `DecodeGroup` advanced in closed form, so a decode step touches no
 request. When nothing can change a run of decode-only steps, `schedule()` may
@@ -19,8 +29,10 @@ decide all of them at once (fast-forward): one `SchedulerOutput` stands for
 """
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass
+from itertools import count
 
 from .decode_group import DecodeGroup
 from .kv_cache_manager import KVCacheManager
@@ -30,6 +42,7 @@ from .utils import cdiv
 
 
 KV_POLICIES = ("on-demand", "reserve")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -43,10 +56,57 @@ class SchedulerConfig:
     # "reserve" (blocks for prompt + max_tokens set aside at admission; the
     # whole reservation must fit; what is unused goes back at finish or abort)
     kv_policy: str = "on-demand"
+    # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority"
+    # (waiting queue by (priority, arrival time); preemption takes the
+    # running request with the largest such key)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         if self.kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+
+
+def priority_key(r: Request) -> tuple:
+    """The priority policy's order: smaller priority first, then earlier
+    arrival (vLLM's `Request.__lt__`)."""
+    return (r.priority, r.arrival_time)
+
+
+class PriorityWaitingQueue:
+    """vLLM's `PriorityRequestQueue` (`v1/core/sched/request_queue.py`): a
+    heap by (priority, arrival time); ties keep insertion order. It offers
+    the deque operations the scheduler uses on its waiting queue; prepending
+    (a preempted request) pushes by key like any other, as vLLM's
+    `prepend_request` does. Aborted requests stay in it until they reach the
+    head, as in the deque."""
+    __slots__ = ("_heap", "_seq")
+
+    def __init__(self):
+        self._heap: list = []
+        self._seq = count()
+
+    def append(self, r: Request) -> None:
+        heapq.heappush(self._heap, (r.priority, r.arrival_time, next(self._seq), r))
+
+    appendleft = append
+
+    def popleft(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def __getitem__(self, i: int) -> Request:
+        if i != 0:
+            raise IndexError("only the head of a priority queue can be read")
+        return self._heap[0][3]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        """The requests in queue order."""
+        return (e[3] for e in sorted(self._heap))
 
 
 class SchedulerOutput:
@@ -89,7 +149,8 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(config.num_gpu_blocks, config.block_size, self.reserve)
         self.block_pool = self.kv_cache_manager.block_pool
         self.decode_group = DecodeGroup(config.block_size)
-        self.waiting: deque[Request] = deque()
+        self.by_priority = config.scheduling_policy == "priority"
+        self.waiting = PriorityWaitingQueue() if self.by_priority else deque()
         self.num_waiting = 0            # waiting requests not aborted (aborted ones leave lazily)
         self.running: list[Request] = []       # admission order
         self.prefilling: list[Request] = []    # running requests still in prefill, admission order
@@ -125,6 +186,8 @@ class Scheduler:
         if num_new_blocks:
             if num_new_blocks <= self.block_pool.num_free:                      # kv.allocate_decode_blocks
                 self.block_pool.take_free(num_new_blocks)
+            elif self.by_priority:
+                preempted = self._allocate_decode_blocks_by_priority(step, num_new_blocks)
             else:
                 preempted = self._allocate_decode_blocks_preempting(step)
         # the group as it enters this step: requests whose prefill completes
@@ -135,22 +198,26 @@ class Scheduler:
         num_prefill = 0
         kv = self.kv_cache_manager
         if self.prefilling:
-            for r in list(self.prefilling):
-                if token_budget <= 0:
-                    break
-                if r.status != RUNNING:
-                    continue                # preempted above as a victim
-                num_new_tokens = r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens   # r.num_tokens - ...
-                if num_new_tokens > token_budget:
-                    num_new_tokens = token_budget
-                while not kv.allocate_slots(r, num_new_tokens):
-                    preempted = True
-                    if self._preempt_last(step) is r:
+            if self.by_priority:
+                token_budget, num_prefill, preempted, num_decode = self._schedule_prefills_by_priority(
+                    output, step, token_budget, preempted)
+            else:
+                for r in list(self.prefilling):
+                    if token_budget <= 0:
                         break
-                if r.status == RUNNING:
-                    self._schedule_chunk(output, r, num_new_tokens, step)
-                    token_budget -= num_new_tokens
-                    num_prefill += 1
+                    if r.status != RUNNING:
+                        continue                # preempted above as a victim
+                    num_new_tokens = r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens   # r.num_tokens - ...
+                    if num_new_tokens > token_budget:
+                        num_new_tokens = token_budget
+                    while not kv.allocate_slots(r, num_new_tokens):
+                        preempted = True
+                        if self._preempt_last(step) is r:
+                            break
+                    if r.status == RUNNING:
+                        self._schedule_chunk(output, r, num_new_tokens, step)
+                        token_budget -= num_new_tokens
+                        num_prefill += 1
 
         # 2. waiting requests, from the head, unless this step preempted
         blocked = False
@@ -193,6 +260,10 @@ class Scheduler:
             # nothing waits, or what waits cannot be admitted
             output.admission_blocked = bool(self.num_waiting) and (blocked or len(self.running) >= self.max_num_seqs)
             if output.admission_blocked or not self.num_waiting:
+                if self.by_priority and len(self.running) < self.max_num_seqs:
+                    # a request of higher priority than the head that does
+                    # not fit may come in and fit: only seats block it for sure
+                    output.admission_blocked = False
                 self._fast_forward(output, fast_forward_limit, num_tail_steps)
         last = output.last
         if last in group.by_last_step:
@@ -233,6 +304,72 @@ class Scheduler:
             if r.status == RUNNING:
                 block_pool.take_free(1)
         return preempted
+
+    def _allocate_decode_blocks_by_priority(self, step: int, num_new_blocks: int) -> bool:
+        """The priority policy's `_allocate_decode_blocks_preempting`: while
+        the decoding requests' new blocks of `step` do not fit, preempt the
+        running request with the largest (priority, arrival time) — vLLM
+        preempts it whichever running request is asking — then take them."""
+        block_pool = self.block_pool
+        bs = self.block_size
+        while num_new_blocks > block_pool.num_free:
+            v = max(self.running, key=priority_key)
+            if v.in_decode_group and not (step - v.block_phase) % bs:
+                num_new_blocks -= 1     # it was one of those needing a block
+            self._preempt(v, step)
+        block_pool.take_free(num_new_blocks)
+        return True
+
+    def _schedule_prefills_by_priority(self, output: SchedulerOutput, step: int, token_budget: int,
+                                       preempted: bool) -> tuple[int, int, bool, int]:
+        """The running requests in prefill under the priority policy, in
+        admission order (vLLM's running loop, `Scheduler.schedule`): each
+        takes min(remaining, budget) tokens; when its blocks do not fit, the
+        running request with the largest (priority, arrival time) is
+        preempted, and if it had been given tokens in this step they go back
+        to the budget (a decoding one's token and its new block too). If the
+        request itself is the largest, it is preempted and the loop stops.
+        Chunks are committed once the loop is over, so a victim's blocks are
+        freed as of its computed tokens before this step. Returns the budget
+        left, the chunks scheduled, whether any request was preempted and the
+        decoding requests in the step (the decode context set in `output`)."""
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        planned: dict[Request, int] = {}        # request -> tokens, admission order
+        for r in list(self.prefilling):
+            if token_budget <= 0:
+                break
+            if r.status != RUNNING:
+                continue                # preempted above as a victim
+            num_new_tokens = r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
+            while not kv.allocate_slots(r, num_new_tokens):
+                preempted = True
+                decoding = None
+                v = max(self.running, key=priority_key)
+                if v.in_decode_group:
+                    # counted in this step's decode batch, with a new block if at its phase
+                    decoding = not (step - v.block_phase) % bs
+                self._preempt(v, step)
+                if v in planned:
+                    token_budget += planned.pop(v)
+                elif decoding is not None:
+                    token_budget += 1
+                    if decoding:
+                        self.block_pool.put_back(1)
+                if v is r:
+                    break
+            if r.status != RUNNING:
+                break                   # no one left to preempt: the loop stops (vLLM)
+            planned[r] = num_new_tokens
+            token_budget -= num_new_tokens
+        group = self.decode_group
+        num_decode = group.num_reqs         # before the chunks' requests join it
+        output.decode_context = group.context_offset + num_decode * (step + 1)
+        for r, num_new_tokens in planned.items():
+            self._schedule_chunk(output, r, num_new_tokens, step)
+        return token_budget, len(planned), preempted, num_decode
 
     def _admit(self, r: Request, num_computed_tokens: int) -> None:
         """r leaves the waiting queue for the running ones with its prefix-cache hit."""
@@ -320,9 +457,15 @@ class Scheduler:
 
     def _preempt_last(self, step: int) -> Request:
         """Preempt the most recently admitted running request while
-        scheduling `step`: free its blocks, reset its progress, put it back
-        at the front of the waiting queue. Returns it."""
+        scheduling `step` (the fcfs policy). Returns it."""
         r = self.running[-1]
+        self._preempt(r, step)
+        return r
+
+    def _preempt(self, r: Request, step: int) -> None:
+        """Preempt running request r while scheduling `step`: free its
+        blocks, reset its progress, put it back in the waiting queue (at the
+        front under fcfs, by its key under priority)."""
         self._stop(r, step - 1, step - 1)
         self._remove_running(r)
         self.kv_cache_manager.free(r)
@@ -334,7 +477,6 @@ class Scheduler:
         self.num_preemptions += 1
         if r.record is not None:
             r.record.preemptions += 1
-        return r
 
     def _stop(self, r: Request, scheduled_through: int, processed_through: int) -> None:
         """End r's decode stint: out of the group as of its last scheduled

@@ -1,0 +1,61 @@
+"""Traffic classes on the driver's side (docs/classes.md): each call's client
+settings and engine priority follow its class (`Scenario.classes`, the
+trace's `klass` column).
+
+- `clients(default, condition, scenario, trace, uniform)`: the client layer of a run.
+  Without classes it is the one `RetryingClient` of the condition, as ever;
+  with classes, `ClassClients`, one `RetryingClient` per class (the class's
+  deadline, retries, backoff and Retry-After cap; the condition's retries
+  on/off still rule), chosen by the call's class. All of them draw their
+  backoff waits from the same `uniform` stream.
+- `call_priorities(trace, scenario)`: each call's priority, which its
+  executions carry to the engine (`Request.priority`): the class's, 0
+  without classes.
+"""
+from __future__ import annotations
+
+from .conditions import Condition
+from .policy.client import CallState, ClientConfig, RetryingClient
+from .scenario import Scenario
+from .workload import Trace
+
+
+class ClassClients:
+    """The client layer of a run with traffic classes: each call is handled
+    by its class's `RetryingClient`. Same methods as one client."""
+
+    def __init__(self, by_class: list[RetryingClient], klass):
+        self.by_class = by_class
+        self.klass = klass                  # class index of each call
+
+    def _of(self, call: CallState) -> RetryingClient:
+        return self.by_class[self.klass[call.call_id]]
+
+    def send(self, call: CallState, t: float) -> int:
+        return self._of(call).send(call, t)
+
+    def on_deadline(self, call: CallState, t: float):
+        return self._of(call).on_deadline(call, t)
+
+    def on_refused(self, call: CallState, t: float, status: int, retry_after: float | None = None):
+        return self._of(call).on_refused(call, t, status, retry_after)
+
+    def on_complete(self, call: CallState, t: float):
+        return self._of(call).on_complete(call, t)
+
+
+def clients(default: ClientConfig, condition: Condition, scenario: Scenario, trace: Trace, uniform):
+    """The run's client layer (module docstring): `default` (the stack's
+    client) without classes, else one client per class."""
+    if not scenario.classes or trace.klass is None:
+        return RetryingClient(default, uniform)
+    return ClassClients([RetryingClient(condition.client_config(c.client(scenario)), uniform)
+                         for c in scenario.classes], trace.klass.tolist())
+
+
+def call_priorities(trace: Trace, scenario: Scenario) -> list[int]:
+    """Each call's engine priority: its class's, 0 without classes."""
+    if not scenario.classes or trace.klass is None:
+        return [0] * len(trace)
+    prio = [c.priority for c in scenario.classes]
+    return [prio[k] for k in trace.klass.tolist()]
