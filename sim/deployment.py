@@ -73,6 +73,7 @@ from .policy.proxy import ProxyConfig
 from .profile import Profile, ProfileError, embedded_names, from_dict, load_profile, with_engine
 from .fleet import FleetSpec, run_fleet
 from .policy.router import RouterConfig
+from .policy.stack import Stack
 from .run import run_one, workload_capacity
 from .scenario import CLIENT_FIELDS, PAPER, REFERENCE_PHASES, SCENARIOS, Lengths, Phase, Scenario, TrafficClass
 from . import schema as _schema
@@ -659,11 +660,30 @@ class Deployment:
         return [preset(t["kind"], t["preset"], **{k: v for k, v in t.items() if k not in ("kind", "preset")})
                 for t in self.stack_layers]
 
-    def require_simulated(self) -> None:
-        """Raises unless the simulator runs every layer of the stack."""
+    def require_simulated(self, client_layer: bool = False) -> None:
+        """Raises unless the simulator runs every layer of the stack: with
+        `client_layer` (as `run` does), one client layer on one engine is
+        run; no gateway layer is yet."""
         for i, t in enumerate(self.stack_layers):
+            if client_layer and t["kind"] == "client" and i == 0 and self.fleet is None and not self.scenario.classes:
+                continue
             raise ScenarioError(f"{self.name}: layer[{i}] ({t['preset']}): {t['kind']} layers are described by "
-                                "`llmsim stack` but not yet simulated")
+                                "`llmsim stack` but not yet simulated"
+                                + (" (only one client layer, on one engine, without traffic classes)"
+                                   if t["kind"] == "client" else ""))
+
+    def stack_for(self, condition: Condition) -> Stack | None:
+        """The stack a run of `condition` drives: None for the reference
+        design's (the condition's client); with a client [[layer]], the
+        condition's proxy and router under that client (no retries where
+        the condition turns them off)."""
+        if not self.stack_layers:
+            return None
+        self.require_simulated(client_layer=True)
+        client = self.layer_settings()[0]
+        if not condition.retries:
+            client = dict(client, max_retries=0)
+        return Stack.from_config(condition, None, self.scenario).with_client(client)
 
     def _fields(self, section: str) -> dict:
         """The section's keys that are Scenario fields, with the scenario's values."""
@@ -759,7 +779,7 @@ class Deployment:
         """One run; the result record with `deployment` (`identity()`) and
         `engine_config` (the scheduler's flags the engine was built with)."""
         self.require_burst()
-        self.require_simulated()
+        self.require_simulated(client_layer=True)
         seed = self.seed if seed is None else seed
         if trace is None:
             trace = self.trace(seed)
@@ -772,8 +792,9 @@ class Deployment:
         if self.fleet is not None:
             return run_fleet(list(self.fleet.profiles), self.condition_for(condition), trace, s,
                              self.fleet.capacities(s), self.fleet.router, seed, pulse, extra=extra)
-        return run_one(self.profile, self.condition_for(condition), pulse, seed, trace=trace, scenario=s,
-                       capacity=self.capacity, extra=extra)
+        cond = self.condition_for(condition)
+        return run_one(self.profile, cond, pulse, seed, trace=trace, scenario=s, capacity=self.capacity,
+                       extra=extra, stack=self.stack_for(cond))
 
     def with_changes(self, model: str | None = None, pulse: float | None = None,
                      max_batched_tokens: int | None = None,

@@ -75,10 +75,21 @@ def test_the_cli_exits_2_with_the_file_and_key(tmp_path, capsys, body, key):
     assert f in err and key in err and "\n" not in err
 
 
-@pytest.mark.parametrize("kind, preset", [("client", "openai-python"), ("gateway", "nginx")])
-def test_the_simulator_refuses_a_layer_it_does_not_run(tmp_path, capsys, kind, preset):
-    f = _toml(tmp_path / "s.toml", f'[[layer]]\nkind = "{kind}"\npreset = "{preset}"\n')
-    with pytest.raises(ScenarioError, match=f"{kind} layers are described by `llmsim stack` but not yet simulated"):
+@pytest.mark.parametrize("layers, message", [
+    ('[[layer]]\npreset = "nginx"\n', r"layer\[0\] \(nginx\): gateway layers are described by `llmsim stack` "
+                                      r"but not yet simulated"),
+    ('[[layer]]\npreset = "langchain-with-retry"\n[[layer]]\npreset = "langchain-openai"\n',
+     r"layer\[1\] \(langchain-openai\): client layers are described by `llmsim stack` but not yet simulated"),
+])
+def test_the_simulator_refuses_a_layer_it_does_not_run(tmp_path, capsys, layers, message):
+    f = _toml(tmp_path / "s.toml", layers)
+    with pytest.raises(ScenarioError, match=message):
         load(f).run()
     assert main(["run", "--scenario", f]) == 2
     assert "not yet simulated" in capsys.readouterr().err
+
+
+def test_commands_that_do_not_run_the_deployments_stack_refuse_a_client_layer(tmp_path, capsys):
+    f = _toml(tmp_path / "s.toml", '[[layer]]\npreset = "openai-python"\n')
+    assert main(["diagnose", "--scenario", f, "--seed", "0"]) == 2
+    assert "client layers are described by `llmsim stack` but not yet simulated" in capsys.readouterr().err
