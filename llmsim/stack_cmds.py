@@ -77,7 +77,7 @@ def cmd_stack(a) -> int:
         d = describe(dep)
     except (ScenarioError, ProfileError, ValueError) as e:
         raise args.UsageError(f"stack: {e}") from None
-    where = "the reference design's own layers" if d["reference_design"] else "its [[layer]] tables"
+    where = "its client, proxy and router: no [[layer]] given" if d["reference_design"] else "its [[layer]] tables"
     print(f"stack of {d['scenario']}: {len(d['layers'])} layers from the application down ({where})")
     for i, layer in enumerate(d["layers"]):
         head = f"{i + 1}. {layer['kind']}" + (f" {layer['name']}" if layer["name"] != layer["kind"] else "")
