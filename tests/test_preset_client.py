@@ -131,3 +131,11 @@ def test_llmsim_run_runs_a_client_layer(tmp_path, capsys):
     f.write_text(dep.to_toml())
     assert main(["run", "--scenario", str(f)]) == 0
     assert "pulse" in capsys.readouterr().out
+
+
+def test_a_client_layer_with_traffic_classes_is_refused_not_ignored():
+    dep = load(os.path.join(os.path.dirname(__file__), "..", "examples", "classes-chat-batch.toml"))
+    doc = dict(dep.document(), layer=[{"preset": "openai-python"}])
+    with_layer = from_document(doc, "classes.toml", base_dir=dep.base_dir)
+    with pytest.raises(ScenarioError, match="client layers are described by .* without traffic classes"):
+        with_layer.run(0)
