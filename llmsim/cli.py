@@ -9,7 +9,8 @@ import sys
 
 from sim.conditions import CONDITIONS
 
-from . import args, calibrate_cmds, experiment_cmds, model_cmds, scenario_cmds, validate_cmds, verdict_cmds
+from . import (args, calibrate_cmds, experiment_cmds, model_cmds, scenario_cmds, stack_cmds, validate_cmds,
+               verdict_cmds)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -21,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="llmsim", description="Simulate a vLLM engine behind retrying clients and an "
                                            "overload-control proxy: does service come back after a burst?")
     sub = ap.add_subparsers(dest="command", parser_class=_Parser, required=True)
-    for group in (model_cmds, scenario_cmds, experiment_cmds, validate_cmds, calibrate_cmds, verdict_cmds):
+    for group in (model_cmds, scenario_cmds, stack_cmds, experiment_cmds, validate_cmds, calibrate_cmds,
+                  verdict_cmds):
         group.add_subcommands(sub)
     return ap
 

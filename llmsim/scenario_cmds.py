@@ -34,10 +34,12 @@ def scenario_arg(p, trace_speedup: bool = True) -> None:
                        help="replay the scenario's trace X times faster (arrival times / X)")
 
 
-def deployment(a, burst: bool = True, capacity: bool = True) -> Deployment:
+def deployment(a, burst: bool = True, capacity: bool = True, client_layer: bool = False) -> Deployment:
     """The deployment a command runs: `--scenario` (default paper) with the
     command's --model, --pulse, --max-batched-tokens and --mixed-prompts
-    applied where given; with `burst`, one that forms cohorts; with
+    applied where given; with `burst`, one that forms cohorts and whose
+    layers the simulator runs (with `client_layer`, a client [[layer]]:
+    the commands that run through `Deployment.run`); with
     `capacity`, its Ĉ resolved (a failing protocol is bad input too)."""
     src = getattr(a, "scenario", None)
     try:
@@ -52,6 +54,7 @@ def deployment(a, burst: bool = True, capacity: bool = True) -> Deployment:
                                mixed_prompts=bool(getattr(a, "mixed_prompts", False)))
         if burst:
             dep.require_burst()
+            dep.require_simulated(client_layer)
         if capacity:
             dep.capacity
     except (ScenarioError, ProfileError) as e:
@@ -101,6 +104,11 @@ def cmd_check(a) -> int:
               f"per {f.router.proxy}; Ĉ per replica " + ", ".join(f"{p.name} {c:.3f}" for p, c in zip(f.profiles, caps)))
     for sec, values in dep.sections.items():
         print(f"[{sec}]: " + ", ".join(f"{k} = {v!r}" for k, v in values.items()))
+    for i, t in enumerate(dep.stack_layers):
+        changed = {k: v for k, v in t.items() if k not in ("kind", "preset")}
+        print(f"layer[{i}]: {t['kind']} {t['preset']}" + (": " + ", ".join(f"{k} = {v!r}" for k, v in changed.items())
+                                                         if changed else " (its defaults)")
+              + " (`llmsim stack` shows the stack)")
     if dep.trace_source is not None:
         t = dep.trace_source
         print(f"trace {t.path} ({t.info['dialect']} columns, sha256 {t.sha256}): {t.info['calls']} calls over "

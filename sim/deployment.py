@@ -68,10 +68,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .conditions import Condition, compose, get_condition, parse_cancel
+from .policy.presets import PRESETS, preset
 from .policy.proxy import ProxyConfig
 from .profile import Profile, ProfileError, embedded_names, from_dict, load_profile, with_engine
 from .fleet import FleetSpec, run_fleet
 from .policy.router import RouterConfig
+from .policy.stack import Stack
 from .run import run_one, workload_capacity
 from .scenario import CLIENT_FIELDS, PAPER, REFERENCE_PHASES, SCENARIOS, Lengths, Phase, Scenario, TrafficClass
 from . import schema as _schema
@@ -253,10 +255,34 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
     fleet = _fleet(secs["fleet"], prof, secs["engine"], base_dir, schema) if doc.has("fleet") else None
     layers = {s: {**schema.defaults(s), **_values(schema, s, d[s])} for s in schema.sections()
               if s not in RESOLVED and s in d}
+    stack = _stack_layers(d.get("layer") or [], source, schema)
     return Deployment(name=name, about=d.get("about", ""), profile=prof, model=model_doc, scenario=scenario,
                       condition=cond, engine_cap=engine_cap, proxy=proxy_doc, seed=int(d.get("seed", 0)),
                       trace_source=trace_src, burst=burst, base_dir=base_dir, build_prior=build_prior, fleet=fleet,
-                      sections=layers, schema=schema)
+                      sections=layers, stack_layers=stack, schema=schema)
+
+
+def _stack_layers(tables: list, source: str, schema: Schema) -> tuple:
+    """The [[layer]] tables as given (numbers as floats), each checked by
+    merging it into its preset (`sim.policy.presets.preset`): an unknown
+    preset, a key its kind does not take, a value its policy refuses (a cap
+    below its base) end in one line naming the file and `layer[i].key`."""
+    out = []
+    for i, t in enumerate(tables):
+        where = f"layer[{i}]"
+        if "preset" not in t:
+            raise ScenarioError(f"{source}: {where}.preset must be given (one of {', '.join(PRESETS)})")
+        given = _values(schema, "layer", t)
+        kind = given.setdefault("kind", PRESETS[t["preset"]].kind)
+        overrides = {k: v for k, v in given.items() if k not in ("kind", "preset")}
+        try:
+            preset(kind, given["preset"], **overrides)
+        except ValueError as e:
+            key, _, why = str(e).partition(": ")
+            why = "is " + why if why.startswith("not ") else why
+            raise ScenarioError(f"{source}: {where}.{key} {why}") from None
+        out.append(given)
+    return tuple(out)
 
 
 def _faults(f: _Doc) -> dict:
@@ -565,6 +591,7 @@ class Deployment:
     build_prior: object = field(default=None, compare=False, repr=False)
     fleet: FleetSpec | None = None  # [fleet]: replicas behind a router; None: one engine
     sections: dict = field(default_factory=dict)   # sections of layers no resolver here reads, as checked
+    stack_layers: tuple = ()        # [[layer]]: each table as given (kind filled in), application first
     schema: Schema | None = field(default=None, compare=False, repr=False)   # None: sim.schema.SCHEMA
 
     @property
@@ -623,7 +650,40 @@ class Deployment:
             doc["fleet"] = self.fleet.document()
         for sec, values in self.sections.items():
             doc[sec] = dict(values)
+        if self.stack_layers:
+            doc["layer"] = [dict(x) for x in self.stack_layers]
         return doc
+
+    def layer_settings(self) -> list:
+        """Each [[layer]]'s effective settings: its preset's values with the
+        table's keys on top (`sim.policy.presets.preset`)."""
+        return [preset(t["kind"], t["preset"], **{k: v for k, v in t.items() if k not in ("kind", "preset")})
+                for t in self.stack_layers]
+
+    def require_simulated(self, client_layer: bool = False) -> None:
+        """Raises unless the simulator runs every layer of the stack: with
+        `client_layer` (as `run` does), one client layer on one engine is
+        run; no gateway layer is yet."""
+        for i, t in enumerate(self.stack_layers):
+            if client_layer and t["kind"] == "client" and i == 0 and self.fleet is None and not self.scenario.classes:
+                continue
+            raise ScenarioError(f"{self.name}: layer[{i}] ({t['preset']}): {t['kind']} layers are described by "
+                                "`llmsim stack` but not yet simulated"
+                                + (" (only one client layer, on one engine, without traffic classes)"
+                                   if t["kind"] == "client" else ""))
+
+    def stack_for(self, condition: Condition) -> Stack | None:
+        """The stack a run of `condition` drives: None for the reference
+        design's (the condition's client); with a client [[layer]], the
+        condition's proxy and router under that client (no retries where
+        the condition turns them off)."""
+        if not self.stack_layers:
+            return None
+        self.require_simulated(client_layer=True)
+        client = self.layer_settings()[0]
+        if not condition.retries:
+            client = dict(client, max_retries=0)
+        return Stack.from_config(condition, None, self.scenario).with_client(client)
 
     def _fields(self, section: str) -> dict:
         """The section's keys that are Scenario fields, with the scenario's values."""
@@ -719,6 +779,7 @@ class Deployment:
         """One run; the result record with `deployment` (`identity()`) and
         `engine_config` (the scheduler's flags the engine was built with)."""
         self.require_burst()
+        self.require_simulated(client_layer=True)
         seed = self.seed if seed is None else seed
         if trace is None:
             trace = self.trace(seed)
@@ -731,8 +792,9 @@ class Deployment:
         if self.fleet is not None:
             return run_fleet(list(self.fleet.profiles), self.condition_for(condition), trace, s,
                              self.fleet.capacities(s), self.fleet.router, seed, pulse, extra=extra)
-        return run_one(self.profile, self.condition_for(condition), pulse, seed, trace=trace, scenario=s,
-                       capacity=self.capacity, extra=extra)
+        cond = self.condition_for(condition)
+        return run_one(self.profile, cond, pulse, seed, trace=trace, scenario=s, capacity=self.capacity,
+                       extra=extra, stack=self.stack_for(cond))
 
     def with_changes(self, model: str | None = None, pulse: float | None = None,
                      max_batched_tokens: int | None = None,

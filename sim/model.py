@@ -19,6 +19,7 @@ from .engine.core import EngineCore, EngineConfig
 from .engine.request import Request
 from .classes import call_priorities, clients
 from .policy.client import CallState, Retry, Delivered
+from .policy.preset_client import PresetClient
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Refuse, Cancel, Complete,
                            Drop, Wake)
 from .policy.router import ReplicaView, RouterConfig
@@ -124,9 +125,12 @@ class Run(Interpreter):
         self._over: list = []       # [True] once every call is over and `done` triggered (its length: Timers' stop)
         self.timers = Timers(env, horizon=self._horizon_one if self.n == 1 else self._horizon_all,
                              stop=self._over.__len__)
-        # traffic classes: each call's client settings and engine priority are its class's (sim.classes)
-        self.client = clients(self.stack.config("client"), condition, scenario, trace,
-                              uniform_draws(np.random.default_rng([seed, 1])))
+        client = self.stack.config("client")
+        draws = uniform_draws(np.random.default_rng([seed, 1]))
+        # a client layer from a preset (its effective settings, a dict), or the reference client; with traffic
+        # classes each call's client settings and engine priority are its class's (sim.classes)
+        self.client = (PresetClient(client, draws) if isinstance(client, dict)
+                       else clients(client, condition, scenario, trace, draws))
         self.call_priority = call_priorities(trace, scenario)
         self._build(condition, scenario, max_batched_tokens, fast_forward)
         Interpreter.__init__(self)      # after _build: its handlers are the run's, and `_do` may be replaced
@@ -532,7 +536,7 @@ class ReplicaParts(NamedTuple):
 
 
 def simulate(profile: Profile, trace: Trace, condition: Condition, scenario: Scenario, seed: int = 0,
-             max_batched_tokens: int | None = None, fast_forward: bool = True) -> RunLog:
+             max_batched_tokens: int | None = None, fast_forward: bool = True, stack: Stack | None = None) -> RunLog:
     run = Run(profile, trace, condition, scenario, seed, max_batched_tokens, fast_forward,
-              snapshot_times=(scenario.pulse_end, scenario.hold_end))
+              snapshot_times=(scenario.pulse_end, scenario.hold_end), stack=stack)
     return run.run()

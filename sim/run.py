@@ -123,14 +123,15 @@ def workload_capacity(profile: Profile, scenario: Scenario, seed: int = 0) -> di
 
 def run_one(profile: Profile, condition: str | Condition, pulse: float, seed: int, max_batched_tokens=None,
             mixed_prompts=False, trace: Trace | None = None, fast_forward=True, scenario: Scenario | None = None,
-            capacity: float | None = None, extra: dict | None = None) -> dict:
+            capacity: float | None = None, extra: dict | None = None, stack=None) -> dict:
     """Simulate `condition` with the trace of `seed` (or the `trace` given,
     which must be of the same scenario and capacity) and return the result
     record. The scenario is the reference one at `pulse` unless `scenario`
     is given (then `pulse` is only recorded). Ĉ is `capacity` if given,
     else the workload's (`workload_capacity`: with mixed prompts the
     protocol's Ĉ of the mix, docs/model.md). `extra` is added to the record's
-    inputs."""
+    inputs. `stack` (a `sim.policy.stack.Stack`) replaces the condition's
+    layers."""
     cond = condition if isinstance(condition, Condition) else get_condition(condition)
     sc = scenario if scenario is not None else PAPER.with_(pulse=pulse)
     if mixed_prompts:
@@ -139,7 +140,8 @@ def run_one(profile: Profile, condition: str | Condition, pulse: float, seed: in
         capacity = workload_capacity(profile, sc)["capacity"]
     if trace is None:
         trace = make_trace(capacity, sc, seed)
-    log = simulate(profile, trace, cond, sc, seed, max_batched_tokens=max_batched_tokens, fast_forward=fast_forward)
+    log = simulate(profile, trace, cond, sc, seed, max_batched_tokens=max_batched_tokens, fast_forward=fast_forward,
+                   stack=stack)
     rec = measures.record(log, sc, capacity, run_inputs(profile, cond, pulse, seed, max_batched_tokens,
                                                         mixed_prompts, extra))
     if sc.classes and trace.klass is not None:

@@ -19,11 +19,14 @@ raises `ScenarioError`), `check_table(d, section, where, source)`,
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from dataclasses import dataclass
 
 from .conditions import CONDITIONS
+from .policy.presets import KINDS, PRESETS
+from .policy.retry import GatewayPolicy, RetryPolicy
 from .policy.router import PROXY_PLACEMENTS, ROUTERS
 from .engine.scheduler import SCHEDULING_POLICIES
 from .profile import ENGINE_FLAGS
@@ -211,6 +214,27 @@ def _measure(name, comment, derived=False, **kw) -> Key:
                **{"lo": 0.0, **kw})
 
 
+_LAYER_TYPES = {"float": NUMBER, "float | None": NUMBER, "int": WHOLE, "int | None": WHOLE, "bool": BOOL,
+                "str": STRING, "tuple": STRINGS}
+
+
+def _layer_rows() -> list:
+    """One row per setting a [[layer]] may override: the fields of
+    RetryPolicy and GatewayPolicy (a preset's keys, docs/presets.md), typed
+    from them; the policies check the values' meaning (choices, a cap below
+    its base) once the preset's values are merged in."""
+    out, seen = [], set()
+    for cls, who in ((RetryPolicy, "any layer"), (GatewayPolicy, "a gateway")):
+        for f in dataclasses.fields(cls):
+            if f.name in seen:
+                continue
+            seen.add(f.name)
+            t = _LAYER_TYPES[f.type]
+            out.append(Key("layer", f.name, t, f"{who}: overrides the preset's {f.name} (docs/presets.md)",
+                           **({"lo": 0} if t in (NUMBER, WHOLE) else {})))
+    return out
+
+
 POSITIVE = dict(lo=0.0, open_lo=True)
 AT_LEAST_1 = dict(lo=1)
 
@@ -239,6 +263,8 @@ SCHEMA = Schema([
                                "its end);\nwith a trace, burst_start_s and burst_end_s"),
     Key("", "faults", TABLE, "engine faults"),
     Key("", "fleet", TABLE, "replicas behind a router (absent: one engine)"),
+    Key("", "layer", TABLES, "the stack's layers from the application down, each a preset of real software with\n"
+                             "its keys overridden (docs/presets.md; `llmsim stack` prints the stack)", of="layer"),
     # -- [model]
     Key("model", "profile", STRING, "an embedded profile (qwen2.5-7b, qwen3-14b, llama-3.1-8b, vllm-cpu-tiny) or a "
                                     "profile JSON path", default="qwen2.5-7b"),
@@ -358,6 +384,11 @@ SCHEMA = Schema([
     Key("fleet", "proxy", STRING, "deployment: one proxy before the router; replica: a sidecar before each engine",
         default="deployment", choices=PROXY_PLACEMENTS),
     Key("fleet", "profiles", STRINGS, "one profile per replica (default: the model's for all)"),
+    # -- [[layer]]: a preset and its keys overridden
+    Key("layer", "kind", STRING, "the layer's kind (default: the preset's)", choices=KINDS),
+    Key("layer", "preset", STRING, "the software whose defaults the layer takes", choices=tuple(PRESETS)),
+    Key("layer", "name", STRING, "the layer's name in `llmsim stack` (default: the preset's)"),
+    *_layer_rows(),
 ])
 
 assert set(SCHEMA.names("engine")) == set(ENGINE_FLAGS) | {"max_num_queued_reqs"}

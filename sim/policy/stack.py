@@ -61,6 +61,12 @@ class Stack:
         below = (proxy, ("router", router)) if router.proxy == "deployment" else (("router", router), proxy)
         return cls((("client", client),) + below)
 
+    def with_client(self, client) -> "Stack":
+        """This stack with another client: a `ClientConfig`, or a client
+        layer's effective settings (`sim.policy.presets.preset`), which the
+        simulator drives through `sim.policy.preset_client.PresetClient`."""
+        return Stack(tuple((k, client if k == "client" else c) for k, c in self.layers))
+
     def config(self, kind: str):
         return next(c for k, c in self.layers if k == kind)
 
