@@ -13,6 +13,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import simpy
 
+from .autoscale import Scaling
 from .clock import Clock, RoutedTimers, Timers
 from .conditions import Condition
 from .engine.core import EngineCore, EngineConfig
@@ -107,11 +108,15 @@ class Run(Interpreter):
     condition then gives only the engines' cap). A single engine is a
     cluster of one, and any router gives its run event for event. `run()`
     returns the cluster's RunLog (the engines' series, counters and work
-    summed); `sim.fleet.fleet_log` reads the per-replica parts from the run."""
+    summed); `sim.fleet.fleet_log` reads the per-replica parts from the run.
+    `autoscaler` (a `sim.policy.autoscaler.AutoscalerConfig`), where given,
+    makes the replicas come and go (`sim.autoscale.Scaling`, `self.scaling`;
+    the cluster is built at its max_replicas)."""
 
     def __init__(self, profile: Profile | Sequence[Profile], trace: Trace, condition: Condition,
                  scenario: Scenario, seed: int = 0, max_batched_tokens: int | None = None, fast_forward: bool = True,
-                 snapshot_times: tuple = (), router: RouterConfig | None = None, stack: Stack | None = None):
+                 snapshot_times: tuple = (), router: RouterConfig | None = None, stack: Stack | None = None,
+                 autoscaler=None):
         self.profiles = [profile] if isinstance(profile, Profile) else list(profile)
         if not self.profiles:
             raise ValueError("a fleet needs at least one replica")
@@ -132,6 +137,7 @@ class Run(Interpreter):
         self.client = (PresetClient(client, draws) if isinstance(client, dict)
                        else clients(client, condition, scenario, trace, draws))
         self.call_priority = call_priorities(trace, scenario)
+        self.autoscaler = autoscaler
         self._build(condition, scenario, max_batched_tokens, fast_forward)
         Interpreter.__init__(self)      # after _build: its handlers are the run's, and `_do` may be replaced
         n = len(trace)
@@ -165,6 +171,7 @@ class Run(Interpreter):
         self._in_order = bool(n < 2 or (np.diff(trace.arrival) >= 0).all())
         for i in range(n if not self._in_order else min(n, 1)):
             self.timers.at(self.arrival[i], self._arrive, i, seq=self._arrival_seq + i)
+        self.scaling = Scaling(self, autoscaler, seed) if autoscaler is not None else None
         if n == 0:
             self._finish()
 
@@ -195,7 +202,9 @@ class Run(Interpreter):
         self._may_queue = cap is not None                    # a proxy may hold executions in its queue
         self._all_groups = range(len(cl.groups))
         self._routed_timers = None
-        if n > 1 and cl.calls_stay_home(condition.engine_cap):
+        # replicas that come and go move calls, and their drain may abort
+        scales = self.autoscaler is not None and not self.autoscaler.fixed
+        if n > 1 and not scales and cl.calls_stay_home(condition.engine_cap):
             # every input a timer brings reaches the replica of its call alone
             self.home = [self.router.home(c) for c in range(len(self.trace))]
             # a call's retry (the timer's argument: its id), an attempt's
@@ -227,7 +236,8 @@ class Run(Interpreter):
         # no proxy cancels, and no router reads the KV usage that a
         # fast-forward takes ahead: requests added to a replica whose
         # admission is blocked change none of its steps (EngineCore)
-        never_aborts = pcfg.cancellation == "off" and (self.router_config.policy != "least-kv" or n == 1)
+        never_aborts = (pcfg.cancellation == "off" and (self.router_config.policy != "least-kv" or n == 1)
+                        and not scales)
         self.engines = [EngineCore(env, engine_config(p, condition, max_batched_tokens, scenario), p.step_time,
                                    on_finished=self._on_finished, on_first_token=first_token[r],
                                    next_input_time=next_input[r], fast_forward=fast_forward,
