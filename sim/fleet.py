@@ -334,4 +334,13 @@ def summary(rec: dict) -> str:
                      + (f"recovered {rt:.0f} s after the pulse" if r["recovered"] and rt is not None
                         else "not recovered")
                      + (f", prefix-cache hits {100.0 * hit:.1f}%" if hit is not None else ""))
+    a = rec.get("autoscaler")
+    if a is not None:
+        ups = ", ".join(f"{u['from']}->{u['to']} at {u['at']:.0f} s" for u in a["scale_ups"][:4]) or "none"
+        firsts = [s["first_call_since_burst_s"] for s in a["started"] if s["first_call_since_burst_s"] is not None]
+        lines.append(f"  autoscaler: {a['metric']} target {a['target']:g}, replicas {a['min_replicas']}..."
+                     f"{a['max_replicas']}, provisioning {a['provisioning']} {a['provisioning_s']:g} s; scale-ups "
+                     f"{ups}; at most {a['max_ready']} ready; replica-seconds {a['replica_seconds']:.0f}"
+                     + (f"; first call on a new replica {min(firsts):.0f} s after the burst's start" if firsts
+                        else ""))
     return "\n".join(lines)
