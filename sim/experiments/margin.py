@@ -1,9 +1,10 @@
 """The robustness margin: how far a deployment is from the point where its
 recovery verdict flips. Along each axis — engine speed (every step-time
 coefficient x s), burst size (the pulse rate x m), load after the burst
-(hold_load) and KV capacity (num_gpu_blocks x f) — P(recovered) over a fixed
-set of seeds is probed and the value where it crosses 1/2 is found by
-bisection.
+(hold_load) and KV capacity (num_gpu_blocks x f), and for a fleet with an
+autoscaler its provisioning delay (seconds until a new replica is ready)
+and its metric's target — P(recovered) over a fixed set of seeds is probed
+and the value where it crosses 1/2 is found by bisection.
 
 Common random numbers: every probe runs the same seeds. On the speed and kv
 axes the traces are identical at every probe (drawn at the unperturbed
@@ -23,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from .. import verdict
@@ -35,6 +36,7 @@ from ..workload import make_trace
 from .sweep import _local
 
 AXES = ("speed", "pulse", "hold_load", "kv")
+SCALING_AXES = ("provisioning", "target")     # a fleet with an [autoscaler] only
 
 
 # ------------------------------------------------------------------ bisection
@@ -90,11 +92,29 @@ class Axis:
     hi: float               # the largest value searched
     what: str
 
-    def baseline(self, scenario: Scenario) -> float:
+    def baseline(self, scenario: Scenario, fleet: FleetSpec | None = None) -> float:
+        if self.name in SCALING_AXES:
+            a = fleet.autoscaler
+            return a.provisioning_s if self.name == "provisioning" else a.target
         return scenario.hold_load if self.name == "hold_load" else 1.0
+
+    def scaler(self, config, x: float):
+        """The autoscaler's settings at x (as they are off its axes): on the
+        provisioning axis the delay (a uniform one's ends both scaled to
+        keep their ratio), on the target axis the metric's target."""
+        if config is None or self.name not in SCALING_AXES:
+            return config
+        if self.name == "target":
+            return replace(config, target=x)
+        hi = config.provisioning_max_s
+        if hi is not None and config.provisioning_s > 0:
+            hi = hi * x / config.provisioning_s
+        return replace(config, provisioning_s=x, provisioning_max_s=hi)
 
     def apply(self, profile: Profile, scenario: Scenario, x: float) -> tuple[Profile, Scenario]:
         """The profile and scenario at x."""
+        if self.name in SCALING_AXES:
+            return profile, scenario
         if self.name == "speed":
             return verdict.perturbed(profile, speed=x), scenario
         if self.name == "kv":
@@ -114,6 +134,10 @@ class Axis:
             return f"the burst is {x:.2f}x its size ({lo:.2f}-{hi:.2f}x)"
         if self.name == "hold_load":
             return f"the load after the burst is {x:.2f} x C ({lo:.2f}-{hi:.2f}; now {base:.2f})"
+        if self.name == "provisioning":
+            return f"a new replica is ready within {x:.0f} s ({lo:.0f}-{hi:.0f} s; now {base:.0f} s)"
+        if self.name == "target":
+            return f"the autoscaler's target is {x:.3g} ({lo:.3g}-{hi:.3g}; now {base:.3g})"
         if x <= 1:
             return f"the KV cache is {100 * (1 - x):.0f}% smaller ({100 * (1 - hi):.0f}-{100 * (1 - lo):.0f}%)"
         return f"the KV cache is {x:.2f}x larger ({lo:.2f}-{hi:.2f}x)"
@@ -124,6 +148,8 @@ AXIS = {a.name: a for a in [
     Axis("pulse", True, 1 / 16, 8.0, "the pulse rate x m"),
     Axis("hold_load", True, 0.02, 1.5, "the hold's load in multiples of C"),
     Axis("kv", False, 1 / 256, 16.0, "KV blocks x f"),
+    Axis("provisioning", True, 1.0, 3600.0, "a new replica's provisioning delay (s)"),
+    Axis("target", True, 1e-3, 1e4, "the autoscaler metric's target"),
 ]}
 
 
@@ -132,7 +158,7 @@ def parse_axes(spec: str | Sequence[str]) -> list[str]:
     names = [n for n in names if n]
     bad = [n for n in names if n not in AXIS]
     if bad or not names:
-        raise ValueError(f"unknown axis {', '.join(bad) or spec!r}; valid: {', '.join(AXES)}")
+        raise ValueError(f"unknown axis {', '.join(bad) or spec!r}; valid: {', '.join(AXES + SCALING_AXES)}")
     return names
 
 
@@ -143,10 +169,12 @@ def slim(rec: dict) -> dict:
                                 "rates_xC", "wall_s")}
 
 
-def fleet_run(fleet: FleetSpec, capacities: tuple, profile_at: Callable[[Profile], Profile]) -> tuple:
+def fleet_run(fleet: FleetSpec, capacities: tuple, profile_at: Callable[[Profile], Profile], scaler=None) -> tuple:
     """run_task's fleet part: every replica's profile through `profile_at`
-    (a probe's perturbation), the replicas' Ĉ and the router."""
-    return tuple(profile_at(p) for p in fleet.profiles), capacities, fleet.router
+    (a probe's perturbation), the replicas' Ĉ, the router and the
+    autoscaler (`scaler`, default the fleet's)."""
+    return (tuple(profile_at(p) for p in fleet.profiles), capacities, fleet.router,
+            scaler if scaler is not None else fleet.autoscaler)
 
 
 def run_task(task: tuple, full: bool = False) -> dict:
@@ -156,9 +184,10 @@ def run_task(task: tuple, full: bool = False) -> dict:
     behind the router instead of `profile`."""
     profile, scenario, condition, seed, trace_capacity, *on = task
     trace = make_trace(trace_capacity, scenario, seed)
-    if on and on[0] is not None:            # a fleet: (replicas' profiles, their Ĉ, router)
-        profiles, capacities, router = on[0]
-        rec = run_fleet(list(profiles), condition, trace, scenario, list(capacities), router, seed, scenario.pulse)
+    if on and on[0] is not None:            # a fleet: (replicas' profiles, their Ĉ, router[, autoscaler])
+        profiles, capacities, router, *scaler = on[0]
+        rec = run_fleet(list(profiles), condition, trace, scenario, list(capacities), router, seed, scenario.pulse,
+                        autoscaler=scaler[0] if scaler else None)
         rec.pop("replicas", None)
     else:
         rec = verdict.run_record(profile, scenario, condition, seed, trace)
@@ -210,18 +239,22 @@ def margin(profile: Profile, scenario: Scenario, condition: Condition, seeds: Se
     if not seeds:
         raise ValueError("margin needs at least one seed")
     axes = parse_axes(axes)
+    scaled = [a for a in axes if a in SCALING_AXES]
+    if scaled and (fleet is None or fleet.autoscaler is None):
+        raise ValueError(f"the {', '.join(scaled)} axis needs a fleet with an [autoscaler] section")
     caps = tuple(fleet.capacities(scenario)) if fleet is not None else ()
 
     def on(ax: Axis | None = None, x: float = 1.0):
         """The fleet's run at x on an axis (None: one engine)."""
         if fleet is None:
             return None
-        return fleet_run(fleet, caps, (lambda p: ax.apply(p, scenario, x)[0]) if ax else (lambda p: p))
+        return fleet_run(fleet, caps, (lambda p: ax.apply(p, scenario, x)[0]) if ax else (lambda p: p),
+                         ax.scaler(fleet.autoscaler, x) if ax else None)
     base = base if base is not None else cell(profile, scenario, condition, seeds, workers, fleet=on())
     out_axes = []
     for name in axes:
         ax = AXIS[name]
-        x0 = ax.baseline(scenario)
+        x0 = ax.baseline(scenario, fleet)
         seen: dict[float, dict] = {x0: base}
 
         def p(x: float) -> float:
