@@ -20,7 +20,10 @@ The full search runs the control grid under the scenario's router and the
 named conditions (and the scenario's own) under every router; after the
 first screening round the best three control settings are crossed with
 every router too. `only = "router"` keeps the scenario's controls and
-searches the router alone; it needs a fleet.
+searches the router alone; it needs a fleet. A fleet with an autoscaler
+runs every setting under it (its settings are the scenario's, not
+searched); the result carries them and each setting's mean
+replica-seconds (the fleet's cost) beside its delivery.
 
 Search (successive halving; `stages`): every candidate runs on the first
 seed; the best third of the distinct outcomes go on to the first `screen`
@@ -272,6 +275,8 @@ def deployment_key(profile: Profile, scenario: Scenario, fleet: FleetSpec | None
     if fleet is not None:
         d["fleet"] = {"replicas": [{"profile": p.raw or p.name, "step_time": p.step_time.to_dict(),
                                     "engine": p.engine} for p in fleet.profiles]}
+        if fleet.autoscaler is not None:
+            d["fleet"]["autoscaler"] = fleet.autoscaler.document()
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -291,8 +296,11 @@ def _trace(key: str, capacity: float, scenario: Scenario, seed: int, cut) -> Tra
 
 
 def _rows_task(task: tuple) -> list[dict]:
-    """A batch of runs: (profile, scenario, fleet (profiles, capacities) or
-    None, deployment key, cut, [(condition, router, seed), ...]) -> rows."""
+    """A batch of runs: (profile, scenario, fleet (profiles, capacities,
+    autoscaler) or None, deployment key, cut, [(condition, router, seed),
+    ...]) -> rows (an autoscaler's part as its replica-seconds, most
+    replicas ready, and the first scale-up and the first call on a new
+    replica from the burst's start)."""
     profile, scenario, fleet, key, cut, items = task
     sc = scenario if cut is None else cut_scenario(scenario, cut)
     out = []
@@ -301,8 +309,16 @@ def _rows_task(task: tuple) -> list[dict]:
         if fleet is None:
             rec = verdict.run_record(profile, sc, cond, seed, tr)
         else:
-            rec = run_fleet(list(fleet[0]), cond, tr, sc, fleet[1], router, seed, scenario.pulse)
+            rec = run_fleet(list(fleet[0]), cond, tr, sc, fleet[1], router, seed, scenario.pulse,
+                            autoscaler=fleet[2] if len(fleet) > 2 else None)
             rec.pop("replicas")
+            a = rec.pop("autoscaler", None)
+            if a is not None:
+                firsts = [x["first_call_since_burst_s"] for x in a["started"]
+                          if x["first_call_since_burst_s"] is not None]
+                rec["autoscaler"] = {"replica_seconds": a["replica_seconds"], "max_ready": a["max_ready"],
+                                     "first_scale_up_s": a["scale_ups"][0]["since_burst_s"] if a["scale_ups"]
+                                     else None, "first_new_call_s": min(firsts) if firsts else None}
         row = {k: v for k, v in flatten(rec).items() if not k.startswith(DROP)}
         row["deployment"] = key
         if cut is not None:
@@ -330,6 +346,8 @@ def score(rows: Sequence[dict], obj: str) -> dict:
     s = verdict.summarize(rows)
     for o in OBJECTIVES:
         s[o] = _mean(objective(r, o) for r in rows)
+    if rows and "autoscaler_replica_seconds" in rows[0]:
+        s["replica_seconds"] = _mean(r["autoscaler_replica_seconds"] for r in rows)
     return s
 
 
@@ -394,7 +412,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
 
     names = list(dict.fromkeys(add(c, r) for c, r in first_settings(conds, fleet, only, base)))
     n_cands = len(names)
-    fleet_task = None if fleet is None else (tuple(fleet.profiles), fleet.capacities(scenario))
+    fleet_task = None if fleet is None else (tuple(fleet.profiles), fleet.capacities(scenario), fleet.autoscaler)
     cut = screen_cut(scenario, screen_base_s, screen_hold_s)
     store = None
     rows: dict[tuple[str, int, str], dict] = {}
@@ -489,11 +507,14 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
            "only": only, "seeds": seeds, "screen_seeds": seeds[:max(1, min(screen, len(seeds)))],
            "screen_cut": list(cut) if cut else None, "margin_axes": list(margin_axes or ()), "rounds": rounds,
            "candidates": n_cands,
-           "ranking": [{"condition": n, **{k: scored[n][k] for k in ("p", "lo", "hi", "tipping", *OBJECTIVES)}}
+           "ranking": [{"condition": n, **{k: scored[n][k] for k in ("p", "lo", "hi", "tipping", *OBJECTIVES,
+                                                                    "replica_seconds") if k in scored[n]}}
                        for n in ranking],
            "top": tops, "wall_s": time.perf_counter() - t0}
     if fleet is not None:
         res["router"] = router_note(fleet.router, shown, scored, by_name, routers, objective_name)
+        if fleet.autoscaler is not None:
+            res["autoscaler"] = fleet.autoscaler.document()
     return res
 
 
@@ -617,12 +638,19 @@ def report(res: dict) -> str:
         alts = [f"{a['router']['policy']}/{a['router']['retries']}/{a['router']['proxy']}: P {a['p']:.2f}, "
                 f"{res['objective']} {100 * (a[res['objective']] or 0):.1f}%" for a in note["alternatives"]]
         lines.append(head + ("; the same controls under " + "; ".join(alts) if alts else ""))
+    a = res.get("autoscaler")
+    if a:
+        lines.append(f"autoscaler (the scenario's): {a['metric']} target {a['target']:g}, replicas "
+                     f"{a['min_replicas']}..{a['max_replicas']}, sync {a['sync_period_s']:g} s, provisioning "
+                     f"{a['provisioning']} {a['provisioning_s']:g} s, drain {a['drain']}")
     for t in res["top"]:
         s = t["summary"]
         lines.append(f"{t['rank']}. {t['condition']}")
         lines.append(f"   {t['describe']}")
         lines.append(f"   {t['verdict']}; within deadline {100 * (s['timely'] or 0):.1f}%, delivered "
-                     f"{100 * (s['delivered'] or 0):.1f}%, pulse delivered {100 * (s['burst'] or 0):.1f}%")
+                     f"{100 * (s['delivered'] or 0):.1f}%, pulse delivered {100 * (s['burst'] or 0):.1f}%"
+                     + (f"; replica-seconds {s['replica_seconds']:.0f}" if s.get("replica_seconds") is not None
+                        else ""))
         if t["margin"]:
             lines.append(f"   margin: {t['margin']['sentence'].split('; ', 1)[-1]}")
         if t["against"]:

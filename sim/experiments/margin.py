@@ -135,7 +135,7 @@ class Axis:
         if self.name == "hold_load":
             return f"the load after the burst is {x:.2f} x C ({lo:.2f}-{hi:.2f}; now {base:.2f})"
         if self.name == "provisioning":
-            return f"a new replica is ready within {x:.0f} s ({lo:.0f}-{hi:.0f} s; now {base:.0f} s)"
+            return f"a new replica's provisioning delay is {x:.0f} s ({lo:.0f}-{hi:.0f} s; now {base:.0f} s)"
         if self.name == "target":
             return f"the autoscaler's target is {x:.3g} ({lo:.3g}-{hi:.3g}; now {base:.3g})"
         if x <= 1:
