@@ -300,3 +300,78 @@ def test_bad_autoscaler_section_is_one_line_and_exit_2(tmp_path, capsys, body, w
     for w in words:
         assert w in err
     assert not os.path.exists(out)
+
+
+# ------------------------------------------------------------- questions
+def test_margin_axes_change_the_autoscalers_provisioning_and_target():
+    from sim.experiments.margin import AXIS
+    cfg = AutoscalerConfig(provisioning="uniform", provisioning_s=60.0, provisioning_max_s=90.0, target=4.0)
+    p = AXIS["provisioning"].scaler(cfg, 120.0)
+    assert (p.provisioning_s, p.provisioning_max_s, p.target) == (120.0, 180.0, 4.0)
+    t = AXIS["target"].scaler(cfg, 9.0)
+    assert (t.target, t.provisioning_s) == (9.0, 60.0)
+    assert AXIS["speed"].scaler(cfg, 2.0) is cfg
+
+
+def test_margin_along_the_provisioning_delay_runs_each_probe_at_its_delay(tmp_path, monkeypatch):
+    from sim.experiments import margin as margin_mod
+    f = tmp_path / "a.toml"
+    f.write_text(AUTOSCALED_TOML + "max_replicas = 3\ntarget = 2.0\nprovisioning_s = 5.0\nsync_period_s = 5.0\n"
+                 'metric = "in_flight"\n')
+    dep = load(str(f))
+    seen = []
+    real = margin_mod.run_task
+
+    def spy(task, full=False):
+        seen.append(task[5][3].provisioning_s)
+        return real(task, full)
+    monkeypatch.setattr(margin_mod, "run_task", spy)
+    prof = __import__("dataclasses").replace(dep.profile, capacity=dep.capacity)
+    res = margin_mod.margin(prof, dep.scenario, dep.condition_for("no-control"), [0], ["provisioning"],
+                            rel_tol=0.2, workers=1, fleet=dep.fleet)
+    ax = res["axes"][0]
+    assert ax["axis"] == "provisioning" and ax["baseline"] == 5.0
+    assert sorted(set(seen)) == sorted({p["x"] for p in ax["probes"]})
+
+
+def test_margin_or_map_on_the_autoscaler_without_one_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["margin", "--scenario", "cpu-tiny", "--condition", "cancel", "--axes", "provisioning",
+                 "--seeds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "[autoscaler]" in err
+
+
+def test_map_over_provisioning_and_burst_size(tmp_path):
+    from sim.experiments import phasemap
+    f = tmp_path / "a.toml"
+    f.write_text(AUTOSCALED_TOML + "max_replicas = 2\ntarget = 2.0\nsync_period_s = 5.0\n")
+    dep = load(str(f))
+    prof = __import__("dataclasses").replace(dep.profile, capacity=dep.capacity)
+    x, y = phasemap.parse_range("provisioning=5,200"), phasemap.parse_range("pulse=1.5,3")
+    rows = phasemap.phase_map(prof, dep.scenario, dep.condition_for("cancel"), x, y, [0], workers=1,
+                              fleet=dep.fleet)
+    assert [(r["x"], r["y"]) for r in rows] == [(5.0, 1.5), (200.0, 1.5), (5.0, 3.0), (200.0, 3.0)]
+    with pytest.raises(ValueError):
+        phasemap.parse_range("provisioning=0,10")
+
+
+def test_advise_rows_carry_replica_seconds(tmp_path):
+    from sim.experiments.advise import _rows_task, score
+    f = tmp_path / "a.toml"
+    f.write_text(AUTOSCALED_TOML + "max_replicas = 2\ntarget = 2.0\nsync_period_s = 5.0\n")
+    dep = load(str(f))
+    prof = __import__("dataclasses").replace(dep.profile, capacity=dep.capacity)
+    fl = dep.fleet
+    rows = _rows_task((prof, dep.scenario, (fl.profiles, fl.capacities(dep.scenario), fl.autoscaler), "k", None,
+                       [(dep.condition_for("cancel"), fl.router, s) for s in (0, 1)]))
+    rs = [r["autoscaler_replica_seconds"] for r in rows]
+    assert all(r["end_time"] <= x <= 2 * r["end_time"] for r, x in zip(rows, rs))
+    assert score(rows, "timely")["replica_seconds"] == pytest.approx(sum(rs) / 2)
+
+
+def test_the_queues_figure_of_an_autoscaled_fleet(tmp_path):
+    f = tmp_path / "a.toml"
+    f.write_text(AUTOSCALED_TOML + "max_replicas = 2\ntarget = 2.0\nsync_period_s = 5.0\n")
+    png = tmp_path / "q.png"
+    assert main(["run", "--scenario", str(f), "--queues-png", str(png)]) == 0
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
