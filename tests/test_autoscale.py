@@ -375,3 +375,28 @@ def test_the_queues_figure_of_an_autoscaled_fleet(tmp_path):
     png = tmp_path / "q.png"
     assert main(["run", "--scenario", str(f), "--queues-png", str(png)]) == 0
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _no_step_events(rec: dict) -> dict:
+    out = {k: v for k, v in rec.items() if k not in ("wall_s", "extra", "replicas")}
+    out["replicas"] = [{k: v for k, v in r.items() if k not in ("wall_s", "extra")} for r in rec["replicas"]]
+    return out
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_burst=st.integers(10, 40), policy=st.sampled_from(ROUTERS),
+       placement=st.sampled_from(("deployment", "replica")), cond=st.sampled_from(["no-control", "cancel",
+                                                                                   "proxy-cap"]),
+       drain=st.sampled_from(["finish", "cancel"]), metric=st.sampled_from(["in_flight", "kv"]))
+def test_fast_forward_matches_stepping_while_replicas_come_and_go(n_burst, policy, placement, cond, drain, metric):
+    """Replicas made ready and drained between the engines' steps: the
+    timers' horizon and the engines' next input bound them as they must."""
+    trace, sc = burst_case(8, n_burst, [900, 1700], [20, 60])
+    cfg = AutoscalerConfig(metric=metric, target={"kv": 0.2}.get(metric, 1.0), max_replicas=3, sync_period_s=2.0,
+                           scale_down_stabilization_s=4.0, provisioning_s=3.0, drain=drain)
+    cnd = compose(cond, proxy_cap=2) if cond == "proxy-cap" else compose(cond)
+    rc = RouterConfig(policy, 1, placement)
+    fast = run_fleet([PROFILE] * 3, cnd, trace, sc, [1.0] * 3, rc, autoscaler=cfg)
+    slow = run_fleet([PROFILE] * 3, cnd, trace, sc, [1.0] * 3, rc, fast_forward=False, autoscaler=cfg)
+    assert fast["autoscaler"]["scale_ups"] == slow["autoscaler"]["scale_ups"]
+    assert golden.differences(_no_step_events(fast), _no_step_events(slow)) == []
