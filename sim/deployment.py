@@ -513,7 +513,8 @@ def _autoscaler(a: _Doc, schema: Schema) -> AutoscalerConfig:
     ends in one line naming the file and the key."""
     v = {**schema.defaults("autoscaler"), **_values(schema, "autoscaler", a.d)}
     lo, hi = v["min_replicas"], v["max_replicas"]
-    if "initial_replicas" in v and not lo <= v["initial_replicas"] <= hi:
+    v.setdefault("initial_replicas", lo)
+    if not lo <= v["initial_replicas"] <= hi:
         raise a.err("initial_replicas", f"must lie in [min_replicas, max_replicas] = [{lo}, {hi}], "
                                         f"got {v['initial_replicas']}")
     if v["provisioning"] == "uniform" and "provisioning_max_s" not in v:

@@ -400,3 +400,24 @@ def test_fast_forward_matches_stepping_while_replicas_come_and_go(n_burst, polic
     slow = run_fleet([PROFILE] * 3, cnd, trace, sc, [1.0] * 3, rc, fast_forward=False, autoscaler=cfg)
     assert fast["autoscaler"]["scale_ups"] == slow["autoscaler"]["scale_ups"]
     assert golden.differences(_no_step_events(fast), _no_step_events(slow)) == []
+
+
+def test_advise_searches_the_autoscalers_target_and_reports_replica_seconds(tmp_path):
+    from sim.experiments import advise as A
+    f = tmp_path / "a.toml"
+    f.write_text(AUTOSCALED_TOML + "max_replicas = 2\ntarget = 2.0\nsync_period_s = 5.0\nprovisioning_s = 10.0\n")
+    dep = load(str(f))
+    prof = __import__("dataclasses").replace(dep.profile, capacity=dep.capacity)
+    res = A.advise(prof, dep.scenario, [0, 1], only="router", adapt=dep.condition_for, margin_axes=(),
+                   progress=False, finalists=40, fleet=dep.fleet, base=dep.condition, screen_base_s=None,
+                   screen_hold_s=None, out=str(tmp_path / "a.parquet"))
+    names = [r["condition"] for r in res["ranking"]]
+    # every router, and the scenario's controls under the target halved and doubled
+    assert res["candidates"] == len(A.router_settings(dep.fleet)) + 2
+    assert any(";autoscaler=target:" in n for n in names)
+    assert all(r["replica_seconds"] > 0 for r in res["ranking"])
+    assert res["autoscaler"]["target"] == 2.0
+    for t in res["top"]:
+        want = 2.0 if "autoscaler=" not in t["condition"] else float(t["condition"].rsplit(":", 1)[1])
+        assert t["autoscaler"]["target"] == want
+    assert "replica-seconds" in A.report(res)

@@ -21,9 +21,11 @@ named conditions (and the scenario's own) under every router; after the
 first screening round the best three control settings are crossed with
 every router too. `only = "router"` keeps the scenario's controls and
 searches the router alone; it needs a fleet. A fleet with an autoscaler
-runs every setting under it (its settings are the scenario's, not
-searched); the result carries them and each setting's mean
-replica-seconds (the fleet's cost) beside its delivery.
+runs every setting under it, and the autoscaler is a layer too
+(`autoscaler_settings`: the scenario's, and its metric's target halved and
+doubled): the named conditions and the scenario's own run under each in
+the first round, named `CONDITION;autoscaler=target:X`. Each setting's
+mean replica-seconds (the fleet's cost) is given beside its delivery.
 
 Search (successive halving; `stages`): every candidate runs on the first
 seed; the best third of the distinct outcomes go on to the first `screen`
@@ -174,6 +176,22 @@ def router_settings(fleet: FleetSpec) -> list[RouterConfig]:
     return out
 
 
+def autoscaler_settings(config) -> list:
+    """The autoscaler's layer: the scenario's settings, then its metric's
+    target halved and doubled (an earlier or a later scale-up)."""
+    if config is None:
+        return []
+    return [config] + [replace(config, target=config.target * f) for f in (0.5, 2.0)]
+
+
+def scaled(c: Condition, config, own) -> Condition:
+    """`c` under the autoscaler `config`: renamed `NAME;autoscaler=target:X`
+    unless it is the scenario's own."""
+    if config is None or config == own:
+        return c
+    return replace(c, name=f"{c.name};autoscaler=target:{config.target:g}")
+
+
 def first_settings(conds: Sequence[Condition], fleet: FleetSpec | None, only: str | None,
                    base: Condition | None = None) -> list[tuple[Condition, RouterConfig | None]]:
     """The settings of the first round as (controls, router): on one engine
@@ -297,20 +315,20 @@ def _trace(key: str, capacity: float, scenario: Scenario, seed: int, cut) -> Tra
 
 def _rows_task(task: tuple) -> list[dict]:
     """A batch of runs: (profile, scenario, fleet (profiles, capacities,
-    autoscaler) or None, deployment key, cut, [(condition, router, seed),
-    ...]) -> rows (an autoscaler's part as its replica-seconds, most
+    autoscaler) or None, deployment key, cut, [(condition, router, seed[,
+    autoscaler]), ...]) -> rows (an autoscaler's part as its replica-seconds, most
     replicas ready, and the first scale-up and the first call on a new
     replica from the burst's start)."""
     profile, scenario, fleet, key, cut, items = task
     sc = scenario if cut is None else cut_scenario(scenario, cut)
     out = []
-    for cond, router, seed in items:
+    for cond, router, seed, *scaler in items:
         tr = _trace(key, profile.capacity, scenario, seed, cut)
         if fleet is None:
             rec = verdict.run_record(profile, sc, cond, seed, tr)
         else:
             rec = run_fleet(list(fleet[0]), cond, tr, sc, fleet[1], router, seed, scenario.pulse,
-                            autoscaler=fleet[2] if len(fleet) > 2 else None)
+                            autoscaler=scaler[0] if scaler else fleet[2] if len(fleet) > 2 else None)
             rec.pop("replicas")
             a = rec.pop("autoscaler", None)
             if a is not None:
@@ -403,14 +421,22 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     conds = candidates(scenario, profile.capacity, only, adapt, base)
     by_name: dict[str, Condition] = {}
     routers: dict[str, RouterConfig | None] = {}
+    own_scaler = fleet.autoscaler if fleet is not None else None
+    scalers: dict[str, object] = {}
 
-    def add(c: Condition, r: RouterConfig | None) -> str:
+    def add(c: Condition, r: RouterConfig | None, a=None) -> str:
         c = routed(c, r, own) if r is not None else c
+        a = a if a is not None else own_scaler
+        c = scaled(c, a, own_scaler)
         if c.name not in by_name:
-            by_name[c.name], routers[c.name] = c, r
+            by_name[c.name], routers[c.name], scalers[c.name] = c, r, a
         return c.name
 
-    names = list(dict.fromkeys(add(c, r) for c, r in first_settings(conds, fleet, only, base)))
+    firsts = first_settings(conds, fleet, only, base)
+    if own_scaler is not None and only in (None, "router"):
+        named = [c for c in conds if c.name in CONDITIONS or (base is not None and c.name == base.name)]
+        firsts += [(c, fleet.router, a) for c in named for a in autoscaler_settings(own_scaler)[1:]]
+    names = list(dict.fromkeys(add(*x) for x in firsts))
     n_cands = len(names)
     fleet_task = None if fleet is None else (tuple(fleet.profiles), fleet.capacities(scenario), fleet.autoscaler)
     cut = screen_cut(scenario, screen_base_s, screen_hold_s)
@@ -432,7 +458,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         if not todo:
             return
         tasks = [(profile, scenario, fleet_task, key, c,
-                  [(by_name[n], routers[n], s) for n, s in todo[i:i + BATCH]]) for i in range(0, len(todo), BATCH)]
+                  [(by_name[n], routers[n], s, scalers[n]) for n, s in todo[i:i + BATCH]])
+                 for i in range(0, len(todo), BATCH)]
         it = _ray(tasks, ray_address, fn=_rows_task) if ray_address is not None else \
             _local(tasks, workers if workers else (os.cpu_count() or 1), fn=_rows_task)
         t1 = time.perf_counter()
@@ -459,7 +486,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
             if store is not None:
                 store.flush()
 
-    size = lambda n: len(by_name[n].describe().split(", ")) + _router_changes(routers[n], own)
+    size = lambda n: (len(by_name[n].describe().split(", ")) + _router_changes(routers[n], own)
+                      + (scalers[n] != own_scaler))
     plan = stages(len(seeds), screen, finalists, cut)
     rounds = []
     for k, (n_s, full, keep) in enumerate(plan):
@@ -472,7 +500,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         if k == 0 and fleet is not None and only is None:     # the best controls under every router
             best = _order(distinct(names, by_name, [[rows[(n, s, tag)] for s in ss] for n in names], size),
                           rows, ss, tag, objective_name)
-            crossed = [n for n in best if routers[n] == own][:CROSSED]
+            crossed = [n for n in best if routers[n] == own and scalers[n] == own_scaler][:CROSSED]
             more = [add(by_name[n], r) for n in crossed for r in router_settings(fleet)[1:]]
             more = [n for n in dict.fromkeys(more) if n not in names]
             run(more, ss, c, f"{label} {len(more)} settings x {len(ss)} seeds (best controls x routers)"
@@ -490,7 +518,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     shown = pick(ranking, scored, by_name, top, size)
     margins = {n: margin_mod.margin(profile, scenario, by_name[n], seeds, margin_axes, rel_tol=0.05, workers=workers,
                                     base=verdict.summarize([rows[(n, s, "")] for s in seeds]),
-                                    fleet=None if fleet is None else dataclasses.replace(fleet, router=routers[n]))
+                                    fleet=None if fleet is None else dataclasses.replace(fleet, router=routers[n],
+                                                                                         autoscaler=scalers[n]))
                if margin_axes else None for n in shown}
     tops = []
     for i, n in enumerate(shown):
@@ -498,7 +527,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         m = margins[n]
         tops.append({"rank": i + 1, "condition": n, "settings": by_name[n].settings(),
                      "router": None if routers[n] is None else vars(routers[n]).copy(),
-                     "describe": describe(n, by_name, routers), "summary": scored[n],
+                     "autoscaler": None if scalers[n] is None else scalers[n].document(),
+                     "describe": describe(n, by_name, routers, scalers), "summary": scored[n],
                      "verdict": verdict.verdict(scored[n]),
                      "margin": None if m is None else {"sentence": m["sentence"], "axes": m["axes"]},
                      "against": alt if alt != n else None,
@@ -528,10 +558,13 @@ def _order(names: Sequence[str], rows: dict, ss: Sequence[int], tag: str, obj: s
     return sorted(names, key=lambda n: (-sc[n]["recovered"] if full else 0, -(sc[n][obj] or 0.0)))
 
 
-def describe(n: str, by_name: dict, routers: dict) -> str:
-    """A setting's controls in words, with its router on a fleet."""
+def describe(n: str, by_name: dict, routers: dict, scalers: dict | None = None) -> str:
+    """A setting's controls in words, with its router on a fleet and its
+    autoscaler's target where it has one."""
     r = routers.get(n)
-    return by_name[n].describe() + ("" if r is None else ", " + describe_router(r))
+    a = (scalers or {}).get(n)
+    return (by_name[n].describe() + ("" if r is None else ", " + describe_router(r))
+            + ("" if a is None else f", autoscaler target {a.target:g}"))
 
 
 def router_note(own: RouterConfig, shown: Sequence[str], scored: dict, by_name: dict, routers: dict,

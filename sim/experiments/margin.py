@@ -171,10 +171,11 @@ def slim(rec: dict) -> dict:
 
 def fleet_run(fleet: FleetSpec, capacities: tuple, profile_at: Callable[[Profile], Profile], scaler=None) -> tuple:
     """run_task's fleet part: every replica's profile through `profile_at`
-    (a probe's perturbation), the replicas' Ĉ, the router and the
-    autoscaler (`scaler`, default the fleet's)."""
-    return (tuple(profile_at(p) for p in fleet.profiles), capacities, fleet.router,
-            scaler if scaler is not None else fleet.autoscaler)
+    (a probe's perturbation), the replicas' Ĉ, the router and, where the
+    fleet has one, the autoscaler (`scaler`, default the fleet's)."""
+    out = (tuple(profile_at(p) for p in fleet.profiles), capacities, fleet.router)
+    scaler = scaler if scaler is not None else fleet.autoscaler
+    return out if scaler is None else out + (scaler,)
 
 
 def run_task(task: tuple, full: bool = False) -> dict:
