@@ -298,7 +298,9 @@ class Run(Interpreter):
         in flight (a step it has not scheduled yet may finish one just
         after); where an engine's 503 sends a request on to another replica
         (the router retries and engines have a cap), any other proxy's queue
-        counts likewise. Where every call stays on its home replica, only
+        counts likewise; an idle engine just given input bounds it at now
+        (the step it is about to start may finish one at any time). Where
+        every call stays on its home replica, only
         the timers of r's calls count, and the arrival of the next call r is
         home to."""
         if self._routed_timers is not None:
@@ -320,6 +322,8 @@ class Run(Interpreter):
                         t = min(t, _next_finish(e))
                         if s != r and e.pending:
                             t = min(t, e.pending[-1].end)
+                        elif s != r and e.inbox:     # idle with input: a step about to start may finish one
+                            t = min(t, self.env.now)
         return t
 
     def _replica_view(self, r: int) -> ReplicaView:

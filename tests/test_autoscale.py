@@ -182,8 +182,8 @@ def burst_case(n_base, n_burst, prompts, outputs):
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n_base=st.integers(4, 12), n_burst=st.integers(10, 40),
-       prompts=st.lists(st.integers(200, 2000), min_size=1, max_size=5),
-       outputs=st.lists(st.integers(5, 80), min_size=1, max_size=5),
+       prompts=st.lists(st.integers(3000, 12000), min_size=1, max_size=5),
+       outputs=st.lists(st.integers(20, 200), min_size=1, max_size=5),
        policy=st.sampled_from(ROUTERS), placement=st.sampled_from(("deployment", "replica")),
        cond=st.sampled_from(["no-control", "cancel", "coalesce", "proxy-cap"]),
        drain=st.sampled_from(["finish", "cancel"]), metric=st.sampled_from(["waiting", "in_flight", "kv",
@@ -195,7 +195,8 @@ def test_replicas_stay_in_bounds_take_no_call_before_ready_and_drains_lose_none(
     trace, sc = burst_case(n_base, n_burst, prompts, outputs)
     kind, lo, hi = provisioning
     target = {"kv": 0.2, "proxy_queue": 1.0}.get(metric, 1.0)
-    cfg = AutoscalerConfig(metric=metric, target=target, min_replicas=1, max_replicas=maxr, sync_period_s=2.0,
+    # a heavy enough burst that about half the cases scale up (and most of those back down)
+    cfg = AutoscalerConfig(metric=metric, target=target, min_replicas=1, max_replicas=maxr, sync_period_s=1.0,
                            scale_down_stabilization_s=6.0, provisioning=kind, provisioning_s=lo,
                            provisioning_max_s=hi, drain=drain)
     cnd = compose(cond, proxy_cap=2) if cond == "proxy-cap" else compose(cond)
@@ -383,7 +384,7 @@ def _no_step_events(rec: dict) -> dict:
     return out
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n_burst=st.integers(10, 40), policy=st.sampled_from(ROUTERS),
        placement=st.sampled_from(("deployment", "replica")), cond=st.sampled_from(["no-control", "cancel",
                                                                                    "proxy-cap"]),
@@ -391,8 +392,8 @@ def _no_step_events(rec: dict) -> dict:
 def test_fast_forward_matches_stepping_while_replicas_come_and_go(n_burst, policy, placement, cond, drain, metric):
     """Replicas made ready and drained between the engines' steps: the
     timers' horizon and the engines' next input bound them as they must."""
-    trace, sc = burst_case(8, n_burst, [900, 1700], [20, 60])
-    cfg = AutoscalerConfig(metric=metric, target={"kv": 0.2}.get(metric, 1.0), max_replicas=3, sync_period_s=2.0,
+    trace, sc = burst_case(8, n_burst, [4000, 9000], [40, 150])
+    cfg = AutoscalerConfig(metric=metric, target={"kv": 0.2}.get(metric, 1.0), max_replicas=3, sync_period_s=1.0,
                            scale_down_stabilization_s=4.0, provisioning_s=3.0, drain=drain)
     cnd = compose(cond, proxy_cap=2) if cond == "proxy-cap" else compose(cond)
     rc = RouterConfig(policy, 1, placement)
