@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import golden
 from llmsim.cli import main
@@ -389,6 +389,8 @@ def _no_step_events(rec: dict) -> dict:
        placement=st.sampled_from(("deployment", "replica")), cond=st.sampled_from(["no-control", "cancel",
                                                                                    "proxy-cap"]),
        drain=st.sampled_from(["finish", "cancel"]), metric=st.sampled_from(["in_flight", "kv"]))
+# a replica just made ready and given a queued execution, whose finish dispatches the next one to another
+@example(n_burst=10, policy="round-robin", placement="deployment", cond="proxy-cap", drain="finish", metric="in_flight")
 def test_fast_forward_matches_stepping_while_replicas_come_and_go(n_burst, policy, placement, cond, drain, metric):
     """Replicas made ready and drained between the engines' steps: the
     timers' horizon and the engines' next input bound them as they must."""
