@@ -17,7 +17,7 @@ from .clock import Clock, RoutedTimers, Timers
 from .conditions import Condition
 from .engine.core import EngineCore, EngineConfig
 from .engine.request import Request
-from .classes import call_priorities, clients
+from .classes import call_objectives, call_priorities, clients
 from .policy.client import CallState, Retry, Delivered
 from .policy.layers import LayerContext, Upstream, layer_kind
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Refuse, Cancel, Complete,
@@ -136,8 +136,9 @@ class Run(Interpreter):
         # the layers between the client and the proxy (gateways), from the top; they draw from a stream of
         # their own, so that the client's draws stay those of a stack without them
         layer_draws = uniform_draws(np.random.default_rng([seed, 2]))
+        objective = call_objectives(trace, scenario) if self.stack.chain else []
         self.layers = [layer_kind(kind).make(settings, LayerContext(layer_draws, self._pods,
-                                                                    self.call_priority.__getitem__, i + 1))
+                                                                    objective.__getitem__, i + 1))
                        for i, (kind, settings) in enumerate(self.stack.chain)]
         self._build(condition, scenario, max_batched_tokens, fast_forward)
         Interpreter.__init__(self)      # after _build: its handlers are the run's, and `_do` may be replaced
@@ -244,7 +245,9 @@ class Run(Interpreter):
         # no proxy cancels, and no router reads the KV usage that a
         # fast-forward takes ahead: requests added to a replica whose
         # admission is blocked change none of its steps (EngineCore)
-        never_aborts = pcfg.cancellation == "off" and (self.router_config.policy != "least-kv" or n == 1)
+        # (nor any layer above the proxy reads the engines' state: `reads_engines`)
+        never_aborts = (pcfg.cancellation == "off" and (self.router_config.policy != "least-kv" or n == 1)
+                        and not any(getattr(layer, "reads_engines", False) for layer in self.layers))
         self.engines = [EngineCore(env, engine_config(p, condition, max_batched_tokens, scenario), p.step_time,
                                    on_finished=self._on_finished, on_first_token=first_token[r],
                                    next_input_time=next_input[r], fast_forward=fast_forward,

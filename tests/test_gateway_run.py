@@ -4,12 +4,15 @@ proxy, in the order of the tables, through `sim.model.Run` and
 burst that times calls out), with every time scaled down alike."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from llmsim.cli import main
-from sim.deployment import from_document
+from sim.deployment import from_document, load
 from sim.model import Run
+from sim.runlog import ATTEMPT_OUTCOMES
 from test_preset_client import TINY
 
 
@@ -91,3 +94,20 @@ def test_llmsim_run_runs_a_stack_with_a_gateway(tmp_path, capsys):
     assert "pulse" in capsys.readouterr().out
     assert main(["stack", "--scenario", str(f)]) == 0
     assert "nginx" in capsys.readouterr().out
+
+
+def test_an_inference_gateway_sheds_only_the_best_effort_class_when_the_engine_is_saturated():
+    dep = load(os.path.join(os.path.dirname(__file__), "..", "examples", "classes-chat-batch.toml"))
+    doc = dep.document()
+    for c in doc["workload"]["classes"]:
+        c["must_recover"] = c["name"] == "chat"
+    doc["layer"] = [{"preset": "inference-gateway"}]
+    dep = from_document(doc, "classes.toml", base_dir=dep.base_dir)
+    run, log = _run(dep)
+    (gw,) = run.layers
+    assert gw.counts["shed"] > 0
+    trace = dep.trace(0)
+    batch = [i for i, c in enumerate(dep.scenario.classes) if c.name == "batch"][0]
+    shed_calls = {log.attempts.call[i] for i in range(len(log.attempts.call))
+                  if log.attempts.outcome[i] == ATTEMPT_OUTCOMES.index("refused_gateway")}
+    assert len(shed_calls) > 0 and all(trace.klass[c] == batch for c in shed_calls)

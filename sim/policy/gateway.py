@@ -90,6 +90,7 @@ class Gateway:
         self.tries: dict = {}           # call id -> upstream attempts sent (the number of the next one)
         self.counts = dict.fromkeys(COUNTS, 0)
         self.may_queue = gw.max_connections is not None     # may hold attempts in its queue (`queued`)
+        self.reads_engines = gw.shed != "off" and pods is not None      # reads `pods(t)` as attempts arrive
 
     # ------------------------------------------------------------ from above
     def on_attempt(self, t: float, attempt: Attempt, params: tuple = (), prompt_len: int = 0) -> list:

@@ -28,7 +28,8 @@ retry_after, reason)`; and a time it asked for comes (`on_timer(t, token)`).
 It tells the driver `upstream_of(attempt)` (the upstream attempt open now for
 an attempt from above), `counts` (what it did, a dict of counts: a run's
 record carries them under `extra.layers`), and where it may hold attempts in
-a queue of its own, `may_queue` and `queued`.
+a queue of its own, `may_queue` and `queued`; where it reads the engines'
+state (`LayerContext.pods`), `reads_engines`.
 Each call returns a list of actions: the answers to the layer above are the
 proxy's `Complete(attempt)` and `Refuse(attempt, status, retry_after,
 reason)`; towards the layer below, `Send(up)` (an upstream attempt goes
@@ -56,8 +57,9 @@ class LayerKind:
 class LayerContext:
     """What a run gives the layers it makes. `uniform(a, b)`: the run's
     seeded draws; `pods(t)`: (waiting, KV cache usage, metrics age in s) of
-    each engine at t; `priority(call_id)`: a call's priority (0 without
-    traffic classes); `index`: the layer's place in the stack (0: the top)."""
+    each engine at t; `priority(call_id)`: a call's priority as a gateway
+    sheds by it (below 0: sheddable; `sim.classes.call_objectives`);
+    `index`: the layer's place in the stack (0: the top)."""
     uniform: Callable
     pods: Callable | None = None
     priority: Callable | None = None
