@@ -98,8 +98,10 @@ def _next_finish(e: EngineCore) -> float:
 
 
 class Run(Interpreter):
-    """One run of a stack (`sim.policy.stack.Stack`: the client, the proxy
-    with the condition's controls and the router) over a cluster of engines:
+    """One run of a stack (`sim.policy.stack.Stack`: the client, any layers
+    between it and the proxy (gateways: `self.layers`, made through the
+    registry of `sim.policy.layers`), the proxy with the condition's
+    controls and the router) over a cluster of engines:
     one per profile (`profile`, or a sequence of them: replica i runs the
     i-th). `router` places requests on the replicas and says where the proxy
     stands (`RouterConfig.proxy`); `stack`, where given, names the layers
@@ -135,11 +137,13 @@ class Run(Interpreter):
                        else clients(client, condition, scenario, trace, draws))
         # the layers between the client and the proxy (gateways), from the top; they draw from a stream of
         # their own, so that the client's draws stay those of a stack without them
-        layer_draws = uniform_draws(np.random.default_rng([seed, 2]))
-        objective = call_objectives(trace, scenario) if self.stack.chain else []
-        self.layers = [layer_kind(kind).make(settings, LayerContext(layer_draws, self._pods,
-                                                                    objective.__getitem__, i + 1))
-                       for i, (kind, settings) in enumerate(self.stack.chain)]
+        self.layers = []
+        if self.stack.chain:
+            layer_draws = uniform_draws(np.random.default_rng([seed, 2]))
+            objective = call_objectives(trace, scenario)
+            self.layers = [layer_kind(kind).make(settings, LayerContext(layer_draws, self._pods,
+                                                                        objective.__getitem__, i + 1))
+                           for i, (kind, settings) in enumerate(self.stack.chain)]
         self._build(condition, scenario, max_batched_tokens, fast_forward)
         Interpreter.__init__(self)      # after _build: its handlers are the run's, and `_do` may be replaced
         n = len(trace)

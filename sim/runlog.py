@@ -54,10 +54,13 @@ def thin_log(log: list) -> None:
 
 def refusal_outcome(reason: str) -> str:
     """An attempt's outcome for a proxy refusal's reason (sim.policy.proxy.Refuse.reason)."""
-    return {"budget": "refused_budget", "engine": "refused_engine"}.get(
-        reason, "refused_gateway" if reason in GATEWAY_REASONS else "refused_proxy")
+    out = _REFUSALS.get(reason)
+    if out is None:
+        return "refused_gateway" if reason in GATEWAY_REASONS else "refused_proxy"
+    return out
 
 
+_REFUSALS = {"budget": "refused_budget", "engine": "refused_engine"}
 # a gateway's own refusals (sim.policy.gateway): its upstream timeout (504), its queue full or timed out (503), shed
 GATEWAY_REASONS = ("upstream_timeout", "queue_full", "queue_timeout", "shed")
 ATTEMPT_OUTCOMES = ("", "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy", "refused_gateway")
