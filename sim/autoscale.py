@@ -60,7 +60,7 @@ class Scaling:
         n = run.n
         self.state = [READY if r < config.initial else OFF for r in range(n)]
         self.hpa = Autoscaler(config)
-        self.delay = ProvisioningDelay(config, np.random.default_rng([seed, 2]))
+        self.delay = ProvisioningDelay(config, np.random.default_rng([seed, 3]))
         self.lives: list[Life] = [Life(r, 0.0, 0.0) for r in range(config.initial)]
         self.current: list[Life | None] = self.lives + [None] * (n - config.initial)
         self.counts: list[tuple] = [(0.0, config.initial, 0, 0)]     # (t, ready, starting, draining) at changes
