@@ -6,10 +6,12 @@ Loopback only."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import aiohttp
 from aiohttp.test_utils import TestServer
 
+from llmsim.cli import main
 from sim.conditions import get_condition
 from sim.policy.gateway import Gateway, settings
 from validate.proxy import LiveProxy
@@ -108,3 +110,23 @@ def test_chained_gateways_in_the_proxy_answer_the_top_ones_504():
         assert stub.disconnects == 1
     _run("cancel", [settings("nginx", {"timeout_s": STREAM_S / 2}), settings("nginx", {"timeout_s": 10 * STREAM_S})],
          sc)
+
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+
+
+def test_llmsim_proxy_hosts_a_scenarios_gateways_and_not_its_client(monkeypatch):
+    import llmsim.validate_cmds as cmds
+    got = {}
+    monkeypatch.setattr(cmds, "proxy_main", lambda *a: got.setdefault("args", a) and 0)
+    assert main(["proxy", "--upstream", "http://127.0.0.1:9", "--condition", "cancel",
+                 "--layers-from", os.path.join(EXAMPLES, "openai-sdk-60s-nginx.toml")]) == 0
+    (layer,) = got["args"][-1]
+    assert layer["kind"] == "gateway" and layer["preset"] == "nginx"
+
+
+def test_llmsim_proxy_refuses_a_scenario_without_a_gateway(capsys):
+    f = os.path.join(EXAMPLES, "openai-sdk-defaults.toml")
+    assert main(["proxy", "--upstream", "http://127.0.0.1:9", "--layers-from", f]) == 2
+    err = capsys.readouterr().err
+    assert "--layers-from" in err and "gateway" in err

@@ -844,9 +844,11 @@ async def unreachable(upstreams: Sequence[str], timeout_s: float = 3.0) -> list[
 
 
 async def serve(upstream: str | Sequence[str], condition: Condition, port: int, host: str = "127.0.0.1",
-                prompt_throughput: float | None = None, ready=None, router: RouterConfig | None = None) -> None:
-    """Run the proxy until cancelled (before several engines: behind `router`)."""
-    lp = LiveProxy(upstream, condition, prompt_throughput, keep_records=False, router=router)
+                prompt_throughput: float | None = None, ready=None, router: RouterConfig | None = None,
+                layers: Sequence[dict] = ()) -> None:
+    """Run the proxy until cancelled (before several engines: behind
+    `router`; under `layers`, as `LiveProxy`'s)."""
+    lp = LiveProxy(upstream, condition, prompt_throughput, keep_records=False, router=router, layers=layers)
     runner = web.AppRunner(lp.app(), handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -860,7 +862,8 @@ async def serve(upstream: str | Sequence[str], condition: Condition, port: int, 
 
 
 def main(upstream: str | Sequence[str], condition: Condition, host: str, port: int,
-         prompt_throughput: float | None = None, router: RouterConfig | None = None) -> int:
+         prompt_throughput: float | None = None, router: RouterConfig | None = None,
+         layers: Sequence[dict] = ()) -> int:
     """`llmsim proxy`: serve until interrupted. An engine that does not
     answer at start is named on stderr (the proxy serves all the same: an
     engine may come up after it; until then its attempts are refused)."""
@@ -872,7 +875,9 @@ def main(upstream: str | Sequence[str], condition: Condition, host: str, port: i
         to = ups[0] if len(ups) == 1 else \
             f"{len(ups)} engines ({', '.join(ups)}) by {router.policy}, proxy per {router.proxy}, " \
             f"router retries {router.retries}"
-        print(f"llmsim proxy at http://{host}:{port} -> {to} ({condition.name}: {condition.describe()}); "
+        under = "".join(f"{s.get('preset', s['kind'])} -> " for s in layers)
+        print(f"llmsim proxy at http://{host}:{port} -> {under}{to} ({condition.name}: {condition.describe()}); "
               f"metrics at /metrics", file=sys.stderr, flush=True)
-    asyncio.run(serve(ups if len(ups) > 1 else ups[0], condition, port, host, prompt_throughput, ready, router))
+    asyncio.run(serve(ups if len(ups) > 1 else ups[0], condition, port, host, prompt_throughput, ready, router,
+                      layers))
     return 0
