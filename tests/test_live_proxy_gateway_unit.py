@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestServer
 from llmsim.cli import main
 from sim.conditions import get_condition
 from sim.policy.gateway import Gateway, settings
+from sim.policy.router import RouterConfig
 from validate.proxy import LiveProxy
 
 from tests.test_live_proxy_unit import BODY, DELAY, EXPECTED, N, StubEngine, _metrics, _read_stream, wait_until
@@ -130,3 +131,30 @@ def test_llmsim_proxy_refuses_a_scenario_without_a_gateway(capsys):
     assert main(["proxy", "--upstream", "http://127.0.0.1:9", "--layers-from", f]) == 2
     err = capsys.readouterr().err
     assert "--layers-from" in err and "gateway" in err
+
+
+def test_a_gateway_above_sidecars_on_two_stub_engines():
+    async def main_():
+        stubs = [StubEngine(), StubEngine()]
+        servers = [TestServer(st.app()) for st in stubs]
+        for sv in servers:
+            await sv.start_server()
+        try:
+            lp = LiveProxy([str(sv.make_url("")) for sv in servers], get_condition("cancel"), 100.0,
+                           router=RouterConfig("round-robin", 0, "replica"),
+                           layers=[settings("nginx", {"timeout_s": 10 * STREAM_S})])
+            async with TestServer(lp.app()) as px, aiohttp.ClientSession() as s:
+                url = str(px.make_url(""))
+                for call in ("1", "2"):
+                    async with s.post(url + "/v1/completions", json=dict(BODY, stream=False),
+                                      headers={"X-Call-Id": call}) as r:
+                        assert r.status == 200
+                        assert (await r.json())["choices"][0]["text"] == EXPECTED
+                # each client attempt is placed where the router sent the gateway's upstream attempt
+                assert sorted(lp.attempt_index) == [("1", 0), ("2", 0)]
+                assert [len(st.requests) for st in stubs] == [1, 1]
+                assert lp.layers[0].counts["upstream_attempts"] == 2
+        finally:
+            for sv in servers:
+                await sv.close()
+    asyncio.run(asyncio.wait_for(main_(), 20))
