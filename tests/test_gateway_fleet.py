@@ -11,11 +11,11 @@ import pytest
 import golden
 from llmsim.cli import main
 from sim.deployment import from_document
-from sim.fleet import RECORD_KEYS, fleet_log
+from sim.fleet import RECORD_KEYS, fleet_log, run_fleet
 from sim.model import Run
 from sim.runlog import column
 from test_gateway_run import NGINX, SDK
-from test_fleet import without
+from test_fleet import _no_step_events, without
 from test_preset_client import TINY
 
 LITELLM = {"preset": "litellm", "timeout_s": 2.0, "max_retries": 1, "backoff": "none"}
@@ -95,3 +95,16 @@ def test_llmsim_run_runs_layers_on_a_fleet(tmp_path, capsys):
     assert main(["run", "--scenario", str(f)]) == 0
     out = capsys.readouterr().out
     assert "pulse" in out and "fleet: 2 replicas" in out
+
+
+@pytest.mark.parametrize("placement", ["deployment", "replica"])
+def test_layers_on_a_fleet_run_the_same_with_and_without_fast_forward(placement):
+    gw = {"preset": "haproxy", "timeout_s": 3.0, "max_connections": 3, "queue_timeout_s": 1.0}
+    dep = _dep([SDK, gw], placement, condition="cancel")
+    cond, s = dep.condition_for(), dep.scenario
+    caps = dep.fleet.capacities(s)
+    recs = [run_fleet(list(dep.fleet.profiles), cond, dep.trace(0), s, caps, dep.fleet.router, 0,
+                      stack=dep.stack_for(cond), fast_forward=ff) for ff in (True, False)]
+    assert recs[0]["extra"]["layers"][0]["queue_timeout"] > 0
+    assert golden.differences(_no_step_events(recs[0]), _no_step_events(recs[1])) == []
+    assert recs[0]["extra"]["layers"] == recs[1]["extra"]["layers"]
