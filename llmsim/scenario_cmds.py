@@ -62,6 +62,17 @@ def deployment(a, burst: bool = True, capacity: bool = True, client_layer: bool 
     return dep
 
 
+def client_line(client: dict | None) -> str:
+    """'the client layer PRESET (key value, ...)' of a client layer's
+    effective settings, or '' for the reference design's client."""
+    if client is None:
+        return ""
+    keys = ("timeout_s", "deadline_s", "max_retries", "backoff", "backoff_base_s", "backoff_cap_s")
+    shown = {k: "none" if client.get(k) is None else f"{client[k]:g}" if isinstance(client[k], (int, float))
+             else client[k] for k in keys if k in client}
+    return f"the client layer {client['preset']} (" + ", ".join(f"{k} {v}" for k, v in shown.items()) + ")"
+
+
 def capacity_line(dep: Deployment) -> str:
     info = dep.capacity_info
     if dep.fleet is not None:

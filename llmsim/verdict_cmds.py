@@ -16,20 +16,32 @@ from sim.scenario import SCENARIOS
 
 from . import args
 from .model_cmds import model_arg
-from .scenario_cmds import deployment as scenario_deployment
+from .scenario_cmds import client_line, deployment as scenario_deployment
 
 DEFAULT_SEEDS = 10
 
 
-def deployment(a):
-    """(profile, scenario, adapt, fleet) of --model and --scenario (a named
-    scenario or a scenario file): the profile carries the workload's Ĉ (a
-    fleet's: the sum of its replicas'), adapt gives a condition the
-    deployment's proxy times and engine cap, fleet is the scenario's [fleet]
-    (None: one engine)."""
-    dep = scenario_deployment(a)
+def generated(a, client_layer: bool = False):
+    """The deployment of --model and --scenario (a named scenario or a
+    scenario file), refused in one line when its workload is a replayed
+    trace. With `client_layer`, a scenario with a client [[layer]] is taken
+    too (`Deployment.client_layer` gives its settings)."""
+    dep = scenario_deployment(a, client_layer=client_layer)
     if dep.trace_source is not None:
         raise args.UsageError(f"{a.command}: works on a generated workload; {dep.name} has a replayed trace")
+    return dep
+
+
+def deployment(a, client_layer: bool = False):
+    """(profile, scenario, adapt, fleet) of the deployment (`generated`): the
+    profile carries the workload's Ĉ (a fleet's: the sum of its replicas'),
+    adapt gives a condition the deployment's proxy times and engine cap,
+    fleet is the scenario's [fleet] (None: one engine)."""
+    return parts(generated(a, client_layer))
+
+
+def parts(dep):
+    """(profile with the workload's Ĉ, scenario, adapt, fleet) of a deployment."""
     return dataclasses.replace(dep.profile, capacity=dep.capacity), dep.scenario, dep.condition_for, dep.fleet
 
 
@@ -38,17 +50,19 @@ def _progress(line: str) -> None:
 
 
 def cmd_margin(a) -> int:
-    prof, sc, adapt, fleet = deployment(a)
+    dep = generated(a, client_layer=True)
+    prof, sc, adapt, fleet = parts(dep)
+    client = dep.client_layer()
     cond = adapt(get_condition(a.condition))
     try:
-        axes = margin_mod.parse_axes(a.axes)
+        axes = margin_mod.parse_axes(a.axes, client)
     except ValueError as e:
         raise args.UsageError(f"margin: --axes: {e}") from None
     on = "" if fleet is None else f" ({fleet.replicas} replicas, router {fleet.router.policy})"
-    print(f"{prof.name}{on} / {a.scenario or 'paper'} / {cond.name}: {len(a.seeds)} seeds, axes {', '.join(axes)}",
-          file=sys.stderr, flush=True)
+    print(f"{prof.name}{on} / {a.scenario or 'paper'} / {cond.name}{' under ' + client_line(client) if client else ''}: {len(a.seeds)} seeds, "
+          f"axes {', '.join(axes)}", file=sys.stderr, flush=True)
     res = margin_mod.margin(prof, sc, cond, a.seeds, axes, rel_tol=a.rel_tol, workers=a.workers,
-                            progress=None if a.quiet else _progress, fleet=fleet)
+                            progress=None if a.quiet else _progress, fleet=fleet, client=client)
     print(res["sentence"])
     for ax in res["axes"]:
         pr = ", ".join(f"{p['x']:.3g}: {p['p']:.2f}" for p in ax["probes"])

@@ -680,10 +680,14 @@ class Deployment:
         if not self.stack_layers:
             return None
         self.require_simulated(client_layer=True)
-        client = self.layer_settings()[0]
-        if not condition.retries:
-            client = dict(client, max_retries=0)
-        return Stack.from_config(condition, None, self.scenario).with_client(client)
+        return Stack.under_client(condition, self.client_layer(), self.scenario)
+
+    def client_layer(self) -> dict | None:
+        """The client [[layer]]'s effective settings (None: the reference
+        design's client, the condition's)."""
+        if not self.stack_layers or self.stack_layers[0]["kind"] != "client":
+            return None
+        return self.layer_settings()[0]
 
     def _fields(self, section: str) -> dict:
         """The section's keys that are Scenario fields, with the scenario's values."""

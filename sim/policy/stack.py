@@ -67,6 +67,16 @@ class Stack:
         simulator drives through `sim.policy.preset_client.PresetClient`."""
         return Stack(tuple((k, client if k == "client" else c) for k, c in self.layers))
 
+    @classmethod
+    def under_client(cls, condition, client: dict, scenario=None) -> "Stack":
+        """A condition's proxy and the default router under a client layer's
+        effective settings (`sim.policy.presets.preset`): what a run of the
+        condition drives on a scenario with a client [[layer]]. The layer
+        sends no retries where the condition turns them off."""
+        if not condition.retries:
+            client = dict(client, max_retries=0)
+        return cls.from_config(condition, None, scenario).with_client(client)
+
     def config(self, kind: str):
         return next(c for k, c in self.layers if k == kind)
 
