@@ -87,9 +87,8 @@ def _screen_cut(text: str) -> tuple[float | None, float | None] | None:
 
 
 def cmd_advise(a) -> int:
-    dep = scenario_deployment(a)
-    if dep.trace_source is not None:
-        raise args.UsageError(f"advise: works on a generated workload; {dep.name} has a replayed trace")
+    dep = generated(a, client_layer=True)
+    client = dep.client_layer()
     if a.only == "router" and dep.fleet is None:
         raise args.UsageError(f"advise: --only router searches a fleet's router, and {dep.name} has one engine: give "
                               "a scenario with a [fleet] section (examples/fleet.toml) or --only client|proxy|engine")
@@ -99,13 +98,16 @@ def cmd_advise(a) -> int:
     axes = [] if a.margin_axes == "none" else a.margin_axes
     try:
         if axes:
-            axes = margin_mod.parse_axes(axes)
+            axes = margin_mod.parse_axes(axes, client)
         res = advise_mod.advise(prof, sc, a.seeds, a.objective, a.only, a.out, dep.condition_for, screen=a.screen,
                                 finalists=a.finalists, workers=a.workers, ray_address=a.ray, margin_axes=axes,
                                 progress=not a.quiet, fleet=dep.fleet, base=dep.condition,
-                                screen_base_s=cut[0] if cut else None, screen_hold_s=cut[1] if cut else None)
+                                screen_base_s=cut[0] if cut else None, screen_hold_s=cut[1] if cut else None,
+                                client=client)
     except ValueError as e:
         raise args.UsageError(f"advise: {e}") from None
+    if client is not None:
+        print(f"under {client_line(client)}: its keys are searched with the client's layer")
     print(advise_mod.report(res))
     print(f"({res['wall_s']:.1f} s)")
     args.write_json(a.json, res)
@@ -164,7 +166,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--objective", choices=advise_mod.OBJECTIVES, default="timely",
                    help="timely: calls within deadline; delivered: calls delivered; burst: pulse calls delivered")
     p.add_argument("--only", choices=advise_mod.LAYERS, default=None,
-                   help="search one layer's settings only (router: a fleet's router, the scenario's controls kept)")
+                   help="search one layer's settings only (router: a fleet's router, the scenario's controls kept; "
+                        "client: with a client [[layer]], its timeout_s, max_retries and backoff too)")
     p.add_argument("--screen", type=args.positive(int), default=2,
                    help="seeds of the screen (default 2): every setting runs on the first, the best third on these")
     p.add_argument("--screen-cut", metavar="BASE,HOLD|none", default=None,

@@ -49,6 +49,17 @@ engine only) and what it gives up against the best alternative
 Results are rows of one Parquet file (the sweep's atomic store; screening
 rows carry the cut in `scenario_hash`): a rerun with the same file skips
 the runs it holds; a file made for another deployment is refused.
+
+A client [[layer]] (a preset's settings, `client`) takes the reference
+client's place in every run, and its keys join the client's layer
+(`client_settings`): its per-attempt timeout (the layer's own, and half, one,
+two and five deadlines), its retries (none, one, its own) and its backoff
+(its own, or exponential from an eighth of a deadline capped at one). A
+setting whose client differs from the layer's is named
+`CONDITION;client=KEY=VALUE,...`. `only = "client"` crosses the client
+conditions (retries on, off) with every client setting; the full search
+runs the control grid under the layer's own client and the named
+conditions (and the scenario's own) under every client setting.
 """
 from __future__ import annotations
 
@@ -81,6 +92,8 @@ ORDERS = ("budget-first", "lookup-first")
 CAP_FRACTIONS = (1 / 3, 1.0)          # of ⌈deadline · Ĉ⌉
 QUEUES = (("fifo", None), ("deadline", None), ("lifo", 0), ("lifo", 0.5))   # (order, LIFO threshold / N)
 ROUTER_RETRIES = (0, 1)
+TIMEOUT_DEADLINES = (0.5, 1.0, 2.0, 5.0)  # a client layer's timeouts tried, in deadlines
+CLIENT_RETRIES = (0, 1)               # a client layer's retries tried, besides its own
 CROSSED = 3                           # control settings crossed with every router after the first round
 BATCH = 4                             # runs per pool task
 
@@ -154,6 +167,45 @@ def candidates(scenario: Scenario, capacity: float, only: str | None = None,
     for c in conds:                     # a grid point that is a named condition runs once, by that name
         same.setdefault(replace(c, name=""), c)
     return list(same.values())
+
+
+def client_settings(client: dict, scenario: Scenario) -> list[dict]:
+    """A client layer's keys the search tries (see the module docstring):
+    the layer's own settings first, then each other combination of timeout,
+    retries and backoff, as effective settings (a preset's keys)."""
+    d = scenario.deadline_s
+    own_t, own_r = client.get("timeout_s"), client.get("max_retries")
+    timeouts = list(dict.fromkeys([own_t] + [f * d for f in TIMEOUT_DEADLINES]))
+    retries = list(dict.fromkeys([own_r, *CLIENT_RETRIES])) if own_r is not None else [None]
+    long_wait = {"backoff": "exponential", "backoff_base_s": d / 8, "backoff_cap_s": float(d)}
+    backoffs = [{}] + ([long_wait] if any(client.get(k) != v for k, v in long_wait.items()) else [])
+    out = [client]
+    for t in timeouts:
+        for r in retries:
+            for b in backoffs:
+                c = dict(client, timeout_s=t, max_retries=r, **b)
+                if c not in out:
+                    out.append(c)
+    return out
+
+
+def client_changes(c: dict | None, own: dict | None) -> dict:
+    """The keys of a client layer's settings `c` that differ from `own`."""
+    if c is None or own is None:
+        return {}
+    return {k: v for k, v in c.items() if own.get(k) != v}
+
+
+def _value(v) -> str:
+    return "none" if v is None else f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+
+
+def with_client(c: Condition, client: dict | None, own: dict | None) -> Condition:
+    """`c` under a client layer's settings: renamed `NAME;client=...` unless they are the layer's own."""
+    ch = client_changes(client, own)
+    if not ch:
+        return c
+    return replace(c, name=f"{c.name};client=" + ",".join(f"{k}={_value(v)}" for k, v in ch.items()))
 
 
 def router_settings(fleet: FleetSpec) -> list[RouterConfig]:
@@ -265,10 +317,13 @@ def cut_tag(cut: tuple[float, float] | None) -> str:
 DROP = ("series_", "windows_")
 
 
-def deployment_key(profile: Profile, scenario: Scenario, fleet: FleetSpec | None = None) -> str:
+def deployment_key(profile: Profile, scenario: Scenario, fleet: FleetSpec | None = None,
+                   client: dict | None = None) -> str:
     """A digest of what the runs depend on besides the condition and seed."""
     d = {"profile": profile.raw or profile.name, "step_time": profile.step_time.to_dict(), "engine": profile.engine,
          "capacity": profile.capacity, "scenario": scenario.to_dict()}
+    if client is not None:
+        d["client_layer"] = client
     if fleet is not None:
         d["fleet"] = {"replicas": [{"profile": p.raw or p.name, "step_time": p.step_time.to_dict(),
                                     "engine": p.engine} for p in fleet.profiles]}
@@ -292,14 +347,15 @@ def _trace(key: str, capacity: float, scenario: Scenario, seed: int, cut) -> Tra
 
 def _rows_task(task: tuple) -> list[dict]:
     """A batch of runs: (profile, scenario, fleet (profiles, capacities) or
-    None, deployment key, cut, [(condition, router, seed), ...]) -> rows."""
+    None, deployment key, cut, [(condition, router, client layer or None,
+    seed), ...]) -> rows."""
     profile, scenario, fleet, key, cut, items = task
     sc = scenario if cut is None else cut_scenario(scenario, cut)
     out = []
-    for cond, router, seed in items:
+    for cond, router, client, seed in items:
         tr = _trace(key, profile.capacity, scenario, seed, cut)
         if fleet is None:
-            rec = verdict.run_record(profile, sc, cond, seed, tr)
+            rec = verdict.run_record(profile, sc, cond, seed, tr, client=client)
         else:
             rec = run_fleet(list(fleet[0]), cond, tr, sc, fleet[1], router, seed, scenario.pulse)
             rec.pop("replicas")
@@ -359,7 +415,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
            screen: int = 2, finalists: int = 12, top: int = 3, workers: int | None = 1,
            ray_address: str | None = None, margin_axes: Sequence[str] = ("speed",), progress: bool = True,
            fleet: FleetSpec | None = None, base: Condition | None = None,
-           screen_base_s: float | None = None, screen_hold_s: float | None = None) -> dict:
+           screen_base_s: float | None = None, screen_hold_s: float | None = None,
+           client: dict | None = None) -> dict:
     """Search the controls for the deployment (profile, scenario; with
     `fleet`, its replicas behind a router, Ĉ the profile's); see the module
     docstring. `base` is the deployment's own condition (`only = "router"`
@@ -367,7 +424,9 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     `screen_hold_s` after it (`screen_cut`; both None: whole runs). Returns
     {"ranking": [...], "top": [...], ...} with, for each of the top
     settings, its summary, margin (along `margin_axes`)
-    and what it gives up against the best alternative."""
+    and what it gives up against the best alternative. `client`, a client
+    layer's effective settings, replaces the reference client (its keys
+    searched as the module docstring says)."""
     if objective_name not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective_name!r}")
     if only == "router" and fleet is None:
@@ -380,19 +439,29 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         if x is not None and not x > 0:
             raise ValueError(f"{what} must be positive, got {x!r}")
     t0 = time.perf_counter()
-    key = deployment_key(profile, scenario, fleet)
+    if client is not None and fleet is not None:
+        raise ValueError("a client layer runs on one engine, not on a fleet")
+    key = deployment_key(profile, scenario, fleet, client)
     own = fleet.router if fleet is not None else None
     conds = candidates(scenario, profile.capacity, only, adapt, base)
     by_name: dict[str, Condition] = {}
     routers: dict[str, RouterConfig | None] = {}
+    clients: dict[str, dict | None] = {}
 
-    def add(c: Condition, r: RouterConfig | None) -> str:
+    def add(c: Condition, r: RouterConfig | None, cl: dict | None = client) -> str:
         c = routed(c, r, own) if r is not None else c
+        c = with_client(c, cl, client)
         if c.name not in by_name:
-            by_name[c.name], routers[c.name] = c, r
+            by_name[c.name], routers[c.name], clients[c.name] = c, r, cl
         return c.name
 
-    names = list(dict.fromkeys(add(c, r) for c, r in first_settings(conds, fleet, only, base)))
+    firsts = first_settings(conds, fleet, only, base)
+    names = list(dict.fromkeys(add(c, r) for c, r in firsts))
+    if client is not None and only in (None, "client"):
+        crossed = [c for c, _ in firsts if only == "client" or c.name in CONDITIONS
+                   or (base is not None and c.name == base.name)]
+        names += [n for n in dict.fromkeys(add(c, None, cl) for c in crossed
+                                           for cl in client_settings(client, scenario)[1:]) if n not in names]
     n_cands = len(names)
     fleet_task = None if fleet is None else (tuple(fleet.profiles), fleet.capacities(scenario))
     cut = screen_cut(scenario, screen_base_s, screen_hold_s)
@@ -414,7 +483,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         if not todo:
             return
         tasks = [(profile, scenario, fleet_task, key, c,
-                  [(by_name[n], routers[n], s) for n, s in todo[i:i + BATCH]]) for i in range(0, len(todo), BATCH)]
+                  [(by_name[n], routers[n], clients[n], s) for n, s in todo[i:i + BATCH]])
+                 for i in range(0, len(todo), BATCH)]
         it = _ray(tasks, ray_address, fn=_rows_task) if ray_address is not None else \
             _local(tasks, workers if workers else (os.cpu_count() or 1), fn=_rows_task)
         t1 = time.perf_counter()
@@ -441,7 +511,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
             if store is not None:
                 store.flush()
 
-    size = lambda n: len(by_name[n].describe().split(", ")) + _router_changes(routers[n], own)
+    size = lambda n: (len(by_name[n].describe().split(", ")) + _router_changes(routers[n], own)
+                      + len(client_changes(clients[n], client)))
     plan = stages(len(seeds), screen, finalists, cut)
     rounds = []
     for k, (n_s, full, keep) in enumerate(plan):
@@ -472,7 +543,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     shown = pick(ranking, scored, by_name, top, size)
     margins = {n: margin_mod.margin(profile, scenario, by_name[n], seeds, margin_axes, rel_tol=0.05, workers=workers,
                                     base=verdict.summarize([rows[(n, s, "")] for s in seeds]),
-                                    fleet=None if fleet is None else dataclasses.replace(fleet, router=routers[n]))
+                                    fleet=None if fleet is None else dataclasses.replace(fleet, router=routers[n]),
+                                    client=clients[n])
                if margin_axes else None for n in shown}
     tops = []
     for i, n in enumerate(shown):
@@ -480,7 +552,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         m = margins[n]
         tops.append({"rank": i + 1, "condition": n, "settings": by_name[n].settings(),
                      "router": None if routers[n] is None else vars(routers[n]).copy(),
-                     "describe": describe(n, by_name, routers), "summary": scored[n],
+                     "client": client_changes(clients[n], client) if client is not None else None,
+                     "describe": describe(n, by_name, routers, clients, client), "summary": scored[n],
                      "verdict": verdict.verdict(scored[n]),
                      "margin": None if m is None else {"sentence": m["sentence"], "axes": m["axes"]},
                      "against": alt if alt != n else None,
@@ -488,7 +561,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     res = {"model": profile.name, "scenario": scenario.to_dict(), "deployment": key, "objective": objective_name,
            "only": only, "seeds": seeds, "screen_seeds": seeds[:max(1, min(screen, len(seeds)))],
            "screen_cut": list(cut) if cut else None, "margin_axes": list(margin_axes or ()), "rounds": rounds,
-           "candidates": n_cands,
+           "candidates": n_cands, "client_layer": client,
            "ranking": [{"condition": n, **{k: scored[n][k] for k in ("p", "lo", "hi", "tipping", *OBJECTIVES)}}
                        for n in ranking],
            "top": tops, "wall_s": time.perf_counter() - t0}
@@ -507,10 +580,13 @@ def _order(names: Sequence[str], rows: dict, ss: Sequence[int], tag: str, obj: s
     return sorted(names, key=lambda n: (-sc[n]["recovered"] if full else 0, -(sc[n][obj] or 0.0)))
 
 
-def describe(n: str, by_name: dict, routers: dict) -> str:
-    """A setting's controls in words, with its router on a fleet."""
+def describe(n: str, by_name: dict, routers: dict, clients: dict | None = None, own: dict | None = None) -> str:
+    """A setting's controls in words, with its router on a fleet and its
+    client layer's keys that differ from the layer's own."""
     r = routers.get(n)
-    return by_name[n].describe() + ("" if r is None else ", " + describe_router(r))
+    ch = client_changes((clients or {}).get(n), own)
+    return (by_name[n].describe() + ("" if r is None else ", " + describe_router(r))
+            + ("" if not ch else ", client layer " + ", ".join(f"{k} {_value(v)}" for k, v in ch.items())))
 
 
 def router_note(own: RouterConfig, shown: Sequence[str], scored: dict, by_name: dict, routers: dict,
