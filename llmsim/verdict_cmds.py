@@ -87,6 +87,9 @@ def _screen_cut(text: str) -> tuple[float | None, float | None] | None:
 
 
 def cmd_advise(a) -> int:
+    if a.only == "gateway":
+        raise args.UsageError("advise: --only gateway searches a gateway [[layer]]'s keys, and gateway layers are not "
+                              "yet simulated: give --only client|proxy|engine|router")
     dep = generated(a, client_layer=True)
     client = dep.client_layer()
     if a.only == "router" and dep.fleet is None:
@@ -165,7 +168,7 @@ def add_subcommands(sub) -> None:
     _common(p, condition=False)
     p.add_argument("--objective", choices=advise_mod.OBJECTIVES, default="timely",
                    help="timely: calls within deadline; delivered: calls delivered; burst: pulse calls delivered")
-    p.add_argument("--only", choices=advise_mod.LAYERS, default=None,
+    p.add_argument("--only", choices=(*advise_mod.LAYERS, "gateway"), default=None,
                    help="search one layer's settings only (router: a fleet's router, the scenario's controls kept; "
                         "client: with a client [[layer]], its timeout_s, max_retries and backoff too)")
     p.add_argument("--screen", type=args.positive(int), default=2,

@@ -166,3 +166,9 @@ def test_a_layer_axis_without_a_client_layer_ends_in_one_line(capsys):
     assert main(["margin", "--condition", "no-control", "--seeds", "0-1", "--axes", "layer.client.timeout_s"]) == 2
     err = capsys.readouterr().err.strip()
     assert "needs a client [[layer]]" in err and "\n" not in err
+
+
+def test_advise_only_gateway_ends_in_one_line_while_gateways_are_not_simulated(capsys):
+    assert main(["advise", "--only", "gateway", "--seeds", "0-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "gateway layers are not yet simulated" in err and "\n" not in err
