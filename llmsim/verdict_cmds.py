@@ -59,7 +59,8 @@ def cmd_margin(a) -> int:
     except ValueError as e:
         raise args.UsageError(f"margin: --axes: {e}") from None
     on = "" if fleet is None else f" ({fleet.replicas} replicas, router {fleet.router.policy})"
-    print(f"{prof.name}{on} / {a.scenario or 'paper'} / {cond.name}{' under ' + client_line(client) if client else ''}: {len(a.seeds)} seeds, "
+    under = f" under {client_line(client)}" if client else ""
+    print(f"{prof.name}{on} / {a.scenario or 'paper'} / {cond.name}{under}: {len(a.seeds)} seeds, "
           f"axes {', '.join(axes)}", file=sys.stderr, flush=True)
     res = margin_mod.margin(prof, sc, cond, a.seeds, axes, rel_tol=a.rel_tol, workers=a.workers,
                             progress=None if a.quiet else _progress, fleet=fleet, client=client)
