@@ -172,3 +172,11 @@ def test_advise_only_gateway_ends_in_one_line_while_gateways_are_not_simulated(c
     assert main(["advise", "--only", "gateway", "--seeds", "0-1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "gateway layers are not yet simulated" in err and "\n" not in err
+
+
+def test_gives_up_compares_no_margins_searched_from_different_values():
+    s = {"p": 1.0, "timely": 0.8, "delivered": 0.9, "burst": 0.5, "recovery_time": {"median": 100.0}}
+    ax = lambda base, c: {"axes": [{"axis": "layer.client.timeout_s", "baseline": base, "crossing": c,
+                                    "recovers_at_baseline": True}]}
+    assert A.gives_up(s, s, ax(120.0, 21.0), ax(240.0, 21.0)) == []
+    assert A.gives_up(s, s, ax(120.0, 100.0), ax(120.0, 21.0)) != []

@@ -649,7 +649,8 @@ def pick(ranking: Sequence[str], scored: dict, by_name: dict, top: int,
 def gives_up(s: dict, alt: dict, margin: dict | None = None, alt_margin: dict | None = None) -> list[str]:
     """Where s is worse than alt: P(recovered), the objectives (by more than
     half a point), the median recovery time (by more than a second), and the
-    distance to a margin's crossing (by more than 2%) on the axes both have."""
+    distance to a margin's crossing (by more than 2%) on the axes both have
+    and search from the same value."""
     out = []
     if s["p"] < alt["p"]:
         out.append(f"P(recovered) {s['p']:.2f} vs {alt['p']:.2f}")
@@ -665,8 +666,8 @@ def gives_up(s: dict, alt: dict, margin: dict | None = None, alt_margin: dict | 
         for x in margin["axes"]:
             y = theirs.get(x["axis"])
             if y is None or x["crossing"] is None or y["crossing"] is None or not x["recovers_at_baseline"] \
-                    or not y["recovers_at_baseline"]:
-                continue
+                    or not y["recovers_at_baseline"] or x["baseline"] != y["baseline"]:
+                continue                # (a client layer's key: each setting searched from its own value)
             dx, dy = abs(math.log(x["crossing"] / x["baseline"])), abs(math.log(y["crossing"] / y["baseline"]))
             if dy - dx > math.log(1.02):
                 out.append(f"margin on {x['axis']}: flips at {x['crossing']:.3g} vs {y['crossing']:.3g} "
