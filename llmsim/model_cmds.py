@@ -17,7 +17,7 @@ from sim.profile import embedded_names
 from sim.scenario import PAPER
 
 from . import args
-from .scenario_cmds import capacity_line, client_line, deployment, scenario_arg
+from .scenario_cmds import capacity_line, deployment, layers_line, scenario_arg
 
 
 _CONTROL_FLAGS = ("retries", "cancel", "coalesce", "budget", "order", "proxy_cap", "queue", "engine_cap")
@@ -155,7 +155,7 @@ def class_tables(recs: list[dict], sc) -> str:
 def cmd_diagnose(a) -> int:
     dep = deployment(a, client_layer=True)
     prof, sc = dep.profile, dep.scenario
-    client = dep.client_layer()
+    layers = dep.run_layers()
     if a.seeds is not None:
         seeds = a.seeds
     elif a.seed is not None:
@@ -167,7 +167,7 @@ def cmd_diagnose(a) -> int:
         if dep.trace_source is not None:
             raise args.UsageError("diagnose: --margin works on a generated workload (not a replayed trace)")
         try:
-            axes = parse_axes(a.margin, client)
+            axes = parse_axes(a.margin, layers)
         except ValueError as e:
             raise args.UsageError(f"diagnose: --margin: {e}") from None
     if dep.name != "paper" or a.scenario:
@@ -176,8 +176,8 @@ def cmd_diagnose(a) -> int:
     print(f"{prof.name}: capacity {dep.capacity:.3f} calls/s ({prof.provenance.get('kind')}); pulse {dep.burst} "
           f"{sc.pulse_start:g}-{sc.pulse_end:g} s, hold to {sc.hold_end:g} s, deadline {sc.deadline_s:g} s; "
           f"seeds {_seed_list(seeds)}", flush=True)
-    if client is not None:
-        print(f"client: {client_line(client)}; each condition's proxy and engine controls beneath it "
+    if layers is not None:
+        print(f"stack: {layers_line(layers)}; each condition's proxy and engine controls beneath "
               "(`llmsim stack` shows the stack)", flush=True)
     t_all = time.perf_counter()
     recs = []
@@ -193,7 +193,7 @@ def cmd_diagnose(a) -> int:
     if axes:
         prof_c = dataclasses.replace(prof, capacity=dep.capacity)
         margins = {c: margin_cell(margin(prof_c, sc, dep.condition_for(c), seeds, axes, rel_tol=0.05, workers=None,
-                                         fleet=dep.fleet, client=client))
+                                         fleet=dep.fleet, layers=layers))
                    for c in DIAGNOSTIC}
     if len(seeds) > 1:
         print(f"{len(seeds)} seeds ({_seed_list(seeds)})")
@@ -210,7 +210,7 @@ def cmd_diagnose(a) -> int:
     ref_rows = None
     pulse = recs_pulse
     reference_design = (sc.with_(pulse=PAPER.pulse) == PAPER and dep.trace_source is None
-                        and not prof.raw.get("engine_overrides") and dep.engine_cap is None and client is None)
+                        and not prof.raw.get("engine_overrides") and dep.engine_cap is None and layers is None)
     if reference_design and pulse is not None and reference.applies(prof.name, pulse):
         ref_rows = reference.compare(recs)
         print(f"\nAgainst {reference.SOURCE}, pulse {reference.PULSE:g} x C; bar: hold "
@@ -218,7 +218,8 @@ def cmd_diagnose(a) -> int:
               f"window; simulated figures are means over the seeds run")
         print(reference.table(ref_rows))
     args.write_json(a.json, {"model": prof.name, "pulse": pulse, "seeds": seeds, "capacity": dep.capacity,
-                             "scenario_name": dep.name, "scenario_hash": dep.content_hash, "client_layer": client,
+                             "scenario_name": dep.name, "scenario_hash": dep.content_hash,
+                             "layers": None if layers is None else list(layers),
                              "summary": summ, "runs": recs, "reference": ref_rows})
     return 0
 

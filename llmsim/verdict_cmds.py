@@ -16,7 +16,7 @@ from sim.scenario import SCENARIOS
 
 from . import args
 from .model_cmds import model_arg
-from .scenario_cmds import client_line, deployment as scenario_deployment
+from .scenario_cmds import deployment as scenario_deployment, layers_line
 
 DEFAULT_SEEDS = 10
 
@@ -25,7 +25,7 @@ def generated(a, client_layer: bool = False):
     """The deployment of --model and --scenario (a named scenario or a
     scenario file), refused in one line when its workload is a replayed
     trace. With `client_layer`, a scenario with a client [[layer]] is taken
-    too (`Deployment.client_layer` gives its settings)."""
+    too (`Deployment.run_layers` gives its settings)."""
     dep = scenario_deployment(a, client_layer=client_layer)
     if dep.trace_source is not None:
         raise args.UsageError(f"{a.command}: works on a generated workload; {dep.name} has a replayed trace")
@@ -52,18 +52,18 @@ def _progress(line: str) -> None:
 def cmd_margin(a) -> int:
     dep = generated(a, client_layer=True)
     prof, sc, adapt, fleet = parts(dep)
-    client = dep.client_layer()
+    layers = dep.run_layers()
     cond = adapt(get_condition(a.condition))
     try:
-        axes = margin_mod.parse_axes(a.axes, client)
+        axes = margin_mod.parse_axes(a.axes, layers)
     except ValueError as e:
         raise args.UsageError(f"margin: --axes: {e}") from None
     on = "" if fleet is None else f" ({fleet.replicas} replicas, router {fleet.router.policy})"
-    under = f" under {client_line(client)}" if client else ""
+    under = f" under {layers_line(layers)}" if layers else ""
     print(f"{prof.name}{on} / {a.scenario or 'paper'} / {cond.name}{under}: {len(a.seeds)} seeds, "
           f"axes {', '.join(axes)}", file=sys.stderr, flush=True)
     res = margin_mod.margin(prof, sc, cond, a.seeds, axes, rel_tol=a.rel_tol, workers=a.workers,
-                            progress=None if a.quiet else _progress, fleet=fleet, client=client)
+                            progress=None if a.quiet else _progress, fleet=fleet, layers=layers)
     print(res["sentence"])
     for ax in res["axes"]:
         pr = ", ".join(f"{p['x']:.3g}: {p['p']:.2f}" for p in ax["probes"])
@@ -92,7 +92,7 @@ def cmd_advise(a) -> int:
         raise args.UsageError("advise: --only gateway searches a gateway [[layer]]'s keys, and gateway layers are not "
                               "yet simulated: give --only client|proxy|engine|router")
     dep = generated(a, client_layer=True)
-    client = dep.client_layer()
+    layers = dep.run_layers()
     if a.only == "router" and dep.fleet is None:
         raise args.UsageError(f"advise: --only router searches a fleet's router, and {dep.name} has one engine: give "
                               "a scenario with a [fleet] section (examples/fleet.toml) or --only client|proxy|engine")
@@ -102,16 +102,16 @@ def cmd_advise(a) -> int:
     axes = [] if a.margin_axes == "none" else a.margin_axes
     try:
         if axes:
-            axes = margin_mod.parse_axes(axes, client)
+            axes = margin_mod.parse_axes(axes, layers)
         res = advise_mod.advise(prof, sc, a.seeds, a.objective, a.only, a.out, dep.condition_for, screen=a.screen,
                                 finalists=a.finalists, workers=a.workers, ray_address=a.ray, margin_axes=axes,
                                 progress=not a.quiet, fleet=dep.fleet, base=dep.condition,
                                 screen_base_s=cut[0] if cut else None, screen_hold_s=cut[1] if cut else None,
-                                client=client)
+                                layers=layers)
     except ValueError as e:
         raise args.UsageError(f"advise: {e}") from None
-    if client is not None:
-        print(f"under {client_line(client)}: its keys are searched with the client's layer")
+    if layers is not None:
+        print(f"under {layers_line(layers)}: a client layer's keys are searched with the client's layer")
     print(advise_mod.report(res))
     print(f"({res['wall_s']:.1f} s)")
     args.write_json(a.json, res)

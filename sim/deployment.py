@@ -680,14 +680,13 @@ class Deployment:
         if not self.stack_layers:
             return None
         self.require_simulated(client_layer=True)
-        return Stack.under_client(condition, self.client_layer(), self.scenario)
+        return Stack.under_layers(condition, self.run_layers(), self.scenario)
 
-    def client_layer(self) -> dict | None:
-        """The client [[layer]]'s effective settings (None: the reference
-        design's client, the condition's)."""
-        if not self.stack_layers or self.stack_layers[0]["kind"] != "client":
-            return None
-        return self.layer_settings()[0]
+    def run_layers(self) -> tuple | None:
+        """The [[layer]] tables' effective settings as a run takes them
+        (`Stack.under_layers`; application first), or None: the reference
+        design's client."""
+        return tuple(self.layer_settings()) if self.stack_layers else None
 
     def _fields(self, section: str) -> dict:
         """The section's keys that are Scenario fields, with the scenario's values."""

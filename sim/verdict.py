@@ -64,13 +64,13 @@ def perturbed(profile: Profile, speed: float = 1.0, kv: float = 1.0) -> Profile:
 
 # ------------------------------------------------------------------ runs
 def run_record(profile: Profile, scenario: Scenario, condition: Condition, seed: int,
-               trace: Trace | None = None, inputs: dict | None = None, client: dict | None = None) -> dict:
+               trace: Trace | None = None, inputs: dict | None = None, layers: tuple | None = None) -> dict:
     """One run of `condition` on `scenario` with the trace of `seed` (drawn at
     the profile's capacity unless given) — the result record (`run_one` at
-    the profile's Ĉ; `inputs` join the record's). `client`, a client
-    layer's effective settings, replaces the condition's client (the
-    condition's proxy under it: `Stack.under_client`)."""
-    stack = None if client is None else Stack.under_client(condition, client, scenario)
+    the profile's Ĉ; `inputs` join the record's). `layers`, [[layer]]
+    tables' effective settings, stand above the condition's proxy
+    (`Stack.under_layers`; a client layer in the client's place)."""
+    stack = None if layers is None else Stack.under_layers(condition, layers, scenario)
     return run_one(profile, condition, scenario.pulse, seed, trace=trace, scenario=scenario,
                    capacity=profile.capacity, extra=inputs, stack=stack)
 

@@ -55,8 +55,8 @@ def test_the_sdks_defaults_send_no_timeout_retries_where_the_reference_client_st
     assert "client layer openai-python" in out
     assert "Against" not in out                 # a layer stack is not the published figures' deployment
     ref = _diagnose(tmp_path, None, "ref")
-    assert sdk["client_layer"]["preset"] == "openai-python" and ref["client_layer"] is None
-    assert sdk["client_layer"]["timeout_s"] == PRESETS["openai-python"].settings["timeout_s"].value
+    assert sdk["layers"][0]["preset"] == "openai-python" and ref["layers"] is None
+    assert sdk["layers"][0]["timeout_s"] == PRESETS["openai-python"].settings["timeout_s"].value
     assert set(sdk["summary"]) == set(ref["summary"])           # the same conditions, the same output shape
     for r in sdk["runs"]:                                       # no attempt outlives 600 s: one attempt per call
         assert r["attempts"]["timeout"] == 0 and r["retries"]["sent"] == 0
@@ -85,9 +85,9 @@ def test_margin_finds_an_edge_along_the_client_layers_timeout():
     prof, sc = _parts(dep)
     cond = dep.condition_for(get_condition("no-control"))
     res = M.margin(prof, sc, cond, SEEDS, ["layer.client.timeout_s"], rel_tol=0.05, workers=1,
-                   client=dep.client_layer())
+                   layers=dep.run_layers())
     ax = res["axes"][0]
-    assert ax["baseline"] == dep.client_layer()["timeout_s"] and ax["recovers_at_baseline"]
+    assert ax["baseline"] == dep.run_layers()[0]["timeout_s"] and ax["recovers_at_baseline"]
     assert ax["crossing"] is not None
     a, b = ax["bracket"]
     assert b < a < ax["baseline"]                              # a shorter timeout stops recovery
@@ -100,7 +100,7 @@ def test_margin_along_the_layers_retries_steps_on_whole_numbers():
     dep = tiny(timeout_s=7.5)
     prof, sc = _parts(dep)
     cond = dep.condition_for(get_condition("no-control"))
-    res = M.margin(prof, sc, cond, SEEDS, ["layer.client.max_retries"], workers=1, client=dep.client_layer())
+    res = M.margin(prof, sc, cond, SEEDS, ["layer.client.max_retries"], workers=1, layers=dep.run_layers())
     ax = res["axes"][0]
     assert all(float(x["x"]).is_integer() for x in ax["probes"])
     if ax["crossing"] is not None:
@@ -118,15 +118,14 @@ def test_find_crossing_on_whole_numbers_from_zero():
 def test_advise_only_client_searches_the_layers_keys():
     dep = tiny(timeout_s=7.5)
     prof, sc = _parts(dep)
-    client = dep.client_layer()
     r = A.advise(prof, sc, SEEDS, only="client", adapt=dep.condition_for, margin_axes=(), progress=False,
-                 client=client, base=dep.condition)
+                 layers=dep.run_layers(), base=dep.condition)
     ref = A.advise(prof, sc, SEEDS, only="client", adapt=dep.condition_for, margin_axes=(), progress=False,
                    base=dep.condition)
     assert r["candidates"] > ref["candidates"]
     named = [x["condition"] for x in r["ranking"] if ";client=" in x["condition"]]
     assert any("timeout_s=" in n for n in named)
-    changed = set().union(*(t["client"] for t in r["top"]))
+    changed = set().union(*(t["layers"].get("client", {}) for t in r["top"]))
     assert changed and changed <= {"timeout_s", "max_retries", "backoff", "backoff_base_s", "backoff_cap_s"}
     ranked = {x["condition"]: x for x in r["ranking"]}
     if "no-control" in ranked:                  # the layer's own client, as the scenario runs it
@@ -135,7 +134,7 @@ def test_advise_only_client_searches_the_layers_keys():
 
 def test_client_settings_start_with_the_layers_own_and_keep_its_other_keys():
     dep = tiny()
-    client = dep.client_layer()
+    client = dep.run_layers()[0]
     settings = A.client_settings(client, dep.scenario)
     assert settings[0] == client and len(settings) == len({json.dumps(s, sort_keys=True) for s in settings})
     for s in settings:

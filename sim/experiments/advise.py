@@ -50,14 +50,16 @@ Results are rows of one Parquet file (the sweep's atomic store; screening
 rows carry the cut in `scenario_hash`): a rerun with the same file skips
 the runs it holds; a file made for another deployment is refused.
 
-A client [[layer]] (a preset's settings, `client`) takes the reference
-client's place in every run, and its keys join the client's layer
+[[layer]] tables (their effective settings, `layers`) stand above the
+condition's proxy in every run, a client layer in the reference client's
+place, and a client layer's keys join the client's layer
 (`client_settings`): its per-attempt timeout (the layer's own, and half, one,
 two and five deadlines), its retries (none, one, its own) and its backoff
 (its own, or exponential from an eighth of a deadline capped at one). A
-setting whose client differs from the layer's is named
-`CONDITION;client=KEY=VALUE,...`. `only = "client"` crosses the client
-conditions (retries on, off) with every client setting; the full search
+setting whose layers differ from the scenario's is named
+`CONDITION;client=KEY=VALUE,...` (a layer's kind, then its changed keys).
+`only = "client"` crosses the client conditions (retries on, off) with
+every client setting; the full search
 runs the control grid under the layer's own client and the named
 conditions (and the scenario's own) under every client setting.
 """
@@ -189,23 +191,36 @@ def client_settings(client: dict, scenario: Scenario) -> list[dict]:
     return out
 
 
-def client_changes(c: dict | None, own: dict | None) -> dict:
-    """The keys of a client layer's settings `c` that differ from `own`."""
-    if c is None or own is None:
+def layer_settings(layers: tuple, scenario: Scenario) -> list[tuple]:
+    """The [[layer]] settings the search tries: the scenario's first, then
+    each of `client_settings` for its client layer (the others as given)."""
+    if layers[0]["kind"] != "client":
+        return [layers]
+    return [layers] + [(c,) + tuple(layers[1:]) for c in client_settings(layers[0], scenario)[1:]]
+
+
+def layer_changes(layers: tuple | None, own: tuple | None) -> dict:
+    """{kind: {key: value}}: the keys of each layer of `layers` that differ
+    from the same layer of `own`."""
+    if layers is None or own is None:
         return {}
-    return {k: v for k, v in c.items() if own.get(k) != v}
+    out = {}
+    for s, o in zip(layers, own):
+        ch = {k: v for k, v in s.items() if o.get(k) != v}
+        if ch:
+            out.setdefault(s["kind"], {}).update(ch)
+    return out
 
 
 def _value(v) -> str:
     return "none" if v is None else f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
 
 
-def with_client(c: Condition, client: dict | None, own: dict | None) -> Condition:
-    """`c` under a client layer's settings: renamed `NAME;client=...` unless they are the layer's own."""
-    ch = client_changes(client, own)
-    if not ch:
-        return c
-    return replace(c, name=f"{c.name};client=" + ",".join(f"{k}={_value(v)}" for k, v in ch.items()))
+def with_layers(c: Condition, layers: tuple | None, own: tuple | None) -> Condition:
+    """`c` under [[layer]] settings: renamed `NAME;KIND=KEY=VALUE,...` unless they are the scenario's own."""
+    ch = layer_changes(layers, own)
+    return replace(c, name=c.name + "".join(f";{kind}=" + ",".join(f"{k}={_value(v)}" for k, v in keys.items())
+                                            for kind, keys in ch.items())) if ch else c
 
 
 def router_settings(fleet: FleetSpec) -> list[RouterConfig]:
@@ -318,12 +333,12 @@ DROP = ("series_", "windows_")
 
 
 def deployment_key(profile: Profile, scenario: Scenario, fleet: FleetSpec | None = None,
-                   client: dict | None = None) -> str:
+                   layers: tuple | None = None) -> str:
     """A digest of what the runs depend on besides the condition and seed."""
     d = {"profile": profile.raw or profile.name, "step_time": profile.step_time.to_dict(), "engine": profile.engine,
          "capacity": profile.capacity, "scenario": scenario.to_dict()}
-    if client is not None:
-        d["client_layer"] = client
+    if layers is not None:
+        d["layers"] = list(layers)
     if fleet is not None:
         d["fleet"] = {"replicas": [{"profile": p.raw or p.name, "step_time": p.step_time.to_dict(),
                                     "engine": p.engine} for p in fleet.profiles]}
@@ -347,15 +362,15 @@ def _trace(key: str, capacity: float, scenario: Scenario, seed: int, cut) -> Tra
 
 def _rows_task(task: tuple) -> list[dict]:
     """A batch of runs: (profile, scenario, fleet (profiles, capacities) or
-    None, deployment key, cut, [(condition, router, client layer or None,
-    seed), ...]) -> rows."""
+    None, deployment key, cut, [(condition, router, [[layer]] settings or
+    None, seed), ...]) -> rows."""
     profile, scenario, fleet, key, cut, items = task
     sc = scenario if cut is None else cut_scenario(scenario, cut)
     out = []
-    for cond, router, client, seed in items:
+    for cond, router, layers, seed in items:
         tr = _trace(key, profile.capacity, scenario, seed, cut)
         if fleet is None:
-            rec = verdict.run_record(profile, sc, cond, seed, tr, client=client)
+            rec = verdict.run_record(profile, sc, cond, seed, tr, layers=layers)
         else:
             rec = run_fleet(list(fleet[0]), cond, tr, sc, fleet[1], router, seed, scenario.pulse)
             rec.pop("replicas")
@@ -416,7 +431,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
            ray_address: str | None = None, margin_axes: Sequence[str] = ("speed",), progress: bool = True,
            fleet: FleetSpec | None = None, base: Condition | None = None,
            screen_base_s: float | None = None, screen_hold_s: float | None = None,
-           client: dict | None = None) -> dict:
+           layers: tuple | None = None) -> dict:
     """Search the controls for the deployment (profile, scenario; with
     `fleet`, its replicas behind a router, Ĉ the profile's); see the module
     docstring. `base` is the deployment's own condition (`only = "router"`
@@ -424,9 +439,9 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     `screen_hold_s` after it (`screen_cut`; both None: whole runs). Returns
     {"ranking": [...], "top": [...], ...} with, for each of the top
     settings, its summary, margin (along `margin_axes`)
-    and what it gives up against the best alternative. `client`, a client
-    layer's effective settings, replaces the reference client (its keys
-    searched as the module docstring says)."""
+    and what it gives up against the best alternative. `layers`, [[layer]]
+    tables' effective settings, stand above the condition's proxy (a client
+    layer's keys searched as the module docstring says)."""
     if objective_name not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective_name!r}")
     if only == "router" and fleet is None:
@@ -439,29 +454,29 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         if x is not None and not x > 0:
             raise ValueError(f"{what} must be positive, got {x!r}")
     t0 = time.perf_counter()
-    if client is not None and fleet is not None:
-        raise ValueError("a client layer runs on one engine, not on a fleet")
-    key = deployment_key(profile, scenario, fleet, client)
+    if layers is not None and fleet is not None:
+        raise ValueError("[[layer]] tables run on one engine, not on a fleet")
+    key = deployment_key(profile, scenario, fleet, layers)
     own = fleet.router if fleet is not None else None
     conds = candidates(scenario, profile.capacity, only, adapt, base)
     by_name: dict[str, Condition] = {}
     routers: dict[str, RouterConfig | None] = {}
-    clients: dict[str, dict | None] = {}
+    stacks: dict[str, tuple | None] = {}
 
-    def add(c: Condition, r: RouterConfig | None, cl: dict | None = client) -> str:
+    def add(c: Condition, r: RouterConfig | None, ls: tuple | None = layers) -> str:
         c = routed(c, r, own) if r is not None else c
-        c = with_client(c, cl, client)
+        c = with_layers(c, ls, layers)
         if c.name not in by_name:
-            by_name[c.name], routers[c.name], clients[c.name] = c, r, cl
+            by_name[c.name], routers[c.name], stacks[c.name] = c, r, ls
         return c.name
 
     firsts = first_settings(conds, fleet, only, base)
     names = list(dict.fromkeys(add(c, r) for c, r in firsts))
-    if client is not None and only in (None, "client"):
+    if layers is not None and only in (None, "client"):
         crossed = [c for c, _ in firsts if only == "client" or c.name in CONDITIONS
                    or (base is not None and c.name == base.name)]
-        names += [n for n in dict.fromkeys(add(c, None, cl) for c in crossed
-                                           for cl in client_settings(client, scenario)[1:]) if n not in names]
+        names += [n for n in dict.fromkeys(add(c, None, ls) for c in crossed
+                                           for ls in layer_settings(layers, scenario)[1:]) if n not in names]
     n_cands = len(names)
     fleet_task = None if fleet is None else (tuple(fleet.profiles), fleet.capacities(scenario))
     cut = screen_cut(scenario, screen_base_s, screen_hold_s)
@@ -483,7 +498,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         if not todo:
             return
         tasks = [(profile, scenario, fleet_task, key, c,
-                  [(by_name[n], routers[n], clients[n], s) for n, s in todo[i:i + BATCH]])
+                  [(by_name[n], routers[n], stacks[n], s) for n, s in todo[i:i + BATCH]])
                  for i in range(0, len(todo), BATCH)]
         it = _ray(tasks, ray_address, fn=_rows_task) if ray_address is not None else \
             _local(tasks, workers if workers else (os.cpu_count() or 1), fn=_rows_task)
@@ -512,7 +527,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
                 store.flush()
 
     size = lambda n: (len(by_name[n].describe().split(", ")) + _router_changes(routers[n], own)
-                      + len(client_changes(clients[n], client)))
+                      + sum(map(len, layer_changes(stacks[n], layers).values())))
     plan = stages(len(seeds), screen, finalists, cut)
     rounds = []
     for k, (n_s, full, keep) in enumerate(plan):
@@ -544,7 +559,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     margins = {n: margin_mod.margin(profile, scenario, by_name[n], seeds, margin_axes, rel_tol=0.05, workers=workers,
                                     base=verdict.summarize([rows[(n, s, "")] for s in seeds]),
                                     fleet=None if fleet is None else dataclasses.replace(fleet, router=routers[n]),
-                                    client=clients[n])
+                                    layers=stacks[n])
                if margin_axes else None for n in shown}
     tops = []
     for i, n in enumerate(shown):
@@ -552,8 +567,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         m = margins[n]
         tops.append({"rank": i + 1, "condition": n, "settings": by_name[n].settings(),
                      "router": None if routers[n] is None else vars(routers[n]).copy(),
-                     "client": client_changes(clients[n], client) if client is not None else None,
-                     "describe": describe(n, by_name, routers, clients, client), "summary": scored[n],
+                     "layers": layer_changes(stacks[n], layers) if layers is not None else None,
+                     "describe": describe(n, by_name, routers, stacks, layers), "summary": scored[n],
                      "verdict": verdict.verdict(scored[n]),
                      "margin": None if m is None else {"sentence": m["sentence"], "axes": m["axes"]},
                      "against": alt if alt != n else None,
@@ -561,7 +576,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     res = {"model": profile.name, "scenario": scenario.to_dict(), "deployment": key, "objective": objective_name,
            "only": only, "seeds": seeds, "screen_seeds": seeds[:max(1, min(screen, len(seeds)))],
            "screen_cut": list(cut) if cut else None, "margin_axes": list(margin_axes or ()), "rounds": rounds,
-           "candidates": n_cands, "client_layer": client,
+           "candidates": n_cands, "layers": None if layers is None else list(layers),
            "ranking": [{"condition": n, **{k: scored[n][k] for k in ("p", "lo", "hi", "tipping", *OBJECTIVES)}}
                        for n in ranking],
            "top": tops, "wall_s": time.perf_counter() - t0}
@@ -580,13 +595,14 @@ def _order(names: Sequence[str], rows: dict, ss: Sequence[int], tag: str, obj: s
     return sorted(names, key=lambda n: (-sc[n]["recovered"] if full else 0, -(sc[n][obj] or 0.0)))
 
 
-def describe(n: str, by_name: dict, routers: dict, clients: dict | None = None, own: dict | None = None) -> str:
+def describe(n: str, by_name: dict, routers: dict, stacks: dict | None = None, own: tuple | None = None) -> str:
     """A setting's controls in words, with its router on a fleet and its
-    client layer's keys that differ from the layer's own."""
+    layers' keys that differ from the scenario's."""
     r = routers.get(n)
-    ch = client_changes((clients or {}).get(n), own)
+    ch = layer_changes((stacks or {}).get(n), own)
     return (by_name[n].describe() + ("" if r is None else ", " + describe_router(r))
-            + ("" if not ch else ", client layer " + ", ".join(f"{k} {_value(v)}" for k, v in ch.items())))
+            + "".join(f", {kind} layer " + ", ".join(f"{k} {_value(v)}" for k, v in keys.items())
+                      for kind, keys in ch.items()))
 
 
 def router_note(own: RouterConfig, shown: Sequence[str], scored: dict, by_name: dict, routers: dict,

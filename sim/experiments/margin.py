@@ -18,11 +18,12 @@ halved geometrically until its ends are within `rel_tol` of each other. The
 crossing is where P, interpolated linearly between the bracket's ends, equals
 1/2; the bracket is the last pair of probes on either side.
 
-A client layer's key is an axis too (`layer.client.KEY`, `LAYER_AXES`) on a
-deployment with a client [[layer]]: the key's value itself is probed, from
-the layer's own, the direction its recovery takes decided as above; a
-whole-number key (max_retries) is stepped and halved on whole numbers, and
-the bracket's ends are then one apart.
+A [[layer]]'s key is an axis too (`layer.KIND.KEY`, `LAYER_AXES`: a client
+layer's timeout_s, max_retries and backoff_base_s) on a deployment with such
+a layer: the key's value itself is probed, from the layer's own, the
+direction its recovery takes decided as above; a whole-number key
+(max_retries) is stepped and halved on whole numbers, and the bracket's ends
+are then one apart.
 """
 from __future__ import annotations
 
@@ -107,15 +108,15 @@ class Axis:
 
     integer = False
 
-    def baseline(self, scenario: Scenario, client: dict | None = None) -> float:
+    def baseline(self, scenario: Scenario, layers: tuple | None = None) -> float:
         return scenario.hold_load if self.name == "hold_load" else 1.0
 
-    def limits(self, client: dict | None, x0: float) -> tuple[float, float]:
+    def limits(self, layers: tuple | None, x0: float) -> tuple[float, float]:
         return self.lo, self.hi
 
-    def client_at(self, client: dict | None, x: float) -> dict | None:
-        """The client layer's settings at x (this axis leaves them)."""
-        return client
+    def layers_at(self, layers: tuple | None, x: float) -> tuple | None:
+        """The [[layer]] settings at x (this axis leaves them)."""
+        return layers
 
     def apply(self, profile: Profile, scenario: Scenario, x: float) -> tuple[Profile, Scenario]:
         """The profile and scenario at x."""
@@ -145,8 +146,9 @@ class Axis:
 
 @dataclass(frozen=True)
 class LayerAxis:
-    """A client layer's key as an axis (`layer.client.KEY`): its value is
-    probed, from the layer's own."""
+    """A key of the first [[layer]] of a kind as an axis
+    (`layer.KIND.KEY`): its value is probed, from the layer's own."""
+    kind: str
     key: str
     worse_up: bool
     lo: float
@@ -156,47 +158,54 @@ class LayerAxis:
 
     @property
     def name(self) -> str:
-        return f"{LAYER_PREFIX}{self.key}"
+        return f"layer.{self.kind}.{self.key}"
 
-    def baseline(self, scenario: Scenario, client: dict | None = None) -> float:
-        if client is None:
-            raise ValueError(f"{self.name} needs a client [[layer]] in the scenario (the reference design's client "
-                             "has no such key)")
-        v = client.get(self.key)
+    def index(self, layers: tuple | None) -> int:
+        """Where the layer stands in `layers` (ValueError: it is not there)."""
+        i = next((i for i, s in enumerate(layers or ()) if s["kind"] == self.kind), None)
+        if i is None:
+            raise ValueError(f"{self.name} needs a {self.kind} [[layer]] in the scenario (the reference design has "
+                             "none)")
+        return i
+
+    def baseline(self, scenario: Scenario, layers: tuple | None = None) -> float:
+        v = layers[self.index(layers)].get(self.key)
         if v is None:
-            raise ValueError(f"{self.name}: the client layer sets no {self.key} (no limit): give it one in the "
+            raise ValueError(f"{self.name}: the {self.kind} layer sets no {self.key} (no limit): give it one in the "
                              "scenario's [[layer]] to search from")
         if not self.integer and not v > 0:
-            raise ValueError(f"{self.name}: the client layer's {self.key} is {v:g}; a search needs it positive")
+            raise ValueError(f"{self.name}: the {self.kind} layer's {self.key} is {v:g}; a search needs it positive")
         return v
 
-    def limits(self, client: dict | None, x0: float) -> tuple[float, float]:
+    def limits(self, layers: tuple | None, x0: float) -> tuple[float, float]:
         """The values searched: the axis's range, widened to take the layer's
         own; a first backoff no longer than the layer's backoff cap."""
         lo, hi = min(self.lo, x0), max(self.hi, x0)
-        if self.key == "backoff_base_s" and client and client.get("backoff_cap_s") is not None:
-            hi = max(x0, min(hi, client["backoff_cap_s"]))
+        cap = layers[self.index(layers)].get("backoff_cap_s")
+        if self.key == "backoff_base_s" and cap is not None:
+            hi = max(x0, min(hi, cap))
         return lo, hi
 
     def apply(self, profile: Profile, scenario: Scenario, x: float) -> tuple[Profile, Scenario]:
         return profile, scenario
 
-    def client_at(self, client: dict | None, x: float) -> dict | None:
-        return dict(client, **{self.key: int(x) if self.integer else float(x)})
+    def layers_at(self, layers: tuple | None, x: float) -> tuple | None:
+        i = self.index(layers)
+        return layers[:i] + (dict(layers[i], **{self.key: int(x) if self.integer else float(x)}),) + layers[i + 1:]
 
     def phrase(self, x: float, a: float, b: float, base: float) -> str:
         lo, hi = sorted((a, b))
         if self.integer:
-            return f"the client's {self.key} goes from {a:g} to {b:g} (now {base:g})"
-        return f"the client's {self.key} is {x:.3g} s ({lo:.3g}-{hi:.3g} s; now {base:g} s)"
+            return f"the {self.kind}'s {self.key} goes from {a:g} to {b:g} (now {base:g})"
+        return f"the {self.kind}'s {self.key} is {x:.3g} s ({lo:.3g}-{hi:.3g} s; now {base:g} s)"
 
 
-LAYER_PREFIX = "layer.client."
-LAYER_AXES = {a.key: a for a in [
-    LayerAxis("timeout_s", False, 0.5, 7200.0, False, "the client layer's per-attempt timeout in s"),
-    LayerAxis("max_retries", True, 0, 32, True, "the client layer's retries per call"),
-    LayerAxis("backoff_base_s", False, 0.01, 600.0, False, "the client layer's first backoff wait in s"),
+LAYER_AXES = {(a.kind, a.key): a for a in [
+    LayerAxis("client", "timeout_s", False, 0.5, 7200.0, False, "the client layer's per-attempt timeout in s"),
+    LayerAxis("client", "max_retries", True, 0, 32, True, "the client layer's retries per call"),
+    LayerAxis("client", "backoff_base_s", False, 0.01, 600.0, False, "the client layer's first backoff wait in s"),
 ]}
+SIMULATED_KINDS = ("client",)          # the kinds of layer the simulator runs
 
 
 AXIS = {a.name: a for a in [
@@ -209,28 +218,30 @@ AXIS = {a.name: a for a in [
 
 def axis(name: str):
     """The Axis or LayerAxis of a name."""
-    return AXIS[name] if name in AXIS else LAYER_AXES[name[len(LAYER_PREFIX):]]
+    return AXIS[name] if name in AXIS else LAYER_AXES[tuple(name.split(".")[1:])]
 
 
-def parse_axes(spec: str | Sequence[str], client: dict | None = None) -> list[str]:
-    """Axis names from "a,b" or a list: those of `AXES`, and with `client`
-    (a client layer's effective settings) `layer.client.KEY` for the keys
-    of `LAYER_AXES` the layer sets. One-line ValueError otherwise."""
+def parse_axes(spec: str | Sequence[str], layers: tuple | None = None) -> list[str]:
+    """Axis names from "a,b" or a list: those of `AXES`, and with `layers`
+    ([[layer]] tables' effective settings) `layer.KIND.KEY` for the keys of
+    `LAYER_AXES` a layer of that kind sets. One-line ValueError otherwise."""
     names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
     names = [n for n in names if n]
-    layer = [LAYER_PREFIX + k for k in LAYER_AXES]
+    layer = [a.name for a in LAYER_AXES.values()]
     for n in names:
-        if n.startswith("layer.") and not n.startswith(LAYER_PREFIX):
-            raise ValueError(f"{n}: only a client layer's keys are axes ({', '.join(layer)}); gateway layers are "
-                             "not yet simulated")
-        if n.startswith(LAYER_PREFIX):
-            if n[len(LAYER_PREFIX):] not in LAYER_AXES:
-                raise ValueError(f"unknown axis {n}; a client layer's axes: {', '.join(layer)}")
-            LAYER_AXES[n[len(LAYER_PREFIX):]].baseline(None, client)      # the layer sets it
-    bad = [n for n in names if n not in AXIS and not n.startswith(LAYER_PREFIX)]
+        if not n.startswith("layer."):
+            continue
+        kind = n.split(".")[1] if n.count(".") == 2 else ""
+        if kind not in SIMULATED_KINDS:
+            raise ValueError(f"{n}: a layer's axis is layer.KIND.KEY, of {', '.join(layer)}"
+                             + ("; gateway layers are not yet simulated" if kind == "gateway" else ""))
+        if tuple(n.split(".")[1:]) not in LAYER_AXES:
+            raise ValueError(f"unknown axis {n}; a layer's axes: {', '.join(layer)}")
+        axis(n).baseline(None, layers)          # the scenario has the layer, and the layer sets the key
+    bad = [n for n in names if n not in AXIS and not n.startswith("layer.")]
     if bad or not names:
         raise ValueError(f"unknown axis {', '.join(bad) or spec!r}; valid: {', '.join(AXES)}"
-                         + (f", {', '.join(layer)}" if client is not None else ""))
+                         + (f", {', '.join(layer)}" if layers else ""))
     return names
 
 
@@ -249,19 +260,19 @@ def fleet_run(fleet: FleetSpec, capacities: tuple, profile_at: Callable[[Profile
 
 def run_task(task: tuple, full: bool = False) -> dict:
     """One run: (profile, scenario, condition, seed, trace capacity[, fleet[,
-    client]]) -> the slim record (the full one with `full`, less a fleet's
+    layers]]) -> the slim record (the full one with `full`, less a fleet's
     per-replica records). `fleet`, (profiles, capacities, router), runs the
-    replicas behind the router instead of `profile`; `client`, a client
-    layer's effective settings, replaces the condition's client."""
+    replicas behind the router instead of `profile`; `layers`, [[layer]]
+    tables' effective settings, stand above the condition's proxy."""
     profile, scenario, condition, seed, trace_capacity, *on = task
-    fleet, client = (list(on) + [None, None])[:2]
+    fleet, layers = (list(on) + [None, None])[:2]
     trace = make_trace(trace_capacity, scenario, seed)
     if fleet is not None:                   # a fleet: (replicas' profiles, their Ĉ, router)
         profiles, capacities, router = fleet
         rec = run_fleet(list(profiles), condition, trace, scenario, list(capacities), router, seed, scenario.pulse)
         rec.pop("replicas", None)
     else:
-        rec = verdict.run_record(profile, scenario, condition, seed, trace, client=client)
+        rec = verdict.run_record(profile, scenario, condition, seed, trace, layers=layers)
     return rec if full else slim(rec)
 
 
@@ -287,11 +298,11 @@ def run_conditions(profile: Profile, scenario: Scenario, conditions: Sequence[Co
 
 def cell(profile: Profile, scenario: Scenario, condition: Condition, seeds: Sequence[int],
          workers: int | None = 1, trace_capacity: float | None = None, fleet: tuple | None = None,
-         client: dict | None = None) -> dict:
+         layers: tuple | None = None) -> dict:
     """summarize() of `condition` over `seeds`, traces drawn at `trace_capacity`
-    (default the profile's); on `fleet` or under `client` (see run_task) if given."""
+    (default the profile's); on `fleet` or under `layers` (see run_task) if given."""
     cap = trace_capacity or profile.capacity
-    return verdict.summarize(run_many([(profile, scenario, condition, s, cap, fleet, client) for s in seeds],
+    return verdict.summarize(run_many([(profile, scenario, condition, s, cap, fleet, layers) for s in seeds],
                                       workers))
 
 
@@ -299,21 +310,21 @@ def cell(profile: Profile, scenario: Scenario, condition: Condition, seeds: Sequ
 def margin(profile: Profile, scenario: Scenario, condition: Condition, seeds: Sequence[int],
            axes: Sequence[str] = AXES, rel_tol: float = 0.02, workers: int | None = 1,
            progress: Callable[[str], None] | None = None, base: dict | None = None,
-           fleet: FleetSpec | None = None, client: dict | None = None) -> dict:
+           fleet: FleetSpec | None = None, layers: tuple | None = None) -> dict:
     """The margin of `condition` on (profile, scenario) along each axis.
     Returns a JSON-able record: the baseline cell's summary, and per axis the
     crossing, its bracket and every probe (x, P, Wilson interval). `base`:
     the baseline cell's summary when the caller has it (the same seeds).
     With `fleet`, the replicas behind its router run instead of `profile`
     (whose capacity is then the fleet's Ĉ, the traces' rate): the speed and
-    kv axes perturb every replica alike. `client`, a client layer's
-    effective settings, replaces the condition's client at every probe; its
-    keys are axes then (`LAYER_AXES`)."""
+    kv axes perturb every replica alike. `layers`, [[layer]] tables'
+    effective settings, stand above the condition's proxy at every probe;
+    their keys are axes then (`LAYER_AXES`)."""
     t0 = time.perf_counter()
     seeds = list(seeds)
     if not seeds:
         raise ValueError("margin needs at least one seed")
-    axes = parse_axes(axes, client)
+    axes = parse_axes(axes, layers)
     caps = tuple(fleet.capacities(scenario)) if fleet is not None else ()
 
     def on(ax: Axis | None = None, x: float = 1.0):
@@ -322,23 +333,23 @@ def margin(profile: Profile, scenario: Scenario, condition: Condition, seeds: Se
             return None
         return fleet_run(fleet, caps, (lambda p: ax.apply(p, scenario, x)[0]) if ax else (lambda p: p))
     base = base if base is not None else cell(profile, scenario, condition, seeds, workers, fleet=on(),
-                                              client=client)
+                                              layers=layers)
     out_axes = []
     for name in axes:
         ax = axis(name)
-        x0 = ax.baseline(scenario, client)
+        x0 = ax.baseline(scenario, layers)
         seen: dict[float, dict] = {x0: base}
 
         def p(x: float) -> float:
             if x not in seen:
                 prof, sc = ax.apply(profile, scenario, x)
                 seen[x] = cell(prof, sc, condition, seeds, workers, trace_capacity=profile.capacity,
-                               fleet=on(ax, x), client=ax.client_at(client, x))
+                               fleet=on(ax, x), layers=ax.layers_at(layers, x))
                 if progress:
                     s = seen[x]
                     progress(f"  {name} {x:.4g}: P = {s['p']:.2f} [{s['lo']:.2f}, {s['hi']:.2f}]")
             return seen[x]["p"]
-        lo, hi = ax.limits(client, x0)
+        lo, hi = ax.limits(layers, x0)
         worse, better = (hi, lo) if ax.worse_up else (lo, hi)
         r = find_crossing(p, x0, worse, better, rel_tol=rel_tol, integer=ax.integer)
         probes = [{"x": x, "p": seen[x]["p"], "lo": seen[x]["lo"], "hi": seen[x]["hi"], "n": seen[x]["n"],
@@ -353,8 +364,8 @@ def margin(profile: Profile, scenario: Scenario, condition: Condition, seeds: Se
            "verdict": verdict.verdict(base), "axes": out_axes, "wall_s": time.perf_counter() - t0}
     if fleet is not None:
         res["fleet"] = fleet.document()
-    if client is not None:
-        res["client_layer"] = client
+    if layers is not None:
+        res["layers"] = list(layers)
     res["sentence"] = sentence(res)
     return res
 

@@ -68,14 +68,19 @@ class Stack:
         return Stack(tuple((k, client if k == "client" else c) for k, c in self.layers))
 
     @classmethod
-    def under_client(cls, condition, client: dict, scenario=None) -> "Stack":
-        """A condition's proxy and the default router under a client layer's
-        effective settings (`sim.policy.presets.preset`): what a run of the
-        condition drives on a scenario with a client [[layer]]. The layer
-        sends no retries where the condition turns them off."""
-        if not condition.retries:
-            client = dict(client, max_retries=0)
-        return cls.from_config(condition, None, scenario).with_client(client)
+    def under_layers(cls, condition, layers, scenario=None) -> "Stack":
+        """A condition's proxy and the default router under `[[layer]]`
+        tables' effective settings (`sim.policy.presets.preset`, application
+        first): what a run of the condition drives on a scenario with such
+        layers. A client layer takes the client's place and sends no retries
+        where the condition turns them off; the simulator runs no other kind
+        of layer yet (ValueError)."""
+        layers = list(layers)
+        if layers and layers[0]["kind"] == "client" and not condition.retries:
+            layers[0] = dict(layers[0], max_retries=0)
+        if len(layers) != 1 or layers[0]["kind"] != "client":
+            raise ValueError(f"layers {[s['kind'] for s in layers]}: one client layer is simulated, no other")
+        return cls.from_config(condition, None, scenario).with_client(layers[0])
 
     def config(self, kind: str):
         return next(c for k, c in self.layers if k == kind)
