@@ -88,9 +88,6 @@ def _screen_cut(text: str) -> tuple[float | None, float | None] | None:
 
 
 def cmd_advise(a) -> int:
-    if a.only == "gateway":
-        raise args.UsageError("advise: --only gateway searches a gateway [[layer]]'s keys, and gateway layers are not "
-                              "yet simulated: give --only client|proxy|engine|router")
     dep = generated(a, client_layer=True)
     layers = dep.run_layers()
     if a.only == "router" and dep.fleet is None:
@@ -169,9 +166,10 @@ def add_subcommands(sub) -> None:
     _common(p, condition=False)
     p.add_argument("--objective", choices=advise_mod.OBJECTIVES, default="timely",
                    help="timely: calls within deadline; delivered: calls delivered; burst: pulse calls delivered")
-    p.add_argument("--only", choices=(*advise_mod.LAYERS, "gateway"), default=None,
+    p.add_argument("--only", choices=advise_mod.LAYERS, default=None,
                    help="search one layer's settings only (router: a fleet's router, the scenario's controls kept; "
-                        "client: with a client [[layer]], its timeout_s, max_retries and backoff too)")
+                        "client: with a client [[layer]], its timeout_s, max_retries and backoff too; gateway: a "
+                        "gateway [[layer]]'s timeout_s, max_retries and passes_disconnect, the controls kept)")
     p.add_argument("--screen", type=args.positive(int), default=2,
                    help="seeds of the screen (default 2): every setting runs on the first, the best third on these")
     p.add_argument("--screen-cut", metavar="BASE,HOLD|none", default=None,

@@ -167,10 +167,10 @@ def test_a_layer_axis_without_a_client_layer_ends_in_one_line(capsys):
     assert "needs a client [[layer]]" in err and "\n" not in err
 
 
-def test_advise_only_gateway_ends_in_one_line_while_gateways_are_not_simulated(capsys):
-    assert main(["advise", "--only", "gateway", "--seeds", "0-1"]) == 2
+def test_advise_only_gateway_without_a_gateway_layer_ends_in_one_line(tmp_path, capsys):
+    assert main(["advise", "--only", "gateway", "--seeds", "0-1", "--scenario", _file(tmp_path, tiny())]) == 2
     err = capsys.readouterr().err.strip()
-    assert "gateway layers are not yet simulated" in err and "\n" not in err
+    assert "the scenario has none" in err and "\n" not in err
 
 
 def test_gives_up_compares_no_margins_searched_from_different_values():

@@ -58,10 +58,14 @@ two and five deadlines), its retries (none, one, its own) and its backoff
 (its own, or exponential from an eighth of a deadline capped at one). A
 setting whose layers differ from the scenario's is named
 `CONDITION;client=KEY=VALUE,...` (a layer's kind, then its changed keys).
-`only = "client"` crosses the client conditions (retries on, off) with
-every client setting; the full search
-runs the control grid under the layer's own client and the named
-conditions (and the scenario's own) under every client setting.
+A gateway layer's keys likewise (`gateway_settings`): its upstream timeout
+(its own, and half, one, two and five deadlines), its retries (its own, none,
+one) and whether it passes a client's disconnect on. `only = "client"`
+crosses the client conditions (retries on, off) with every client setting;
+`only = "gateway"` keeps the scenario's controls and tries every gateway
+setting; the full search runs the control grid under the scenario's layers
+and the named conditions (and the scenario's own) under every client and
+every gateway setting.
 """
 from __future__ import annotations
 
@@ -86,7 +90,7 @@ from . import margin as margin_mod
 from .sweep import _local, _ray, _Store, flatten, read_table
 
 OBJECTIVES = ("timely", "delivered", "burst")
-LAYERS = ("client", "proxy", "engine", "router")
+LAYERS = ("client", "gateway", "proxy", "engine", "router")
 RETRIES = (True, False)
 CANCELS = ("off", "now", "deferred:10", "deferred:30")
 BUDGETS = (0.0, 0.1, 0.2)
@@ -124,7 +128,7 @@ def candidates(scenario: Scenario, capacity: float, only: str | None = None,
     deployment's: `base` (default no-control) alone."""
     if only is not None and only not in LAYERS:
         raise ValueError(f"--only must be one of {', '.join(LAYERS)}, got {only!r}")
-    if only == "router":
+    if only in ("router", "gateway"):
         c = base or CONDITIONS["no-control"]
         return [adapt(c) if adapt else c]
     full = engine_cap_for(capacity, scenario)
@@ -191,12 +195,43 @@ def client_settings(client: dict, scenario: Scenario) -> list[dict]:
     return out
 
 
-def layer_settings(layers: tuple, scenario: Scenario) -> list[tuple]:
+def gateway_settings(gateway: dict, scenario: Scenario) -> list[dict]:
+    """A gateway layer's keys the search tries (see the module docstring):
+    the layer's own settings first, then each other combination of upstream
+    timeout, retries and passing a disconnect on."""
+    d = scenario.deadline_s
+    timeouts = list(dict.fromkeys([gateway.get("timeout_s")] + [f * d for f in TIMEOUT_DEADLINES]))
+    own_r = gateway.get("max_retries")
+    retries = list(dict.fromkeys([own_r, *CLIENT_RETRIES])) if own_r is not None else [None]
+    passes = list(dict.fromkeys([gateway["passes_disconnect"], not gateway["passes_disconnect"]])) \
+        if "passes_disconnect" in gateway else [None]
+    out = [gateway]
+    for t in timeouts:
+        for r in retries:
+            for p in passes:
+                g = dict(gateway, timeout_s=t, max_retries=r)
+                if p is not None:
+                    g["passes_disconnect"] = p
+                if g not in out:
+                    out.append(g)
+    return out
+
+
+KEYS_OF = {"client": client_settings, "gateway": gateway_settings}
+
+
+def layer_settings(layers: tuple, scenario: Scenario, only: str | None = None) -> list[tuple]:
     """The [[layer]] settings the search tries: the scenario's first, then
-    each of `client_settings` for its client layer (the others as given)."""
-    if layers[0]["kind"] != "client":
-        return [layers]
-    return [layers] + [(c,) + tuple(layers[1:]) for c in client_settings(layers[0], scenario)[1:]]
+    for each layer of a kind whose keys are searched (`only`'s kind, or
+    every kind), each of its settings with the other layers as given."""
+    out = [tuple(layers)]
+    for i, s in enumerate(layers):
+        if s["kind"] in KEYS_OF and only in (None, s["kind"]):
+            for v in KEYS_OF[s["kind"]](s, scenario)[1:]:
+                ls = tuple(layers[:i]) + (v,) + tuple(layers[i + 1:])
+                if ls not in out:
+                    out.append(ls)
+    return out
 
 
 def layer_changes(layers: tuple | None, own: tuple | None) -> dict:
@@ -472,11 +507,13 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
 
     firsts = first_settings(conds, fleet, only, base)
     names = list(dict.fromkeys(add(c, r) for c, r in firsts))
-    if layers is not None and only in (None, "client"):
-        crossed = [c for c, _ in firsts if only == "client" or c.name in CONDITIONS
+    if only == "gateway" and not any(s["kind"] == "gateway" for s in layers or ()):
+        raise ValueError("--only gateway searches a gateway [[layer]]'s keys, and the scenario has none")
+    if layers is not None and only in (None, "client", "gateway"):
+        crossed = [c for c, _ in firsts if only is not None or c.name in CONDITIONS
                    or (base is not None and c.name == base.name)]
         names += [n for n in dict.fromkeys(add(c, None, ls) for c in crossed
-                                           for ls in layer_settings(layers, scenario)[1:]) if n not in names]
+                                           for ls in layer_settings(layers, scenario, only)[1:]) if n not in names]
     n_cands = len(names)
     fleet_task = None if fleet is None else (tuple(fleet.profiles), fleet.capacities(scenario))
     cut = screen_cut(scenario, screen_base_s, screen_hold_s)

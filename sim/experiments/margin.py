@@ -204,6 +204,8 @@ LAYER_AXES = {(a.kind, a.key): a for a in [
     LayerAxis("client", "timeout_s", False, 0.5, 7200.0, False, "the client layer's per-attempt timeout in s"),
     LayerAxis("client", "max_retries", True, 0, 32, True, "the client layer's retries per call"),
     LayerAxis("client", "backoff_base_s", False, 0.01, 600.0, False, "the client layer's first backoff wait in s"),
+    LayerAxis("gateway", "timeout_s", False, 0.5, 7200.0, False, "the gateway layer's upstream timeout in s"),
+    LayerAxis("gateway", "max_retries", True, 0, 32, True, "the gateway layer's retries per attempt from above"),
 ]}
 SIMULATED_KINDS = ("client",)          # the kinds of layer the simulator runs
 
