@@ -41,7 +41,7 @@ def condition(a, base: Condition | None = None) -> Condition | None:
 
 
 def cmd_run(a) -> int:
-    dep = deployment(a, client_layer=True)
+    dep = deployment(a, layers=True)
     png = getattr(a, "queues_png", None)
     if png and dep.fleet is None:
         raise args.UsageError("run: --queues-png draws a fleet's replicas: give a --scenario with a [fleet] section")
@@ -153,7 +153,7 @@ def class_tables(recs: list[dict], sc) -> str:
 
 
 def cmd_diagnose(a) -> int:
-    dep = deployment(a, client_layer=True)
+    dep = deployment(a, layers=True)
     prof, sc = dep.profile, dep.scenario
     layers = dep.run_layers()
     if a.seeds is not None:

@@ -21,23 +21,23 @@ from .scenario_cmds import deployment as scenario_deployment, layers_line
 DEFAULT_SEEDS = 10
 
 
-def generated(a, client_layer: bool = False):
+def generated(a, layers: bool = False):
     """The deployment of --model and --scenario (a named scenario or a
     scenario file), refused in one line when its workload is a replayed
-    trace. With `client_layer`, a scenario with a client [[layer]] is taken
-    too (`Deployment.run_layers` gives its settings)."""
-    dep = scenario_deployment(a, client_layer=client_layer)
+    trace. With `layers`, a scenario with [[layer]] tables the simulator
+    runs is taken too (`Deployment.run_layers` gives their settings)."""
+    dep = scenario_deployment(a, layers=layers)
     if dep.trace_source is not None:
         raise args.UsageError(f"{a.command}: works on a generated workload; {dep.name} has a replayed trace")
     return dep
 
 
-def deployment(a, client_layer: bool = False):
+def deployment(a, layers: bool = False):
     """(profile, scenario, adapt, fleet) of the deployment (`generated`): the
     profile carries the workload's Ĉ (a fleet's: the sum of its replicas'),
     adapt gives a condition the deployment's proxy times and engine cap,
     fleet is the scenario's [fleet] (None: one engine)."""
-    return parts(generated(a, client_layer))
+    return parts(generated(a, layers))
 
 
 def parts(dep):
@@ -50,7 +50,7 @@ def _progress(line: str) -> None:
 
 
 def cmd_margin(a) -> int:
-    dep = generated(a, client_layer=True)
+    dep = generated(a, layers=True)
     prof, sc, adapt, fleet = parts(dep)
     layers = dep.run_layers()
     cond = adapt(get_condition(a.condition))
@@ -88,7 +88,7 @@ def _screen_cut(text: str) -> tuple[float | None, float | None] | None:
 
 
 def cmd_advise(a) -> int:
-    dep = generated(a, client_layer=True)
+    dep = generated(a, layers=True)
     layers = dep.run_layers()
     if a.only == "router" and dep.fleet is None:
         raise args.UsageError(f"advise: --only router searches a fleet's router, and {dep.name} has one engine: give "

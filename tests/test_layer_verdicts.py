@@ -147,7 +147,8 @@ def test_client_settings_start_with_the_layers_own_and_keep_its_other_keys():
 # ------------------------------------------------------------------ bad axes
 @pytest.mark.parametrize("command, axes, message", [
     ("margin", "layer.client.nope", "unknown axis layer.client.nope"),
-    ("margin", "layer.gateway.timeout_s", "gateway layers are not yet simulated"),
+    ("margin", "layer.gateway.timeout_s", "needs a gateway [[layer]]"),
+    ("margin", "layer.proxy.cap", "a layer's axis is layer.KIND.KEY"),
     ("margin", "speed,warp", "unknown axis 'warp'"),
     ("diagnose", "layer.client.nope", "unknown axis layer.client.nope"),
     ("advise", "layer.client.nope", "unknown axis layer.client.nope"),

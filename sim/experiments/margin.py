@@ -207,7 +207,7 @@ LAYER_AXES = {(a.kind, a.key): a for a in [
     LayerAxis("gateway", "timeout_s", False, 0.5, 7200.0, False, "the gateway layer's upstream timeout in s"),
     LayerAxis("gateway", "max_retries", True, 0, 32, True, "the gateway layer's retries per attempt from above"),
 ]}
-SIMULATED_KINDS = ("client",)          # the kinds of layer the simulator runs
+SIMULATED_KINDS = ("client", "gateway")          # the kinds of layer whose keys are axes
 
 
 AXIS = {a.name: a for a in [
