@@ -180,3 +180,41 @@ def test_gives_up_compares_no_margins_searched_from_different_values():
                                     "recovers_at_baseline": True}]}
     assert A.gives_up(s, s, ax(120.0, 21.0), ax(240.0, 21.0)) == []
     assert A.gives_up(s, s, ax(120.0, 100.0), ax(120.0, 21.0)) != []
+
+
+# ------------------------------------------------------------------ gateway layers
+def tiny_behind(gateway: dict, **client) -> "Deployment":
+    """`tiny` with a gateway [[layer]] between the SDK and the proxy."""
+    doc = tiny(**client).document()
+    doc["layer"].append({"kind": "gateway", **gateway})
+    return from_document(doc, "tiny-gw.toml")
+
+
+def test_margin_finds_an_edge_along_a_gateways_upstream_timeout():
+    dep = tiny_behind({"preset": "nginx"})
+    prof, sc = _parts(dep)
+    cond = dep.condition_for(get_condition("no-control"))
+    res = M.margin(prof, sc, cond, SEEDS, ["layer.gateway.timeout_s"], rel_tol=0.05, workers=1,
+                   layers=dep.run_layers())
+    ax = res["axes"][0]
+    assert ax["baseline"] == PRESETS["nginx"].settings["timeout_s"].value and ax["recovers_at_baseline"]
+    assert ax["crossing"] is not None
+    a, b = ax["bracket"]
+    assert b < a < ax["baseline"]               # a shorter upstream timeout: 504s the SDK retries
+    assert "gateway's timeout_s" in res["sentence"]
+
+
+def test_diagnose_and_advise_only_gateway_on_a_gateway_stack(tmp_path):
+    dep = tiny_behind({"preset": "litellm", "timeout_s": 3.0}, timeout_s=7.5)
+    out = _diagnose(tmp_path, _file(tmp_path, dep), "gw")
+    assert [s["kind"] for s in out["layers"]] == ["client", "gateway"]
+    nc = next(r for r in out["runs"] if r["condition"] == "no-control")
+    gw = nc["extra"]["layers"][0]
+    assert gw["preset"] == "litellm" and gw["upstream_timeout"] > 0 and gw["retries"] > 0
+    prof, sc = _parts(dep)
+    r = A.advise(prof, sc, SEEDS, only="gateway", adapt=dep.condition_for, margin_axes=(), progress=False,
+                 layers=dep.run_layers(), base=dep.condition, screen_base_s=None, screen_hold_s=None)
+    assert all(x["condition"].split(";")[0] == dep.condition.name for x in r["ranking"])
+    changed = set().union(*(t["layers"].get("gateway", {}) for t in r["top"]))
+    assert changed and changed <= {"timeout_s", "max_retries", "passes_disconnect"}
+    assert not any(t["layers"].get("client") for t in r["top"])        # the client layer as given
