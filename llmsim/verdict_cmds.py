@@ -108,7 +108,7 @@ def cmd_advise(a) -> int:
     except ValueError as e:
         raise args.UsageError(f"advise: {e}") from None
     if layers is not None:
-        print(f"under {layers_line(layers)}: a client layer's keys are searched with the client's layer")
+        print(f"under {layers_line(layers)}")
     print(advise_mod.report(res))
     print(f"({res['wall_s']:.1f} s)")
     args.write_json(a.json, res)
