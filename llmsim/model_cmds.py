@@ -323,7 +323,8 @@ def add_subcommands(sub) -> None:
                    help=f"a count N (seeds 0..N-1) or seeds like 0-4 (default {DIAGNOSE_SEEDS}): P(recovered) with its "
                         "95%% interval, shares as median (10th-90th percentile)")
     p.add_argument("--margin", nargs="?", const="speed", default=None, metavar="AXES",
-                   help="add each condition's margin along AXES (default speed; of speed,pulse,hold_load,kv)")
+                   help="add each condition's margin along AXES (default speed; of speed,pulse,hold_load,kv, or a "
+                        "[[layer]]'s key as layer.KIND.KEY)")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(fn=cmd_diagnose)
 

@@ -156,7 +156,8 @@ def add_subcommands(sub) -> None:
     p = sub.add_parser("margin", help="how far the deployment is from where its recovery verdict flips, per axis")
     _common(p, condition=True)
     p.add_argument("--axes", default=",".join(margin_mod.AXES),
-                   help=f"comma-separated, of {', '.join(margin_mod.AXES)} (default all)")
+                   help=f"comma-separated, of {', '.join(margin_mod.AXES)} (default all), or a [[layer]]'s key: "
+                        "layer.client.timeout_s|max_retries|backoff_base_s, layer.gateway.timeout_s|max_retries")
     p.add_argument("--rel-tol", type=args.positive(), default=0.02,
                    help="bisection stops when the bracket's ends are within this ratio (default 0.02)")
     p.add_argument("--json", metavar="PATH")
