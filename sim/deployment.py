@@ -694,11 +694,14 @@ class Deployment:
         if not self.stack_layers:
             return None
         self.require_simulated(layers=True)
-        settings = self.layer_settings()
-        if not condition.retries and layer_kind(settings[0]["kind"]).top and "max_retries" in settings[0]:
-            settings[0] = dict(settings[0], max_retries=0)
         router = self.fleet.router if self.fleet is not None else None
-        return Stack.from_config(condition, router, self.scenario).with_layers(settings)
+        return Stack.under_layers(condition, self.run_layers(), self.scenario, router)
+
+    def run_layers(self) -> tuple | None:
+        """The [[layer]] tables' effective settings as a run takes them
+        (`Stack.under_layers`; application first), or None: the reference
+        design's client."""
+        return tuple(self.layer_settings()) if self.stack_layers else None
 
     def _fields(self, section: str) -> dict:
         """The section's keys that are Scenario fields, with the scenario's values."""

@@ -108,3 +108,20 @@ def test_layers_on_a_fleet_run_the_same_with_and_without_fast_forward(placement)
     assert recs[0]["extra"]["layers"][0]["queue_timeout"] > 0
     assert golden.differences(_no_step_events(recs[0]), _no_step_events(recs[1])) == []
     assert recs[0]["extra"]["layers"] == recs[1]["extra"]["layers"]
+
+
+def test_margin_and_advise_runs_on_a_fleet_take_its_layers():
+    from dataclasses import replace
+
+    from sim.experiments.advise import _rows_task
+    from sim.experiments.margin import run_task
+    dep = _dep([SDK, NGINX], "replica")
+    cond, s = dep.condition_for(), dep.scenario
+    fl = dep.fleet
+    ref = dep.run(0)
+    rec = run_task((dep.profile, s, cond, 0, dep.capacity, (fl.profiles, fl.capacities(s), fl.router),
+                    dep.run_layers()), full=True)
+    assert rec["extra"]["layers"] == ref["extra"]["layers"] and rec["attempts"] == ref["attempts"]
+    (row,) = _rows_task((replace(dep.profile, capacity=dep.capacity), s, (fl.profiles, fl.capacities(s)), "k", None,
+                         [(cond, fl.router, dep.run_layers(), 0)]))
+    assert row["attempts_refused_gateway"] == ref["attempts"]["refused_gateway"] > 0
