@@ -11,6 +11,9 @@ trace's `klass` column).
 - `call_priorities(trace, scenario)`: each call's priority, which its
   executions carry to the engine (`Request.priority`): the class's, 0
   without classes.
+- `call_classes(trace, scenario)`: each call's class name, which its
+  attempts carry to the proxy (`Attempt.klass`, for shedding by class);
+  None without classes.
 """
 from __future__ import annotations
 
@@ -59,3 +62,11 @@ def call_priorities(trace: Trace, scenario: Scenario) -> list[int]:
         return [0] * len(trace)
     prio = [c.priority for c in scenario.classes]
     return [prio[k] for k in trace.klass.tolist()]
+
+
+def call_classes(trace: Trace, scenario: Scenario) -> list:
+    """Each call's class name (None without classes)."""
+    if not scenario.classes or trace.klass is None:
+        return [None] * len(trace)
+    names = [c.name for c in scenario.classes]
+    return [names[k] for k in trace.klass.tolist()]

@@ -54,10 +54,13 @@ def thin_log(log: list) -> None:
 
 def refusal_outcome(reason: str) -> str:
     """An attempt's outcome for a proxy refusal's reason (sim.policy.proxy.Refuse.reason)."""
-    return {"budget": "refused_budget", "engine": "refused_engine"}.get(reason, "refused_proxy")
+    return _REFUSALS.get(reason, "refused_proxy")
 
 
-ATTEMPT_OUTCOMES = ("", "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy")
+# a per-class control's refusal (shedding, a class's retry budget or cap: sim.policy.proxy) is a shed attempt
+_REFUSALS = {"budget": "refused_budget", "engine": "refused_engine", "shed": "refused_shed",
+             "class_budget": "refused_shed", "class_cap": "refused_shed"}
+ATTEMPT_OUTCOMES = ("", "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy", "refused_shed")
 CALL_OUTCOMES = ("", "delivered", "failed_attempts", "failed_retry_after")
 EXECUTION_FATES = ("", "completed", "aborted", "dropped", "refused")
 
