@@ -485,8 +485,9 @@ CLASS_KEYS = ("cohorts", "recovered", "recovery_time_s", "rates_xC", "prompt_tok
 def _class_series(log: RunLog, executions) -> Series:
     """The 1 s series of one class's executions, from their records: in the
     proxy's queue from creation to dispatch, waiting in the engine from
-    dispatch (if accepted) to the first scheduled step, running from there to
-    the end (a preempted execution's second wait counts as running)."""
+    dispatch (if accepted) to the first scheduled step (in a live run, which
+    cannot see it, the first token), running from there to the end (a
+    preempted execution's second wait counts as running)."""
     t = np.asarray(log.series.t, dtype=float)
     end = float(log.end_time) + 1.0
 
@@ -495,8 +496,11 @@ def _class_series(log: RunLog, executions) -> Series:
         b = np.sort(np.where(np.isnan(stops), end, stops))
         return (np.searchsorted(a, t, side="right") - np.searchsorted(b, t, side="right")).astype(np.int64)
 
-    created, dispatched, sched, finished = (column(executions, k) for k in (
-        "created_at", "dispatched_at", "first_scheduled_at", "finished_at"))
+    created, dispatched, sched, first_token, finished = (column(executions, k) for k in (
+        "created_at", "dispatched_at", "first_scheduled_at", "first_token_at", "finished_at"))
+    # a live run cannot see a request's first step: its wait ends at its first token there (the prefill
+    # counted as waiting); a simulated execution without a first step has no first token either
+    sched = np.where(np.isnan(sched), first_token, sched)
     left_proxy = np.where(np.isnan(dispatched), finished, dispatched)
     waited = np.where(column(executions, "accepted"), dispatched, np.nan)
     left_queue = np.where(np.isnan(sched), finished, sched)
