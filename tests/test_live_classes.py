@@ -89,3 +89,22 @@ def test_live_point_agrees_with_its_prediction_on_each_class_recovery(cpu_engine
     # each class's recovery as predicted on the engine's own step times
     for name, row in p["classes"].items():
         assert row["agrees_engine_steps"], (name, row)
+
+
+def test_a_live_class_queue_ends_at_the_first_token():
+    """A live run cannot see a request's first step: its wait in a class's
+    queue ends at its first token, not at its end."""
+    from types import SimpleNamespace
+    import numpy as np
+    from sim.measures import _class_series
+    from sim.runlog import ExecutionRecord, Series
+    t = np.arange(0.0, 11.0)
+    log = SimpleNamespace(series=Series(t=t, waiting=t * 0, running=t * 0, proxy_queue=t * 0), end_time=10.0)
+    live = ExecutionRecord(0, 0, 0, 10, 5, 0.0, dispatched_at=1.0, accepted=True, first_token_at=3.5,
+                           finished_at=8.5, fate="completed")
+    s = _class_series(log, [live])
+    assert list(s.waiting) == [0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+    assert list(s.running) == [0, 0, 0, 0, 1, 1, 1, 1, 1, 0, 0]
+    simulated = ExecutionRecord(1, 0, 0, 10, 5, 0.0, dispatched_at=1.0, accepted=True, first_scheduled_at=2.5,
+                                first_token_at=3.5, finished_at=8.5, fate="completed")
+    assert list(_class_series(log, [simulated]).waiting) == [0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]
