@@ -14,6 +14,10 @@ trace's `klass` column).
 - `call_classes(trace, scenario)`: each call's class name, which its
   attempts carry to the proxy (`Attempt.klass`, for shedding by class);
   None without classes.
+- `call_objectives(trace, scenario)`: each call's priority as an inference
+  gateway reads it (the Inference Extension's InferenceObjective priority:
+  below 0 is sheddable): -1 for a call of a class the verdict does not need
+  to recover (`must_recover = false`: best-effort traffic), else 0.
 """
 from __future__ import annotations
 
@@ -70,3 +74,9 @@ def call_classes(trace: Trace, scenario: Scenario) -> list:
         return [None] * len(trace)
     names = [c.name for c in scenario.classes]
     return [names[k] for k in trace.klass.tolist()]
+def call_objectives(trace: Trace, scenario: Scenario) -> list[int]:
+    """Each call's priority as an inference gateway sheds by it (module docstring)."""
+    if not scenario.classes or trace.klass is None:
+        return [0] * len(trace)
+    prio = [0 if c.must_recover else -1 for c in scenario.classes]
+    return [prio[k] for k in trace.klass.tolist()]

@@ -44,7 +44,7 @@ def _refusal(actions):
 def test_sheddable_class_is_refused_while_the_engine_view_is_saturated(when, view, above):
     p = _proxy(view, shed_classes=("batch",), shed_when=when, shed_above=above, shed_status=503)
     r = _refusal(p.on_attempt(0.0, Attempt(0, 0, klass="batch"), prompt_len=50))
-    assert r is not None and r.status == 503 and r.reason == "shed" and r.retry_after is None
+    assert r is not None and r.status == 503 and r.reason == "class_shed" and r.retry_after is None
     assert _refusal(p.on_attempt(0.0, Attempt(1, 0, klass="chat"), prompt_len=50)) is None   # not sheddable
     calm = _proxy(dataclasses.replace(view, waiting=0.0, kv_usage=0.0), shed_classes=("batch",), shed_when=when,
                   shed_above=above)
@@ -58,7 +58,7 @@ def test_proxy_queue_rule_and_429_with_the_estimate_as_retry_after():
         assert _refusal(p.on_attempt(0.0, Attempt(i, 0, klass="chat"), prompt_len=100)) is None
     assert p.queued == 2
     r = _refusal(p.on_attempt(0.0, Attempt(9, 0, klass="batch"), prompt_len=100))
-    assert r.status == 429 and r.reason == "shed"
+    assert r.status == 429 and r.reason == "class_shed"
     assert r.retry_after == pytest.approx((2 * 100 + 100) / 100.0)     # the queued prompts and its own
 
 
@@ -215,7 +215,7 @@ def test_live_proxy_sheds_by_the_x_class_header():
                     body = dict(BODY, stream=False)
                     async with s.post(url + "/v1/completions", json=body,
                                       headers={"X-Call-Id": "b1", "X-Class": "batch"}) as r:
-                        assert r.status == 503 and r.headers["X-Refused-Reason"] == "shed"
+                        assert r.status == 503 and r.headers["X-Refused-Reason"] == "class_shed"
                         assert "Retry-After" not in r.headers
                     async with s.post(url + "/v1/completions", json=body,
                                       headers={"X-Call-Id": "c1", "X-Class": "chat"}) as r:

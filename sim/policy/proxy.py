@@ -42,7 +42,7 @@ itself is dequeued first in, first out.
 Shedding by class (docs/classes.md): each attempt carries its call's
 traffic class (`Attempt.klass`, the name; None without classes). After the
 budget and the lookup, an attempt of a class named in `shed_classes` that
-would need a new execution is refused (reason `shed`) while the proxy is
+would need a new execution is refused (reason `class_shed`) while the proxy is
 saturated by its rule `shed_when` over `shed_above`: `proxy_queue`, the
 executions held in the proxy's own queue; `engine_waiting`, the requests
 waiting in the engine (`EngineView.waiting`); `kv_usage`, the engine's KV
@@ -263,7 +263,7 @@ class Refuse:
     attempt: Attempt
     status: int                   # 429 or 503
     retry_after: float | None = None
-    reason: str = ""              # budget | engine | deadline | shed | class_budget | class_cap
+    reason: str = ""              # budget | engine | deadline | class_shed | class_budget | class_cap
 
 
 @dataclass(slots=True)
@@ -427,7 +427,7 @@ class Proxy:
                 attempt.open = False
                 return [Refuse(attempt, 429, self.estimate_wait(t, prompt_len), "class_budget")]
         if k in self.shed_classes and self.saturated(t):
-            return self._shed_refusal(t, attempt, prompt_len, "shed")
+            return self._shed_refusal(t, attempt, prompt_len, "class_shed")
         cap = self.class_caps.get(k)
         if cap is not None and self.class_live[k] >= cap:
             return self._shed_refusal(t, attempt, prompt_len, "class_cap")
