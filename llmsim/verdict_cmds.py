@@ -10,6 +10,7 @@ import sys
 
 from sim.conditions import CONDITIONS, get_condition
 from sim.experiments import advise as advise_mod
+from sim.experiments import advise_classes as advise_classes_mod
 from sim.experiments import margin as margin_mod
 from sim.experiments import phasemap
 from sim.scenario import SCENARIOS
@@ -88,7 +89,9 @@ def _screen_cut(text: str) -> tuple[float | None, float | None] | None:
 
 
 def cmd_advise(a) -> int:
-    dep = generated(a, layers=True)
+    dep = generated(a, layers=not a.by_class)     # --by-class: a scenario with [[layer]]s is refused in one line
+    if a.by_class:
+        return _advise_by_class(a, dep)
     layers = dep.run_layers()
     if a.only == "router" and dep.fleet is None:
         raise args.UsageError(f"advise: --only router searches a fleet's router, and {dep.name} has one engine: give "
@@ -110,6 +113,22 @@ def cmd_advise(a) -> int:
     if layers is not None:
         print(f"under {layers_line(layers)}")
     print(advise_mod.report(res))
+    print(f"({res['wall_s']:.1f} s)")
+    args.write_json(a.json, res)
+    return 0
+
+
+def _advise_by_class(a, dep) -> int:
+    """advise --by-class: which control restores the must-recover classes at least cost to the others."""
+    if not dep.scenario.classes:
+        raise args.UsageError(f"advise: --by-class needs a scenario with workload.classes; {dep.name} has none")
+    dep.require_burst()
+    try:
+        res = advise_classes_mod.advise_classes(dep, a.seeds, screen=a.screen, finalists=a.finalists,
+                                                progress=not a.quiet)
+    except ValueError as e:
+        raise args.UsageError(f"advise: {e}") from None
+    print(advise_classes_mod.report(res))
     print(f"({res['wall_s']:.1f} s)")
     args.write_json(a.json, res)
     return 0
@@ -183,6 +202,10 @@ def add_subcommands(sub) -> None:
     p.add_argument("--out", metavar="PARQUET", default=None,
                    help="keep the runs here; a rerun with the same file skips the runs it holds")
     p.add_argument("--ray", metavar="ADDRESS", default=None, help="run on a Ray cluster (local: a local one)")
+    p.add_argument("--by-class", action="store_true",
+                   help="with traffic classes: which control (priority alone, shedding by class, a class's cap or "
+                        "retry budget, cancellation) restores the must-recover classes at least cost to the others, "
+                        "with each class's delivery (docs/classes.md)")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(fn=cmd_advise)
 
