@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .conditions import Condition, compose, get_condition, parse_cancel
+from .conditions import SHED_KEYS, Condition, compose, get_condition, parse_cancel
 from .policy.autoscaler import AutoscalerConfig
 from .policy.layers import layer_kind
 from .policy.presets import PRESETS
@@ -253,7 +253,7 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
     if doc.has("faults"):
         scenario = scenario.with_(**_faults(secs["faults"]))
     _check_lengths(w, scenario, trace_src, prof)
-    cond, proxy_doc = _proxy(secs["proxy"], schema)
+    cond, proxy_doc = _proxy(secs["proxy"], schema, scenario)
     scaler = _autoscaler(secs["autoscaler"], schema) if doc.has("autoscaler") else None
     fleet = (_fleet(secs["fleet"], prof, secs["engine"], base_dir, schema, scaler)
              if doc.has("fleet") or scaler is not None else None)
@@ -491,8 +491,9 @@ def _check_lengths(w: _Doc, scenario: Scenario, trace_src: TraceSource | None, p
                     f"({longest} tokens) must be shorter than the shortest prompt")
 
 
-def _proxy(px: _Doc, schema: Schema) -> tuple[Condition, dict]:
-    """[proxy]: the condition, and the section as resolved."""
+def _proxy(px: _Doc, schema: Schema, scenario: Scenario | None = None) -> tuple[Condition, dict]:
+    """[proxy]: the condition, and the section as resolved. The classes
+    its shedding keys name must be the workload's."""
     cname = px.get("condition", schema.row("proxy", "condition").default)
     if px.has("cancel"):
         try:
@@ -501,7 +502,20 @@ def _proxy(px: _Doc, schema: Schema) -> tuple[Condition, dict]:
             raise px.err("cancel", str(e)) from None
     times = ("defer_s", "budget_window_s")
     changes = {k: px.get(k) for k in schema.names("proxy") if k != "condition" and k not in times and px.has(k)}
-    cond = compose(cname, **changes) if changes else get_condition(cname)
+    names = [c.name for c in (scenario.classes or ())] if scenario is not None else None
+    for k in ("shed_classes", "class_budget", "class_cap"):
+        named = changes.get(k) or []
+        for c in (named if k == "shed_classes" else [x[0] for x in named]):
+            if names is not None and c not in names:
+                raise px.err(k, f"names a class {c!r} that workload.classes does not declare"
+                             + (f" ({', '.join(names)})" if names else ""))
+    if "shed_status" in changes and changes["shed_status"] not in (429, 503):
+        raise px.err("shed_status", f"must be 429 or 503, got {changes['shed_status']!r}")
+    try:
+        cond = compose(cname, **changes) if changes else get_condition(cname)
+    except ValueError as e:
+        raise px.err(next(k for k in changes if k in SHED_KEYS) if set(changes) & set(SHED_KEYS) else "condition",
+                     str(e)) from None
     return cond, {"condition": cname, **changes, **{k: float(px.get(k)) for k in times if px.has(k)}}
 
 
@@ -700,32 +714,37 @@ class Deployment:
 
     def require_simulated(self, layers: bool = False) -> None:
         """Raises unless the simulator runs every layer of the stack: with
-        `layers` (as `run` does), any layers on one engine, a layer that
-        stands at the client's place (`LayerKind.top`) first and only
-        without traffic classes; without, none (the commands that do not
+        `layers` (as `run` does), any layers on one engine or a fleet, a
+        layer that stands at the client's place (`LayerKind.top`) first and
+        only without traffic classes; without, none (the commands that do not
         run through `run`)."""
         for i, t in enumerate(self.stack_layers):
             top = layer_kind(t["kind"]).top
-            if layers and self.fleet is None and (not top or (i == 0 and not self.scenario.classes)):
+            if layers and (not top or (i == 0 and not self.scenario.classes)):
                 continue
-            what = (" (only one client layer, on one engine, without traffic classes)" if top
-                    else " (on one engine)" if layers else " by this command")
+            what = (" (only one client layer, first, without traffic classes)" if top
+                    else " by this command")
             raise ScenarioError(f"{self.name}: layer[{i}] ({t.get('preset', t['kind'])}): {t['kind']} layers are "
                                 "described by `llmsim stack` but not yet simulated" + what)
 
     def stack_for(self, condition: Condition) -> Stack | None:
         """The stack a run of `condition` drives: None for the reference
         design's (the condition's client and proxy); with [[layer]] tables,
-        the condition's proxy and router under them (a client layer, whose
+        the condition's proxy and the router ([fleet]'s, else the default
+        one) under them (a client layer, whose
         retries are off where the condition turns them off, in the client's
         place; the others between it and the proxy, in order)."""
         if not self.stack_layers:
             return None
         self.require_simulated(layers=True)
-        settings = self.layer_settings()
-        if not condition.retries and layer_kind(settings[0]["kind"]).top and "max_retries" in settings[0]:
-            settings[0] = dict(settings[0], max_retries=0)
-        return Stack.from_config(condition, None, self.scenario).with_layers(settings)
+        router = self.fleet.router if self.fleet is not None else None
+        return Stack.under_layers(condition, self.run_layers(), self.scenario, router)
+
+    def run_layers(self) -> tuple | None:
+        """The [[layer]] tables' effective settings as a run takes them
+        (`Stack.under_layers`; application first), or None: the reference
+        design's client."""
+        return tuple(self.layer_settings()) if self.stack_layers else None
 
     def _fields(self, section: str) -> dict:
         """The section's keys that are Scenario fields, with the scenario's values."""
@@ -831,11 +850,11 @@ class Deployment:
         if cfg["scheduling_policy"] == "fcfs":
             del cfg["scheduling_policy"]        # the default: records read as before
         extra = {"deployment": self.identity(), "engine_config": dict(cfg, depth=self.profile.depth)}
-        if self.fleet is not None:
-            return run_fleet(list(self.fleet.profiles), self.condition_for(condition), trace, s,
-                             self.fleet.capacities(s), self.fleet.router, seed, pulse, extra=extra,
-                             autoscaler=self.fleet.autoscaler)
         cond = self.condition_for(condition)
+        if self.fleet is not None:
+            return run_fleet(list(self.fleet.profiles), cond, trace, s, self.fleet.capacities(s), self.fleet.router,
+                             seed, pulse, extra=extra, stack=self.stack_for(cond),
+                             autoscaler=self.fleet.autoscaler)
         return run_one(self.profile, cond, pulse, seed, trace=trace, scenario=s, capacity=self.capacity,
                        extra=extra, stack=self.stack_for(cond))
 

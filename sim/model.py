@@ -18,7 +18,7 @@ from .clock import Clock, RoutedTimers, Timers
 from .conditions import Condition
 from .engine.core import EngineCore, EngineConfig
 from .engine.request import Request
-from .classes import call_objectives, call_priorities, clients
+from .classes import call_classes, call_objectives, call_priorities, clients
 from .policy.client import CallState, Retry, Delivered
 from .policy.layers import LayerContext, Upstream, layer_kind
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Refuse, Cancel, Complete,
@@ -136,6 +136,7 @@ class Run(Interpreter):
         draws = uniform_draws(np.random.default_rng([seed, 1]))
         self.call_priority = call_priorities(trace, scenario)
         self.autoscaler = autoscaler
+        self.call_class = call_classes(trace, scenario)     # carried by each attempt (shedding by class)
         # a client layer of a registered kind (its effective settings, a dict: sim.policy.layers), or the
         # reference client; with traffic classes each call's client settings and engine priority are its
         # class's (sim.classes)
@@ -177,6 +178,12 @@ class Run(Interpreter):
         below = self.layers + [self.proxy]
         self._enter, self._enter_left = below[0].on_attempt, below[0].on_attempt_left
         self._below = {layer: (b.on_attempt, b.on_attempt_left) for layer, b in zip(self.layers, below[1:])}
+        # under layers, the attempt-log row of each attempt the proxy saw, in order (the cluster's `landed`
+        # counts the proxy's attempts: a gateway's retries and refusals make them others than the client's)
+        self.proxy_rows: list | None = None
+        if self.layers:
+            self.proxy_rows = []
+            self._below[self.layers[-1]] = (self._proxy_attempt, self.proxy.on_attempt_left)
         self._layer_timer = self._layer_timer
         # Proxy.on_dispatched does nothing: called only where a proxy overrides it
         self._report_dispatch = type(self.proxy).on_dispatched is not Proxy.on_dispatched
@@ -374,10 +381,12 @@ class Run(Interpreter):
     def _engine_view_of(self, group: tuple, g: int, t: float) -> EngineView:
         """What the g-th proxy knows of the engines it feeds (`group`): the
         uncomputed prompt tokens of the executions waiting or running in
-        them (or on their way in), and their recent prompt throughput."""
-        engines = self.engines
-        return EngineView(float(sum(engines[r].uncomputed_prompt_tokens() for r in group)),
-                          self.prompt_rates[g].rate(t))
+        them (or on their way in), their recent prompt throughput, the
+        requests waiting in them and their mean KV cache usage."""
+        es = [self.engines[r] for r in group]
+        return EngineView(float(sum(e.uncomputed_prompt_tokens() for e in es)), self.prompt_rates[g].rate(t),
+                          float(sum(e.num_in_engine() - len(e.scheduler.running) for e in es)),
+                          sum(e.scheduler.block_pool.usage() for e in es) / len(es))
 
     @staticmethod
     def _on_first_token_of(rate: PromptRate, req: Request, t: float) -> None:
@@ -399,7 +408,7 @@ class Run(Interpreter):
     def _send(self, t: float, call_id: int) -> None:
         cs = self.calls[call_id]
         number = self.client.send(cs, t)
-        att = _Attempt(call_id, number, cs.deadline)
+        att = _Attempt(call_id, number, cs.deadline, self.call_class[call_id])
         att.row = self.attempt_log.add(call_id, number, t)
         self.call_log.attempts[call_id] = cs.attempts
         att.timer = self.timers.at(cs.deadline, self._deadline, att, None, True)    # in order
@@ -498,6 +507,11 @@ class Run(Interpreter):
         up.row = up.above.row
         i = up.call_id
         self._do(t, self._below[up.layer][0](t, up, (self.max_tokens[i],), self.prompt_len[i]))
+
+    def _proxy_attempt(self, t: float, up: Upstream, params: tuple, prompt_len: int) -> list:
+        """The lowest layer's upstream attempt reaches the proxy (its row noted in `proxy_rows`)."""
+        self.proxy_rows.append(up.row)
+        return self.proxy.on_attempt(t, up, params, prompt_len)
 
     def _leave(self, t: float, a) -> None:
         """A layer closed its upstream attempt: the layer below hears the disconnect."""

@@ -363,8 +363,9 @@ def test_advise_rows_carry_replica_seconds(tmp_path):
     dep = load(str(f))
     prof = __import__("dataclasses").replace(dep.profile, capacity=dep.capacity)
     fl = dep.fleet
-    rows = _rows_task((prof, dep.scenario, (fl.profiles, fl.capacities(dep.scenario), fl.autoscaler), "k", None,
-                       [(dep.condition_for("cancel"), fl.router, s) for s in (0, 1)]))
+    fleet = (fl.profiles, fl.capacities(dep.scenario), fl.autoscaler)
+    rows = _rows_task((prof, dep.scenario, fleet, "autoscaled", None,        # a key of its own: traces are kept per key
+                       [(dep.condition_for("cancel"), fl.router, None, s) for s in (0, 1)]))
     rs = [r["autoscaler_replica_seconds"] for r in rows]
     assert all(r["end_time"] <= x <= 2 * r["end_time"] for r, x in zip(rows, rs))
     assert score(rows, "timely")["replica_seconds"] == pytest.approx(sum(rs) / 2)
@@ -424,3 +425,32 @@ def test_advise_searches_the_autoscalers_target_and_reports_replica_seconds(tmp_
         want = 2.0 if "autoscaler=" not in t["condition"] else float(t["condition"].rsplit(":", 1)[1])
         assert t["autoscaler"]["target"] == want
     assert "replica-seconds" in A.report(res)
+
+
+@pytest.mark.parametrize("placement", ["deployment", "replica"])
+def test_an_autoscaled_fleet_runs_under_gateway_layers(tmp_path, placement):
+    """The SDK above nginx above an autoscaled fleet: the replicas it starts
+    take the gateway's upstream attempts, each of the gateway's 504s is an
+    attempt's answer the SDK may retry, and fast-forward gives the stepped
+    run's record."""
+    f = tmp_path / "a.toml"
+    f.write_text(AUTOSCALED_TOML.replace("[autoscaler]", f'[fleet]\nproxy = "{placement}"\n[autoscaler]')
+                 + "max_replicas = 3\ntarget = 2.0\nprovisioning_s = 5.0\nsync_period_s = 5.0\n"
+                 + '[[layer]]\npreset = "openai-python"\ntimeout_s = 8.0\n[[layer]]\npreset = "nginx"\ntimeout_s = 6.0\n')
+    dep = load(str(f))
+    rec = dep.run(0)
+    a, (nginx,), att = rec["autoscaler"], rec["extra"]["layers"], rec["attempts"]
+    assert rec["fleet"]["proxy"] == placement and a["scale_ups"]
+    started = [s["first_call_since_burst_s"] for s in a["started"]]
+    assert started and all(t is not None for t in started)           # every replica started took calls
+    assert nginx["preset"] == "nginx" and nginx["upstream_attempts"] == att["sent"]
+    assert att["refused_gateway"] == nginx["upstream_timeout"] > 0 and att["retries"] > 0
+    assert sum(r["attempts"]["sent"] for r in rec["replicas"]) == att["sent"]
+    assert all(r["attempts"]["sent"] > 0 for r in rec["replicas"])
+    cond, s = dep.condition_for(), dep.scenario
+    recs = [run_fleet(list(dep.fleet.profiles), cond, dep.trace(0), s, dep.fleet.capacities(s), dep.fleet.router, 0,
+                      stack=dep.stack_for(cond), autoscaler=dep.fleet.autoscaler, fast_forward=ff)
+            for ff in (True, False)]
+    assert recs[0]["autoscaler"]["scale_ups"] == a["scale_ups"]
+    assert golden.differences(_no_step_events(recs[0]), _no_step_events(recs[1])) == []
+    assert recs[0]["extra"]["layers"] == recs[1]["extra"]["layers"]
