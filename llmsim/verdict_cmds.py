@@ -59,6 +59,10 @@ def cmd_margin(a) -> int:
         axes = margin_mod.parse_axes(a.axes, layers)
     except ValueError as e:
         raise args.UsageError(f"margin: --axes: {e}") from None
+    scaled = [x for x in axes if x in margin_mod.SCALING_AXES]
+    if scaled and (fleet is None or fleet.autoscaler is None):
+        raise args.UsageError(f"margin: --axes {','.join(scaled)}: needs a scenario with an [autoscaler] section "
+                              "(examples/autoscale.toml)")
     on = "" if fleet is None else f" ({fleet.replicas} replicas, router {fleet.router.policy})"
     under = f" under {layers_line(layers)}" if layers else ""
     print(f"{prof.name}{on} / {a.scenario or 'paper'} / {cond.name}{under}: {len(a.seeds)} seeds, "
@@ -146,8 +150,11 @@ def cmd_map(a) -> int:
     png = a.png or os.path.splitext(a.out)[0] + ".png"
     args.check_output(a.out)
     args.check_output(png)
-    rows = phasemap.phase_map(prof, sc, cond, x, y, a.seeds, workers=a.workers,
-                              progress=None if a.quiet else _progress, fleet=fleet)
+    try:
+        rows = phasemap.phase_map(prof, sc, cond, x, y, a.seeds, workers=a.workers,
+                                  progress=None if a.quiet else _progress, fleet=fleet)
+    except ValueError as e:
+        raise args.UsageError(f"map: {e}") from None
     phasemap.write_table(rows, a.out)
     line = phasemap.plot(rows, sc, png, f"{prof.name} / {a.scenario or 'paper'} / {cond.name}: P(recovered) over "
                                         f"{len(a.seeds)} seeds; T: tipping point")
@@ -175,7 +182,8 @@ def add_subcommands(sub) -> None:
     p = sub.add_parser("margin", help="how far the deployment is from where its recovery verdict flips, per axis")
     _common(p, condition=True)
     p.add_argument("--axes", default=",".join(margin_mod.AXES),
-                   help=f"comma-separated, of {', '.join(margin_mod.AXES)} (default all), or a [[layer]]'s key: "
+                   help=f"comma-separated, of {', '.join(margin_mod.AXES)} (default these); with an "
+                        f"[autoscaler], {', '.join(margin_mod.SCALING_AXES)}; or a [[layer]]'s key: "
                         "layer.client.timeout_s|max_retries|backoff_base_s, layer.gateway.timeout_s|max_retries")
     p.add_argument("--rel-tol", type=args.positive(), default=0.02,
                    help="bisection stops when the bracket's ends are within this ratio (default 0.02)")

@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .conditions import SHED_KEYS, Condition, compose, get_condition, parse_cancel
+from .policy.autoscaler import AutoscalerConfig
 from .policy.layers import layer_kind
 from .policy.presets import PRESETS
 from .policy.proxy import ProxyConfig
@@ -86,7 +87,7 @@ DEFAULT_MODEL = SCHEMA.row("model", "profile").default
 SCENARIO_MODEL = {"paper": "qwen2.5-7b", "scaled": "vllm-cpu-tiny", "cpu-small": "vllm-cpu-tiny",
                   "cpu-tiny": "vllm-cpu-tiny"}
 # the sections read by this module's resolvers; any other section of the table (a layer's) is kept as checked
-RESOLVED = ("model", "engine", "workload", "client", "proxy", "measures", "faults", "fleet")
+RESOLVED = ("model", "engine", "workload", "client", "proxy", "measures", "faults", "fleet", "autoscaler")
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,9 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
         scenario = scenario.with_(**_faults(secs["faults"]))
     _check_lengths(w, scenario, trace_src, prof)
     cond, proxy_doc = _proxy(secs["proxy"], schema, scenario)
-    fleet = _fleet(secs["fleet"], prof, secs["engine"], base_dir, schema) if doc.has("fleet") else None
+    scaler = _autoscaler(secs["autoscaler"], schema) if doc.has("autoscaler") else None
+    fleet = (_fleet(secs["fleet"], prof, secs["engine"], base_dir, schema, scaler)
+             if doc.has("fleet") or scaler is not None else None)
     layers = {s: {**schema.defaults(s), **_values(schema, s, d[s])} for s in schema.sections()
               if s not in RESOLVED and s in d}
     stack = _stack_layers(d.get("layer") or [], source, schema)
@@ -529,10 +532,34 @@ def _prefix_groups(w: _Doc) -> list:
     return groups
 
 
-def _fleet(fl: _Doc, prof: Profile, eng: _Doc, base_dir: str, schema: Schema) -> FleetSpec:
-    """[fleet]: the router and one profile per replica, each with [engine]'s overrides."""
+def _autoscaler(a: _Doc, schema: Schema) -> AutoscalerConfig:
+    """[autoscaler]: the HPA's settings; a setting that contradicts another
+    ends in one line naming the file and the key."""
+    v = {**schema.defaults("autoscaler"), **_values(schema, "autoscaler", a.d)}
+    lo, hi = v["min_replicas"], v["max_replicas"]
+    v.setdefault("initial_replicas", lo)
+    if not lo <= v["initial_replicas"] <= hi:
+        raise a.err("initial_replicas", f"must lie in [min_replicas, max_replicas] = [{lo}, {hi}], "
+                                        f"got {v['initial_replicas']}")
+    if v["provisioning"] == "uniform" and "provisioning_max_s" not in v:
+        raise a.err("provisioning_max_s", "is missing: provisioning = \"uniform\" needs its high end")
+    try:
+        return AutoscalerConfig(**v)
+    except ValueError as e:                 # pragma: no cover - the checks above and the table's bounds come first
+        raise ScenarioError(f"{a.source}: {a.where_} {e}") from None
+
+
+def _fleet(fl: _Doc, prof: Profile, eng: _Doc, base_dir: str, schema: Schema,
+           scaler: AutoscalerConfig | None = None) -> FleetSpec:
+    """[fleet]: the router and one profile per replica, each with [engine]'s
+    overrides; with [autoscaler], max_replicas of them."""
     v = {**schema.defaults("fleet"), **fl.d}
     names = v.get("profiles")
+    if scaler is not None:
+        if "replicas" in v and v["replicas"] != scaler.max_replicas:
+            raise fl.err("replicas", f"({v['replicas']}) must be [autoscaler] max_replicas ({scaler.max_replicas}) "
+                                     "with an autoscaler, or be left out")
+        v.setdefault("replicas", scaler.max_replicas)
     n = v.get("replicas", len(names) if names is not None else 1)
     if names is not None and len(names) != n:
         raise fl.err("profiles", f"names {len(names)} profiles for {n} replicas: give one per replica")
@@ -540,7 +567,7 @@ def _fleet(fl: _Doc, prof: Profile, eng: _Doc, base_dir: str, schema: Schema) ->
     overrides = {k: x for k, x in eng.d.items() if k != "max_num_queued_reqs"}
     profiles = (tuple(_replica_profile(fl, x, base_dir, overrides) for x in names) if names is not None
                 else (prof,) * n)
-    return FleetSpec(router, profiles, tuple(names) if names is not None else None)
+    return FleetSpec(router, profiles, tuple(names) if names is not None else None, scaler)
 
 
 def _replica_profile(fl: _Doc, name: str, base_dir: str, overrides: dict) -> Profile:
@@ -672,6 +699,8 @@ class Deployment:
             doc["faults"] = faults
         if self.fleet is not None:
             doc["fleet"] = self.fleet.document()
+            if self.fleet.autoscaler is not None:
+                doc["autoscaler"] = self.fleet.autoscaler.document()
         for sec, values in self.sections.items():
             doc[sec] = dict(values)
         if self.stack_layers:
@@ -824,7 +853,8 @@ class Deployment:
         cond = self.condition_for(condition)
         if self.fleet is not None:
             return run_fleet(list(self.fleet.profiles), cond, trace, s, self.fleet.capacities(s), self.fleet.router,
-                             seed, pulse, extra=extra, stack=self.stack_for(cond))
+                             seed, pulse, extra=extra, stack=self.stack_for(cond),
+                             autoscaler=self.fleet.autoscaler)
         return run_one(self.profile, cond, pulse, seed, trace=trace, scenario=s, capacity=self.capacity,
                        extra=extra, stack=self.stack_for(cond))
 

@@ -21,6 +21,10 @@ summed; Ĉ the sum of the replicas') with two more keys,
   replica other than their call's previous one, prefix-cache hit share per
   replica, and the calls that ever had two live executions on different
   replicas (`fleet_measures`).
+With an autoscaler (`sim.policy.autoscaler.AutoscalerConfig`, the
+cluster built at its max_replicas) the record has `autoscaler` too
+(`sim.autoscale.scaling_measures`: replicas over time, replica-seconds,
+scale-ups and each new replica's first call).
 """
 from __future__ import annotations
 
@@ -29,8 +33,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from . import measures
+from .autoscale import scaling_measures
 from .conditions import Condition, get_condition
 from .model import Run
+from .policy.autoscaler import AutoscalerConfig
 from .policy.router import RouterConfig
 from .policy.stack import Stack
 from .profile import Profile
@@ -40,7 +46,7 @@ from .scenario import Scenario
 from .workload import Trace
 
 NAN = float("nan")
-RECORD_KEYS = ("fleet", "replicas")              # keys a fleet's record has beyond the result record
+RECORD_KEYS = ("fleet", "replicas", "autoscaler")              # keys a fleet's record has beyond the result record
 # a call's record in a replica's log when the call reached it only after another replica
 ELSEWHERE = "elsewhere"
 
@@ -49,10 +55,13 @@ ELSEWHERE = "elsewhere"
 class FleetSpec:
     """A scenario's [fleet] (read by `sim.deployment` against `sim.schema`):
     the router and one profile per replica; `profile_names` as the file
-    named them (None: the model's for all)."""
+    named them (None: the model's for all); `autoscaler` ([autoscaler]),
+    where given, scales the replicas between its min and max (the profiles
+    are its max_replicas')."""
     router: RouterConfig
     profiles: tuple = field(repr=False)
     profile_names: tuple | None = None
+    autoscaler: AutoscalerConfig | None = None
 
     @property
     def replicas(self) -> int:
@@ -70,10 +79,12 @@ class FleetSpec:
         return [float(workload_capacity(p, scenario)["capacity"]) for p in self.profiles]
 
     def capacity_info(self, scenario: Scenario) -> dict:
-        """The fleet's Ĉ (the sum of the replicas') and where each came from."""
+        """The fleet's Ĉ (the sum of the replicas'; with an autoscaler, of
+        the replicas it starts with) and where each came from."""
         infos = [workload_capacity(p, scenario) for p in self.profiles]
         sources = sorted({i["source"] for i in infos})
-        return {"capacity": float(sum(i["capacity"] for i in infos)), "key": infos[0].get("key"),
+        k = self.autoscaler.initial if self.autoscaler is not None else len(infos)
+        return {"capacity": float(sum(i["capacity"] for i in infos[:k])), "key": infos[0].get("key"),
                 "source": "; ".join(sources),
                 "replicas": [float(i["capacity"]) for i in infos]}
 
@@ -90,6 +101,7 @@ class FleetLog:
     call_replica: np.ndarray            # replica of the call's first landed attempt
     rerouted: int = 0                   # requests the router retried on another replica
     config: dict = field(default_factory=dict)
+    scaling: object = None              # the run's sim.autoscale.Scaling (None: a fixed fleet)
 
 
 def fleet_log(run: Run, log: RunLog) -> FleetLog:
@@ -128,7 +140,7 @@ def fleet_log(run: Run, log: RunLog) -> FleetLog:
     rc = run.router_config
     return FleetLog(fleet, replicas, att_rep, ex_rep, placed, call_rep, cl.rerouted,
                     {"replicas": n, "router": rc.policy, "router_retries": rc.retries, "proxy": rc.proxy,
-                     "profiles": [p.name for p in run.profiles]})
+                     "profiles": [p.name for p in run.profiles]}, run.scaling)
 
 
 class ReplicaCallTable(CallTable):
@@ -271,31 +283,47 @@ def fleet_measures(log: FleetLog) -> dict:
 
 def simulate_fleet(profiles: list[Profile], trace: Trace, condition: Condition, scenario: Scenario,
                    router: RouterConfig = RouterConfig(), seed: int = 0, max_batched_tokens: int | None = None,
-                   fast_forward: bool = True, stack: Stack | None = None) -> FleetLog:
+                   fast_forward: bool = True, stack: Stack | None = None,
+                   autoscaler: AutoscalerConfig | None = None) -> FleetLog:
     """`sim.model.simulate` over a cluster of `len(profiles)` replicas
-    behind `router`, as a FleetLog; `stack` (a `sim.policy.stack.Stack`,
-    its router the fleet's) replaces the condition's layers."""
+    behind `router` (scaled by `autoscaler`, if given), as a FleetLog;
+    `stack` (a `sim.policy.stack.Stack`, its router the fleet's) replaces
+    the condition's layers."""
     if not profiles:
         raise ValueError("a fleet needs at least one replica")
     run = Run(list(profiles), trace, condition, scenario, seed, max_batched_tokens, fast_forward,
-              snapshot_times=(scenario.pulse_end, scenario.hold_end), router=router, stack=stack)
+              snapshot_times=(scenario.pulse_end, scenario.hold_end), router=router, stack=stack,
+              autoscaler=autoscaler)
     return fleet_log(run, run.run())
+
+
+def fleet_capacity(log: FleetLog, capacities: list[float]) -> float:
+    """The fleet's Ĉ: the sum of `capacities`, or with an autoscaler, of the
+    replicas it starts with."""
+    sc = log.scaling
+    return sum(capacities[:sc.config.initial]) if sc is not None else sum(capacities)
 
 
 def fleet_record(log: FleetLog, scenario: Scenario, capacities: list[float], inputs: dict) -> dict:
     """The fleet's record: the result record of the whole fleet (Ĉ the sum of
-    `capacities`), `replicas` (each replica's result record at its own Ĉ) and
-    `fleet` (`fleet_measures`)."""
-    rec = measures.record(log.fleet, scenario, sum(capacities), inputs)
+    `capacities`; with an autoscaler, of the replicas it starts with),
+    `replicas` (each replica's result record at its own Ĉ), `fleet`
+    (`fleet_measures`) and, with an autoscaler, `autoscaler`."""
+    sc = log.scaling
+    rec = measures.record(log.fleet, scenario, fleet_capacity(log, capacities), inputs)
     rec["replicas"] = [measures.record(rl, scenario, c, inputs) for rl, c in zip(log.replicas, capacities)]
     rec["fleet"] = measures._clean(fleet_measures(log))
+    if sc is not None:
+        burst = scenario.pulse_start if scenario.burst is not None else None
+        rec["autoscaler"] = measures._clean(scaling_measures(sc, log.execution_replica, log.execution_placed,
+                                                             log.fleet.end_time, burst))
     return rec
 
 
 def run_fleet(profiles: list[Profile], condition: str | Condition, trace: Trace, scenario: Scenario,
               capacities: list[float], router: RouterConfig = RouterConfig(), seed: int = 0, pulse=None,
               max_batched_tokens: int | None = None, extra: dict | None = None, fast_forward: bool = True,
-              stack: Stack | None = None) -> dict:
+              stack: Stack | None = None, autoscaler: AutoscalerConfig | None = None) -> dict:
     """One fleet run of `condition` on `trace` (drawn at the fleet's Ĉ, the
     sum of `capacities`, one per replica), measured into the fleet's record.
     The inputs are those `sim.run.run_one` records, for the first replica's
@@ -303,13 +331,15 @@ def run_fleet(profiles: list[Profile], condition: str | Condition, trace: Trace,
     deployment's verdict as a single engine's (`sim.measures.with_classes`).
     `stack`: as `simulate_fleet`'s."""
     cond = condition if isinstance(condition, Condition) else get_condition(condition)
-    log = simulate_fleet(profiles, trace, cond, scenario, router, seed, max_batched_tokens, fast_forward, stack)
+    log = simulate_fleet(profiles, trace, cond, scenario, router, seed, max_batched_tokens, fast_forward, stack,
+                         autoscaler)
     rec = fleet_record(log, scenario, capacities,
                        run_inputs(profiles[0], cond, pulse, seed, max_batched_tokens, extra=extra))
     if cond.proxy.sheds:
         rec["shed"] = measures.shed(log.fleet)
     if scenario.classes and trace.klass is not None:    # per class, as a single engine's record (docs/classes.md)
-        rec = measures.with_classes(rec, measures.class_records(log.fleet, scenario, sum(capacities), trace.klass))
+        rec = measures.with_classes(rec, measures.class_records(log.fleet, scenario, fleet_capacity(log, capacities),
+                                                                trace.klass))
     return rec
 
 
@@ -330,4 +360,13 @@ def summary(rec: dict) -> str:
                      + (f"recovered {rt:.0f} s after the pulse" if r["recovered"] and rt is not None
                         else "not recovered")
                      + (f", prefix-cache hits {100.0 * hit:.1f}%" if hit is not None else ""))
+    a = rec.get("autoscaler")
+    if a is not None:
+        ups = ", ".join(f"{u['from']}->{u['to']} at {u['at']:.0f} s" for u in a["scale_ups"][:4]) or "none"
+        firsts = [s["first_call_since_burst_s"] for s in a["started"] if s["first_call_since_burst_s"] is not None]
+        lines.append(f"  autoscaler: {a['metric']} target {a['target']:g}, replicas {a['min_replicas']}..."
+                     f"{a['max_replicas']}, provisioning {a['provisioning']} {a['provisioning_s']:g} s; scale-ups "
+                     f"{ups}; at most {a['max_ready']} ready; replica-seconds {a['replica_seconds']:.0f}"
+                     + (f"; first call on a new replica {min(firsts):.0f} s after the burst's start" if firsts
+                        else ""))
     return "\n".join(lines)

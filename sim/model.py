@@ -13,6 +13,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import simpy
 
+from .autoscale import Scaling
 from .clock import Clock, RoutedTimers, Timers
 from .conditions import Condition
 from .engine.core import EngineCore, EngineConfig
@@ -109,11 +110,15 @@ class Run(Interpreter):
     condition then gives only the engines' cap). A single engine is a
     cluster of one, and any router gives its run event for event. `run()`
     returns the cluster's RunLog (the engines' series, counters and work
-    summed); `sim.fleet.fleet_log` reads the per-replica parts from the run."""
+    summed); `sim.fleet.fleet_log` reads the per-replica parts from the run.
+    `autoscaler` (a `sim.policy.autoscaler.AutoscalerConfig`), where given,
+    makes the replicas come and go (`sim.autoscale.Scaling`, `self.scaling`;
+    the cluster is built at its max_replicas)."""
 
     def __init__(self, profile: Profile | Sequence[Profile], trace: Trace, condition: Condition,
                  scenario: Scenario, seed: int = 0, max_batched_tokens: int | None = None, fast_forward: bool = True,
-                 snapshot_times: tuple = (), router: RouterConfig | None = None, stack: Stack | None = None):
+                 snapshot_times: tuple = (), router: RouterConfig | None = None, stack: Stack | None = None,
+                 autoscaler=None):
         self.profiles = [profile] if isinstance(profile, Profile) else list(profile)
         if not self.profiles:
             raise ValueError("a fleet needs at least one replica")
@@ -130,6 +135,7 @@ class Run(Interpreter):
         client = self.stack.config("client")
         draws = uniform_draws(np.random.default_rng([seed, 1]))
         self.call_priority = call_priorities(trace, scenario)
+        self.autoscaler = autoscaler
         self.call_class = call_classes(trace, scenario)     # carried by each attempt (shedding by class)
         # a client layer of a registered kind (its effective settings, a dict: sim.policy.layers), or the
         # reference client; with traffic classes each call's client settings and engine priority are its
@@ -189,6 +195,7 @@ class Run(Interpreter):
         self._in_order = bool(n < 2 or (np.diff(trace.arrival) >= 0).all())
         for i in range(n if not self._in_order else min(n, 1)):
             self.timers.at(self.arrival[i], self._arrive, i, seq=self._arrival_seq + i)
+        self.scaling = Scaling(self, autoscaler, seed) if autoscaler is not None else None
         if n == 0:
             self._finish()
 
@@ -219,7 +226,9 @@ class Run(Interpreter):
         self._may_queue = cap is not None                    # a proxy may hold executions in its queue
         self._all_groups = range(len(cl.groups))
         self._routed_timers = None
-        if n > 1 and not self.stack.chain and cl.calls_stay_home(condition.engine_cap):
+        # replicas that come and go move calls, and their drain may abort
+        scales = self.autoscaler is not None and not self.autoscaler.fixed
+        if n > 1 and not scales and not self.stack.chain and cl.calls_stay_home(condition.engine_cap):
             # every input a timer brings reaches the replica of its call alone
             self.home = [self.router.home(c) for c in range(len(self.trace))]
             # a call's retry (the timer's argument: its id), an attempt's
@@ -256,9 +265,10 @@ class Run(Interpreter):
         # no proxy cancels, and no router reads the KV usage that a
         # fast-forward takes ahead: requests added to a replica whose
         # admission is blocked change none of its steps (EngineCore)
-        # (nor any layer above the proxy reads the engines' state: `reads_engines`)
+        # (nor any layer above the proxy reads the engines' state: `reads_engines`; nor replicas come and go)
         never_aborts = (pcfg.cancellation == "off" and (self.router_config.policy != "least-kv" or n == 1)
-                        and not any(getattr(layer, "reads_engines", False) for layer in self.layers))
+                        and not any(getattr(layer, "reads_engines", False) for layer in self.layers)
+                        and not scales)
         self.engines = [EngineCore(env, engine_config(p, condition, max_batched_tokens, scenario), p.step_time,
                                    on_finished=self._on_finished, on_first_token=first_token[r],
                                    next_input_time=next_input[r], fast_forward=fast_forward,
@@ -319,7 +329,9 @@ class Run(Interpreter):
         in flight (a step it has not scheduled yet may finish one just
         after); where an engine's 503 sends a request on to another replica
         (the router retries and engines have a cap), any other proxy's queue
-        counts likewise. Where every call stays on its home replica, only
+        counts likewise; an idle engine just given input bounds it at now
+        (the step it is about to start may finish one at any time). Where
+        every call stays on its home replica, only
         the timers of r's calls count, and the arrival of the next call r is
         home to."""
         if self._routed_timers is not None:
@@ -347,6 +359,8 @@ class Run(Interpreter):
                         t = min(t, _next_finish(e))
                         if s != r and e.pending:
                             t = min(t, e.pending[-1].end)
+                        elif s != r and e.inbox:     # idle with input: a step about to start may finish one
+                            t = min(t, self.env.now)
         return t
 
     def _pods(self, t: float) -> list:

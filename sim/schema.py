@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from .conditions import CONDITIONS
 from .policy import gateway, preset_client     # the built-in layer kinds: importing them registers them
+from .policy.autoscaler import DRAIN, METRICS, PROVISIONING, AutoscalerConfig
 from .policy.layers import kinds
 from .policy.presets import PRESETS
 from .policy.proxy import SHED_RETRY_AFTER, SHED_WHEN
@@ -240,6 +241,39 @@ def _layer_rows() -> list:
     return out
 
 
+_AUTOSCALER = (
+    ("metric", STRING, "waiting: engine waiting requests per replica; kv: KV cache usage (0..1); in_flight: "
+                       "requests a replica holds; proxy_queue: the proxy's queue (per replica)", dict(choices=METRICS)),
+    ("target", NUMBER, "the metric's target value", dict(lo=0.0, open_lo=True)),
+    ("min_replicas", WHOLE, "replicas at least", dict(lo=1)),
+    ("max_replicas", WHOLE, "replicas at most (the fleet is built at this many)", dict(lo=1, not_below="min_replicas")),
+    ("initial_replicas", WHOLE, "replicas ready at the start (default: min_replicas)", dict(lo=1)),
+    ("tolerance", NUMBER, "no change while |metric/target - 1| is within this", dict(lo=0.0)),
+    ("sync_period_s", NUMBER, "the HPA's sync period (--horizontal-pod-autoscaler-sync-period)",
+     dict(lo=0.0, open_lo=True)),
+    ("scale_up_stabilization_s", NUMBER, "scale-up stabilisation window", dict(lo=0.0)),
+    ("scale_down_stabilization_s", NUMBER, "scale-down stabilisation window", dict(lo=0.0)),
+    ("scale_up_percent", NUMBER, "scale-up policy: +this % of the replicas per period ...", dict(lo=0.0)),
+    ("scale_up_pods", WHOLE, "... or +this many, whichever is more", dict(lo=0)),
+    ("scale_up_period_s", NUMBER, "the scale-up policies' period", dict(lo=0.0, open_lo=True)),
+    ("scale_down_percent", NUMBER, "scale-down policy: -this % of the replicas per period", dict(lo=0.0, hi=100.0)),
+    ("scale_down_period_s", NUMBER, "the scale-down policy's period", dict(lo=0.0, open_lo=True)),
+    ("provisioning", STRING, "a new replica's provisioning delay (model load, warm-up): fixed, uniform or lognormal",
+     dict(choices=PROVISIONING)),
+    ("provisioning_s", NUMBER, "fixed: the delay; uniform: its low end; lognormal: its median", dict(lo=0.0)),
+    ("provisioning_max_s", NUMBER, "uniform: the delay's high end", dict(lo=0.0, not_below="provisioning_s")),
+    ("provisioning_sigma", NUMBER, "lognormal: the log's standard deviation", dict(lo=0.0)),
+    ("drain", STRING, "a replica scaled down takes no new call; its running ones finish, or are cancelled (503)",
+     dict(choices=DRAIN)),
+)
+
+
+def _autoscaler_rows() -> list:
+    """[autoscaler]: one row per `AutoscalerConfig` field, its default the config's."""
+    defaults = AutoscalerConfig()
+    return [Key("autoscaler", name, t, comment, getattr(defaults, name), **kw) for name, t, comment, kw in _AUTOSCALER]
+
+
 POSITIVE = dict(lo=0.0, open_lo=True)
 AT_LEAST_1 = dict(lo=1)
 
@@ -268,6 +302,8 @@ SCHEMA = Schema([
                                "its end);\nwith a trace, burst_start_s and burst_end_s"),
     Key("", "faults", TABLE, "engine faults"),
     Key("", "fleet", TABLE, "replicas behind a router (absent: one engine)"),
+    Key("", "autoscaler", TABLE, "Kubernetes' Horizontal Pod Autoscaler on one metric: replicas between min and max\n"
+                                 "(the fleet is built at max_replicas; docs/autoscaling.md)"),
     Key("", "layer", TABLES, "the stack's layers from the application down, each a preset of real software with\n"
                              "its keys overridden (docs/presets.md; `llmsim stack` prints the stack)", of="layer"),
     # -- [model]
@@ -404,6 +440,8 @@ SCHEMA = Schema([
     Key("fleet", "proxy", STRING, "deployment: one proxy before the router; replica: a sidecar before each engine",
         default="deployment", choices=PROXY_PLACEMENTS),
     Key("fleet", "profiles", STRINGS, "one profile per replica (default: the model's for all)"),
+    # -- [autoscaler]: the HPA's settings (defaults: its own) and the replicas' provisioning and drain
+    *_autoscaler_rows(),
     # -- [[layer]]: a preset and its keys overridden
     # the kinds are those registered (sim.policy.layers): a test or a new layer module adds one
     Key("layer", "kind", STRING, f"the layer's kind, one of {', '.join(kinds())} (default: the preset's)"),

@@ -20,7 +20,12 @@ The full search runs the control grid under the scenario's router and the
 named conditions (and the scenario's own) under every router; after the
 first screening round the best three control settings are crossed with
 every router too. `only = "router"` keeps the scenario's controls and
-searches the router alone; it needs a fleet.
+searches the router alone; it needs a fleet. A fleet with an autoscaler
+runs every setting under it, and the autoscaler is a layer too
+(`autoscaler_settings`: the scenario's, and its metric's target halved and
+doubled): the named conditions and the scenario's own run under each in
+the first round, named `CONDITION;autoscaler=target:X`. Each setting's
+mean replica-seconds (the fleet's cost) is given beside its delivery.
 
 Search (successive halving; `stages`): every candidate runs on the first
 seed; the best third of the distinct outcomes go on to the first `screen`
@@ -274,6 +279,22 @@ def router_settings(fleet: FleetSpec) -> list[RouterConfig]:
     return out
 
 
+def autoscaler_settings(config) -> list:
+    """The autoscaler's layer: the scenario's settings, then its metric's
+    target halved and doubled (an earlier or a later scale-up)."""
+    if config is None:
+        return []
+    return [config] + [replace(config, target=config.target * f) for f in (0.5, 2.0)]
+
+
+def scaled(c: Condition, config, own) -> Condition:
+    """`c` under the autoscaler `config`: renamed `NAME;autoscaler=target:X`
+    unless it is the scenario's own."""
+    if config is None or config == own:
+        return c
+    return replace(c, name=f"{c.name};autoscaler=target:{config.target:g}")
+
+
 def first_settings(conds: Sequence[Condition], fleet: FleetSpec | None, only: str | None,
                    base: Condition | None = None) -> list[tuple[Condition, RouterConfig | None]]:
     """The settings of the first round as (controls, router): on one engine
@@ -378,6 +399,8 @@ def deployment_key(profile: Profile, scenario: Scenario, fleet: FleetSpec | None
     if fleet is not None:
         d["fleet"] = {"replicas": [{"profile": p.raw or p.name, "step_time": p.step_time.to_dict(),
                                     "engine": p.engine} for p in fleet.profiles]}
+        if fleet.autoscaler is not None:
+            d["fleet"]["autoscaler"] = fleet.autoscaler.document()
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -397,20 +420,30 @@ def _trace(key: str, capacity: float, scenario: Scenario, seed: int, cut) -> Tra
 
 
 def _rows_task(task: tuple) -> list[dict]:
-    """A batch of runs: (profile, scenario, fleet (profiles, capacities) or
-    None, deployment key, cut, [(condition, router, [[layer]] settings or
-    None, seed), ...]) -> rows."""
+    """A batch of runs: (profile, scenario, fleet (profiles, capacities,
+    autoscaler) or None, deployment key, cut, [(condition, router, [[layer]]
+    settings or None, seed[, autoscaler]), ...]) -> rows (an autoscaler's part
+    as its replica-seconds, most replicas ready, and the first scale-up and
+    the first call on a new replica from the burst's start)."""
     profile, scenario, fleet, key, cut, items = task
     sc = scenario if cut is None else cut_scenario(scenario, cut)
     out = []
-    for cond, router, layers, seed in items:
+    for cond, router, layers, seed, *scaler in items:
         tr = _trace(key, profile.capacity, scenario, seed, cut)
         if fleet is None:
             rec = verdict.run_record(profile, sc, cond, seed, tr, layers=layers)
         else:
             stack = None if layers is None else Stack.under_layers(cond, layers, sc, router)
-            rec = run_fleet(list(fleet[0]), cond, tr, sc, fleet[1], router, seed, scenario.pulse, stack=stack)
+            rec = run_fleet(list(fleet[0]), cond, tr, sc, fleet[1], router, seed, scenario.pulse, stack=stack,
+                            autoscaler=scaler[0] if scaler else fleet[2] if len(fleet) > 2 else None)
             rec.pop("replicas")
+            a = rec.pop("autoscaler", None)
+            if a is not None:
+                firsts = [x["first_call_since_burst_s"] for x in a["started"]
+                          if x["first_call_since_burst_s"] is not None]
+                rec["autoscaler"] = {"replica_seconds": a["replica_seconds"], "max_ready": a["max_ready"],
+                                     "first_scale_up_s": a["scale_ups"][0]["since_burst_s"] if a["scale_ups"]
+                                     else None, "first_new_call_s": min(firsts) if firsts else None}
         row = {k: v for k, v in flatten(rec).items() if not k.startswith(DROP)}
         row["deployment"] = key
         if cut is not None:
@@ -438,6 +471,8 @@ def score(rows: Sequence[dict], obj: str) -> dict:
     s = verdict.summarize(rows)
     for o in OBJECTIVES:
         s[o] = _mean(objective(r, o) for r in rows)
+    if rows and "autoscaler_replica_seconds" in rows[0]:
+        s["replica_seconds"] = _mean(r["autoscaler_replica_seconds"] for r in rows)
     return s
 
 
@@ -498,17 +533,25 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     conds = candidates(scenario, profile.capacity, only, adapt, base)
     by_name: dict[str, Condition] = {}
     routers: dict[str, RouterConfig | None] = {}
+    own_scaler = fleet.autoscaler if fleet is not None else None
+    scalers: dict[str, object] = {}
     stacks: dict[str, tuple | None] = {}
 
-    def add(c: Condition, r: RouterConfig | None, ls: tuple | None = layers) -> str:
+    def add(c: Condition, r: RouterConfig | None, ls: tuple | None = layers, a=None) -> str:
         c = routed(c, r, own) if r is not None else c
         c = with_layers(c, ls, layers)
+        a = a if a is not None else own_scaler
+        c = scaled(c, a, own_scaler)
         if c.name not in by_name:
-            by_name[c.name], routers[c.name], stacks[c.name] = c, r, ls
+            by_name[c.name], routers[c.name], stacks[c.name], scalers[c.name] = c, r, ls, a
         return c.name
 
     firsts = first_settings(conds, fleet, only, base)
     names = list(dict.fromkeys(add(c, r) for c, r in firsts))
+    if own_scaler is not None and only in (None, "router"):
+        named = [c for c in conds if c.name in CONDITIONS or (base is not None and c.name == base.name)]
+        names += [n for n in dict.fromkeys(add(c, fleet.router, a=a) for c in named
+                                           for a in autoscaler_settings(own_scaler)[1:]) if n not in names]
     if only == "gateway" and not any(s["kind"] == "gateway" for s in layers or ()):
         raise ValueError("--only gateway searches a gateway [[layer]]'s keys, and the scenario has none")
     if layers is not None and only in (None, "client", "gateway"):
@@ -517,7 +560,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         names += [n for n in dict.fromkeys(add(c, None, ls) for c in crossed
                                            for ls in layer_settings(layers, scenario, only)[1:]) if n not in names]
     n_cands = len(names)
-    fleet_task = None if fleet is None else (tuple(fleet.profiles), fleet.capacities(scenario))
+    fleet_task = None if fleet is None else (tuple(fleet.profiles), fleet.capacities(scenario), fleet.autoscaler)
     cut = screen_cut(scenario, screen_base_s, screen_hold_s)
     store = None
     rows: dict[tuple[str, int, str], dict] = {}
@@ -537,7 +580,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         if not todo:
             return
         tasks = [(profile, scenario, fleet_task, key, c,
-                  [(by_name[n], routers[n], stacks[n], s) for n, s in todo[i:i + BATCH]])
+                  [(by_name[n], routers[n], stacks[n], s, scalers[n]) for n, s in todo[i:i + BATCH]])
                  for i in range(0, len(todo), BATCH)]
         it = _ray(tasks, ray_address, fn=_rows_task) if ray_address is not None else \
             _local(tasks, workers if workers else (os.cpu_count() or 1), fn=_rows_task)
@@ -566,7 +609,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
                 store.flush()
 
     size = lambda n: (len(by_name[n].describe().split(", ")) + _router_changes(routers[n], own)
-                      + sum(map(len, layer_changes(stacks[n], layers).values())))
+                      + sum(map(len, layer_changes(stacks[n], layers).values())) + (scalers[n] != own_scaler))
     plan = stages(len(seeds), screen, finalists, cut)
     rounds = []
     for k, (n_s, full, keep) in enumerate(plan):
@@ -579,7 +622,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         if k == 0 and fleet is not None and only is None:     # the best controls under every router
             best = _order(distinct(names, by_name, [[rows[(n, s, tag)] for s in ss] for n in names], size),
                           rows, ss, tag, objective_name)
-            crossed = [n for n in best if routers[n] == own][:CROSSED]
+            crossed = [n for n in best if routers[n] == own and scalers[n] == own_scaler][:CROSSED]
             more = [add(by_name[n], r) for n in crossed for r in router_settings(fleet)[1:]]
             more = [n for n in dict.fromkeys(more) if n not in names]
             run(more, ss, c, f"{label} {len(more)} settings x {len(ss)} seeds (best controls x routers)"
@@ -597,7 +640,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     shown = pick(ranking, scored, by_name, top, size)
     margins = {n: margin_mod.margin(profile, scenario, by_name[n], seeds, margin_axes, rel_tol=0.05, workers=workers,
                                     base=verdict.summarize([rows[(n, s, "")] for s in seeds]),
-                                    fleet=None if fleet is None else dataclasses.replace(fleet, router=routers[n]),
+                                    fleet=None if fleet is None else dataclasses.replace(fleet, router=routers[n],
+                                                                                         autoscaler=scalers[n]),
                                     layers=stacks[n])
                if margin_axes else None for n in shown}
     tops = []
@@ -606,8 +650,9 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         m = margins[n]
         tops.append({"rank": i + 1, "condition": n, "settings": by_name[n].settings(),
                      "router": None if routers[n] is None else vars(routers[n]).copy(),
+                     "autoscaler": None if scalers[n] is None else scalers[n].document(),
                      "layers": layer_changes(stacks[n], layers) if layers is not None else None,
-                     "describe": describe(n, by_name, routers, stacks, layers), "summary": scored[n],
+                     "describe": describe(n, by_name, routers, scalers, stacks, layers), "summary": scored[n],
                      "verdict": verdict.verdict(scored[n]),
                      "margin": None if m is None else {"sentence": m["sentence"], "axes": m["axes"]},
                      "against": alt if alt != n else None,
@@ -616,11 +661,14 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
            "only": only, "seeds": seeds, "screen_seeds": seeds[:max(1, min(screen, len(seeds)))],
            "screen_cut": list(cut) if cut else None, "margin_axes": list(margin_axes or ()), "rounds": rounds,
            "candidates": n_cands, "layers": None if layers is None else list(layers),
-           "ranking": [{"condition": n, **{k: scored[n][k] for k in ("p", "lo", "hi", "tipping", *OBJECTIVES)}}
+           "ranking": [{"condition": n, **{k: scored[n][k] for k in ("p", "lo", "hi", "tipping", *OBJECTIVES,
+                                                                    "replica_seconds") if k in scored[n]}}
                        for n in ranking],
            "top": tops, "wall_s": time.perf_counter() - t0}
     if fleet is not None:
         res["router"] = router_note(fleet.router, shown, scored, by_name, routers, objective_name)
+        if fleet.autoscaler is not None:
+            res["autoscaler"] = fleet.autoscaler.document()
     return res
 
 
@@ -634,12 +682,16 @@ def _order(names: Sequence[str], rows: dict, ss: Sequence[int], tag: str, obj: s
     return sorted(names, key=lambda n: (-sc[n]["recovered"] if full else 0, -(sc[n][obj] or 0.0)))
 
 
-def describe(n: str, by_name: dict, routers: dict, stacks: dict | None = None, own: tuple | None = None) -> str:
-    """A setting's controls in words, with its router on a fleet and its
-    layers' keys that differ from the scenario's."""
+def describe(n: str, by_name: dict, routers: dict, scalers: dict | None = None, stacks: dict | None = None,
+             own: tuple | None = None) -> str:
+    """A setting's controls in words, with its router on a fleet, its
+    autoscaler's target where it has one, and its layers' keys that differ
+    from the scenario's (`own`)."""
     r = routers.get(n)
+    a = (scalers or {}).get(n)
     ch = layer_changes((stacks or {}).get(n), own)
     return (by_name[n].describe() + ("" if r is None else ", " + describe_router(r))
+            + ("" if a is None else f", autoscaler target {a.target:g}")
             + "".join(f", {kind} layer " + ", ".join(f"{k} {_value(v)}" for k, v in keys.items())
                       for kind, keys in ch.items()))
 
@@ -749,12 +801,19 @@ def report(res: dict) -> str:
         alts = [f"{a['router']['policy']}/{a['router']['retries']}/{a['router']['proxy']}: P {a['p']:.2f}, "
                 f"{res['objective']} {100 * (a[res['objective']] or 0):.1f}%" for a in note["alternatives"]]
         lines.append(head + ("; the same controls under " + "; ".join(alts) if alts else ""))
+    a = res.get("autoscaler")
+    if a:
+        lines.append(f"autoscaler (the scenario's): {a['metric']} target {a['target']:g}, replicas "
+                     f"{a['min_replicas']}..{a['max_replicas']}, sync {a['sync_period_s']:g} s, provisioning "
+                     f"{a['provisioning']} {a['provisioning_s']:g} s, drain {a['drain']}")
     for t in res["top"]:
         s = t["summary"]
         lines.append(f"{t['rank']}. {t['condition']}")
         lines.append(f"   {t['describe']}")
         lines.append(f"   {t['verdict']}; within deadline {100 * (s['timely'] or 0):.1f}%, delivered "
-                     f"{100 * (s['delivered'] or 0):.1f}%, pulse delivered {100 * (s['burst'] or 0):.1f}%")
+                     f"{100 * (s['delivered'] or 0):.1f}%, pulse delivered {100 * (s['burst'] or 0):.1f}%"
+                     + (f"; replica-seconds {s['replica_seconds']:.0f}" if s.get("replica_seconds") is not None
+                        else ""))
         if t["margin"]:
             lines.append(f"   margin: {t['margin']['sentence'].split('; ', 1)[-1]}")
         if t["against"]:

@@ -1,9 +1,10 @@
 """The robustness margin: how far a deployment is from the point where its
 recovery verdict flips. Along each axis — engine speed (every step-time
 coefficient x s), burst size (the pulse rate x m), load after the burst
-(hold_load) and KV capacity (num_gpu_blocks x f) — P(recovered) over a fixed
-set of seeds is probed and the value where it crosses 1/2 is found by
-bisection.
+(hold_load) and KV capacity (num_gpu_blocks x f), and for a fleet with an
+autoscaler its provisioning delay (seconds until a new replica is ready)
+and its metric's target — P(recovered) over a fixed set of seeds is probed
+and the value where it crosses 1/2 is found by bisection.
 
 Common random numbers: every probe runs the same seeds. On the speed and kv
 axes the traces are identical at every probe (drawn at the unperturbed
@@ -30,7 +31,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from .. import verdict
@@ -43,6 +44,7 @@ from ..workload import make_trace
 from .sweep import _local
 
 AXES = ("speed", "pulse", "hold_load", "kv")
+SCALING_AXES = ("provisioning", "target")     # a fleet with an [autoscaler] only
 
 
 # ------------------------------------------------------------------ bisection
@@ -109,7 +111,12 @@ class Axis:
 
     integer = False
 
-    def baseline(self, scenario: Scenario, layers: tuple | None = None) -> float:
+    def baseline(self, scenario: Scenario, fleet: FleetSpec | None = None, layers: tuple | None = None) -> float:
+        """The value at the deployment as it is (the scaling axes: its
+        fleet's autoscaler's; the others: the scenario's or 1)."""
+        if self.name in SCALING_AXES:
+            a = fleet.autoscaler
+            return a.provisioning_s if self.name == "provisioning" else a.target
         return scenario.hold_load if self.name == "hold_load" else 1.0
 
     def limits(self, layers: tuple | None, x0: float) -> tuple[float, float]:
@@ -119,8 +126,23 @@ class Axis:
         """The [[layer]] settings at x (this axis leaves them)."""
         return layers
 
+    def scaler(self, config, x: float):
+        """The autoscaler's settings at x (as they are off its axes): on the
+        provisioning axis the delay (a uniform one's ends both scaled to
+        keep their ratio), on the target axis the metric's target."""
+        if config is None or self.name not in SCALING_AXES:
+            return config
+        if self.name == "target":
+            return replace(config, target=x)
+        hi = config.provisioning_max_s
+        if hi is not None and config.provisioning_s > 0:
+            hi = hi * x / config.provisioning_s
+        return replace(config, provisioning_s=x, provisioning_max_s=hi)
+
     def apply(self, profile: Profile, scenario: Scenario, x: float) -> tuple[Profile, Scenario]:
         """The profile and scenario at x."""
+        if self.name in SCALING_AXES:
+            return profile, scenario
         if self.name == "speed":
             return verdict.perturbed(profile, speed=x), scenario
         if self.name == "kv":
@@ -140,6 +162,10 @@ class Axis:
             return f"the burst is {x:.2f}x its size ({lo:.2f}-{hi:.2f}x)"
         if self.name == "hold_load":
             return f"the load after the burst is {x:.2f} x C ({lo:.2f}-{hi:.2f}; now {base:.2f})"
+        if self.name == "provisioning":
+            return f"a new replica's provisioning delay is {x:.0f} s ({lo:.0f}-{hi:.0f} s; now {base:.0f} s)"
+        if self.name == "target":
+            return f"the autoscaler's target is {x:.3g} ({lo:.3g}-{hi:.3g}; now {base:.3g})"
         if x <= 1:
             return f"the KV cache is {100 * (1 - x):.0f}% smaller ({100 * (1 - hi):.0f}-{100 * (1 - lo):.0f}%)"
         return f"the KV cache is {x:.2f}x larger ({lo:.2f}-{hi:.2f}x)"
@@ -169,7 +195,7 @@ class LayerAxis:
                              "none)")
         return i
 
-    def baseline(self, scenario: Scenario, layers: tuple | None = None) -> float:
+    def baseline(self, scenario: Scenario, fleet: FleetSpec | None = None, layers: tuple | None = None) -> float:
         v = layers[self.index(layers)].get(self.key)
         if v is None:
             raise ValueError(f"{self.name}: the {self.kind} layer sets no {self.key} (no limit): give it one in the "
@@ -189,6 +215,10 @@ class LayerAxis:
 
     def apply(self, profile: Profile, scenario: Scenario, x: float) -> tuple[Profile, Scenario]:
         return profile, scenario
+
+    def scaler(self, config, x: float):
+        """The autoscaler's settings at x (this axis leaves them)."""
+        return config
 
     def layers_at(self, layers: tuple | None, x: float) -> tuple | None:
         i = self.index(layers)
@@ -216,6 +246,8 @@ AXIS = {a.name: a for a in [
     Axis("pulse", True, 1 / 16, 8.0, "the pulse rate x m"),
     Axis("hold_load", True, 0.02, 1.5, "the hold's load in multiples of C"),
     Axis("kv", False, 1 / 256, 16.0, "KV blocks x f"),
+    Axis("provisioning", True, 1.0, 3600.0, "a new replica's provisioning delay (s)"),
+    Axis("target", True, 1e-3, 1e4, "the autoscaler metric's target"),
 ]}
 
 
@@ -240,10 +272,10 @@ def parse_axes(spec: str | Sequence[str], layers: tuple | None = None) -> list[s
                              + ("; gateway layers are not yet simulated" if kind == "gateway" else ""))
         if tuple(n.split(".")[1:]) not in LAYER_AXES:
             raise ValueError(f"unknown axis {n}; a layer's axes: {', '.join(layer)}")
-        axis(n).baseline(None, layers)          # the scenario has the layer, and the layer sets the key
+        axis(n).baseline(None, layers=layers)   # the scenario has the layer, and the layer sets the key
     bad = [n for n in names if n not in AXIS and not n.startswith("layer.")]
     if bad or not names:
-        raise ValueError(f"unknown axis {', '.join(bad) or spec!r}; valid: {', '.join(AXES)}"
+        raise ValueError(f"unknown axis {', '.join(bad) or spec!r}; valid: {', '.join(AXES + SCALING_AXES)}"
                          + (f", {', '.join(layer)}" if layers else ""))
     return names
 
@@ -255,27 +287,31 @@ def slim(rec: dict) -> dict:
                                 "rates_xC", "wall_s")}
 
 
-def fleet_run(fleet: FleetSpec, capacities: tuple, profile_at: Callable[[Profile], Profile]) -> tuple:
+def fleet_run(fleet: FleetSpec, capacities: tuple, profile_at: Callable[[Profile], Profile], scaler=None) -> tuple:
     """run_task's fleet part: every replica's profile through `profile_at`
-    (a probe's perturbation), the replicas' Ĉ and the router."""
-    return tuple(profile_at(p) for p in fleet.profiles), capacities, fleet.router
+    (a probe's perturbation), the replicas' Ĉ, the router and, where the
+    fleet has one, the autoscaler (`scaler`, default the fleet's)."""
+    out = (tuple(profile_at(p) for p in fleet.profiles), capacities, fleet.router)
+    scaler = scaler if scaler is not None else fleet.autoscaler
+    return out if scaler is None else out + (scaler,)
 
 
 def run_task(task: tuple, full: bool = False) -> dict:
     """One run: (profile, scenario, condition, seed, trace capacity[, fleet[,
     layers]]) -> the slim record (the full one with `full`, less a fleet's
-    per-replica records). `fleet`, (profiles, capacities, router), runs the
-    replicas behind the router instead of `profile`; `layers`, [[layer]]
+    per-replica records). `fleet`, (profiles, capacities, router[,
+    autoscaler]) (`fleet_run`), runs the replicas behind the router, scaled
+    by the autoscaler where given, instead of `profile`; `layers`, [[layer]]
     tables' effective settings, stand above the condition's proxy (on a
     fleet, above its proxy or router)."""
     profile, scenario, condition, seed, trace_capacity, *on = task
     fleet, layers = (list(on) + [None, None])[:2]
     trace = make_trace(trace_capacity, scenario, seed)
-    if fleet is not None:                   # a fleet: (replicas' profiles, their Ĉ, router)
-        profiles, capacities, router = fleet
+    if fleet is not None:                   # a fleet: (replicas' profiles, their Ĉ, router[, autoscaler])
+        profiles, capacities, router, *scaler = fleet
         stack = None if layers is None else Stack.under_layers(condition, layers, scenario, router)
         rec = run_fleet(list(profiles), condition, trace, scenario, list(capacities), router, seed, scenario.pulse,
-                        stack=stack)
+                        stack=stack, autoscaler=scaler[0] if scaler else None)
         rec.pop("replicas", None)
     else:
         rec = verdict.run_record(profile, scenario, condition, seed, trace, layers=layers)
@@ -331,19 +367,23 @@ def margin(profile: Profile, scenario: Scenario, condition: Condition, seeds: Se
     if not seeds:
         raise ValueError("margin needs at least one seed")
     axes = parse_axes(axes, layers)
+    scaled = [a for a in axes if a in SCALING_AXES]
+    if scaled and (fleet is None or fleet.autoscaler is None):
+        raise ValueError(f"the {', '.join(scaled)} axis needs a fleet with an [autoscaler] section")
     caps = tuple(fleet.capacities(scenario)) if fleet is not None else ()
 
     def on(ax: Axis | None = None, x: float = 1.0):
         """The fleet's run at x on an axis (None: one engine)."""
         if fleet is None:
             return None
-        return fleet_run(fleet, caps, (lambda p: ax.apply(p, scenario, x)[0]) if ax else (lambda p: p))
+        return fleet_run(fleet, caps, (lambda p: ax.apply(p, scenario, x)[0]) if ax else (lambda p: p),
+                         ax.scaler(fleet.autoscaler, x) if ax else None)
     base = base if base is not None else cell(profile, scenario, condition, seeds, workers, fleet=on(),
                                               layers=layers)
     out_axes = []
     for name in axes:
         ax = axis(name)
-        x0 = ax.baseline(scenario, layers)
+        x0 = ax.baseline(scenario, fleet, layers)
         seen: dict[float, dict] = {x0: base}
 
         def p(x: float) -> float:

@@ -1,7 +1,8 @@
 """The phase map: P(recovered) of one condition over a grid of two
 parameters — any numeric field of the scenario (pulse, hold_load, pulse_s,
 deadline_s, ...) or the engine's `speed` (step times x s) and `kv` (KV blocks
-x f) — into a Parquet table and a PNG heatmap. Tipping points (a Wilson
+x f), or for a fleet with an autoscaler its `provisioning` delay (s) and
+metric `target` — into a Parquet table and a PNG heatmap. Tipping points (a Wilson
 interval across 1/2) are marked, and the line where the burst's backlog at
 capacity equals one deadline, (pulse - 1) · pulse_s = deadline_s, is drawn
 over the map where it falls inside it.
@@ -33,7 +34,7 @@ from .. import verdict  # noqa: E402
 from ..conditions import Condition  # noqa: E402
 from ..profile import Profile  # noqa: E402
 from ..scenario import PHASE_FIELDS, Scenario  # noqa: E402
-from .margin import fleet_run, run_many  # noqa: E402
+from .margin import AXIS, SCALING_AXES, fleet_run, run_many  # noqa: E402
 
 ENGINE_PARAMS = ("speed", "kv")
 
@@ -46,7 +47,7 @@ def parse_range(spec: str) -> tuple[str, list[float]]:
     """`name=a:b:n` (n evenly spaced values from a to b) or `name=v1,v2,...`."""
     name, sep, rest = spec.partition("=")
     name = name.strip()
-    valid = scenario_params() + list(ENGINE_PARAMS)
+    valid = scenario_params() + list(ENGINE_PARAMS) + list(SCALING_AXES)
     if not sep or name not in valid:
         raise ValueError(f"expected PARAM=a:b:n or PARAM=v1,v2 with PARAM one of {', '.join(valid)}; got {spec!r}")
     try:
@@ -62,7 +63,7 @@ def parse_range(spec: str) -> tuple[str, list[float]]:
         raise ValueError(f"{name}: expected a:b:n (n >= 1 points) or a comma list of numbers, got {rest!r}") from None
     if not vals or any(not np.isfinite(v) for v in vals):
         raise ValueError(f"{name}: no finite values in {rest!r}")
-    if name in ENGINE_PARAMS and min(vals) <= 0:
+    if name in ENGINE_PARAMS + SCALING_AXES and min(vals) <= 0:
         raise ValueError(f"{name}: factors must be positive, got {rest!r}")
     return name, vals
 
@@ -72,7 +73,14 @@ def apply(profile: Profile, scenario: Scenario, name: str, v: float) -> tuple[Pr
         return verdict.perturbed(profile, speed=v), scenario
     if name == "kv":
         return verdict.perturbed(profile, kv=v), scenario
+    if name in SCALING_AXES:
+        return profile, scenario
     return profile, scenario.with_(**{name: v})
+
+
+def _scaler(config, name: str, v: float):
+    """An autoscaler's settings with `name` (an autoscaler axis, else none) at v."""
+    return AXIS[name].scaler(config, v) if name in SCALING_AXES else config
 
 
 def phase_map(profile: Profile, scenario: Scenario, condition: Condition, x: tuple[str, Sequence[float]],
@@ -86,13 +94,17 @@ def phase_map(profile: Profile, scenario: Scenario, condition: Condition, x: tup
     if xn == yn:
         raise ValueError(f"the two axes must differ, both are {xn}")
     seeds = list(seeds)
+    scaled = [n for n in (xn, yn) if n in SCALING_AXES]
+    if scaled and (fleet is None or fleet.autoscaler is None):
+        raise ValueError(f"{', '.join(scaled)} needs a fleet with an [autoscaler] section")
     caps = tuple(fleet.capacities(scenario)) if fleet is not None else ()
     tasks, points = [], []
     for yv in ys:
         for xv in xs:
             prof, sc = apply(*apply(profile, scenario, xn, xv), yn, yv)
             on = None if fleet is None else fleet_run(
-                fleet, caps, lambda q: apply(*apply(q, scenario, xn, xv), yn, yv)[0])
+                fleet, caps, lambda q: apply(*apply(q, scenario, xn, xv), yn, yv)[0],
+                _scaler(_scaler(fleet.autoscaler, xn, xv), yn, yv) if scaled else None)
             points.append((xv, yv))
             tasks += [(prof, sc, condition, s, profile.capacity, on) for s in seeds]
     t0 = time.perf_counter()

@@ -20,7 +20,10 @@ stands before the router (`proxy = "deployment"`). Policies:
   holding its call's execution, also after the router moved one on 503).
 
 Ties go to the lowest replica index after the round-robin pointer's order
-(round-robin, least-*), so every pick is deterministic. `exclude` lists
+(round-robin, least-*), so every pick is deterministic. `ready`, where set
+(an autoscaled fleet, `sim.autoscale`), masks the replicas that take
+requests: every policy picks among the ready ones only (a hashing policy
+walks on from a replica not ready as from one excluded); None: all. `exclude` lists
 replicas already tried for this request (the router's own retry on 503:
 `retries` more replicas at most); a hashing policy then walks on from its
 choice in index order.
@@ -114,11 +117,17 @@ class Router:
                       "call-affinity": self._hashed}[config.policy]
         self._home = {"prefix-affinity": self._prefix_home, "call-affinity": self._call_home}.get(config.policy)
         self._affinity = config.policy == "call-affinity"
+        self.ready: list[bool] | None = None   # replicas that take requests (None: all)
 
     def may_retry(self, tried: Sequence[int]) -> bool:
         """Whether the router retries a request refused (503) on every
         replica in `tried` on one more."""
-        return len(tried) <= self.config.retries and len(tried) < self.n
+        if len(tried) > self.config.retries:
+            return False
+        ready = self.ready
+        if ready is None:
+            return len(tried) < self.n
+        return any(ready[r] and r not in tried for r in range(self.n))
 
     def pick(self, call_id: int, exclude: Sequence[int] = ()) -> int:
         """The replica for a request of `call_id`, not one in `exclude`."""
@@ -131,10 +140,13 @@ class Router:
 
     def _order(self, exclude) -> Sequence[int]:
         order = self._orders[self.next]
+        ready = self.ready
+        if ready is not None:
+            return [r for r in order if ready[r] and r not in exclude]
         return [r for r in order if r not in exclude] if exclude else order
 
     def _round_robin(self, call_id, exclude) -> int:
-        r = self.next if not exclude else self._order(exclude)[0]
+        r = self.next if not exclude and self.ready is None else self._order(exclude)[0]
         self.next = (r + 1) % self.n
         return r
 
@@ -168,10 +180,10 @@ class Router:
         return best
 
     def _walk(self, home: int, exclude) -> int:
-        n = self.n
+        n, ready = self.n, self.ready
         for k in range(n):
             r = (home + k) % n
-            if r not in exclude:
+            if r not in exclude and (ready is None or ready[r]):
                 return r
         raise ValueError("every replica is excluded")
 
@@ -194,7 +206,7 @@ class Router:
 
     def _hashed(self, call_id, exclude) -> int:
         home = self._home(call_id)
-        return self._walk(home, exclude) if exclude else home
+        return self._walk(home, exclude) if exclude or self.ready is not None else home
 
 
 class _Routed:
