@@ -108,3 +108,32 @@ def test_sdk_timeouts_are_retried_by_the_sdk_and_recorded_per_attempt():
         assert all(ex[a.execution].fate == "aborted" and not a.attached for a in mine)
     assert len(log.executions) == 3 * n
     assert run.errors.get("sdk:APITimeoutError") == n
+
+
+def test_the_sdk_sends_the_calls_token_ids_as_the_prompt():
+    seen = []
+
+    class Recording(SlotStub):
+        async def completions(self, request):
+            seen.append(await request.json())
+            return await super().completions(request)
+
+    async def go():
+        from aiohttp.test_utils import TestServer
+        stub = Recording(2)
+        server = TestServer(stub.app())
+        await server.start_server()
+        try:
+            sc = _scenario(deadline=3.0)
+            tr = _trace(sc, 2.0, 2.0)
+            run = LiveRun(str(server.make_url("")).rstrip("/"), "stub", tr, get_condition("no-retry"), sc, seed=0,
+                          client_layer=preset("client", "openai-python"))
+            await run._run(until=float(tr.arrival[-1]) + sc.delivery_horizon_s)
+            return run
+        finally:
+            await server.close()
+    run = asyncio.run(go())
+    assert len(seen) == len(run.trace)
+    by_prompt = sorted(tuple(b["prompt"]) for b in seen)
+    assert by_prompt == sorted(tuple(run.prompts[i]) for i in range(len(run.trace)))
+    assert all(b["ignore_eos"] is True and b["max_tokens"] == 10 for b in seen)

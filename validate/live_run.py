@@ -200,9 +200,12 @@ class LiveRun:
         import openai                      # optional: the real SDK as the live client
         crec = self.call_records[i]
         try:
+            # the token ids go in extra_body, sent as given: the SDK's parameter transform
+            # walks a `prompt` list id by id (about 0.27 s of CPU for 3,600 ids on a 2-core
+            # machine), which would starve the engine and the proxy sharing the cores
             await sdk.completions.create(
-                model=self.model, prompt=self.prompts[i], max_tokens=int(self.trace.max_tokens[i]), temperature=0.0,
-                extra_body={"ignore_eos": True}, extra_headers={"X-Call-Id": str(i)})
+                model=self.model, prompt="", max_tokens=int(self.trace.max_tokens[i]), temperature=0.0,
+                extra_body={"prompt": self.prompts[i], "ignore_eos": True}, extra_headers={"X-Call-Id": str(i)})
             crec.delivered_at, crec.outcome = self.now(), "delivered"
         except openai.OpenAIError as e:
             crec.outcome = give_up_outcome(e, self.client_layer.get("retry_after_cap_s"))
