@@ -22,6 +22,14 @@ was first scheduled (so the retry-timing medians and `never_scheduled`), and
 requests aborted before being scheduled. `engine.steps` is the step recorder's
 count when the engine was started by llmsim, else null.
 
+A scenario's [[layer]] stack (`client_layer`, `gateway`): the client is then
+the real OpenAI SDK (`validate.sdk_client`; each call one
+`completions.create`, its retries the SDK's, each attempt recorded by a
+transport around the SDK's own), and a real nginx or HAProxy
+(`validate.gateway`) may stand between the clients and the proxy; the log's
+`extra` names the SDK's version and options, the statuses its attempts got,
+and the gateway with its config.
+
 A lost engine ends the run: every second the sampler asks `engine_lost()`
 (for an engine llmsim started: has its process exited?) and counts
 `/metrics` failures; a reason from the one, or `LOST_AFTER_S` consecutive
