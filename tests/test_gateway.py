@@ -172,3 +172,15 @@ def test_haproxy_queue_timeout_answers_503_and_a_connection_limit_holds():
     assert sorted(c.outcome for c in log.calls) == ["delivered", "failed_attempts", "failed_attempts"]
     assert run.sdk_log.statuses == {"503": 2}
     assert len(log.executions) == 1 and stub.completed == 1
+
+
+@_needs("nginx")
+def test_a_started_gateway_is_owned_until_stopped_and_leaves_nothing_behind():
+    g = G.start(preset("gateway", "nginx", timeout_s=1), "http://127.0.0.1:9")
+    try:
+        assert g.process in G.E.owned() and g.alive()       # stopped at exit / by the suite's guard if left
+        assert (g.run_dir / "nginx.pid").exists() and str(g.run_dir) in g.config_path.read_text()
+    finally:
+        g.stop()
+    assert g.process not in G.E.owned() and not g.alive()
+    assert g.process.proc.poll() is not None                 # reaped
