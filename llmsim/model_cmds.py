@@ -41,7 +41,7 @@ def condition(a, base: Condition | None = None) -> Condition | None:
 
 
 def cmd_run(a) -> int:
-    dep = deployment(a, client_layer=True)
+    dep = deployment(a, layers=True)
     png = getattr(a, "queues_png", None)
     if png and dep.fleet is None:
         raise args.UsageError("run: --queues-png draws a fleet's replicas: give a --scenario with a [fleet] section")

@@ -34,12 +34,12 @@ def scenario_arg(p, trace_speedup: bool = True) -> None:
                        help="replay the scenario's trace X times faster (arrival times / X)")
 
 
-def deployment(a, burst: bool = True, capacity: bool = True, client_layer: bool = False) -> Deployment:
+def deployment(a, burst: bool = True, capacity: bool = True, layers: bool = False) -> Deployment:
     """The deployment a command runs: `--scenario` (default paper) with the
     command's --model, --pulse, --max-batched-tokens and --mixed-prompts
     applied where given; with `burst`, one that forms cohorts and whose
-    layers the simulator runs (with `client_layer`, a client [[layer]]:
-    the commands that run through `Deployment.run`); with
+    layers the simulator runs (with `layers`, [[layer]] tables: the
+    commands that run through `Deployment.run`); with
     `capacity`, its Ĉ resolved (a failing protocol is bad input too)."""
     src = getattr(a, "scenario", None)
     try:
@@ -54,7 +54,7 @@ def deployment(a, burst: bool = True, capacity: bool = True, client_layer: bool 
                                mixed_prompts=bool(getattr(a, "mixed_prompts", False)))
         if burst:
             dep.require_burst()
-            dep.require_simulated(client_layer)
+            dep.require_simulated(layers)
         if capacity:
             dep.capacity
     except (ScenarioError, ProfileError) as e:

@@ -11,6 +11,10 @@ trace's `klass` column).
 - `call_priorities(trace, scenario)`: each call's priority, which its
   executions carry to the engine (`Request.priority`): the class's, 0
   without classes.
+- `call_objectives(trace, scenario)`: each call's priority as an inference
+  gateway reads it (the Inference Extension's InferenceObjective priority:
+  below 0 is sheddable): -1 for a call of a class the verdict does not need
+  to recover (`must_recover = false`: best-effort traffic), else 0.
 """
 from __future__ import annotations
 
@@ -58,4 +62,12 @@ def call_priorities(trace: Trace, scenario: Scenario) -> list[int]:
     if not scenario.classes or trace.klass is None:
         return [0] * len(trace)
     prio = [c.priority for c in scenario.classes]
+    return [prio[k] for k in trace.klass.tolist()]
+
+
+def call_objectives(trace: Trace, scenario: Scenario) -> list[int]:
+    """Each call's priority as an inference gateway sheds by it (module docstring)."""
+    if not scenario.classes or trace.klass is None:
+        return [0] * len(trace)
+    prio = [0 if c.must_recover else -1 for c in scenario.classes]
     return [prio[k] for k in trace.klass.tolist()]

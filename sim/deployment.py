@@ -68,7 +68,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .conditions import Condition, compose, get_condition, parse_cancel
-from .policy.presets import PRESETS, preset
+from .policy.layers import layer_kind
+from .policy.presets import PRESETS
 from .policy.proxy import ProxyConfig
 from .profile import Profile, ProfileError, embedded_names, from_dict, load_profile, with_engine
 from .fleet import FleetSpec, run_fleet
@@ -262,21 +263,30 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
                       sections=layers, stack_layers=stack, schema=schema)
 
 
+def layer_settings(table: dict) -> dict:
+    """A [[layer]] table's effective settings, resolved by its kind
+    (`sim.policy.layers.layer_kind(kind).settings`: for a client or a
+    gateway, its preset's values with the table's keys on top)."""
+    return layer_kind(table["kind"]).settings(table.get("preset"),
+                                              {k: v for k, v in table.items() if k not in ("kind", "preset")})
+
+
 def _stack_layers(tables: list, source: str, schema: Schema) -> tuple:
     """The [[layer]] tables as given (numbers as floats), each checked by
-    merging it into its preset (`sim.policy.presets.preset`): an unknown
-    preset, a key its kind does not take, a value its policy refuses (a cap
-    below its base) end in one line naming the file and `layer[i].key`."""
+    resolving it through its kind's registry entry (`layer_settings`): an
+    unknown kind or preset, a key its kind does not take, a value its policy
+    refuses (a cap below its base) end in one line naming the file and
+    `layer[i].key`."""
     out = []
     for i, t in enumerate(tables):
         where = f"layer[{i}]"
-        if "preset" not in t:
+        if "preset" not in t and "kind" not in t:
             raise ScenarioError(f"{source}: {where}.preset must be given (one of {', '.join(PRESETS)})")
         given = _values(schema, "layer", t)
-        kind = given.setdefault("kind", PRESETS[t["preset"]].kind)
-        overrides = {k: v for k, v in given.items() if k not in ("kind", "preset")}
+        if "kind" not in given:
+            given["kind"] = PRESETS[t["preset"]].kind
         try:
-            preset(kind, given["preset"], **overrides)
+            layer_settings(given)
         except ValueError as e:
             key, _, why = str(e).partition(": ")
             why = "is " + why if why.startswith("not ") else why
@@ -655,35 +665,38 @@ class Deployment:
         return doc
 
     def layer_settings(self) -> list:
-        """Each [[layer]]'s effective settings: its preset's values with the
-        table's keys on top (`sim.policy.presets.preset`)."""
-        return [preset(t["kind"], t["preset"], **{k: v for k, v in t.items() if k not in ("kind", "preset")})
-                for t in self.stack_layers]
+        """Each [[layer]]'s effective settings (`layer_settings`: its
+        preset's values with the table's keys on top)."""
+        return [layer_settings(t) for t in self.stack_layers]
 
-    def require_simulated(self, client_layer: bool = False) -> None:
+    def require_simulated(self, layers: bool = False) -> None:
         """Raises unless the simulator runs every layer of the stack: with
-        `client_layer` (as `run` does), one client layer on one engine is
-        run; no gateway layer is yet."""
+        `layers` (as `run` does), any layers on one engine, a layer that
+        stands at the client's place (`LayerKind.top`) first and only
+        without traffic classes; without, none (the commands that do not
+        run through `run`)."""
         for i, t in enumerate(self.stack_layers):
-            if client_layer and t["kind"] == "client" and i == 0 and self.fleet is None and not self.scenario.classes:
+            top = layer_kind(t["kind"]).top
+            if layers and self.fleet is None and (not top or (i == 0 and not self.scenario.classes)):
                 continue
-            raise ScenarioError(f"{self.name}: layer[{i}] ({t['preset']}): {t['kind']} layers are described by "
-                                "`llmsim stack` but not yet simulated"
-                                + (" (only one client layer, on one engine, without traffic classes)"
-                                   if t["kind"] == "client" else ""))
+            what = (" (only one client layer, on one engine, without traffic classes)" if top
+                    else " (on one engine)" if layers else " by this command")
+            raise ScenarioError(f"{self.name}: layer[{i}] ({t.get('preset', t['kind'])}): {t['kind']} layers are "
+                                "described by `llmsim stack` but not yet simulated" + what)
 
     def stack_for(self, condition: Condition) -> Stack | None:
         """The stack a run of `condition` drives: None for the reference
-        design's (the condition's client); with a client [[layer]], the
-        condition's proxy and router under that client (no retries where
-        the condition turns them off)."""
+        design's (the condition's client and proxy); with [[layer]] tables,
+        the condition's proxy and router under them (a client layer, whose
+        retries are off where the condition turns them off, in the client's
+        place; the others between it and the proxy, in order)."""
         if not self.stack_layers:
             return None
-        self.require_simulated(client_layer=True)
-        client = self.layer_settings()[0]
-        if not condition.retries:
-            client = dict(client, max_retries=0)
-        return Stack.from_config(condition, None, self.scenario).with_client(client)
+        self.require_simulated(layers=True)
+        settings = self.layer_settings()
+        if not condition.retries and layer_kind(settings[0]["kind"]).top and "max_retries" in settings[0]:
+            settings[0] = dict(settings[0], max_retries=0)
+        return Stack.from_config(condition, None, self.scenario).with_layers(settings)
 
     def _fields(self, section: str) -> dict:
         """The section's keys that are Scenario fields, with the scenario's values."""
@@ -779,7 +792,7 @@ class Deployment:
         """One run; the result record with `deployment` (`identity()`) and
         `engine_config` (the scheduler's flags the engine was built with)."""
         self.require_burst()
-        self.require_simulated(client_layer=True)
+        self.require_simulated(layers=True)
         seed = self.seed if seed is None else seed
         if trace is None:
             trace = self.trace(seed)

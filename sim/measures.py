@@ -75,8 +75,8 @@ def recovery(window_delivery: Sequence[float], window_queue_mean: Sequence[float
 
 _F_LIVE, _F_COMPLETED, _F_ABORTED, _F_DROPPED, _F_REFUSED = (EXECUTION_FATES.index(f) for f in (
     "", "completed", "aborted", "dropped", "refused"))
-_O_COMPLETE, _O_TIMEOUT, _O_BUDGET, _O_ENGINE, _O_PROXY = (ATTEMPT_OUTCOMES.index(o) for o in (
-    "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy"))
+_O_COMPLETE, _O_TIMEOUT, _O_BUDGET, _O_ENGINE, _O_PROXY, _O_GATEWAY = (ATTEMPT_OUTCOMES.index(o) for o in (
+    "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy", "refused_gateway"))
 _C_LIVE, _C_DELIVERED, _C_FAILED_ATTEMPTS, _C_FAILED_RETRY_AFTER = (CALL_OUTCOMES.index(o) for o in (
     "", "delivered", "failed_attempts", "failed_retry_after"))
 
@@ -372,7 +372,7 @@ def _calls_failed(c: _Columns) -> dict:
     outc = c.call_outcome
     failed = (outc == _C_FAILED_ATTEMPTS) | (outc == _C_FAILED_RETRY_AFTER)
     is_last = c.a_number == c.call_attempts[c.a_call] - 1 if len(c.a_call) else np.zeros(0, dtype=bool)
-    refused_calls = c.a_call[is_last & np.isin(c.a_outcome, (_O_BUDGET, _O_ENGINE, _O_PROXY))]
+    refused_calls = c.a_call[is_last & np.isin(c.a_outcome, (_O_BUDGET, _O_ENGINE, _O_PROXY, _O_GATEWAY))]
     return {"attempts": int((outc == _C_FAILED_ATTEMPTS).sum()), "retry_after": int((outc == _C_FAILED_RETRY_AFTER).sum()),
             "outstanding": int((outc == _C_LIVE).sum()), "by_refusal": int(failed[refused_calls].sum())}
 
@@ -384,6 +384,9 @@ def _attempts(c: _Columns) -> dict:
     for name, code in (("complete", _O_COMPLETE), ("timeout", _O_TIMEOUT), ("refused_budget", _O_BUDGET),
                        ("refused_engine", _O_ENGINE), ("refused_proxy", _O_PROXY)):
         out[name] = int((c.a_outcome == code).sum())
+    gateway = int((c.a_outcome == _O_GATEWAY).sum())
+    if gateway:                     # only a stack with gateway layers has these
+        out["refused_gateway"] = gateway
     return out
 
 

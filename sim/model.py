@@ -17,9 +17,9 @@ from .clock import Clock, RoutedTimers, Timers
 from .conditions import Condition
 from .engine.core import EngineCore, EngineConfig
 from .engine.request import Request
-from .classes import call_priorities, clients
+from .classes import call_objectives, call_priorities, clients
 from .policy.client import CallState, Retry, Delivered
-from .policy.preset_client import PresetClient
+from .policy.layers import LayerContext, Upstream, layer_kind
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Refuse, Cancel, Complete,
                            Drop, Wake)
 from .policy.router import ReplicaView, RouterConfig
@@ -98,8 +98,10 @@ def _next_finish(e: EngineCore) -> float:
 
 
 class Run(Interpreter):
-    """One run of a stack (`sim.policy.stack.Stack`: the client, the proxy
-    with the condition's controls and the router) over a cluster of engines:
+    """One run of a stack (`sim.policy.stack.Stack`: the client, any layers
+    between it and the proxy (gateways: `self.layers`, made through the
+    registry of `sim.policy.layers`), the proxy with the condition's
+    controls and the router) over a cluster of engines:
     one per profile (`profile`, or a sequence of them: replica i runs the
     i-th). `router` places requests on the replicas and says where the proxy
     stands (`RouterConfig.proxy`); `stack`, where given, names the layers
@@ -127,11 +129,21 @@ class Run(Interpreter):
                              stop=self._over.__len__)
         client = self.stack.config("client")
         draws = uniform_draws(np.random.default_rng([seed, 1]))
-        # a client layer from a preset (its effective settings, a dict), or the reference client; with traffic
-        # classes each call's client settings and engine priority are its class's (sim.classes)
-        self.client = (PresetClient(client, draws) if isinstance(client, dict)
-                       else clients(client, condition, scenario, trace, draws))
         self.call_priority = call_priorities(trace, scenario)
+        # a client layer of a registered kind (its effective settings, a dict: sim.policy.layers), or the
+        # reference client; with traffic classes each call's client settings and engine priority are its
+        # class's (sim.classes)
+        self.client = (layer_kind(client["kind"]).make(client, LayerContext(draws)) if isinstance(client, dict)
+                       else clients(client, condition, scenario, trace, draws))
+        # the layers between the client and the proxy (gateways), from the top; they draw from a stream of
+        # their own, so that the client's draws stay those of a stack without them
+        self.layers = []
+        if self.stack.chain:
+            layer_draws = uniform_draws(np.random.default_rng([seed, 2]))
+            objective = call_objectives(trace, scenario)
+            self.layers = [layer_kind(kind).make(settings, LayerContext(layer_draws, self._pods,
+                                                                        objective.__getitem__, i + 1))
+                           for i, (kind, settings) in enumerate(self.stack.chain)]
         self._build(condition, scenario, max_batched_tokens, fast_forward)
         Interpreter.__init__(self)      # after _build: its handlers are the run's, and `_do` may be replaced
         n = len(trace)
@@ -155,6 +167,11 @@ class Run(Interpreter):
         # the timers' functions, bound once: a timer keeps its function, and
         # binding one at each timer set would make a new object every time
         self._arrive, self._send, self._deadline, self._wake = self._arrive, self._send, self._deadline, self._wake
+        # the top layer below the client (a gateway, else the proxy), and each layer's layer below
+        below = self.layers + [self.proxy]
+        self._enter, self._enter_left = below[0].on_attempt, below[0].on_attempt_left
+        self._below = {layer: (b.on_attempt, b.on_attempt_left) for layer, b in zip(self.layers, below[1:])}
+        self._layer_timer = self._layer_timer
         # Proxy.on_dispatched does nothing: called only where a proxy overrides it
         self._report_dispatch = type(self.proxy).on_dispatched is not Proxy.on_dispatched
         for t in snapshot_times:
@@ -195,7 +212,7 @@ class Run(Interpreter):
         self._may_queue = cap is not None                    # a proxy may hold executions in its queue
         self._all_groups = range(len(cl.groups))
         self._routed_timers = None
-        if n > 1 and cl.calls_stay_home(condition.engine_cap):
+        if n > 1 and not self.stack.chain and cl.calls_stay_home(condition.engine_cap):
             # every input a timer brings reaches the replica of its call alone
             self.home = [self.router.home(c) for c in range(len(self.trace))]
             # a call's retry (the timer's argument: its id), an attempt's
@@ -218,7 +235,12 @@ class Run(Interpreter):
         reads_view = pcfg.queue == "deadline" or pcfg.budget is not None
         first_token = [partial(self._on_first_token_of, self.prompt_rates[cl.group_of[r]]) if reads_view else None
                        for r in range(n)]
-        if self._routed_timers is None and cap is None:
+        # a layer between the client and the proxy that may hold attempts in a queue of its own
+        self._queueing_layers = [layer for layer in self.layers if getattr(layer, "may_queue", False)]
+        if self._queueing_layers:
+            self._may_queue = True
+            next_input = [partial(self._next_input_time_of, r) for r in range(n)]
+        elif self._routed_timers is None and cap is None:
             next_input = [self.timers.next_time] * n     # no proxy ever queues: the next timer
         elif n == 1:
             next_input = [self._next_input_time]
@@ -227,7 +249,9 @@ class Run(Interpreter):
         # no proxy cancels, and no router reads the KV usage that a
         # fast-forward takes ahead: requests added to a replica whose
         # admission is blocked change none of its steps (EngineCore)
-        never_aborts = pcfg.cancellation == "off" and (self.router_config.policy != "least-kv" or n == 1)
+        # (nor any layer above the proxy reads the engines' state: `reads_engines`)
+        never_aborts = (pcfg.cancellation == "off" and (self.router_config.policy != "least-kv" or n == 1)
+                        and not any(getattr(layer, "reads_engines", False) for layer in self.layers))
         self.engines = [EngineCore(env, engine_config(p, condition, max_batched_tokens, scenario), p.step_time,
                                    on_finished=self._on_finished, on_first_token=first_token[r],
                                    next_input_time=next_input[r], fast_forward=fast_forward,
@@ -301,6 +325,12 @@ class Run(Interpreter):
                 t = self.arrival[calls[i]]
         else:
             t = self.timers.next_time()
+        if self._queueing_layers and any(layer.queued for layer in self._queueing_layers):
+            # a layer above the proxy sends a queued attempt on as a request anywhere below it finishes
+            for s, e in enumerate(self.engines):
+                t = min(t, _next_finish(e))
+                if s != r and e.pending:
+                    t = min(t, e.pending[-1].end)
         if self._may_queue:
             cl = self.cluster
             for g in self._all_groups if self.reroutes_refusals else (cl.group_of[r],):
@@ -311,6 +341,11 @@ class Run(Interpreter):
                         if s != r and e.pending:
                             t = min(t, e.pending[-1].end)
         return t
+
+    def _pods(self, t: float) -> list:
+        """What a layer above the proxy reads of each engine: (waiting, KV cache usage, metrics age 0)."""
+        return [(e.num_in_engine() - len(e.scheduler.running), e.scheduler.block_pool.usage(), 0.0)
+                for e in self.engines]
 
     def _replica_view(self, r: int) -> ReplicaView:
         return ReplicaView(self._outstanding_of(r), self._kv_usage_of(r))
@@ -354,7 +389,7 @@ class Run(Interpreter):
         att.row = self.attempt_log.add(call_id, number, t)
         self.call_log.attempts[call_id] = cs.attempts
         att.timer = self.timers.at(cs.deadline, self._deadline, att, None, True)    # in order
-        self._do(t, self.proxy.on_attempt(t, att, (self.max_tokens[call_id],), self.prompt_len[call_id]))
+        self._do(t, self._enter(t, att, (self.max_tokens[call_id],), self.prompt_len[call_id]))
 
     def _deadline(self, t: float, att: _Attempt) -> None:
         att.timer = None                    # fired: the attempt and its timer no longer hold each other
@@ -363,7 +398,7 @@ class Run(Interpreter):
         log = self.attempt_log
         log.ended_at[att.row] = t
         log.outcome[att.row] = _TIMEOUT
-        self._do(t, self.proxy.on_attempt_left(t, att))
+        self._do(t, self._enter_left(t, att))
         ex = att.execution
         if ex is not None and ex.orphaned:
             erec = self.executions[ex.id]
@@ -416,11 +451,18 @@ class Run(Interpreter):
         self.engines[self.exec_replica[a.execution.id]].abort_request(self.requests.pop(a.execution.id))
 
     def _refuse(self, t: float, a: Refuse) -> None:
+        if type(a.attempt) is Upstream:     # a layer's upstream attempt: the answer goes to that layer
+            up = a.attempt
+            self._do(t, up.layer.on_refused(t, up, a.status, a.retry_after, a.reason))
+            return
         self._close_attempt(a.attempt, t, _ATTEMPT_CODE[refusal_outcome(a.reason)])
         self._decide(t, a.attempt.call_id,
                      self.client.on_refused(self.calls[a.attempt.call_id], t, a.status, a.retry_after))
 
     def _complete(self, t: float, a: Complete) -> None:
+        if type(a.attempt) is Upstream:
+            self._do(t, a.attempt.layer.on_complete(t, a.attempt))
+            return
         self._close_attempt(a.attempt, t, _COMPLETE)
         self._decide(t, a.attempt.call_id, self.client.on_complete(self.calls[a.attempt.call_id], t))
 
@@ -433,6 +475,49 @@ class Run(Interpreter):
 
     def _wake(self, t: float, ex) -> None:
         self._do(t, self.proxy.on_wake(t, ex))
+
+    # ------------------------------------------- layers between the client and the proxy
+    def _send_below(self, t: float, a) -> None:
+        """A layer's upstream attempt goes to the layer below; it logs
+        against the row of the client's attempt it serves."""
+        up = a.attempt
+        up.row = up.above.row
+        i = up.call_id
+        self._do(t, self._below[up.layer][0](t, up, (self.max_tokens[i],), self.prompt_len[i]))
+
+    def _leave(self, t: float, a) -> None:
+        """A layer closed its upstream attempt: the layer below hears the disconnect."""
+        up = a.attempt
+        self._do(t, self._below[up.layer][1](t, up))
+        ex = up.execution
+        if ex is not None and ex.orphaned:
+            erec = self.executions[ex.id]
+            if erec.orphaned_at != erec.orphaned_at:
+                erec.orphaned_at = t
+
+    def _run_on(self, t: float, a) -> None:
+        """Nobody waits for a layer's upstream attempt any more: the execution
+        serving it (found down the layers below) runs on, orphaned."""
+        att = a.attempt
+        while att is not None and att.execution is None and type(att) is Upstream:
+            below = self._below_layer(att.layer)
+            att = below.upstream_of(att) if below is not None else None
+        ex = att.execution if att is not None else None
+        if ex is not None and ex.live:
+            erec = self.executions[ex.id]
+            if erec.orphaned_at != erec.orphaned_at:
+                erec.orphaned_at = t
+
+    def _below_layer(self, layer):
+        """The layer below `layer` between the client and the proxy (None: the proxy)."""
+        k = self.layers.index(layer) + 1
+        return self.layers[k] if k < len(self.layers) else None
+
+    def _timer_at(self, t: float, a) -> None:
+        self.timers.at(a.at, self._layer_timer, a)
+
+    def _layer_timer(self, t: float, a) -> None:
+        self._do(t, a.layer.on_timer(t, a.token))
 
     def _dispatch(self, t: float, ex) -> None:
         """Send an execution to the engine the cluster places it on; an
@@ -516,13 +601,17 @@ class Run(Interpreter):
                              "aborted_before_scheduled": e.aborted_before_scheduled})
             extra_r.append({"busy_s": busy, "step_events": e.num_step_events})
         self.parts = ReplicaParts(ts, waiting, running, engine_r, extra_r)
+        extra = sum_counters(extra_r)
+        if self.layers:             # what each layer between the client and the proxy did, from the top
+            extra["layers"] = [{"kind": kind, "preset": settings.get("preset"), **dict(layer.counts)}
+                               for (kind, settings), layer in zip(self.stack.chain, self.layers)]
         proxy_queue = sample_log(self.proxy_queue_log, ts, 1).astype(np.int64)
         series = Series(t=ts, waiting=sum(waiting[1:], waiting[0]), running=sum(running[1:], running[0]),
                         proxy_queue=proxy_queue)
         return RunLog(calls=self.call_log, attempts=self.attempt_log, executions=ExecutionTable(self.executions),
                       series=series, counters=sum_counters(e.scheduler.counters for e in self.engines),
                       counters_at=dict(self.counters_at), engine=sum_counters(engine_r),
-                      end_time=end, wall_s=wall, extra=sum_counters(extra_r))
+                      end_time=end, wall_s=wall, extra=extra)
 
 
 class ReplicaParts(NamedTuple):

@@ -54,10 +54,16 @@ def thin_log(log: list) -> None:
 
 def refusal_outcome(reason: str) -> str:
     """An attempt's outcome for a proxy refusal's reason (sim.policy.proxy.Refuse.reason)."""
-    return {"budget": "refused_budget", "engine": "refused_engine"}.get(reason, "refused_proxy")
+    out = _REFUSALS.get(reason)
+    if out is None:
+        return "refused_gateway" if reason in GATEWAY_REASONS else "refused_proxy"
+    return out
 
 
-ATTEMPT_OUTCOMES = ("", "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy")
+_REFUSALS = {"budget": "refused_budget", "engine": "refused_engine"}
+# a gateway's own refusals (sim.policy.gateway): its upstream timeout (504), its queue full or timed out (503), shed
+GATEWAY_REASONS = ("upstream_timeout", "queue_full", "queue_timeout", "shed")
+ATTEMPT_OUTCOMES = ("", "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy", "refused_gateway")
 CALL_OUTCOMES = ("", "delivered", "failed_attempts", "failed_retry_after")
 EXECUTION_FATES = ("", "completed", "aborted", "dropped", "refused")
 
@@ -73,7 +79,8 @@ class AttemptRecord:
     number: int                 # 0 = first attempt, 1.. = retries
     sent_at: float
     ended_at: float = NAN
-    # complete | timeout | refused_budget (429) | refused_engine (503) | refused_proxy (503 from the proxy: the deadline check)
+    # complete | timeout | refused_budget (429) | refused_engine (503) | refused_proxy (503 from the proxy: the deadline
+    # check) | refused_gateway (a gateway's own answer: its 504, its queue's 503, its shedding)
     outcome: str = _coded(ATTEMPT_OUTCOMES)
     execution: int = -1         # execution it subscribed to (-1: refused before one was found)
     attached: bool = False      # joined an execution created for an earlier attempt

@@ -10,7 +10,9 @@ A section is itself a row: `Key("", "fleet", TABLE, ...)` declares `[fleet]`;
 `Key("workload", "phases", TABLES, of="phase")` declares a list of tables,
 each checked against the rows of section `phase`. Adding a key to a layer is
 one row here (plus the code that uses its value); adding a layer's section is
-one row for the section and one per key.
+one row for the section and one per key. A kind of `[[layer]]` is registered by
+its module (`sim.policy.layers`; the built-in ones, `gateway` and
+`preset_client`, are imported here) and its keys are rows of section `layer`.
 
 API: `Key`; `Schema(keys)` with `rows(section)`, `names(section)`,
 `row(section, name)`, `check(doc, source)` (the whole document, checked:
@@ -25,7 +27,9 @@ import math
 from dataclasses import dataclass
 
 from .conditions import CONDITIONS
-from .policy.presets import KINDS, PRESETS
+from .policy import gateway, preset_client     # the built-in layer kinds: importing them registers them
+from .policy.layers import kinds
+from .policy.presets import PRESETS
 from .policy.retry import GatewayPolicy, RetryPolicy
 from .policy.router import PROXY_PLACEMENTS, ROUTERS
 from .engine.scheduler import SCHEDULING_POLICIES
@@ -385,7 +389,8 @@ SCHEMA = Schema([
         default="deployment", choices=PROXY_PLACEMENTS),
     Key("fleet", "profiles", STRINGS, "one profile per replica (default: the model's for all)"),
     # -- [[layer]]: a preset and its keys overridden
-    Key("layer", "kind", STRING, "the layer's kind (default: the preset's)", choices=KINDS),
+    # the kinds are those registered (sim.policy.layers): a test or a new layer module adds one
+    Key("layer", "kind", STRING, f"the layer's kind, one of {', '.join(kinds())} (default: the preset's)"),
     Key("layer", "preset", STRING, "the software whose defaults the layer takes", choices=tuple(PRESETS)),
     Key("layer", "name", STRING, "the layer's name in `llmsim stack` (default: the preset's)"),
     *_layer_rows(),

@@ -1,186 +1,179 @@
-"""The gateway harness (validate/gateway.py): configs generated from a
-gateway layer's settings, read back with the simulator's own readers of the
-directives; settings the software cannot take refused in one line; the
-install's errors (with a stand-in for subprocess.run, named as such); and,
-where `llmsim gateway install` has put nginx / HAProxy in llmsim's cache,
-the real binaries between the OpenAI SDK and the live proxy in front of a
-stub engine (test_live_run_unit's `SlotStub`, not vLLM)."""
+"""A gateway layer (`sim.policy.gateway.Gateway`) on its own: each preset's
+constants decide its upstream timeout and the status it answers it with,
+whether it closes the upstream attempt or lets it run on, what it retries,
+its connection limit and queue, and an inference gateway's shedding."""
 from __future__ import annotations
 
-import asyncio
-import subprocess
-from pathlib import Path
-
-import numpy as np
 import pytest
 
-from sim.conditions import get_condition
-from sim.policy.presets import preset
-from sim.workload import Trace
-from validate import gateway as G
-
-from test_live_run_unit import SlotStub, _scenario
-
-RUN = Path("/tmp/llmsim-gw-test")
+from sim.policy.gateway import Gateway
+from sim.policy.layers import Leave, RunOn, Send, Timer, Upstream
+from sim.policy.presets import PRESETS, preset
+from sim.policy.proxy import Attempt, Complete, Refuse
+from sim.policy.retry import envoy_retry_on
 
 
-def test_nginx_config_carries_the_layers_directives():
-    s = preset("gateway", "nginx", timeout_s=30, passes_disconnect=False, passes_disconnect_queued=False,
-               max_connections=8)
-    conf = G.nginx_config(s, 8080, "http://127.0.0.1:9000", RUN)
-    assert "proxy_read_timeout 30000ms;" in conf and "listen 127.0.0.1:8080;" in conf
-    assert "proxy_next_upstream timeout error;" in conf and "proxy_ignore_client_abort on;" in conf
-    assert "server 127.0.0.1:9000 max_fails=1 fail_timeout=10s max_conns=8;" in conf
-    assert f"pid {RUN}/nginx.pid;" in conf and f"client_body_temp_path {RUN}/client_body;" in conf
-    # read back by the simulator's reader of proxy_next_upstream: the preset's retry-on
-    assert set(G.retry_on_of("nginx", conf)) == set(s["retry_on"])
-    s2 = preset("gateway", "nginx", retry_on=["connect_error", "504"], retry_sent_non_idempotent=True)
-    conf2 = G.nginx_config(s2, 8080, "http://127.0.0.1:9000", RUN)
-    assert "proxy_next_upstream error http_504 non_idempotent;" in conf2
-    assert "proxy_next_upstream off;" in G.nginx_config(preset("gateway", "nginx", retry_on=[]), 1, "http://h:1", RUN)
+def _value(name, key):
+    return PRESETS[name].settings[key].value
 
 
-def test_haproxy_config_carries_the_layers_directives():
-    s = preset("gateway", "haproxy", timeout_s=20, max_retries=2, retry_on=["connect_error", "timeout", "503"],
-               max_connections=4, max_queue=16, queue_timeout_s=1.5, passes_disconnect=True,
-               passes_disconnect_queued=True, retry_sent_non_idempotent=False)
-    conf = G.haproxy_config(s, 8080, "http://127.0.0.1:9000", RUN)
-    for line in ("timeout server 20000ms", "retries 2", "retry-on conn-failure response-timeout 503",
-                 "timeout queue 1500ms", "option abortonclose", "http-request disable-l7-retry if METH_POST",
-                 "server upstream 127.0.0.1:9000 maxconn 4 maxqueue 16", "bind 127.0.0.1:8080"):
-        assert line in conf, line
-    assert set(G.retry_on_of("haproxy", conf)) == set(s["retry_on"])
-    plain = G.haproxy_config(preset("gateway", "haproxy"), 1, "http://h:1", RUN)
-    assert "abortonclose" not in plain and "timeout server" not in plain and "retry-on conn-failure" in plain
+def _gateway(name, r=0.5, pods=None, priority=None, **overrides):
+    return Gateway(preset("gateway", name, **overrides), lambda: r, pods=pods, priority=priority)
 
 
-@pytest.mark.parametrize("name, key, value, msg", [
-    ("nginx", "backoff_base_s", 1.0, r"^backoff_base_s: nginx has no directive for it"),
-    ("nginx", "retry_on", ["408"], r"^retry_on: nginx's proxy_next_upstream has no condition for '408'"),
-    ("nginx", "timeout_s", None, r"^timeout_s: nginx always has a read timeout"),
-    ("nginx", "upstream_servers", 2, r"^upstream_servers: a live run's gateway has one upstream"),
-    ("haproxy", "retry_on", ["5xx"], r"^retry_on: HAProxy's retry-on has no condition for '5xx'"),
-    ("haproxy", "passes_disconnect", True, r"^passes_disconnect_queued: HAProxy's option abortonclose sets both"),
-    ("haproxy", "timeout_status", 502, r"^timeout_status: HAProxy has no directive for it"),
-])
-def test_a_setting_the_software_cannot_take_is_refused_in_one_line(name, key, value, msg):
-    s = preset("gateway", name, **{key: value})
-    with pytest.raises(ValueError, match=msg):
-        G.gateway_config(s, 1, "http://h:1", RUN)
+def _of(actions, kind):
+    return [a for a in actions if type(a) is kind]
 
 
-def test_a_gateway_preset_without_live_software_is_refused():
-    with pytest.raises(ValueError, match=r"^preset: a live run's gateway is nginx or haproxy; 'envoy'"):
-        G.gateway_config(preset("gateway", "envoy"), 1, "http://h:1", RUN)
+def _send(g, t=0.0, call=0, deadline=float("inf")):
+    above = Attempt(call, 0, deadline)
+    out = g.on_attempt(t, above, (100,), 1000)
+    return above, out
 
 
-class FakeRun:
-    """A stand-in for subprocess.run: answers apt-get / dpkg commands from a table."""
-
-    def __init__(self, fail_download=False):
-        self.calls, self.fail_download = [], fail_download
-
-    def __call__(self, argv, cwd=None, **kw):
-        self.calls.append(argv)
-        if argv[:2] == ["apt-get", "download"]:
-            if self.fail_download:
-                return subprocess.CompletedProcess(argv, 100, "", "E: Unable to locate package nginx\n")
-            Path(cwd, f"{argv[2]}_1.0_amd64.deb").write_bytes(b"")
-        return subprocess.CompletedProcess(argv, 0, "", "")
-
-
-def test_install_without_apt_get_says_what_to_do(monkeypatch, tmp_path):
-    monkeypatch.setattr(G.E, "STATE_DIR", tmp_path)
-    monkeypatch.setattr(G.shutil, "which", lambda tool: None)
-    with pytest.raises(G.GatewayError, match=r"^apt-get not found: .* give its binary as LLMSIM_NGINX="):
-        G.install("nginx", log=lambda m: None, run=FakeRun())
+def test_nginx_answers_its_read_timeout_with_504_closes_the_upstream_attempt_and_does_not_retry_a_post():
+    g = _gateway("nginx")
+    above, out = _send(g, 10.0)
+    (send,), (timer,) = _of(out, Send), _of(out, Timer)
+    up = send.attempt
+    assert type(up) is Upstream and up.layer is g and up.above is above and up.call_id == 0
+    assert timer.at == 10.0 + _value("nginx", "timeout_s") and timer.token is up
+    out = g.on_timer(timer.at, up)
+    assert _of(out, Leave) == [Leave(up)] and not _of(out, Send)       # passes the close on; no retry
+    (refuse,) = _of(out, Refuse)
+    assert refuse.attempt is above and refuse.status == _value("nginx", "timeout_status") == 504
+    assert refuse.reason == "upstream_timeout" and not above.open
+    assert g.active == 0 and g.counts["upstream_timeout"] == 1 and g.counts["retries"] == 0
 
 
-def test_install_a_failed_fetch_says_what_to_do(monkeypatch, tmp_path):
-    monkeypatch.setattr(G.E, "STATE_DIR", tmp_path)
-    monkeypatch.setattr(G.shutil, "which", lambda tool: "/usr/bin/" + tool)
-    with pytest.raises(G.GatewayError, match=r"^apt-get download nginx failed \(E: Unable to locate package nginx\); "
-                                             r"run `apt-get update`"):
-        G.install("nginx", log=lambda m: None, run=FakeRun(fail_download=True))
-    assert G.binary("nginx") is None and G.installed("nginx") is None
+def test_nginx_passes_a_refusal_up_unretried_and_a_response_up():
+    g = _gateway("nginx")
+    above, out = _send(g)
+    up = _of(out, Send)[0].attempt
+    out = g.on_refused(1.0, up, 503, None, "engine")
+    assert out == [Refuse(above, 503, None, "engine")]
+    above, out = _send(g, call=1)
+    up = _of(out, Send)[0].attempt
+    assert g.on_complete(2.0, up) == [Complete(above)] and g.active == 0 and not g.relays
 
 
-def test_the_cli_names_a_failed_install_in_one_line(monkeypatch, tmp_path, capsys):
-    from llmsim.cli import main
-    monkeypatch.setattr(G.E, "STATE_DIR", tmp_path)
-    monkeypatch.setattr(G.shutil, "which", lambda tool: None)
-    assert main(["gateway", "install", "haproxy"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("llmsim: gateway install: apt-get not found")
+def test_nginx_passes_a_clients_disconnect_on_and_haproxy_lets_the_request_run_on():
+    assert _value("nginx", "passes_disconnect") and not _value("haproxy", "passes_disconnect")
+    g = _gateway("nginx")
+    above, out = _send(g)
+    up = _of(out, Send)[0].attempt
+    assert g.on_attempt_left(5.0, above) == [Leave(up)] and g.active == 0
+    h = _gateway("haproxy", timeout_s=30.0)
+    above, out = _send(h)
+    up = _of(out, Send)[0].attempt
+    assert h.on_attempt_left(5.0, above) == [RunOn(up)]
+    assert h.active == 1                       # its connection stays open until the answer comes
+    assert h.on_timer(30.0, up) == []          # nobody to answer, nothing more to close
+    assert h.on_complete(40.0, up) == [] and h.active == 0 and h.counts["run_on"] == 1
 
 
-# ------------------------------------------- the real binaries, where installed
-def _needs(name):
-    return pytest.mark.skipif(G.binary(name) is None, reason=f"{name} not installed (llmsim gateway install {name})")
+def test_haproxy_lets_the_request_run_on_past_its_own_timeout_and_answers_504():
+    h = _gateway("haproxy", timeout_s=30.0)
+    assert _value("haproxy", "timeout_s") is None and not _of(_send(_gateway("haproxy"))[1], Timer)  # no default
+    above, out = _send(h)
+    up = _of(out, Send)[0].attempt
+    out = h.on_timer(30.0, up)
+    assert _of(out, RunOn) == [RunOn(up)] and not _of(out, Leave)
+    assert _of(out, Refuse)[0].status == 504 and _of(out, Refuse)[0].attempt is above
 
 
-async def _through(gateway_settings, client_settings, cond, trace, sc, slots):
-    from aiohttp.test_utils import TestServer
-    from validate.live_run import LiveRun
-    stub = SlotStub(slots)
-    server = TestServer(stub.app())
-    await server.start_server()
-    try:
-        url = str(server.make_url("")).rstrip("/")
-        run = LiveRun(url, "stub", trace, get_condition(cond), sc, seed=0, client_layer=client_settings,
-                      gateway=lambda up: G.start(gateway_settings, up))
-        port = G.E.free_port()
-        run.gateway = run.gateway_factory(f"http://127.0.0.1:{port}")
-        try:
-            end = await run._run(until=float(trace.arrival[-1]) + sc.delivery_horizon_s, port=port)
-        finally:
-            run.gateway.stop()
-        return run, run._log(end, 0.0), stub
-    finally:
-        await server.close()
+def test_haproxy_retries_only_what_its_retry_on_names_after_its_turnaround():
+    h = _gateway("haproxy")
+    above, out = _send(h)
+    up = _of(out, Send)[0].attempt
+    assert _of(h.on_refused(1.0, up, 503), Refuse)[0].status == 503   # retry-on conn-failure only
+    h = _gateway("haproxy", retry_on=["503"])
+    above, out = _send(h)
+    t = 0.0
+    for n in range(_value("haproxy", "max_retries")):
+        up = _of(out, Send)[0].attempt
+        out = h.on_refused(t + 1.0, up, 503)
+        (timer,) = out
+        assert type(timer) is Timer and timer.at == t + 1.0 + _value("haproxy", "backoff_base_s")
+        out = h.on_timer(timer.at, timer.token)
+        assert up.number == n
+        t = timer.at
+    up = _of(out, Send)[0].attempt
+    assert up.number == _value("haproxy", "max_retries")
+    assert _of(h.on_refused(t + 1.0, up, 503), Refuse)[0].attempt is above
+    assert h.counts["retries"] == _value("haproxy", "max_retries") and h.retrying == 0
 
 
-def _long_calls(n, tokens=200):
-    return Trace(arrival=np.arange(n) * 0.05, prompt_len=np.full(n, 40, dtype=np.int64),
-                 max_tokens=np.full(n, tokens, dtype=np.int64), shared_prefix=10)
+def test_a_connection_limit_queues_then_refuses_503_on_a_full_queue_or_its_timeout():
+    h = _gateway("haproxy", max_connections=1, max_queue=1, queue_timeout_s=5.0)
+    a0, out0 = _send(h, 0.0, call=0)
+    a1, out1 = _send(h, 1.0, call=1)
+    assert _of(out0, Send) and not _of(out1, Send) and h.queued == 1
+    (expiry,) = _of(out1, Timer)
+    assert expiry.at == 6.0
+    a2, out2 = _send(h, 2.0, call=2)
+    assert out2 == [Refuse(a2, _value("haproxy", "queue_status"), None, "queue_full")]
+    out = h.on_timer(6.0, expiry.token)
+    assert out == [Refuse(a1, 503, None, "queue_timeout")] and h.queued == 0
+    # a connection freed sends the first queued attempt on
+    a3, out3 = _send(h, 7.0, call=3)
+    out = h.on_complete(8.0, _of(out0, Send)[0].attempt)
+    assert out[0] == Complete(a0) and _of(out, Send)[0].attempt.above is a3 and h.active == 1
 
 
-@_needs("nginx")
-def test_nginx_read_timeout_answers_504_that_the_sdk_retries():
-    sc = _scenario(deadline=3.0)
-    n = 2
-    gw = preset("gateway", "nginx", timeout_s=0.5)            # 2 s responses: every attempt outlasts it
-    client = preset("client", "openai-python", timeout_s=5, max_retries=1)
-    run, log, stub = asyncio.run(_through(gw, client, "cancel", _long_calls(n), sc, slots=2))
-    assert all(c.outcome == "failed_attempts" and c.attempts == 2 for c in log.calls)
-    assert all(a.outcome == "error" and 0.4 < a.ended_at - a.sent_at < 1.5 for a in log.attempts)
-    assert run.sdk_log.statuses == {"504": 2 * n}
-    # nginx closed each upstream request at its timeout (proxy_ignore_client_abort off): cancelled
-    assert len(log.executions) == 2 * n and all(e.fate == "aborted" for e in log.executions)
-    assert not run.gateway.alive()
-    assert log.extra["gateway"]["software"] == "nginx" and log.extra["gateway"]["version"] == "1.22.1"
+def test_a_queued_attempt_whose_client_left_is_dropped_or_sent_on_per_the_queued_disconnect_setting():
+    for passes in (True, False):
+        h = _gateway("haproxy", max_connections=1, passes_disconnect_queued=passes)
+        a0, out0 = _send(h, call=0)
+        a1, _ = _send(h, call=1)
+        assert h.on_attempt_left(1.0, a1) == []
+        out = h.on_complete(2.0, _of(out0, Send)[0].attempt)
+        if passes:
+            assert out == [Complete(a0)]
+        else:
+            (send,) = _of(out, Send)
+            assert send.attempt.above is a1 and _of(out, RunOn) == [RunOn(send.attempt)]
 
 
-@_needs("haproxy")
-def test_haproxy_queue_timeout_answers_503_and_a_connection_limit_holds():
-    sc = _scenario(deadline=3.0)
-    n = 3
-    gw = preset("gateway", "haproxy", timeout_s=10, max_connections=1, max_queue=8, queue_timeout_s=0.3)
-    client = preset("client", "openai-python", timeout_s=5, max_retries=0)
-    run, log, stub = asyncio.run(_through(gw, client, "no-control", _long_calls(n, tokens=100), sc, slots=3))
-    # one request at a time reaches the proxy; the others wait 0.3 s in HAProxy's queue and get its 503
-    assert sorted(c.outcome for c in log.calls) == ["delivered", "failed_attempts", "failed_attempts"]
-    assert run.sdk_log.statuses == {"503": 2}
-    assert len(log.executions) == 1 and stub.completed == 1
+def test_envoys_route_timeout_covers_every_try_and_its_opt_in_retry_policy_backs_off_below_its_cap():
+    e = _gateway("envoy")
+    above, out = _send(e, 3.0)
+    (timer,) = _of(out, Timer)
+    assert timer.at == 3.0 + _value("envoy", "deadline_s")
+    assert _of(e.on_timer(timer.at, timer.token), Refuse)[0].status == 504
+    e = _gateway("envoy", max_retries=1, retry_on=list(envoy_retry_on("5xx")), r=0.999)
+    above, out = _send(e)
+    up = _of(out, Send)[0].attempt
+    (retry,) = e.on_refused(1.0, up, 503)
+    assert 1.0 < retry.at < 1.0 + _value("envoy", "backoff_base_s")      # (2^1 - 1) x base, drawn below it
+    up = _of(e.on_timer(retry.at, retry.token), Send)[0].attempt
+    assert _of(e.on_refused(2.0, up, 503), Refuse)[0].status == 503       # num_retries spent
 
 
-@_needs("nginx")
-def test_a_started_gateway_is_owned_until_stopped_and_leaves_nothing_behind():
-    g = G.start(preset("gateway", "nginx", timeout_s=1), "http://127.0.0.1:9")
-    try:
-        assert g.process in G.E.owned() and g.alive()       # stopped at exit / by the suite's guard if left
-        assert (g.run_dir / "nginx.pid").exists() and str(g.run_dir) in g.config_path.read_text()
-    finally:
-        g.stop()
-    assert g.process not in G.E.owned() and not g.alive()
-    assert g.process.proc.poll() is not None                 # reaped
+def test_litellm_answers_its_timeout_with_408_and_retries_a_5xx_with_its_jittered_backoff():
+    g = _gateway("litellm", r=0.0)
+    above, out = _send(g)
+    up = _of(out, Send)[0].attempt
+    base = _value("litellm", "backoff_base_s")
+    (retry,) = g.on_refused(1.0, up, 503)
+    assert retry.at == pytest.approx(1.0 + base)
+    up = _of(g.on_timer(retry.at, retry.token), Send)[0].attempt
+    assert up.number == 1
+    out = g.on_timer(retry.at + _value("litellm", "timeout_s"), up)
+    assert _of(out, RunOn) == [RunOn(up)]         # no cancel_on_disconnect: the call runs on
+    (retry,) = _of(out, Timer)                    # a timeout is retried too
+    up = _of(g.on_timer(retry.at, retry.token), Send)[0].attempt
+    out = g.on_timer(retry.at + 600.0, up)
+    assert _of(out, Refuse)[0].status == _value("litellm", "timeout_status") == 408
+
+
+def test_the_inference_gateway_sheds_a_sheddable_call_only_while_no_engine_has_capacity():
+    saturated = [(_value("inference-gateway", "queue_depth_threshold") + 1, 0.1, 0.0)]
+    roomy = [(0, 0.1, 0.0)]
+    for pods, prio, shed in ((saturated, -1, True), (saturated, 0, False), (roomy, -1, False)):
+        g = _gateway("inference-gateway", pods=lambda t, p=pods: p, priority=lambda call, p=prio: p)
+        above, out = _send(g)
+        if shed:
+            assert out == [Refuse(above, _value("inference-gateway", "shed_status"), None, "shed")]
+        else:
+            assert _of(out, Send)

@@ -1,7 +1,7 @@
 """[[layer]] tables in a scenario file: a preset of real software with its
 keys overridden, checked against the preset's policy with one-line errors
 naming the file and `layer[i].key` (exit 2 from the CLI), kept through the
-written TOML, and refused by the simulator until it runs such layers."""
+written TOML, and refused by the commands that do not run them."""
 from __future__ import annotations
 
 import tomllib
@@ -76,8 +76,6 @@ def test_the_cli_exits_2_with_the_file_and_key(tmp_path, capsys, body, key):
 
 
 @pytest.mark.parametrize("layers, message", [
-    ('[[layer]]\npreset = "nginx"\n', r"layer\[0\] \(nginx\): gateway layers are described by `llmsim stack` "
-                                      r"but not yet simulated"),
     ('[[layer]]\npreset = "langchain-with-retry"\n[[layer]]\npreset = "langchain-openai"\n',
      r"layer\[1\] \(langchain-openai\): client layers are described by `llmsim stack` but not yet simulated"),
 ])
@@ -89,7 +87,8 @@ def test_the_simulator_refuses_a_layer_it_does_not_run(tmp_path, capsys, layers,
     assert "not yet simulated" in capsys.readouterr().err
 
 
-def test_commands_that_do_not_run_the_deployments_stack_refuse_a_client_layer(tmp_path, capsys):
-    f = _toml(tmp_path / "s.toml", '[[layer]]\npreset = "openai-python"\n')
+@pytest.mark.parametrize("preset, kind", [("openai-python", "client"), ("nginx", "gateway")])
+def test_commands_that_do_not_run_the_deployments_stack_refuse_a_layer(tmp_path, capsys, preset, kind):
+    f = _toml(tmp_path / "s.toml", f'[[layer]]\npreset = "{preset}"\n')
     assert main(["diagnose", "--scenario", f, "--seed", "0"]) == 2
-    assert "client layers are described by `llmsim stack` but not yet simulated" in capsys.readouterr().err
+    assert f"{kind} layers are described by `llmsim stack` but not yet simulated" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import textwrap
 import time
 from typing import Callable, Sequence
 
@@ -163,7 +164,8 @@ def plot(rows: list[dict], scenario: Scenario, path: str, title: str = "") -> bo
             drawn = True
     ax.set_xlabel(xn)
     ax.set_ylabel(yn)
-    ax.set_title(title or "P(recovered); T: tipping point (95% interval across 1/2)", fontsize=9)
+    title = title or "P(recovered); T: tipping point (95% interval across 1/2)"
+    ax.set_title("\n".join(textwrap.wrap(title, 64)), fontsize=9)    # a long title wraps, not cut at the edge
     fig.tight_layout()
     tmp = f"{path}.tmp-{os.getpid()}.png"
     fig.savefig(tmp, dpi=120)

@@ -8,11 +8,13 @@ preset's `RetryPolicy`, made by `sim.policy.retry.Retrier`.
 A give-up the reference client has no outcome for (not retryable, the call's
 deadline, throttled) is recorded as `failed_attempts`; a Retry-After above
 the cap given up on as `failed_retry_after`. Clock-free like the rest of
-`sim.policy`."""
+`sim.policy`. The module registers the layer kind "client" (`CLIENT`,
+`sim.policy.layers`)."""
 from __future__ import annotations
 
 from .client import CallState, Delivered, GiveUp, Retry
-from .presets import policies
+from .layers import LayerKind, register
+from .presets import PRESETS, policies, preset
 from .retry import STATUS, TIMEOUT, Failure, Retrier, RetryAt
 
 
@@ -68,3 +70,14 @@ class PresetClient:
         call.done = True
         call.outcome = "delivered"
         return Delivered(t)
+
+
+def settings(preset_name: str | None, overrides: dict) -> dict:
+    """A client [[layer]]'s effective settings (`sim.policy.presets.preset`)."""
+    if preset_name is None:
+        raise ValueError(f"preset: must be given (one of {', '.join(PRESETS)})")
+    return preset("client", preset_name, **overrides)
+
+
+CLIENT = register(LayerKind("client", settings, lambda settings, context: PresetClient(settings, context.uniform),
+                            top=True))

@@ -13,6 +13,10 @@ placements:
   places each attempt; a sidecar's 503 (its deadline check, or its engine's
   cap) is retried on another replica likewise (`ReplicaProxies`).
 
+Between the client and the proxy stand any layers of the kinds registered in
+`sim.policy.layers` (gateways: `sim.policy.gateway`), in order
+(`Stack.with_layers`, `Stack.chain`).
+
 `Stack.from_config(condition, router, scenario)` is the stack of a
 condition (its proxy; its client on the scenario's deadline and backoff) and
 a `[fleet]` router config (None: the default router, which over one engine
@@ -31,6 +35,7 @@ from functools import partial
 from typing import Callable, Sequence
 
 from .client import ClientConfig
+from .layers import Leave, RunOn, Send, Timer, layer_kind
 from .proxy import (Cancel, Complete, Dispatch, Drop, EngineView, Execution, Proxy, ProxyConfig, Refuse, Subscribe,
                     Wake)
 from .router import ReplicaProxies, Router, RouterConfig
@@ -46,8 +51,10 @@ class Stack:
 
     def __post_init__(self):
         kinds = [k for k, _ in self.layers]
-        if sorted(kinds) != sorted(LAYERS) or kinds[0] != "client":
-            raise ValueError(f"a stack is the client, then the proxy and the router in either order; got {kinds}")
+        if (len(kinds) < 3 or kinds[0] != "client" or sorted(kinds[-2:]) != ["proxy", "router"]
+                or any(k in LAYERS for k in kinds[1:-2])):
+            raise ValueError("a stack is the client, any layers of the registered kinds, then the proxy and the "
+                             f"router in either order; got {kinds}")
 
     @classmethod
     def from_config(cls, condition, router: RouterConfig | None = None, scenario=None) -> "Stack":
@@ -66,6 +73,25 @@ class Stack:
         layer's effective settings (`sim.policy.presets.preset`), which the
         simulator drives through `sim.policy.preset_client.PresetClient`."""
         return Stack(tuple((k, client if k == "client" else c) for k, c in self.layers))
+
+    def with_layers(self, layers) -> "Stack":
+        """This stack with `[[layer]]` tables' effective settings (dicts with
+        `kind`, application first): a layer of a kind that stands at the top
+        (`LayerKind.top`, the client) replaces the client; the others stand
+        between the client and the proxy, in order."""
+        out = self
+        chain = []
+        for settings in layers:
+            if layer_kind(settings["kind"]).top:
+                out = out.with_client(settings)
+            else:
+                chain.append((settings["kind"], settings))
+        return Stack(out.layers[:1] + tuple(chain) + out.layers[-2:])
+
+    @property
+    def chain(self) -> tuple:
+        """The layers between the client and the proxy: (kind, settings), from the top."""
+        return self.layers[1:-2]
 
     def config(self, kind: str):
         return next(c for k, c in self.layers if k == kind)
@@ -239,16 +265,26 @@ class Interpreter:
     driver subclasses it with one handler per action, each given the time:
     `_subscribe(t, Subscribe)`, `_dispatch(t, execution)`, `_cancel(t,
     Cancel)`, `_refuse(t, Refuse)`, `_complete(t, Complete)`, `_drop(t,
-    Drop)`, `_wake_at(t, Wake)`. As each list of actions ends, the length of
-    the queue of `proxy` is appended to `proxy_queue_log` as (t, length) if
-    it changed."""
+    Drop)`, `_wake_at(t, Wake)`; and for the layers between the client and
+    the proxy (`sim.policy.layers`): `_send_below(t, Send)`, `_leave(t,
+    Leave)`, `_run_on(t, RunOn)`, `_timer_at(t, Timer)` (a driver that hosts
+    no such layer keeps the defaults, which refuse them). As each list of
+    actions ends, the length of the queue of `proxy` is appended to
+    `proxy_queue_log` as (t, length) if it changed."""
 
     def __init__(self):
         self.proxy_queue_log: list = [(0.0, 0)]     # (t, proxy queue length) at changes
         self._action_stack: list = []       # (t, actions) lists being carried out (see _do)
         self._doing = False                 # _do's loop is running
         self._handlers = {Subscribe: self._subscribe, Cancel: self._cancel, Refuse: self._refuse,
-                          Complete: self._complete, Drop: self._drop, Wake: self._wake_at}
+                          Complete: self._complete, Drop: self._drop, Wake: self._wake_at,
+                          Send: self._send_below, Leave: self._leave, RunOn: self._run_on, Timer: self._timer_at}
+
+    def _no_layers(self, t: float, a) -> None:
+        raise NotImplementedError(f"{type(self).__name__} hosts no layer between the client and the proxy "
+                                  f"({type(a).__name__})")
+
+    _send_below = _leave = _run_on = _timer_at = _no_layers
 
     def _do(self, t: float, actions: list) -> None:
         """Carry out the actions in order. Actions that a handler's own call
