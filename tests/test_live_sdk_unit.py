@@ -49,7 +49,10 @@ def test_sdk_options_take_timeout_and_retries_and_refuse_what_the_sdk_has_not():
 def test_outcomes_of_answers_and_give_ups():
     assert attempt_outcome(429, {"X-Refused-Reason": "budget"}) == "refused_budget"
     assert attempt_outcome(503, {"X-Refused-Reason": "engine"}) == "refused_engine"
-    assert attempt_outcome(504, {}) == "error"                 # a gateway's timeout
+    assert attempt_outcome(504, {}) == "error"                 # no gateway in the stack
+    assert attempt_outcome(504, {}, gateway=True) == "refused_gateway"       # nginx's read timeout
+    assert attempt_outcome(503, {}, gateway=True) == "refused_gateway"       # HAProxy's queue
+    assert attempt_outcome(503, {"X-Refused-Reason": "engine"}, gateway=True) == "refused_engine"
 
     class Resp:
         status_code, headers = 429, {"retry-after": "300"}

@@ -2,7 +2,8 @@
 tests/fake_vllm.py given by URL (a stand-in, not vLLM): the OpenAI SDK is
 the live client, nginx (where `llmsim gateway install nginx` put it) sits
 between it and the live proxy, and each point is compared with the
-simulator's prediction of the same stack where the simulator runs it.
+simulator's prediction of the same stack (live only, saying why, where the
+simulator does not run it).
 A stack the live harness cannot run ends in one line, exit 2, before any
 work. Loopback only; about 30 s."""
 from __future__ import annotations
@@ -112,11 +113,26 @@ def test_the_sdk_behind_nginx_runs_live_through_the_gateway(tmp_path, fake_engin
     conf = Path(gw["config"]).read_text()
     assert "proxy_read_timeout 2000ms;" in conf
     assert p["live"]["executions"]["completed"] > 0
-    if p["sim"] is None:                     # until the simulator runs gateway layers
-        assert "gateway" in p["no_prediction"]
-        assert "live only; the prediction is not available" in capsys.readouterr().out
-    else:
-        assert "agreement" in p
+    # the simulator's prediction of the same stack, nginx included
+    assert p["sim"] is not None and "agreement" in p
+    assert p["sim"]["cohorts"]["hold"]["offered"] == p["live"]["cohorts"]["hold"]["offered"] > 0
+    assert "no-control: recovered" in capsys.readouterr().out
+
+
+def test_a_stack_the_simulator_does_not_run_is_live_only_and_says_why():
+    from sim.deployment import ScenarioError
+    from sim.scenario import get_scenario
+    from validate.validation import NoPrediction, predict, table
+
+    def not_simulated(cond):
+        raise ScenarioError("x: layer[1] (nginx): not yet simulated")
+    with pytest.raises(NoPrediction, match="not yet simulated"):
+        predict(None, "no-control", get_scenario("cpu-tiny"), 4.0, not_simulated)
+    live = {"recovered": False, "recovery_time_s": None,
+            "cohorts": {c: {"offered": 10, "delivered": 5, "within_deadline": 4} for c in ("pulse", "hold")},
+            "rates_xC": {"created": 1.0, "accepted": 1.0}, "counters_hold": {}, "engine": {"steps": 7}}
+    out = table([{"condition": "no-control", "sim": None, "no_prediction": "not yet simulated", "live": live}])
+    assert "(no prediction: not yet simulated)" in out and "hold delivered %" in out and "50.0" in out
 
 
 @pytest.mark.parametrize("layers, words", [

@@ -283,7 +283,7 @@ class LiveRun:
         self.front_url = self.gateway.url if self.gateway is not None else self.proxy_url
         sdk = None
         if self.client_layer is not None:
-            self.sdk_log = AttemptLog(self.now, self._sdk_sent)
+            self.sdk_log = AttemptLog(self.now, self._sdk_sent, gateway=self.gateway is not None)
             self.attempts = self.sdk_log.attempts
             sdk = sdk_client(self.client_layer, self.front_url + "/v1", self.sdk_log)
         conn = aiohttp.TCPConnector(limit=0, force_close=True)

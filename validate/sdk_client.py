@@ -52,25 +52,35 @@ def sdk_options(settings: dict) -> dict:
     return out
 
 
-def attempt_outcome(status: int, headers) -> str:
+# a gateway's own answers (nginx, HAProxy): its upstream timeout, no upstream to send to, its queue
+GATEWAY_STATUSES = (502, 503, 504)
+
+
+def attempt_outcome(status: int, headers, gateway: bool = False) -> str:
     """An attempt's outcome from a response that is not a 200: the live
-    proxy's refusals by their reason; anything else (a gateway's 502 / 504,
-    an engine error passed on) is an error."""
+    proxy's refusals by their reason (`X-Refused-Reason`); with a gateway in
+    the stack, a 502 / 503 / 504 without one is the gateway's own answer
+    (`refused_gateway`, as the simulator records it); anything else (an
+    engine error passed on) is an error."""
     reason = headers.get("X-Refused-Reason")
-    if status in (429, 503) and reason is not None:
+    if reason is not None and status in (429, 503):
         return refusal_outcome(reason)
+    if gateway and status in GATEWAY_STATUSES:
+        return "refused_gateway"
     return "error"
 
 
 class AttemptLog:
     """The attempts of a live run's calls as the SDK sends them: `now()` is
     the run's clock, `on_send(call, number)` is told of each attempt (the
-    run's call state). Records go to `attempts`; statuses other than 200
-    are counted in `statuses`."""
+    run's call state); `gateway`: a gateway stands between the client and
+    the proxy. Records go to `attempts`; statuses other than 200 are counted
+    in `statuses`."""
 
-    def __init__(self, now, on_send=None):
+    def __init__(self, now, on_send=None, gateway: bool = False):
         self.now = now
         self.on_send = on_send
+        self.gateway = gateway              # a gateway stands below the client
         self.attempts: list[AttemptRecord] = []
         self.statuses: dict[str, int] = {}
         self.errors: dict[str, int] = {}
@@ -89,7 +99,7 @@ class AttemptLog:
         rec.attached = headers.get("X-Attached") == "1"
         if status != 200:
             self.statuses[str(status)] = self.statuses.get(str(status), 0) + 1
-            rec.outcome = attempt_outcome(status, headers)
+            rec.outcome = attempt_outcome(status, headers, self.gateway)
 
     def ended(self, rec: AttemptRecord, error: BaseException | None = None, timeout: bool = False) -> None:
         if rec.ended_at == rec.ended_at:
