@@ -17,7 +17,7 @@ from sim.profile import embedded_names
 from sim.scenario import PAPER
 
 from . import args
-from .scenario_cmds import capacity_line, deployment, scenario_arg
+from .scenario_cmds import capacity_line, deployment, layers_line, scenario_arg
 
 
 _CONTROL_FLAGS = ("retries", "cancel", "coalesce", "budget", "order", "proxy_cap", "queue", "engine_cap")
@@ -153,8 +153,9 @@ def class_tables(recs: list[dict], sc) -> str:
 
 
 def cmd_diagnose(a) -> int:
-    dep = deployment(a)
+    dep = deployment(a, layers=True)
     prof, sc = dep.profile, dep.scenario
+    layers = dep.run_layers()
     if a.seeds is not None:
         seeds = a.seeds
     elif a.seed is not None:
@@ -166,7 +167,7 @@ def cmd_diagnose(a) -> int:
         if dep.trace_source is not None:
             raise args.UsageError("diagnose: --margin works on a generated workload (not a replayed trace)")
         try:
-            axes = parse_axes(a.margin)
+            axes = parse_axes(a.margin, layers)
         except ValueError as e:
             raise args.UsageError(f"diagnose: --margin: {e}") from None
     if dep.name != "paper" or a.scenario:
@@ -175,6 +176,9 @@ def cmd_diagnose(a) -> int:
     print(f"{prof.name}: capacity {dep.capacity:.3f} calls/s ({prof.provenance.get('kind')}); pulse {dep.burst} "
           f"{sc.pulse_start:g}-{sc.pulse_end:g} s, hold to {sc.hold_end:g} s, deadline {sc.deadline_s:g} s; "
           f"seeds {_seed_list(seeds)}", flush=True)
+    if layers is not None:
+        print(f"stack: {layers_line(layers)}; each condition's proxy and engine controls beneath "
+              "(`llmsim stack` shows the stack)", flush=True)
     t_all = time.perf_counter()
     recs = []
     for seed in seeds:
@@ -189,7 +193,7 @@ def cmd_diagnose(a) -> int:
     if axes:
         prof_c = dataclasses.replace(prof, capacity=dep.capacity)
         margins = {c: margin_cell(margin(prof_c, sc, dep.condition_for(c), seeds, axes, rel_tol=0.05, workers=None,
-                                         fleet=dep.fleet))
+                                         fleet=dep.fleet, layers=layers))
                    for c in DIAGNOSTIC}
     if len(seeds) > 1:
         print(f"{len(seeds)} seeds ({_seed_list(seeds)})")
@@ -206,7 +210,7 @@ def cmd_diagnose(a) -> int:
     ref_rows = None
     pulse = recs_pulse
     reference_design = (sc.with_(pulse=PAPER.pulse) == PAPER and dep.trace_source is None
-                        and not prof.raw.get("engine_overrides") and dep.engine_cap is None)
+                        and not prof.raw.get("engine_overrides") and dep.engine_cap is None and layers is None)
     if reference_design and pulse is not None and reference.applies(prof.name, pulse):
         ref_rows = reference.compare(recs)
         print(f"\nAgainst {reference.SOURCE}, pulse {reference.PULSE:g} x C; bar: hold "
@@ -215,6 +219,7 @@ def cmd_diagnose(a) -> int:
         print(reference.table(ref_rows))
     args.write_json(a.json, {"model": prof.name, "pulse": pulse, "seeds": seeds, "capacity": dep.capacity,
                              "scenario_name": dep.name, "scenario_hash": dep.content_hash,
+                             "layers": None if layers is None else list(layers),
                              "summary": summ, "runs": recs, "reference": ref_rows})
     return 0
 
@@ -318,7 +323,8 @@ def add_subcommands(sub) -> None:
                    help=f"a count N (seeds 0..N-1) or seeds like 0-4 (default {DIAGNOSE_SEEDS}): P(recovered) with its "
                         "95%% interval, shares as median (10th-90th percentile)")
     p.add_argument("--margin", nargs="?", const="speed", default=None, metavar="AXES",
-                   help="add each condition's margin along AXES (default speed; of speed,pulse,hold_load,kv)")
+                   help="add each condition's margin along AXES (default speed; of speed,pulse,hold_load,kv, or a "
+                        "[[layer]]'s key as layer.KIND.KEY)")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(fn=cmd_diagnose)
 

@@ -62,6 +62,19 @@ def deployment(a, burst: bool = True, capacity: bool = True, layers: bool = Fals
     return dep
 
 
+def layers_line(layers: tuple | None) -> str:
+    """'the client layer PRESET (key value, ...), ...' of [[layer]] tables'
+    effective settings (their retry keys), or '' for the reference design's
+    client."""
+    keys = ("timeout_s", "deadline_s", "max_retries", "backoff", "backoff_base_s", "backoff_cap_s")
+    out = []
+    for s in layers or ():
+        shown = {k: "none" if s.get(k) is None else f"{s[k]:g}" if isinstance(s[k], (int, float)) else s[k]
+                 for k in keys if k in s}
+        out.append(f"the {s['kind']} layer {s['preset']} (" + ", ".join(f"{k} {v}" for k, v in shown.items()) + ")")
+    return ", then ".join(out)
+
+
 def capacity_line(dep: Deployment) -> str:
     info = dep.capacity_info
     if dep.fleet is not None:

@@ -10,26 +10,39 @@ import sys
 
 from sim.conditions import CONDITIONS, get_condition
 from sim.experiments import advise as advise_mod
+from sim.experiments import advise_classes as advise_classes_mod
 from sim.experiments import margin as margin_mod
 from sim.experiments import phasemap
 from sim.scenario import SCENARIOS
 
 from . import args
 from .model_cmds import model_arg
-from .scenario_cmds import deployment as scenario_deployment
+from .scenario_cmds import deployment as scenario_deployment, layers_line
 
 DEFAULT_SEEDS = 10
 
 
-def deployment(a):
-    """(profile, scenario, adapt, fleet) of --model and --scenario (a named
-    scenario or a scenario file): the profile carries the workload's Ĉ (a
-    fleet's: the sum of its replicas'), adapt gives a condition the
-    deployment's proxy times and engine cap, fleet is the scenario's [fleet]
-    (None: one engine)."""
-    dep = scenario_deployment(a)
+def generated(a, layers: bool = False):
+    """The deployment of --model and --scenario (a named scenario or a
+    scenario file), refused in one line when its workload is a replayed
+    trace. With `layers`, a scenario with [[layer]] tables the simulator
+    runs is taken too (`Deployment.run_layers` gives their settings)."""
+    dep = scenario_deployment(a, layers=layers)
     if dep.trace_source is not None:
         raise args.UsageError(f"{a.command}: works on a generated workload; {dep.name} has a replayed trace")
+    return dep
+
+
+def deployment(a, layers: bool = False):
+    """(profile, scenario, adapt, fleet) of the deployment (`generated`): the
+    profile carries the workload's Ĉ (a fleet's: the sum of its replicas'),
+    adapt gives a condition the deployment's proxy times and engine cap,
+    fleet is the scenario's [fleet] (None: one engine)."""
+    return parts(generated(a, layers))
+
+
+def parts(dep):
+    """(profile with the workload's Ĉ, scenario, adapt, fleet) of a deployment."""
     return dataclasses.replace(dep.profile, capacity=dep.capacity), dep.scenario, dep.condition_for, dep.fleet
 
 
@@ -38,17 +51,20 @@ def _progress(line: str) -> None:
 
 
 def cmd_margin(a) -> int:
-    prof, sc, adapt, fleet = deployment(a)
+    dep = generated(a, layers=True)
+    prof, sc, adapt, fleet = parts(dep)
+    layers = dep.run_layers()
     cond = adapt(get_condition(a.condition))
     try:
-        axes = margin_mod.parse_axes(a.axes)
+        axes = margin_mod.parse_axes(a.axes, layers)
     except ValueError as e:
         raise args.UsageError(f"margin: --axes: {e}") from None
     on = "" if fleet is None else f" ({fleet.replicas} replicas, router {fleet.router.policy})"
-    print(f"{prof.name}{on} / {a.scenario or 'paper'} / {cond.name}: {len(a.seeds)} seeds, axes {', '.join(axes)}",
-          file=sys.stderr, flush=True)
+    under = f" under {layers_line(layers)}" if layers else ""
+    print(f"{prof.name}{on} / {a.scenario or 'paper'} / {cond.name}{under}: {len(a.seeds)} seeds, "
+          f"axes {', '.join(axes)}", file=sys.stderr, flush=True)
     res = margin_mod.margin(prof, sc, cond, a.seeds, axes, rel_tol=a.rel_tol, workers=a.workers,
-                            progress=None if a.quiet else _progress, fleet=fleet)
+                            progress=None if a.quiet else _progress, fleet=fleet, layers=layers)
     print(res["sentence"])
     for ax in res["axes"]:
         pr = ", ".join(f"{p['x']:.3g}: {p['p']:.2f}" for p in ax["probes"])
@@ -73,9 +89,10 @@ def _screen_cut(text: str) -> tuple[float | None, float | None] | None:
 
 
 def cmd_advise(a) -> int:
-    dep = scenario_deployment(a)
-    if dep.trace_source is not None:
-        raise args.UsageError(f"advise: works on a generated workload; {dep.name} has a replayed trace")
+    dep = generated(a, layers=not a.by_class)     # --by-class: a scenario with [[layer]]s is refused in one line
+    if a.by_class:
+        return _advise_by_class(a, dep)
+    layers = dep.run_layers()
     if a.only == "router" and dep.fleet is None:
         raise args.UsageError(f"advise: --only router searches a fleet's router, and {dep.name} has one engine: give "
                               "a scenario with a [fleet] section (examples/fleet.toml) or --only client|proxy|engine")
@@ -85,14 +102,33 @@ def cmd_advise(a) -> int:
     axes = [] if a.margin_axes == "none" else a.margin_axes
     try:
         if axes:
-            axes = margin_mod.parse_axes(axes)
+            axes = margin_mod.parse_axes(axes, layers)
         res = advise_mod.advise(prof, sc, a.seeds, a.objective, a.only, a.out, dep.condition_for, screen=a.screen,
                                 finalists=a.finalists, workers=a.workers, ray_address=a.ray, margin_axes=axes,
                                 progress=not a.quiet, fleet=dep.fleet, base=dep.condition,
-                                screen_base_s=cut[0] if cut else None, screen_hold_s=cut[1] if cut else None)
+                                screen_base_s=cut[0] if cut else None, screen_hold_s=cut[1] if cut else None,
+                                layers=layers)
     except ValueError as e:
         raise args.UsageError(f"advise: {e}") from None
+    if layers is not None:
+        print(f"under {layers_line(layers)}")
     print(advise_mod.report(res))
+    print(f"({res['wall_s']:.1f} s)")
+    args.write_json(a.json, res)
+    return 0
+
+
+def _advise_by_class(a, dep) -> int:
+    """advise --by-class: which control restores the must-recover classes at least cost to the others."""
+    if not dep.scenario.classes:
+        raise args.UsageError(f"advise: --by-class needs a scenario with workload.classes; {dep.name} has none")
+    dep.require_burst()
+    try:
+        res = advise_classes_mod.advise_classes(dep, a.seeds, screen=a.screen, finalists=a.finalists,
+                                                progress=not a.quiet)
+    except ValueError as e:
+        raise args.UsageError(f"advise: {e}") from None
+    print(advise_classes_mod.report(res))
     print(f"({res['wall_s']:.1f} s)")
     args.write_json(a.json, res)
     return 0
@@ -139,7 +175,8 @@ def add_subcommands(sub) -> None:
     p = sub.add_parser("margin", help="how far the deployment is from where its recovery verdict flips, per axis")
     _common(p, condition=True)
     p.add_argument("--axes", default=",".join(margin_mod.AXES),
-                   help=f"comma-separated, of {', '.join(margin_mod.AXES)} (default all)")
+                   help=f"comma-separated, of {', '.join(margin_mod.AXES)} (default all), or a [[layer]]'s key: "
+                        "layer.client.timeout_s|max_retries|backoff_base_s, layer.gateway.timeout_s|max_retries")
     p.add_argument("--rel-tol", type=args.positive(), default=0.02,
                    help="bisection stops when the bracket's ends are within this ratio (default 0.02)")
     p.add_argument("--json", metavar="PATH")
@@ -150,7 +187,9 @@ def add_subcommands(sub) -> None:
     p.add_argument("--objective", choices=advise_mod.OBJECTIVES, default="timely",
                    help="timely: calls within deadline; delivered: calls delivered; burst: pulse calls delivered")
     p.add_argument("--only", choices=advise_mod.LAYERS, default=None,
-                   help="search one layer's settings only (router: a fleet's router, the scenario's controls kept)")
+                   help="search one layer's settings only (router: a fleet's router, the scenario's controls kept; "
+                        "client: with a client [[layer]], its timeout_s, max_retries and backoff too; gateway: a "
+                        "gateway [[layer]]'s timeout_s, max_retries and passes_disconnect, the controls kept)")
     p.add_argument("--screen", type=args.positive(int), default=2,
                    help="seeds of the screen (default 2): every setting runs on the first, the best third on these")
     p.add_argument("--screen-cut", metavar="BASE,HOLD|none", default=None,
@@ -163,6 +202,10 @@ def add_subcommands(sub) -> None:
     p.add_argument("--out", metavar="PARQUET", default=None,
                    help="keep the runs here; a rerun with the same file skips the runs it holds")
     p.add_argument("--ray", metavar="ADDRESS", default=None, help="run on a Ray cluster (local: a local one)")
+    p.add_argument("--by-class", action="store_true",
+                   help="with traffic classes: which control (priority alone, shedding by class, a class's cap or "
+                        "retry budget, cancellation) restores the must-recover classes at least cost to the others, "
+                        "with each class's delivery (docs/classes.md)")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(fn=cmd_advise)
 

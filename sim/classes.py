@@ -11,6 +11,9 @@ trace's `klass` column).
 - `call_priorities(trace, scenario)`: each call's priority, which its
   executions carry to the engine (`Request.priority`): the class's, 0
   without classes.
+- `call_classes(trace, scenario)`: each call's class name, which its
+  attempts carry to the proxy (`Attempt.klass`, for shedding by class);
+  None without classes.
 - `call_objectives(trace, scenario)`: each call's priority as an inference
   gateway reads it (the Inference Extension's InferenceObjective priority:
   below 0 is sheddable): -1 for a call of a class the verdict does not need
@@ -65,6 +68,12 @@ def call_priorities(trace: Trace, scenario: Scenario) -> list[int]:
     return [prio[k] for k in trace.klass.tolist()]
 
 
+def call_classes(trace: Trace, scenario: Scenario) -> list:
+    """Each call's class name (None without classes)."""
+    if not scenario.classes or trace.klass is None:
+        return [None] * len(trace)
+    names = [c.name for c in scenario.classes]
+    return [names[k] for k in trace.klass.tolist()]
 def call_objectives(trace: Trace, scenario: Scenario) -> list[int]:
     """Each call's priority as an inference gateway sheds by it (module docstring)."""
     if not scenario.classes or trace.klass is None:

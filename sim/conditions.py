@@ -34,7 +34,8 @@ class Condition:
                 "order": p.order if p.budget is not None and p.coalesce else None,
                 "proxy_cap": p.proxy_cap,
                 "queue": p.queue if p.proxy_cap is not None else None,
-                "engine_cap": self.engine_cap}
+                "engine_cap": self.engine_cap,
+                **(shed_settings(p) if p.sheds else {})}
 
     def describe(self) -> str:
         """The settings in one line, as the flags that give them."""
@@ -48,7 +49,56 @@ class Condition:
             parts.append(f"proxy cap {s['proxy_cap']} {s['queue']}")
         if s["engine_cap"] is not None:
             parts.append(f"engine cap {s['engine_cap']}")
+        if "shed" in s:
+            parts.append(describe_shed(s["shed"]))
         return ", ".join(parts)
+
+
+def shed_settings(p: ProxyConfig) -> dict:
+    """The shedding-by-class settings of a proxy (docs/classes.md), as a record gives them."""
+    return {"shed": {"classes": list(p.shed_classes), "when": p.shed_when, "above": p.shed_above,
+                     "status": p.shed_status, "retry_after": p.shed_retry_after,
+                     "class_budget": {c: r for c, r in p.class_budget}, "class_cap": {c: n for c, n in p.class_cap}}}
+
+
+def describe_shed(s: dict) -> str:
+    parts = []
+    if s["classes"]:
+        ra = " with Retry-After" if s["retry_after"] == "estimate" and s["status"] == 429 else ""
+        parts.append(f"shed {'/'.join(s['classes'])} with {s['status']}{ra} while {s['when']} > {s['above']:g}")
+    parts += [f"budget {r:g} for {c}" for c, r in s["class_budget"].items()]
+    parts += [f"cap {n} for {c}" for c, n in s["class_cap"].items()]
+    return ", ".join(parts)
+
+
+def shed_tags(p: ProxyConfig) -> list:
+    """The shedding settings as short name tags: shed=batch@engine_waiting>50/503, batch-budget=0.1, batch-cap=40."""
+    tags = []
+    if p.shed_classes:
+        tags.append(f"shed={'/'.join(p.shed_classes)}@{p.shed_when}>{p.shed_above:g}"
+                    + ("" if p.shed_status == 429 else f"/{p.shed_status}")
+                    + ("/retry-after" if p.shed_retry_after == "estimate" else ""))
+    tags += [f"{c}-budget={r:g}" for c, r in p.class_budget] + [f"{c}-cap={n}" for c, n in p.class_cap]
+    return tags
+
+
+SHED_KEYS = ("shed_classes", "shed_when", "shed_above", "shed_status", "shed_retry_after", "class_budget", "class_cap")
+
+
+def shed_changes(**kw) -> dict:
+    """ProxyConfig fields of the shedding keys given (not None), lists made tuples."""
+    out = {}
+    for k, v in kw.items():
+        if v is None:
+            continue
+        if k == "shed_classes":
+            v = tuple(v)
+        elif k in ("class_budget", "class_cap"):
+            v = tuple((str(c), float(x) if k == "class_budget" else int(x)) for c, x in v)
+        elif k == "shed_above":
+            v = float(v)
+        out[k] = v
+    return out
 
 
 def cancel_spec(p: ProxyConfig) -> str:
@@ -115,10 +165,12 @@ def get_condition(name: str) -> Condition:
 def compose(base: Condition | str | None = None, *, retries: bool | None = None, cancel: str | None = None,
             coalesce: bool | None = None, budget: float | None = None, order: str | None = None,
             proxy_cap: int | None = None, queue: str | None = None, engine_cap: int | None = None,
-            name: str | None = None) -> Condition:
+            name: str | None = None, **shed) -> Condition:
     """A condition from a base (a named one; default `no-control`) with the
     given settings changed. A budget of 0 turns the budget off; a cap of 0
-    turns that cap off. The name is the base's followed by the changes."""
+    turns that cap off. `shed` takes the shedding-by-class keys (`SHED_KEYS`:
+    ProxyConfig's fields of the same names). The name is the base's followed
+    by the changes."""
     if base is None:
         base = "no-control"
     if isinstance(base, str):
@@ -143,7 +195,14 @@ def compose(base: Condition | str | None = None, *, retries: bool | None = None,
     if queue is not None:
         p["queue"] = queue
         tags.append(f"queue={queue}")
+    unknown = set(shed) - set(SHED_KEYS)
+    if unknown:
+        raise TypeError(f"compose() got unknown settings {sorted(unknown)}")
+    sc = shed_changes(**shed)
+    p.update(sc)
     cond = dataclasses.replace(base, proxy=dataclasses.replace(base.proxy, **p))
+    if sc:
+        tags += shed_tags(cond.proxy)
     if retries is not None:
         cond = dataclasses.replace(cond, retries=retries)
         tags.append("retries" if retries else "no-retry")

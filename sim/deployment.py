@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .conditions import Condition, compose, get_condition, parse_cancel
+from .conditions import SHED_KEYS, Condition, compose, get_condition, parse_cancel
 from .policy.layers import layer_kind
 from .policy.presets import PRESETS
 from .policy.proxy import ProxyConfig
@@ -252,7 +252,7 @@ def from_document(d: dict, source: str = "scenario", base_dir: str = ".", build_
     if doc.has("faults"):
         scenario = scenario.with_(**_faults(secs["faults"]))
     _check_lengths(w, scenario, trace_src, prof)
-    cond, proxy_doc = _proxy(secs["proxy"], schema)
+    cond, proxy_doc = _proxy(secs["proxy"], schema, scenario)
     fleet = _fleet(secs["fleet"], prof, secs["engine"], base_dir, schema) if doc.has("fleet") else None
     layers = {s: {**schema.defaults(s), **_values(schema, s, d[s])} for s in schema.sections()
               if s not in RESOLVED and s in d}
@@ -488,8 +488,9 @@ def _check_lengths(w: _Doc, scenario: Scenario, trace_src: TraceSource | None, p
                     f"({longest} tokens) must be shorter than the shortest prompt")
 
 
-def _proxy(px: _Doc, schema: Schema) -> tuple[Condition, dict]:
-    """[proxy]: the condition, and the section as resolved."""
+def _proxy(px: _Doc, schema: Schema, scenario: Scenario | None = None) -> tuple[Condition, dict]:
+    """[proxy]: the condition, and the section as resolved. The classes
+    its shedding keys name must be the workload's."""
     cname = px.get("condition", schema.row("proxy", "condition").default)
     if px.has("cancel"):
         try:
@@ -498,7 +499,20 @@ def _proxy(px: _Doc, schema: Schema) -> tuple[Condition, dict]:
             raise px.err("cancel", str(e)) from None
     times = ("defer_s", "budget_window_s")
     changes = {k: px.get(k) for k in schema.names("proxy") if k != "condition" and k not in times and px.has(k)}
-    cond = compose(cname, **changes) if changes else get_condition(cname)
+    names = [c.name for c in (scenario.classes or ())] if scenario is not None else None
+    for k in ("shed_classes", "class_budget", "class_cap"):
+        named = changes.get(k) or []
+        for c in (named if k == "shed_classes" else [x[0] for x in named]):
+            if names is not None and c not in names:
+                raise px.err(k, f"names a class {c!r} that workload.classes does not declare"
+                             + (f" ({', '.join(names)})" if names else ""))
+    if "shed_status" in changes and changes["shed_status"] not in (429, 503):
+        raise px.err("shed_status", f"must be 429 or 503, got {changes['shed_status']!r}")
+    try:
+        cond = compose(cname, **changes) if changes else get_condition(cname)
+    except ValueError as e:
+        raise px.err(next(k for k in changes if k in SHED_KEYS) if set(changes) & set(SHED_KEYS) else "condition",
+                     str(e)) from None
     return cond, {"condition": cname, **changes, **{k: float(px.get(k)) for k in times if px.has(k)}}
 
 
@@ -693,10 +707,13 @@ class Deployment:
         if not self.stack_layers:
             return None
         self.require_simulated(layers=True)
-        settings = self.layer_settings()
-        if not condition.retries and layer_kind(settings[0]["kind"]).top and "max_retries" in settings[0]:
-            settings[0] = dict(settings[0], max_retries=0)
-        return Stack.from_config(condition, None, self.scenario).with_layers(settings)
+        return Stack.under_layers(condition, self.run_layers(), self.scenario)
+
+    def run_layers(self) -> tuple | None:
+        """The [[layer]] tables' effective settings as a run takes them
+        (`Stack.under_layers`; application first), or None: the reference
+        design's client."""
+        return tuple(self.layer_settings()) if self.stack_layers else None
 
     def _fields(self, section: str) -> dict:
         """The section's keys that are Scenario fields, with the scenario's values."""

@@ -289,11 +289,17 @@ def run_fleet(profiles: list[Profile], condition: str | Condition, trace: Trace,
     """One fleet run of `condition` on `trace` (drawn at the fleet's Ĉ, the
     sum of `capacities`, one per replica), measured into the fleet's record.
     The inputs are those `sim.run.run_one` records, for the first replica's
-    profile (`model`)."""
+    profile (`model`). With traffic classes the record has `classes` and the
+    deployment's verdict as a single engine's (`sim.measures.with_classes`)."""
     cond = condition if isinstance(condition, Condition) else get_condition(condition)
     log = simulate_fleet(profiles, trace, cond, scenario, router, seed, max_batched_tokens, fast_forward)
-    return fleet_record(log, scenario, capacities,
-                        run_inputs(profiles[0], cond, pulse, seed, max_batched_tokens, extra=extra))
+    rec = fleet_record(log, scenario, capacities,
+                       run_inputs(profiles[0], cond, pulse, seed, max_batched_tokens, extra=extra))
+    if cond.proxy.sheds:
+        rec["shed"] = measures.shed(log.fleet)
+    if scenario.classes and trace.klass is not None:    # per class, as a single engine's record (docs/classes.md)
+        rec = measures.with_classes(rec, measures.class_records(log.fleet, scenario, sum(capacities), trace.klass))
+    return rec
 
 
 def summary(rec: dict) -> str:

@@ -75,8 +75,8 @@ def recovery(window_delivery: Sequence[float], window_queue_mean: Sequence[float
 
 _F_LIVE, _F_COMPLETED, _F_ABORTED, _F_DROPPED, _F_REFUSED = (EXECUTION_FATES.index(f) for f in (
     "", "completed", "aborted", "dropped", "refused"))
-_O_COMPLETE, _O_TIMEOUT, _O_BUDGET, _O_ENGINE, _O_PROXY, _O_GATEWAY = (ATTEMPT_OUTCOMES.index(o) for o in (
-    "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy", "refused_gateway"))
+_O_COMPLETE, _O_TIMEOUT, _O_BUDGET, _O_ENGINE, _O_PROXY, _O_GATEWAY, _O_SHED = (ATTEMPT_OUTCOMES.index(o) for o in (
+    "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy", "refused_gateway", "refused_shed"))
 _C_LIVE, _C_DELIVERED, _C_FAILED_ATTEMPTS, _C_FAILED_RETRY_AFTER = (CALL_OUTCOMES.index(o) for o in (
     "", "delivered", "failed_attempts", "failed_retry_after"))
 
@@ -372,7 +372,7 @@ def _calls_failed(c: _Columns) -> dict:
     outc = c.call_outcome
     failed = (outc == _C_FAILED_ATTEMPTS) | (outc == _C_FAILED_RETRY_AFTER)
     is_last = c.a_number == c.call_attempts[c.a_call] - 1 if len(c.a_call) else np.zeros(0, dtype=bool)
-    refused_calls = c.a_call[is_last & np.isin(c.a_outcome, (_O_BUDGET, _O_ENGINE, _O_PROXY, _O_GATEWAY))]
+    refused_calls = c.a_call[is_last & np.isin(c.a_outcome, (_O_BUDGET, _O_ENGINE, _O_PROXY, _O_GATEWAY, _O_SHED))]
     return {"attempts": int((outc == _C_FAILED_ATTEMPTS).sum()), "retry_after": int((outc == _C_FAILED_RETRY_AFTER).sum()),
             "outstanding": int((outc == _C_LIVE).sum()), "by_refusal": int(failed[refused_calls].sum())}
 
@@ -388,6 +388,24 @@ def _attempts(c: _Columns) -> dict:
     if gateway:                     # only a stack with gateway layers has these
         out["refused_gateway"] = gateway
     return out
+
+
+def _shed(c: _Columns) -> dict:
+    """Attempts shed by a per-class control (shedding, a class's retry
+    budget or cap), the calls they belong to (each once), and the calls that
+    failed with their last attempt shed."""
+    shed = c.a_outcome == _O_SHED
+    calls = np.unique(c.a_call[shed])
+    outc = c.call_outcome
+    failed = (outc == _C_FAILED_ATTEMPTS) | (outc == _C_FAILED_RETRY_AFTER)
+    is_last = c.a_number == c.call_attempts[c.a_call] - 1 if len(c.a_call) else np.zeros(0, dtype=bool)
+    return {"attempts": int(shed.sum()), "calls": len(calls),
+            "failed": int(failed[np.unique(c.a_call[shed & is_last])].sum())}
+
+
+def shed(log: RunLog) -> dict:
+    """`_shed` of a run's log: the record's `shed` where the proxy sheds."""
+    return _shed(_Columns(log))
 
 
 def _executions(c: _Columns) -> dict:
@@ -470,8 +488,9 @@ CLASS_KEYS = ("cohorts", "recovered", "recovery_time_s", "rates_xC", "prompt_tok
 def _class_series(log: RunLog, executions) -> Series:
     """The 1 s series of one class's executions, from their records: in the
     proxy's queue from creation to dispatch, waiting in the engine from
-    dispatch (if accepted) to the first scheduled step, running from there to
-    the end (a preempted execution's second wait counts as running)."""
+    dispatch (if accepted) to the first scheduled step (in a live run, which
+    cannot see it, the first token), running from there to the end (a
+    preempted execution's second wait counts as running)."""
     t = np.asarray(log.series.t, dtype=float)
     end = float(log.end_time) + 1.0
 
@@ -480,8 +499,11 @@ def _class_series(log: RunLog, executions) -> Series:
         b = np.sort(np.where(np.isnan(stops), end, stops))
         return (np.searchsorted(a, t, side="right") - np.searchsorted(b, t, side="right")).astype(np.int64)
 
-    created, dispatched, sched, finished = (column(executions, k) for k in (
-        "created_at", "dispatched_at", "first_scheduled_at", "finished_at"))
+    created, dispatched, sched, first_token, finished = (column(executions, k) for k in (
+        "created_at", "dispatched_at", "first_scheduled_at", "first_token_at", "finished_at"))
+    # a live run cannot see a request's first step: its wait ends at its first token there (the prefill
+    # counted as waiting); a simulated execution without a first step has no first token either
+    sched = np.where(np.isnan(sched), first_token, sched)
     left_proxy = np.where(np.isnan(dispatched), finished, dispatched)
     waited = np.where(column(executions, "accepted"), dispatched, np.nan)
     left_queue = np.where(np.isnan(sched), finished, sched)
@@ -528,7 +550,7 @@ def class_records(log: RunLog, scenario: Scenario, capacity: float, klass: np.nd
         sub = class_log(log, np.flatnonzero(klass == k), own_series=len(scenario.classes) > 1)
         rec = record(sub, c.client(scenario), capacity, {})
         out[c.name] = {"share": c.share, "priority": c.priority, "must_recover": c.must_recover,
-                       **{key: rec[key] for key in CLASS_KEYS}}
+                       **{key: rec[key] for key in CLASS_KEYS}, "shed": shed(sub)}
     return out
 
 

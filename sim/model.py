@@ -17,7 +17,7 @@ from .clock import Clock, RoutedTimers, Timers
 from .conditions import Condition
 from .engine.core import EngineCore, EngineConfig
 from .engine.request import Request
-from .classes import call_objectives, call_priorities, clients
+from .classes import call_classes, call_objectives, call_priorities, clients
 from .policy.client import CallState, Retry, Delivered
 from .policy.layers import LayerContext, Upstream, layer_kind
 from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Refuse, Cancel, Complete,
@@ -130,6 +130,7 @@ class Run(Interpreter):
         client = self.stack.config("client")
         draws = uniform_draws(np.random.default_rng([seed, 1]))
         self.call_priority = call_priorities(trace, scenario)
+        self.call_class = call_classes(trace, scenario)     # carried by each attempt (shedding by class)
         # a client layer of a registered kind (its effective settings, a dict: sim.policy.layers), or the
         # reference client; with traffic classes each call's client settings and engine priority are its
         # class's (sim.classes)
@@ -360,10 +361,12 @@ class Run(Interpreter):
     def _engine_view_of(self, group: tuple, g: int, t: float) -> EngineView:
         """What the g-th proxy knows of the engines it feeds (`group`): the
         uncomputed prompt tokens of the executions waiting or running in
-        them (or on their way in), and their recent prompt throughput."""
-        engines = self.engines
-        return EngineView(float(sum(engines[r].uncomputed_prompt_tokens() for r in group)),
-                          self.prompt_rates[g].rate(t))
+        them (or on their way in), their recent prompt throughput, the
+        requests waiting in them and their mean KV cache usage."""
+        es = [self.engines[r] for r in group]
+        return EngineView(float(sum(e.uncomputed_prompt_tokens() for e in es)), self.prompt_rates[g].rate(t),
+                          float(sum(e.num_in_engine() - len(e.scheduler.running) for e in es)),
+                          sum(e.scheduler.block_pool.usage() for e in es) / len(es))
 
     @staticmethod
     def _on_first_token_of(rate: PromptRate, req: Request, t: float) -> None:
@@ -385,7 +388,7 @@ class Run(Interpreter):
     def _send(self, t: float, call_id: int) -> None:
         cs = self.calls[call_id]
         number = self.client.send(cs, t)
-        att = _Attempt(call_id, number, cs.deadline)
+        att = _Attempt(call_id, number, cs.deadline, self.call_class[call_id])
         att.row = self.attempt_log.add(call_id, number, t)
         self.call_log.attempts[call_id] = cs.attempts
         att.timer = self.timers.at(cs.deadline, self._deadline, att, None, True)    # in order

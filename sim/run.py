@@ -144,6 +144,8 @@ def run_one(profile: Profile, condition: str | Condition, pulse: float, seed: in
                    stack=stack)
     rec = measures.record(log, sc, capacity, run_inputs(profile, cond, pulse, seed, max_batched_tokens,
                                                         mixed_prompts, extra))
+    if cond.proxy.sheds:
+        rec["shed"] = measures.shed(log)
     if sc.classes and trace.klass is not None:
         rec = measures.with_classes(rec, measures.class_records(log, sc, capacity, trace.klass))
     return rec

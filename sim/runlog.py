@@ -60,10 +60,14 @@ def refusal_outcome(reason: str) -> str:
     return out
 
 
-_REFUSALS = {"budget": "refused_budget", "engine": "refused_engine"}
+# a per-class control's refusal in the proxy (shedding, a class's retry budget or cap: sim.policy.proxy) is a shed
+# attempt
+_REFUSALS = {"budget": "refused_budget", "engine": "refused_engine", "class_shed": "refused_shed",
+             "class_budget": "refused_shed", "class_cap": "refused_shed"}
 # a gateway's own refusals (sim.policy.gateway): its upstream timeout (504), its queue full or timed out (503), shed
 GATEWAY_REASONS = ("upstream_timeout", "queue_full", "queue_timeout", "shed")
-ATTEMPT_OUTCOMES = ("", "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy", "refused_gateway")
+ATTEMPT_OUTCOMES = ("", "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy", "refused_gateway",
+                    "refused_shed")
 CALL_OUTCOMES = ("", "delivered", "failed_attempts", "failed_retry_after")
 EXECUTION_FATES = ("", "completed", "aborted", "dropped", "refused")
 

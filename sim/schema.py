@@ -30,6 +30,7 @@ from .conditions import CONDITIONS
 from .policy import gateway, preset_client     # the built-in layer kinds: importing them registers them
 from .policy.layers import kinds
 from .policy.presets import PRESETS
+from .policy.proxy import SHED_RETRY_AFTER, SHED_WHEN
 from .policy.retry import GatewayPolicy, RetryPolicy
 from .policy.router import PROXY_PLACEMENTS, ROUTERS
 from .engine.scheduler import SCHEDULING_POLICIES
@@ -361,6 +362,21 @@ SCHEMA = Schema([
     Key("proxy", "queue", STRING, "the proxy queue's order", choices=("fifo", "deadline", "lifo")),
     Key("proxy", "defer_s", NUMBER, "the deferral W of deferred cancellation", lo=0.0),
     Key("proxy", "budget_window_s", NUMBER, "the retry budget's window", **POSITIVE),
+    # shedding by class (docs/classes.md): the classes refused while the proxy is saturated, per-class budgets, caps
+    Key("proxy", "shed_classes", STRINGS, "classes refused while saturated (shed_when over shed_above)"),
+    Key("proxy", "shed_when", STRING, "saturated by: the proxy's queue, the engine's waiting requests, its KV usage",
+        choices=SHED_WHEN),
+    Key("proxy", "shed_above", NUMBER, "saturated while the measure is above this (kv_usage: a share)", lo=0.0),
+    Key("proxy", "shed_status", WHOLE, "a shed attempt's refusal: 429 or 503", lo=429, hi=503),
+    Key("proxy", "shed_retry_after", STRING, "none, or estimate: the wait estimate as a 429's Retry-After",
+        choices=SHED_RETRY_AFTER),
+    Key("proxy", "class_budget", PAIRS, "[[class, share], ...]: a retry budget per class", of="class_budget"),
+    Key("proxy", "class_cap", PAIRS, "[[class, N], ...]: most live executions per class (beyond: shed)",
+        of="class_cap"),
+    Key("class_budget", "class", STRING, "a class's name"),
+    Key("class_budget", "share", NUMBER, "its retries within this share of its first attempts", lo=0.0),
+    Key("class_cap", "class", STRING, "a class's name"),
+    Key("class_cap", "cap", WHOLE, "its live executions at most", **AT_LEAST_1),
     # -- [measures]
     Key("measures", "burst", STRING, "the burst phase's name"),
     Key("measures", "burst_start_s", NUMBER, "with a trace: the burst's start", lo=0.0),

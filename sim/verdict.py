@@ -18,6 +18,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .conditions import Condition
+from .policy.stack import Stack
 from .profile import Profile
 from .run import run_one
 from .scenario import Scenario
@@ -63,12 +64,15 @@ def perturbed(profile: Profile, speed: float = 1.0, kv: float = 1.0) -> Profile:
 
 # ------------------------------------------------------------------ runs
 def run_record(profile: Profile, scenario: Scenario, condition: Condition, seed: int,
-               trace: Trace | None = None, inputs: dict | None = None) -> dict:
+               trace: Trace | None = None, inputs: dict | None = None, layers: tuple | None = None) -> dict:
     """One run of `condition` on `scenario` with the trace of `seed` (drawn at
     the profile's capacity unless given) — the result record (`run_one` at
-    the profile's Ĉ; `inputs` join the record's)."""
+    the profile's Ĉ; `inputs` join the record's). `layers`, [[layer]]
+    tables' effective settings, stand above the condition's proxy
+    (`Stack.under_layers`; a client layer in the client's place)."""
+    stack = None if layers is None else Stack.under_layers(condition, layers, scenario)
     return run_one(profile, condition, scenario.pulse, seed, trace=trace, scenario=scenario,
-                   capacity=profile.capacity, extra=inputs)
+                   capacity=profile.capacity, extra=inputs, stack=stack)
 
 
 def run_seeds(profile: Profile, scenario: Scenario, condition: Condition, seeds: Iterable[int],

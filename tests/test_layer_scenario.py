@@ -90,5 +90,6 @@ def test_the_simulator_refuses_a_layer_it_does_not_run(tmp_path, capsys, layers,
 @pytest.mark.parametrize("preset, kind", [("openai-python", "client"), ("nginx", "gateway")])
 def test_commands_that_do_not_run_the_deployments_stack_refuse_a_layer(tmp_path, capsys, preset, kind):
     f = _toml(tmp_path / "s.toml", f'[[layer]]\npreset = "{preset}"\n')
-    assert main(["diagnose", "--scenario", f, "--seed", "0"]) == 2
+    assert main(["map", "--scenario", f, "--condition", "no-control", "--x", "pulse=1,2", "--y", "hold_load=0.5,0.6",
+                 "--out", str(tmp_path / "m.parquet")]) == 2
     assert f"{kind} layers are described by `llmsim stack` but not yet simulated" in capsys.readouterr().err

@@ -5,7 +5,9 @@ the engine's `/metrics` sampled every second become a `sim.runlog.RunLog`, and
 `sim.measures.record` turns it into the same result record as a simulated run.
 
 The client is `sim.policy.client.RetryingClient` — the object the simulator
-drives — on the asyncio clock: every call is its own task, sent at its planned
+drives (with traffic classes, one per class: `sim.classes.clients`; each
+request then carries its class's `priority` in the body, as vLLM reads it,
+and its class in `X-Class`) — on the asyncio clock: every call is its own task, sent at its planned
 time whatever happened to earlier calls; each attempt is one streamed
 `/v1/completions` request carrying `X-Call-Id` (the call's number) and
 `X-Attempt`; the client closes the connection at the attempt's deadline; a 429
@@ -50,9 +52,10 @@ import numpy as np
 from aiohttp import web
 
 from sim import measures
+from sim.classes import call_classes, call_priorities, clients
 from sim.conditions import Condition
 from sim.model import sum_counters
-from sim.policy.client import CallState, RetryingClient, Retry, Delivered
+from sim.policy.client import CallState, Retry, Delivered
 from sim.runlog import AttemptRecord, CallRecord, RunLog, Series, refusal_outcome
 from sim.scenario import Scenario
 from sim.workload import Trace
@@ -107,7 +110,12 @@ class LiveRun:
         self.seed = seed
         self.prompts = TracePrompts(trace.prompt_len, trace.shared_prefix, seed)
         rng = np.random.default_rng([seed, 1])            # the client's backoff draws, as in the simulator
-        self.client = RetryingClient(condition.client_config(scenario), lambda a, b: float(rng.uniform(a, b)))
+        # with traffic classes each call's client is its class's, its requests carry the class's priority (the
+        # body's `priority`, vLLM's) and its class (X-Class, for the proxy's shedding by class)
+        self.client = clients(condition.client_config(scenario), condition, scenario, trace,
+                              lambda a, b: float(rng.uniform(a, b)))
+        self.priority = call_priorities(trace, scenario) if scenario.classes else None
+        self.klass = call_classes(trace, scenario)
         self.proxy = LiveProxy(self.urls, condition, prompt_throughput, router=router)
         self.progress = progress
         self.progress_every_s = progress_every_s
@@ -150,6 +158,9 @@ class LiveRun:
         self.call_records[i].attempts = cs.attempts
         body = request_body(self.model, self.prompts[i], self.trace.max_tokens[i])
         headers = {"X-Call-Id": str(i), "X-Attempt": str(number)}
+        if self.priority is not None:
+            body["priority"] = self.priority[i]
+            headers["X-Class"] = self.klass[i]
         try:
             async with asyncio.timeout(max(0.0, cs.deadline - self.now())):
                 async with session.post(self.front_url + "/v1/completions", json=body, headers=headers) as resp:

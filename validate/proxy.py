@@ -5,7 +5,8 @@ server, driven by the same policy core as the simulator
 It serves `POST /v1/completions` (streaming SSE and non-streaming). Every
 request is an attempt: its call is named by the `X-Call-Id` header (a request
 without it is a call of its own) and its number by `X-Attempt` (otherwise
-counted per call id, 0 first). The key is the call id plus the request body
+counted per call id, 0 first), its traffic class by `X-Class` (shedding by
+class, docs/classes.md; none without it). The key is the call id plus the request body
 (the full generation parameters). The proxy's actions are carried out as
 the simulator carries them out in simulated time, by the same interpreter
 (`sim.policy.stack.Interpreter`):
@@ -293,8 +294,12 @@ class LiveProxy(Interpreter):
     def _engine_view_of(self, group: tuple, g: int, t: float) -> EngineView:
         """What the g-th policy core knows of the engines it feeds
         (`group`): the prompt tokens sent there awaiting their first token,
-        and the prompt throughput seen there."""
-        return EngineView(float(sum(self.awaiting[r] for r in group)), self.prompt_rates[g].rate(t))
+        the prompt throughput seen there, and the engines' waiting requests
+        and mean KV cache usage at the last scrape of their `/metrics`."""
+        gauges = [self.engine_gauges[r] for r in group]
+        return EngineView(float(sum(self.awaiting[r] for r in group)), self.prompt_rates[g].rate(t),
+                          float(sum(x.get("vllm:num_requests_waiting", 0.0) for x in gauges)),
+                          sum(x.get("vllm:kv_cache_usage_perc", 0.0) for x in gauges) / len(gauges))
 
     def _replica_view(self, r: int) -> ReplicaView:
         """What the router reads of replica r: the executions this proxy has
@@ -569,7 +574,10 @@ class LiveProxy(Interpreter):
         self.attempt_counts.move_to_end(call)
         while len(self.attempt_counts) > CALL_MEMORY:
             self.attempt_counts.popitem(last=False)
-        return Attempt(call, number)
+        klass = request.headers.get("X-Class")
+        if klass is not None and not CALL_ID.fullmatch(klass):
+            raise web.HTTPBadRequest(text="X-Class must be 1-128 characters of A-Za-z0-9._:-")
+        return Attempt(call, number, klass=klass)
 
     async def handle_completion(self, request: web.Request) -> web.StreamResponse:
         received = time.monotonic()

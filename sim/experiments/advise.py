@@ -49,6 +49,23 @@ engine only) and what it gives up against the best alternative
 Results are rows of one Parquet file (the sweep's atomic store; screening
 rows carry the cut in `scenario_hash`): a rerun with the same file skips
 the runs it holds; a file made for another deployment is refused.
+
+[[layer]] tables (their effective settings, `layers`) stand above the
+condition's proxy in every run, a client layer in the reference client's
+place, and a client layer's keys join the client's layer
+(`client_settings`): its per-attempt timeout (the layer's own, and half, one,
+two and five deadlines), its retries (none, one, its own) and its backoff
+(its own, or exponential from an eighth of a deadline capped at one). A
+setting whose layers differ from the scenario's is named
+`CONDITION;client=KEY=VALUE,...` (a layer's kind, then its changed keys).
+A gateway layer's keys likewise (`gateway_settings`): its upstream timeout
+(its own, and half, one, two and five deadlines), its retries (its own, none,
+one) and whether it passes a client's disconnect on. `only = "client"`
+crosses the client conditions (retries on, off) with every client setting;
+`only = "gateway"` keeps the scenario's controls and tries every gateway
+setting; the full search runs the control grid under the scenario's layers
+and the named conditions (and the scenario's own) under every client and
+every gateway setting.
 """
 from __future__ import annotations
 
@@ -73,7 +90,7 @@ from . import margin as margin_mod
 from .sweep import _local, _ray, _Store, flatten, read_table
 
 OBJECTIVES = ("timely", "delivered", "burst")
-LAYERS = ("client", "proxy", "engine", "router")
+LAYERS = ("client", "gateway", "proxy", "engine", "router")
 RETRIES = (True, False)
 CANCELS = ("off", "now", "deferred:10", "deferred:30")
 BUDGETS = (0.0, 0.1, 0.2)
@@ -81,6 +98,8 @@ ORDERS = ("budget-first", "lookup-first")
 CAP_FRACTIONS = (1 / 3, 1.0)          # of ⌈deadline · Ĉ⌉
 QUEUES = (("fifo", None), ("deadline", None), ("lifo", 0), ("lifo", 0.5))   # (order, LIFO threshold / N)
 ROUTER_RETRIES = (0, 1)
+TIMEOUT_DEADLINES = (0.5, 1.0, 2.0, 5.0)  # a client layer's timeouts tried, in deadlines
+CLIENT_RETRIES = (0, 1)               # a client layer's retries tried, besides its own
 CROSSED = 3                           # control settings crossed with every router after the first round
 BATCH = 4                             # runs per pool task
 
@@ -109,7 +128,7 @@ def candidates(scenario: Scenario, capacity: float, only: str | None = None,
     deployment's: `base` (default no-control) alone."""
     if only is not None and only not in LAYERS:
         raise ValueError(f"--only must be one of {', '.join(LAYERS)}, got {only!r}")
-    if only == "router":
+    if only in ("router", "gateway"):
         c = base or CONDITIONS["no-control"]
         return [adapt(c) if adapt else c]
     full = engine_cap_for(capacity, scenario)
@@ -154,6 +173,89 @@ def candidates(scenario: Scenario, capacity: float, only: str | None = None,
     for c in conds:                     # a grid point that is a named condition runs once, by that name
         same.setdefault(replace(c, name=""), c)
     return list(same.values())
+
+
+def client_settings(client: dict, scenario: Scenario) -> list[dict]:
+    """A client layer's keys the search tries (see the module docstring):
+    the layer's own settings first, then each other combination of timeout,
+    retries and backoff, as effective settings (a preset's keys)."""
+    d = scenario.deadline_s
+    own_t, own_r = client.get("timeout_s"), client.get("max_retries")
+    timeouts = list(dict.fromkeys([own_t] + [f * d for f in TIMEOUT_DEADLINES]))
+    retries = list(dict.fromkeys([own_r, *CLIENT_RETRIES])) if own_r is not None else [None]
+    long_wait = {"backoff": "exponential", "backoff_base_s": d / 8, "backoff_cap_s": float(d)}
+    backoffs = [{}] + ([long_wait] if any(client.get(k) != v for k, v in long_wait.items()) else [])
+    out = [client]
+    for t in timeouts:
+        for r in retries:
+            for b in backoffs:
+                c = dict(client, timeout_s=t, max_retries=r, **b)
+                if c not in out:
+                    out.append(c)
+    return out
+
+
+def gateway_settings(gateway: dict, scenario: Scenario) -> list[dict]:
+    """A gateway layer's keys the search tries (see the module docstring):
+    the layer's own settings first, then each other combination of upstream
+    timeout, retries and passing a disconnect on."""
+    d = scenario.deadline_s
+    timeouts = list(dict.fromkeys([gateway.get("timeout_s")] + [f * d for f in TIMEOUT_DEADLINES]))
+    own_r = gateway.get("max_retries")
+    retries = list(dict.fromkeys([own_r, *CLIENT_RETRIES])) if own_r is not None else [None]
+    passes = list(dict.fromkeys([gateway["passes_disconnect"], not gateway["passes_disconnect"]])) \
+        if "passes_disconnect" in gateway else [None]
+    out = [gateway]
+    for t in timeouts:
+        for r in retries:
+            for p in passes:
+                g = dict(gateway, timeout_s=t, max_retries=r)
+                if p is not None:
+                    g["passes_disconnect"] = p
+                if g not in out:
+                    out.append(g)
+    return out
+
+
+KEYS_OF = {"client": client_settings, "gateway": gateway_settings}
+
+
+def layer_settings(layers: tuple, scenario: Scenario, only: str | None = None) -> list[tuple]:
+    """The [[layer]] settings the search tries: the scenario's first, then
+    for each layer of a kind whose keys are searched (`only`'s kind, or
+    every kind), each of its settings with the other layers as given."""
+    out = [tuple(layers)]
+    for i, s in enumerate(layers):
+        if s["kind"] in KEYS_OF and only in (None, s["kind"]):
+            for v in KEYS_OF[s["kind"]](s, scenario)[1:]:
+                ls = tuple(layers[:i]) + (v,) + tuple(layers[i + 1:])
+                if ls not in out:
+                    out.append(ls)
+    return out
+
+
+def layer_changes(layers: tuple | None, own: tuple | None) -> dict:
+    """{kind: {key: value}}: the keys of each layer of `layers` that differ
+    from the same layer of `own`."""
+    if layers is None or own is None:
+        return {}
+    out = {}
+    for s, o in zip(layers, own):
+        ch = {k: v for k, v in s.items() if o.get(k) != v}
+        if ch:
+            out.setdefault(s["kind"], {}).update(ch)
+    return out
+
+
+def _value(v) -> str:
+    return "none" if v is None else f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+
+
+def with_layers(c: Condition, layers: tuple | None, own: tuple | None) -> Condition:
+    """`c` under [[layer]] settings: renamed `NAME;KIND=KEY=VALUE,...` unless they are the scenario's own."""
+    ch = layer_changes(layers, own)
+    return replace(c, name=c.name + "".join(f";{kind}=" + ",".join(f"{k}={_value(v)}" for k, v in keys.items())
+                                            for kind, keys in ch.items())) if ch else c
 
 
 def router_settings(fleet: FleetSpec) -> list[RouterConfig]:
@@ -265,10 +367,13 @@ def cut_tag(cut: tuple[float, float] | None) -> str:
 DROP = ("series_", "windows_")
 
 
-def deployment_key(profile: Profile, scenario: Scenario, fleet: FleetSpec | None = None) -> str:
+def deployment_key(profile: Profile, scenario: Scenario, fleet: FleetSpec | None = None,
+                   layers: tuple | None = None) -> str:
     """A digest of what the runs depend on besides the condition and seed."""
     d = {"profile": profile.raw or profile.name, "step_time": profile.step_time.to_dict(), "engine": profile.engine,
          "capacity": profile.capacity, "scenario": scenario.to_dict()}
+    if layers is not None:
+        d["layers"] = list(layers)
     if fleet is not None:
         d["fleet"] = {"replicas": [{"profile": p.raw or p.name, "step_time": p.step_time.to_dict(),
                                     "engine": p.engine} for p in fleet.profiles]}
@@ -292,14 +397,15 @@ def _trace(key: str, capacity: float, scenario: Scenario, seed: int, cut) -> Tra
 
 def _rows_task(task: tuple) -> list[dict]:
     """A batch of runs: (profile, scenario, fleet (profiles, capacities) or
-    None, deployment key, cut, [(condition, router, seed), ...]) -> rows."""
+    None, deployment key, cut, [(condition, router, [[layer]] settings or
+    None, seed), ...]) -> rows."""
     profile, scenario, fleet, key, cut, items = task
     sc = scenario if cut is None else cut_scenario(scenario, cut)
     out = []
-    for cond, router, seed in items:
+    for cond, router, layers, seed in items:
         tr = _trace(key, profile.capacity, scenario, seed, cut)
         if fleet is None:
-            rec = verdict.run_record(profile, sc, cond, seed, tr)
+            rec = verdict.run_record(profile, sc, cond, seed, tr, layers=layers)
         else:
             rec = run_fleet(list(fleet[0]), cond, tr, sc, fleet[1], router, seed, scenario.pulse)
             rec.pop("replicas")
@@ -359,7 +465,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
            screen: int = 2, finalists: int = 12, top: int = 3, workers: int | None = 1,
            ray_address: str | None = None, margin_axes: Sequence[str] = ("speed",), progress: bool = True,
            fleet: FleetSpec | None = None, base: Condition | None = None,
-           screen_base_s: float | None = None, screen_hold_s: float | None = None) -> dict:
+           screen_base_s: float | None = None, screen_hold_s: float | None = None,
+           layers: tuple | None = None) -> dict:
     """Search the controls for the deployment (profile, scenario; with
     `fleet`, its replicas behind a router, Ĉ the profile's); see the module
     docstring. `base` is the deployment's own condition (`only = "router"`
@@ -367,7 +474,9 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     `screen_hold_s` after it (`screen_cut`; both None: whole runs). Returns
     {"ranking": [...], "top": [...], ...} with, for each of the top
     settings, its summary, margin (along `margin_axes`)
-    and what it gives up against the best alternative."""
+    and what it gives up against the best alternative. `layers`, [[layer]]
+    tables' effective settings, stand above the condition's proxy (a client
+    layer's keys searched as the module docstring says)."""
     if objective_name not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective_name!r}")
     if only == "router" and fleet is None:
@@ -380,19 +489,31 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         if x is not None and not x > 0:
             raise ValueError(f"{what} must be positive, got {x!r}")
     t0 = time.perf_counter()
-    key = deployment_key(profile, scenario, fleet)
+    if layers is not None and fleet is not None:
+        raise ValueError("[[layer]] tables run on one engine, not on a fleet")
+    key = deployment_key(profile, scenario, fleet, layers)
     own = fleet.router if fleet is not None else None
     conds = candidates(scenario, profile.capacity, only, adapt, base)
     by_name: dict[str, Condition] = {}
     routers: dict[str, RouterConfig | None] = {}
+    stacks: dict[str, tuple | None] = {}
 
-    def add(c: Condition, r: RouterConfig | None) -> str:
+    def add(c: Condition, r: RouterConfig | None, ls: tuple | None = layers) -> str:
         c = routed(c, r, own) if r is not None else c
+        c = with_layers(c, ls, layers)
         if c.name not in by_name:
-            by_name[c.name], routers[c.name] = c, r
+            by_name[c.name], routers[c.name], stacks[c.name] = c, r, ls
         return c.name
 
-    names = list(dict.fromkeys(add(c, r) for c, r in first_settings(conds, fleet, only, base)))
+    firsts = first_settings(conds, fleet, only, base)
+    names = list(dict.fromkeys(add(c, r) for c, r in firsts))
+    if only == "gateway" and not any(s["kind"] == "gateway" for s in layers or ()):
+        raise ValueError("--only gateway searches a gateway [[layer]]'s keys, and the scenario has none")
+    if layers is not None and only in (None, "client", "gateway"):
+        crossed = [c for c, _ in firsts if only is not None or c.name in CONDITIONS
+                   or (base is not None and c.name == base.name)]
+        names += [n for n in dict.fromkeys(add(c, None, ls) for c in crossed
+                                           for ls in layer_settings(layers, scenario, only)[1:]) if n not in names]
     n_cands = len(names)
     fleet_task = None if fleet is None else (tuple(fleet.profiles), fleet.capacities(scenario))
     cut = screen_cut(scenario, screen_base_s, screen_hold_s)
@@ -414,7 +535,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         if not todo:
             return
         tasks = [(profile, scenario, fleet_task, key, c,
-                  [(by_name[n], routers[n], s) for n, s in todo[i:i + BATCH]]) for i in range(0, len(todo), BATCH)]
+                  [(by_name[n], routers[n], stacks[n], s) for n, s in todo[i:i + BATCH]])
+                 for i in range(0, len(todo), BATCH)]
         it = _ray(tasks, ray_address, fn=_rows_task) if ray_address is not None else \
             _local(tasks, workers if workers else (os.cpu_count() or 1), fn=_rows_task)
         t1 = time.perf_counter()
@@ -441,7 +563,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
             if store is not None:
                 store.flush()
 
-    size = lambda n: len(by_name[n].describe().split(", ")) + _router_changes(routers[n], own)
+    size = lambda n: (len(by_name[n].describe().split(", ")) + _router_changes(routers[n], own)
+                      + sum(map(len, layer_changes(stacks[n], layers).values())))
     plan = stages(len(seeds), screen, finalists, cut)
     rounds = []
     for k, (n_s, full, keep) in enumerate(plan):
@@ -472,7 +595,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     shown = pick(ranking, scored, by_name, top, size)
     margins = {n: margin_mod.margin(profile, scenario, by_name[n], seeds, margin_axes, rel_tol=0.05, workers=workers,
                                     base=verdict.summarize([rows[(n, s, "")] for s in seeds]),
-                                    fleet=None if fleet is None else dataclasses.replace(fleet, router=routers[n]))
+                                    fleet=None if fleet is None else dataclasses.replace(fleet, router=routers[n]),
+                                    layers=stacks[n])
                if margin_axes else None for n in shown}
     tops = []
     for i, n in enumerate(shown):
@@ -480,7 +604,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         m = margins[n]
         tops.append({"rank": i + 1, "condition": n, "settings": by_name[n].settings(),
                      "router": None if routers[n] is None else vars(routers[n]).copy(),
-                     "describe": describe(n, by_name, routers), "summary": scored[n],
+                     "layers": layer_changes(stacks[n], layers) if layers is not None else None,
+                     "describe": describe(n, by_name, routers, stacks, layers), "summary": scored[n],
                      "verdict": verdict.verdict(scored[n]),
                      "margin": None if m is None else {"sentence": m["sentence"], "axes": m["axes"]},
                      "against": alt if alt != n else None,
@@ -488,7 +613,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     res = {"model": profile.name, "scenario": scenario.to_dict(), "deployment": key, "objective": objective_name,
            "only": only, "seeds": seeds, "screen_seeds": seeds[:max(1, min(screen, len(seeds)))],
            "screen_cut": list(cut) if cut else None, "margin_axes": list(margin_axes or ()), "rounds": rounds,
-           "candidates": n_cands,
+           "candidates": n_cands, "layers": None if layers is None else list(layers),
            "ranking": [{"condition": n, **{k: scored[n][k] for k in ("p", "lo", "hi", "tipping", *OBJECTIVES)}}
                        for n in ranking],
            "top": tops, "wall_s": time.perf_counter() - t0}
@@ -507,10 +632,14 @@ def _order(names: Sequence[str], rows: dict, ss: Sequence[int], tag: str, obj: s
     return sorted(names, key=lambda n: (-sc[n]["recovered"] if full else 0, -(sc[n][obj] or 0.0)))
 
 
-def describe(n: str, by_name: dict, routers: dict) -> str:
-    """A setting's controls in words, with its router on a fleet."""
+def describe(n: str, by_name: dict, routers: dict, stacks: dict | None = None, own: tuple | None = None) -> str:
+    """A setting's controls in words, with its router on a fleet and its
+    layers' keys that differ from the scenario's."""
     r = routers.get(n)
-    return by_name[n].describe() + ("" if r is None else ", " + describe_router(r))
+    ch = layer_changes((stacks or {}).get(n), own)
+    return (by_name[n].describe() + ("" if r is None else ", " + describe_router(r))
+            + "".join(f", {kind} layer " + ", ".join(f"{k} {_value(v)}" for k, v in keys.items())
+                      for kind, keys in ch.items()))
 
 
 def router_note(own: RouterConfig, shown: Sequence[str], scored: dict, by_name: dict, routers: dict,
@@ -573,7 +702,8 @@ def pick(ranking: Sequence[str], scored: dict, by_name: dict, top: int,
 def gives_up(s: dict, alt: dict, margin: dict | None = None, alt_margin: dict | None = None) -> list[str]:
     """Where s is worse than alt: P(recovered), the objectives (by more than
     half a point), the median recovery time (by more than a second), and the
-    distance to a margin's crossing (by more than 2%) on the axes both have."""
+    distance to a margin's crossing (by more than 2%) on the axes both have
+    and search from the same value."""
     out = []
     if s["p"] < alt["p"]:
         out.append(f"P(recovered) {s['p']:.2f} vs {alt['p']:.2f}")
@@ -589,8 +719,8 @@ def gives_up(s: dict, alt: dict, margin: dict | None = None, alt_margin: dict | 
         for x in margin["axes"]:
             y = theirs.get(x["axis"])
             if y is None or x["crossing"] is None or y["crossing"] is None or not x["recovers_at_baseline"] \
-                    or not y["recovers_at_baseline"]:
-                continue
+                    or not y["recovers_at_baseline"] or x["baseline"] != y["baseline"]:
+                continue                # (a client layer's key: each setting searched from its own value)
             dx, dy = abs(math.log(x["crossing"] / x["baseline"])), abs(math.log(y["crossing"] / y["baseline"]))
             if dy - dx > math.log(1.02):
                 out.append(f"margin on {x['axis']}: flips at {x['crossing']:.3g} vs {y['crossing']:.3g} "

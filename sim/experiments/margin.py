@@ -17,6 +17,13 @@ ratio) until the side flips or the axis's limit is reached, then the bracket is
 halved geometrically until its ends are within `rel_tol` of each other. The
 crossing is where P, interpolated linearly between the bracket's ends, equals
 1/2; the bracket is the last pair of probes on either side.
+
+A [[layer]]'s key is an axis too (`layer.KIND.KEY`, `LAYER_AXES`: a client
+layer's timeout_s, max_retries and backoff_base_s) on a deployment with such
+a layer: the key's value itself is probed, from the layer's own, the
+direction its recovery takes decided as above; a whole-number key
+(max_retries) is stepped and halved on whole numbers, and the bracket's ends
+are then one apart.
 """
 from __future__ import annotations
 
@@ -39,15 +46,21 @@ AXES = ("speed", "pulse", "hold_load", "kv")
 
 # ------------------------------------------------------------------ bisection
 def find_crossing(p: Callable[[float], float], x0: float, worse: float, better: float, ratio: float = 2.0,
-                  rel_tol: float = 0.02, max_probes: int = 24) -> dict:
+                  rel_tol: float = 0.02, max_probes: int = 24, integer: bool = False) -> dict:
     """Where the monotone-ish p(x) crosses 1/2, searching from x0 (> 0)
     towards `worse` if p(x0) >= 1/2, else towards `better` (both > 0).
+    With `integer`, x takes whole numbers (x0, worse, better >= 0): each
+    step goes at least one further, and the bracket is halved until its
+    ends are one apart.
 
     Returns {"side0": p(x0) >= 1/2, "crossing": x or None, "bracket": [a, b]
     (a nearer x0) or None, "probes": [(x, p(x)), ...] in probe order,
     "limit": the end searched}. `crossing` is None when p keeps its side up to
     the limit or the probe budget ran out before a flip."""
-    if not (x0 > 0 and worse > 0 and better > 0 and ratio > 1 and rel_tol > 0):
+    if integer:
+        if not (min(x0, worse, better) >= 0 and ratio > 1 and all(v == int(v) for v in (x0, worse, better))):
+            raise ValueError("find_crossing on whole numbers needs whole x0, worse, better >= 0 and ratio > 1")
+    elif not (x0 > 0 and worse > 0 and better > 0 and ratio > 1 and rel_tol > 0):
         raise ValueError("find_crossing needs positive x0, worse, better, rel_tol and ratio > 1")
     probes: list[tuple[float, float]] = []
 
@@ -62,22 +75,25 @@ def find_crossing(p: Callable[[float], float], x0: float, worse: float, better: 
     a, b = x0, None
     x = x0
     while len(probes) < max_probes and x != limit:
-        x = min(x * ratio, limit) if up else max(x / ratio, limit)
+        if integer:
+            x = min(max(x + 1, math.ceil(x * ratio)), limit) if up else max(min(x - 1, math.floor(x / ratio)), limit)
+        else:
+            x = min(x * ratio, limit) if up else max(x / ratio, limit)
         if probe(x) != side0:
             b = x
             break
         a = x
     if b is None:
         return {"side0": side0, "crossing": None, "bracket": None, "probes": probes, "limit": limit}
-    while len(probes) < max_probes and abs(b / a - 1) > rel_tol:
-        m = math.sqrt(a * b)
+    while len(probes) < max_probes and (abs(b - a) > 1 if integer else abs(b / a - 1) > rel_tol):
+        m = (a + b) // 2 if integer else math.sqrt(a * b)
         if probe(m) == side0:
             a = m
         else:
             b = m
     pa = next(v for x, v in reversed(probes) if x == a)
     pb = next(v for x, v in reversed(probes) if x == b)
-    cross = a + (0.5 - pa) / (pb - pa) * (b - a) if pb != pa else math.sqrt(a * b)
+    cross = a + (0.5 - pa) / (pb - pa) * (b - a) if pb != pa else (a + b) / 2 if integer else math.sqrt(a * b)
     return {"side0": side0, "crossing": cross, "bracket": [a, b], "probes": probes, "limit": limit}
 
 
@@ -90,8 +106,17 @@ class Axis:
     hi: float               # the largest value searched
     what: str
 
-    def baseline(self, scenario: Scenario) -> float:
+    integer = False
+
+    def baseline(self, scenario: Scenario, layers: tuple | None = None) -> float:
         return scenario.hold_load if self.name == "hold_load" else 1.0
+
+    def limits(self, layers: tuple | None, x0: float) -> tuple[float, float]:
+        return self.lo, self.hi
+
+    def layers_at(self, layers: tuple | None, x: float) -> tuple | None:
+        """The [[layer]] settings at x (this axis leaves them)."""
+        return layers
 
     def apply(self, profile: Profile, scenario: Scenario, x: float) -> tuple[Profile, Scenario]:
         """The profile and scenario at x."""
@@ -119,6 +144,72 @@ class Axis:
         return f"the KV cache is {x:.2f}x larger ({lo:.2f}-{hi:.2f}x)"
 
 
+@dataclass(frozen=True)
+class LayerAxis:
+    """A key of the first [[layer]] of a kind as an axis
+    (`layer.KIND.KEY`): its value is probed, from the layer's own."""
+    kind: str
+    key: str
+    worse_up: bool
+    lo: float
+    hi: float
+    integer: bool
+    what: str
+
+    @property
+    def name(self) -> str:
+        return f"layer.{self.kind}.{self.key}"
+
+    def index(self, layers: tuple | None) -> int:
+        """Where the layer stands in `layers` (ValueError: it is not there)."""
+        i = next((i for i, s in enumerate(layers or ()) if s["kind"] == self.kind), None)
+        if i is None:
+            raise ValueError(f"{self.name} needs a {self.kind} [[layer]] in the scenario (the reference design has "
+                             "none)")
+        return i
+
+    def baseline(self, scenario: Scenario, layers: tuple | None = None) -> float:
+        v = layers[self.index(layers)].get(self.key)
+        if v is None:
+            raise ValueError(f"{self.name}: the {self.kind} layer sets no {self.key} (no limit): give it one in the "
+                             "scenario's [[layer]] to search from")
+        if not self.integer and not v > 0:
+            raise ValueError(f"{self.name}: the {self.kind} layer's {self.key} is {v:g}; a search needs it positive")
+        return v
+
+    def limits(self, layers: tuple | None, x0: float) -> tuple[float, float]:
+        """The values searched: the axis's range, widened to take the layer's
+        own; a first backoff no longer than the layer's backoff cap."""
+        lo, hi = min(self.lo, x0), max(self.hi, x0)
+        cap = layers[self.index(layers)].get("backoff_cap_s")
+        if self.key == "backoff_base_s" and cap is not None:
+            hi = max(x0, min(hi, cap))
+        return lo, hi
+
+    def apply(self, profile: Profile, scenario: Scenario, x: float) -> tuple[Profile, Scenario]:
+        return profile, scenario
+
+    def layers_at(self, layers: tuple | None, x: float) -> tuple | None:
+        i = self.index(layers)
+        return layers[:i] + (dict(layers[i], **{self.key: int(x) if self.integer else float(x)}),) + layers[i + 1:]
+
+    def phrase(self, x: float, a: float, b: float, base: float) -> str:
+        lo, hi = sorted((a, b))
+        if self.integer:
+            return f"the {self.kind}'s {self.key} goes from {a:g} to {b:g} (now {base:g})"
+        return f"the {self.kind}'s {self.key} is {x:.3g} s ({lo:.3g}-{hi:.3g} s; now {base:g} s)"
+
+
+LAYER_AXES = {(a.kind, a.key): a for a in [
+    LayerAxis("client", "timeout_s", False, 0.5, 7200.0, False, "the client layer's per-attempt timeout in s"),
+    LayerAxis("client", "max_retries", True, 0, 32, True, "the client layer's retries per call"),
+    LayerAxis("client", "backoff_base_s", False, 0.01, 600.0, False, "the client layer's first backoff wait in s"),
+    LayerAxis("gateway", "timeout_s", False, 0.5, 7200.0, False, "the gateway layer's upstream timeout in s"),
+    LayerAxis("gateway", "max_retries", True, 0, 32, True, "the gateway layer's retries per attempt from above"),
+]}
+SIMULATED_KINDS = ("client", "gateway")          # the kinds of layer whose keys are axes
+
+
 AXIS = {a.name: a for a in [
     Axis("speed", True, 1 / 16, 16.0, "every step-time coefficient x s"),
     Axis("pulse", True, 1 / 16, 8.0, "the pulse rate x m"),
@@ -127,12 +218,32 @@ AXIS = {a.name: a for a in [
 ]}
 
 
-def parse_axes(spec: str | Sequence[str]) -> list[str]:
+def axis(name: str):
+    """The Axis or LayerAxis of a name."""
+    return AXIS[name] if name in AXIS else LAYER_AXES[tuple(name.split(".")[1:])]
+
+
+def parse_axes(spec: str | Sequence[str], layers: tuple | None = None) -> list[str]:
+    """Axis names from "a,b" or a list: those of `AXES`, and with `layers`
+    ([[layer]] tables' effective settings) `layer.KIND.KEY` for the keys of
+    `LAYER_AXES` a layer of that kind sets. One-line ValueError otherwise."""
     names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
     names = [n for n in names if n]
-    bad = [n for n in names if n not in AXIS]
+    layer = [a.name for a in LAYER_AXES.values()]
+    for n in names:
+        if not n.startswith("layer."):
+            continue
+        kind = n.split(".")[1] if n.count(".") == 2 else ""
+        if kind not in SIMULATED_KINDS:
+            raise ValueError(f"{n}: a layer's axis is layer.KIND.KEY, of {', '.join(layer)}"
+                             + ("; gateway layers are not yet simulated" if kind == "gateway" else ""))
+        if tuple(n.split(".")[1:]) not in LAYER_AXES:
+            raise ValueError(f"unknown axis {n}; a layer's axes: {', '.join(layer)}")
+        axis(n).baseline(None, layers)          # the scenario has the layer, and the layer sets the key
+    bad = [n for n in names if n not in AXIS and not n.startswith("layer.")]
     if bad or not names:
-        raise ValueError(f"unknown axis {', '.join(bad) or spec!r}; valid: {', '.join(AXES)}")
+        raise ValueError(f"unknown axis {', '.join(bad) or spec!r}; valid: {', '.join(AXES)}"
+                         + (f", {', '.join(layer)}" if layers else ""))
     return names
 
 
@@ -150,18 +261,20 @@ def fleet_run(fleet: FleetSpec, capacities: tuple, profile_at: Callable[[Profile
 
 
 def run_task(task: tuple, full: bool = False) -> dict:
-    """One run: (profile, scenario, condition, seed, trace capacity[, fleet])
-    -> the slim record (the full one with `full`, less a fleet's per-replica
-    records). `fleet`, (profiles, capacities, router), runs the replicas
-    behind the router instead of `profile`."""
+    """One run: (profile, scenario, condition, seed, trace capacity[, fleet[,
+    layers]]) -> the slim record (the full one with `full`, less a fleet's
+    per-replica records). `fleet`, (profiles, capacities, router), runs the
+    replicas behind the router instead of `profile`; `layers`, [[layer]]
+    tables' effective settings, stand above the condition's proxy."""
     profile, scenario, condition, seed, trace_capacity, *on = task
+    fleet, layers = (list(on) + [None, None])[:2]
     trace = make_trace(trace_capacity, scenario, seed)
-    if on and on[0] is not None:            # a fleet: (replicas' profiles, their Ĉ, router)
-        profiles, capacities, router = on[0]
+    if fleet is not None:                   # a fleet: (replicas' profiles, their Ĉ, router)
+        profiles, capacities, router = fleet
         rec = run_fleet(list(profiles), condition, trace, scenario, list(capacities), router, seed, scenario.pulse)
         rec.pop("replicas", None)
     else:
-        rec = verdict.run_record(profile, scenario, condition, seed, trace)
+        rec = verdict.run_record(profile, scenario, condition, seed, trace, layers=layers)
     return rec if full else slim(rec)
 
 
@@ -186,30 +299,34 @@ def run_conditions(profile: Profile, scenario: Scenario, conditions: Sequence[Co
 
 
 def cell(profile: Profile, scenario: Scenario, condition: Condition, seeds: Sequence[int],
-         workers: int | None = 1, trace_capacity: float | None = None, fleet: tuple | None = None) -> dict:
+         workers: int | None = 1, trace_capacity: float | None = None, fleet: tuple | None = None,
+         layers: tuple | None = None) -> dict:
     """summarize() of `condition` over `seeds`, traces drawn at `trace_capacity`
-    (default the profile's); on `fleet` (see run_task) if given."""
+    (default the profile's); on `fleet` or under `layers` (see run_task) if given."""
     cap = trace_capacity or profile.capacity
-    return verdict.summarize(run_many([(profile, scenario, condition, s, cap, fleet) for s in seeds], workers))
+    return verdict.summarize(run_many([(profile, scenario, condition, s, cap, fleet, layers) for s in seeds],
+                                      workers))
 
 
 # ------------------------------------------------------------------ the margin
 def margin(profile: Profile, scenario: Scenario, condition: Condition, seeds: Sequence[int],
            axes: Sequence[str] = AXES, rel_tol: float = 0.02, workers: int | None = 1,
            progress: Callable[[str], None] | None = None, base: dict | None = None,
-           fleet: FleetSpec | None = None) -> dict:
+           fleet: FleetSpec | None = None, layers: tuple | None = None) -> dict:
     """The margin of `condition` on (profile, scenario) along each axis.
     Returns a JSON-able record: the baseline cell's summary, and per axis the
     crossing, its bracket and every probe (x, P, Wilson interval). `base`:
     the baseline cell's summary when the caller has it (the same seeds).
     With `fleet`, the replicas behind its router run instead of `profile`
     (whose capacity is then the fleet's Ĉ, the traces' rate): the speed and
-    kv axes perturb every replica alike."""
+    kv axes perturb every replica alike. `layers`, [[layer]] tables'
+    effective settings, stand above the condition's proxy at every probe;
+    their keys are axes then (`LAYER_AXES`)."""
     t0 = time.perf_counter()
     seeds = list(seeds)
     if not seeds:
         raise ValueError("margin needs at least one seed")
-    axes = parse_axes(axes)
+    axes = parse_axes(axes, layers)
     caps = tuple(fleet.capacities(scenario)) if fleet is not None else ()
 
     def on(ax: Axis | None = None, x: float = 1.0):
@@ -217,24 +334,26 @@ def margin(profile: Profile, scenario: Scenario, condition: Condition, seeds: Se
         if fleet is None:
             return None
         return fleet_run(fleet, caps, (lambda p: ax.apply(p, scenario, x)[0]) if ax else (lambda p: p))
-    base = base if base is not None else cell(profile, scenario, condition, seeds, workers, fleet=on())
+    base = base if base is not None else cell(profile, scenario, condition, seeds, workers, fleet=on(),
+                                              layers=layers)
     out_axes = []
     for name in axes:
-        ax = AXIS[name]
-        x0 = ax.baseline(scenario)
+        ax = axis(name)
+        x0 = ax.baseline(scenario, layers)
         seen: dict[float, dict] = {x0: base}
 
         def p(x: float) -> float:
             if x not in seen:
                 prof, sc = ax.apply(profile, scenario, x)
                 seen[x] = cell(prof, sc, condition, seeds, workers, trace_capacity=profile.capacity,
-                               fleet=on(ax, x))
+                               fleet=on(ax, x), layers=ax.layers_at(layers, x))
                 if progress:
                     s = seen[x]
                     progress(f"  {name} {x:.4g}: P = {s['p']:.2f} [{s['lo']:.2f}, {s['hi']:.2f}]")
             return seen[x]["p"]
-        worse, better = (ax.hi, ax.lo) if ax.worse_up else (ax.lo, ax.hi)
-        r = find_crossing(p, x0, worse, better, rel_tol=rel_tol)
+        lo, hi = ax.limits(layers, x0)
+        worse, better = (hi, lo) if ax.worse_up else (lo, hi)
+        r = find_crossing(p, x0, worse, better, rel_tol=rel_tol, integer=ax.integer)
         probes = [{"x": x, "p": seen[x]["p"], "lo": seen[x]["lo"], "hi": seen[x]["hi"], "n": seen[x]["n"],
                    "tipping": seen[x]["tipping"]} for x, _ in r["probes"]]
         rec = {"axis": name, "what": ax.what, "baseline": x0, "recovers_at_baseline": r["side0"],
@@ -247,6 +366,8 @@ def margin(profile: Profile, scenario: Scenario, condition: Condition, seeds: Se
            "verdict": verdict.verdict(base), "axes": out_axes, "wall_s": time.perf_counter() - t0}
     if fleet is not None:
         res["fleet"] = fleet.document()
+    if layers is not None:
+        res["layers"] = list(layers)
     res["sentence"] = sentence(res)
     return res
 

@@ -97,7 +97,7 @@ class Upstream(Attempt):
     __slots__ = ("layer", "above", "row", "ran_on", "closed")
 
     def __init__(self, call_id: int, number: int, deadline: float, layer, above: Attempt):
-        super().__init__(call_id, number, deadline)
+        super().__init__(call_id, number, deadline, above.klass)     # the call's class, for shedding by class
         self.layer = layer
         self.above = above
         self.row = -1

@@ -38,6 +38,25 @@ execution is created, if the estimated wait exceeds the time it has left
 (its deadline minus the arrival time). With no throughput known at all
 (neither history nor the profile's figure) nothing is refused. The queue
 itself is dequeued first in, first out.
+
+Shedding by class (docs/classes.md): each attempt carries its call's
+traffic class (`Attempt.klass`, the name; None without classes). After the
+budget and the lookup, an attempt of a class named in `shed_classes` that
+would need a new execution is refused (reason `class_shed`) while the proxy is
+saturated by its rule `shed_when` over `shed_above`: `proxy_queue`, the
+executions held in the proxy's own queue; `engine_waiting`, the requests
+waiting in the engine (`EngineView.waiting`); `kv_usage`, the engine's KV
+cache usage as a share (`EngineView.kv_usage`). The refusal is
+`shed_status` (429 or 503) with Retry-After per `shed_retry_after`: `none`,
+or `estimate` (the wait estimate above, on a 429). Per class, a retry
+budget (`class_budget`: (class, share) pairs, the budget's rule over the
+class's own first attempts and retries, refused with 429 and the estimate as
+the retry budget is, reason `class_budget`) and a cap (`class_cap`: (class,
+N) pairs, at most N live executions of the class, queued in the proxy or
+outstanding in the engine; beyond it an attempt that would need a new one
+is refused as a shed one, reason `class_cap`). Order: the class's budget
+(retries that found no live execution), the saturation rule, the class
+cap, then the deadline check.
 """
 from __future__ import annotations
 
@@ -49,6 +68,9 @@ INF = float("inf")
 CANCELLATIONS = ("off", "now", "deferred")
 ORDERS = ("budget-first", "lookup-first")
 QUEUES = ("fifo", "deadline", "lifo")
+SHED_WHEN = ("proxy_queue", "engine_waiting", "kv_usage")
+SHED_STATUSES = (429, 503)
+SHED_RETRY_AFTER = ("none", "estimate")
 _LIVE = ("created", "queued", "dispatched")    # the states of a live execution
 
 
@@ -64,6 +86,19 @@ class ProxyConfig:
     proxy_cap: int | None = None  # N: most executions outstanding in the engine; more wait in the proxy
     queue: str = "fifo"           # fifo | deadline (fifo, and the deadline check at arrival) | lifo
     lifo_after: int = 50          # lifo takes the newest once more than this many are queued
+    # shedding by class (module docstring): classes refused while saturated, the rule and its threshold, the refusal
+    shed_classes: tuple = ()      # names of the sheddable classes
+    shed_when: str = "engine_waiting"     # proxy_queue | engine_waiting | kv_usage
+    shed_above: float = 0.0       # saturated while the rule's measure is above this
+    shed_status: int = 429        # 429 | 503
+    shed_retry_after: str = "none"        # none | estimate (on a 429)
+    class_budget: tuple = ()      # ((class, share), ...): a retry budget per class
+    class_cap: tuple = ()         # ((class, N), ...): most live executions of the class
+
+    @property
+    def sheds(self) -> bool:
+        """Whether any shedding or per-class control is set."""
+        return bool(self.shed_classes or self.class_budget or self.class_cap)
 
     def __post_init__(self):
         if self.cancellation not in CANCELLATIONS:
@@ -82,6 +117,26 @@ class ProxyConfig:
             raise ValueError(f"proxy_cap must be >= 1; got {self.proxy_cap!r}")
         if self.lifo_after < 0:
             raise ValueError("lifo_after must be >= 0")
+        if self.shed_when not in SHED_WHEN:
+            raise ValueError(f"shed_when must be one of {', '.join(SHED_WHEN)}; got {self.shed_when!r}")
+        if not self.shed_above >= 0:
+            raise ValueError(f"shed_above must be >= 0; got {self.shed_above!r}")
+        if self.shed_when == "kv_usage" and self.shed_classes and not self.shed_above < 1:
+            raise ValueError(f"shed_above for kv_usage is a share below 1; got {self.shed_above!r}")
+        if self.shed_status not in SHED_STATUSES:
+            raise ValueError(f"shed_status must be 429 or 503; got {self.shed_status!r}")
+        if self.shed_retry_after not in SHED_RETRY_AFTER:
+            raise ValueError(f"shed_retry_after must be one of {', '.join(SHED_RETRY_AFTER)}; "
+                             f"got {self.shed_retry_after!r}")
+        for name, pairs, ok, need in (("class_budget", self.class_budget, lambda v: v >= 0, ">= 0"),
+                                      ("class_cap", self.class_cap, lambda v: v >= 1 and v == int(v),
+                                       "a whole number >= 1")):
+            names = [c for c, _ in pairs]
+            if len(set(names)) != len(names):
+                raise ValueError(f"{name} names a class twice: {names}")
+            for c, v in pairs:
+                if not ok(v):
+                    raise ValueError(f"{name} of class {c!r} must be {need}; got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -89,6 +144,8 @@ class EngineView:
     """What the proxy knows of the engine at one moment (from the driver)."""
     uncomputed_prompt_tokens: float = 0.0       # of executions waiting or running in the engine
     prompt_throughput: float | None = None      # computed prompt tokens/s over the recent past; None: no history
+    waiting: float = 0.0                        # requests waiting in the engine
+    kv_usage: float = 0.0                       # the engine's KV cache usage, a share
 
 
 class PromptRate:
@@ -150,10 +207,11 @@ class RetryBudget:
 
 class Execution:
     __slots__ = ("id", "call_id", "key", "created_at", "prompt_len", "state", "subscribers", "orphaned",
-                 "wake_at")
+                 "wake_at", "klass")
 
-    def __init__(self, id: int, call_id: int, key, created_at: float, prompt_len: int = 0):
+    def __init__(self, id: int, call_id: int, key, created_at: float, prompt_len: int = 0, klass=None):
         self.id = id
+        self.klass = klass            # the call's traffic class (its name; None: none)
         self.call_id = call_id
         self.key = key
         self.created_at = created_at
@@ -173,10 +231,11 @@ class Execution:
 
 
 class Attempt:
-    __slots__ = ("call_id", "number", "execution", "attached", "open", "deadline")
+    __slots__ = ("call_id", "number", "execution", "attached", "open", "deadline", "klass")
 
-    def __init__(self, call_id: int, number: int, deadline: float = INF):
+    def __init__(self, call_id: int, number: int, deadline: float = INF, klass=None):
         self.call_id = call_id
+        self.klass = klass            # the call's traffic class (its name; None: none)
         self.number = number
         self.execution: Execution | None = None
         self.attached = False
@@ -204,7 +263,7 @@ class Refuse:
     attempt: Attempt
     status: int                   # 429 or 503
     retry_after: float | None = None
-    reason: str = ""              # budget | engine | deadline
+    reason: str = ""              # budget | engine | deadline | class_shed | class_budget | class_cap
 
 
 @dataclass(slots=True)
@@ -254,8 +313,13 @@ class Proxy:
         self.queued_tokens = 0                      # their prompt tokens
         self.outstanding = 0                        # dispatched executions not yet finished
         self._next_id = 0
+        # shedding by class: the sheddable classes, each class's retry budget and its live executions under a cap
+        self.shed_classes = frozenset(config.shed_classes)
+        self.class_budgets = {c: RetryBudget(r, config.budget_window_s) for c, r in config.class_budget}
+        self.class_caps = dict(config.class_cap)
+        self.class_live: dict = {c: 0 for c in self.class_caps}
         # whether an attempt meets any check before it gets a new execution (`_admit`)
-        self._checks = config.budget is not None or config.coalesce or config.queue == "deadline"
+        self._checks = config.budget is not None or config.coalesce or config.queue == "deadline" or config.sheds
 
     # ----------------------------------------------------------- estimator
     def estimate_wait(self, t: float, prompt_len: float) -> float:
@@ -285,8 +349,10 @@ class Proxy:
             if out is not None:
                 return out
         cfg = self.config
-        ex = Execution(self._next_id, attempt.call_id, key, t, prompt_len)
+        ex = Execution(self._next_id, attempt.call_id, key, t, prompt_len, attempt.klass)
         self._next_id += 1
+        if self.class_live and ex.klass in self.class_live:
+            self.class_live[ex.klass] += 1
         self.executions[ex.id] = ex
         if cfg.coalesce:
             self.live[key] = ex
@@ -324,10 +390,55 @@ class Proxy:
             attempt.execution = found
             attempt.attached = True
             return [Subscribe(attempt, found)]
+        if cfg.sheds:
+            out = self._shed(t, attempt, retry, prompt_len)
+            if out is not None:
+                return out
         if cfg.queue == "deadline" and self.misses_deadline(t, attempt, prompt_len):
             attempt.open = False
             return [Refuse(attempt, 503, None, "deadline")]
         return None
+
+    def saturation(self, t: float) -> float:
+        """The measure of the shedding rule (`shed_when`) at t."""
+        rule = self.config.shed_when
+        if rule == "proxy_queue":
+            return float(self.queued)
+        view = self.engine_view(t) if self.engine_view is not None else None
+        if view is None:
+            return 0.0
+        return float(view.waiting if rule == "engine_waiting" else view.kv_usage)
+
+    def saturated(self, t: float) -> bool:
+        """Whether the shedding rule holds at t: its measure above `shed_above`."""
+        return self.saturation(t) > self.config.shed_above
+
+    def _shed(self, t: float, attempt: Attempt, retry: bool, prompt_len: int) -> list | None:
+        """The per-class checks on an attempt that would need a new
+        execution (module docstring): the refusal, or None."""
+        cfg, k = self.config, attempt.klass
+        if k is None:
+            return None
+        budget = self.class_budgets.get(k)
+        if budget is not None:
+            if not retry:
+                budget.first(t)
+            elif not budget.admit(t):
+                attempt.open = False
+                return [Refuse(attempt, 429, self.estimate_wait(t, prompt_len), "class_budget")]
+        if k in self.shed_classes and self.saturated(t):
+            return self._shed_refusal(t, attempt, prompt_len, "class_shed")
+        cap = self.class_caps.get(k)
+        if cap is not None and self.class_live[k] >= cap:
+            return self._shed_refusal(t, attempt, prompt_len, "class_cap")
+        return None
+
+    def _shed_refusal(self, t: float, attempt: Attempt, prompt_len: int, reason: str) -> list:
+        cfg = self.config
+        ra = self.estimate_wait(t, prompt_len) if cfg.shed_retry_after == "estimate" and cfg.shed_status == 429 \
+            else None
+        attempt.open = False
+        return [Refuse(attempt, cfg.shed_status, ra, reason)]
 
     def _dispatch(self, ex: Execution, out: list) -> None:
         ex.state = "dispatched"
@@ -341,6 +452,8 @@ class Proxy:
         elif ex.state == "queued":
             self.queued -= 1
             self.queued_tokens -= ex.prompt_len
+        if self.class_live and ex.klass in self.class_live and ex.state in _LIVE:
+            self.class_live[ex.klass] -= 1
         ex.state = state
         self.executions.pop(ex.id, None)
         live = self.live

@@ -1,0 +1,69 @@
+"""The advisor per traffic class (sim/experiments/advise_classes.py) and a
+fleet's records per class (sim/fleet.py run_fleet)."""
+from __future__ import annotations
+
+import pytest
+
+from llmsim.cli import main
+from sim.conditions import compose
+from sim.deployment import from_document
+from sim.experiments.advise_classes import advise_classes, class_candidates, rank_key, report
+
+from tests.test_shedding import _doc
+
+
+def test_candidates_shed_cap_and_budget_only_the_classes_that_need_not_recover():
+    d = from_document(_doc({"condition": "no-control"}))
+    cs = class_candidates(d)
+    names = [c.name for c in cs]
+    assert len(set(names)) == len(names)
+    assert {"no-control", "cancel", "no-retry", "no-retry+cancel"} <= set(names)
+    shedding = [c for c in cs if c.proxy.sheds]
+    assert shedding and all(set(c.proxy.shed_classes) <= {"batch"} for c in shedding)
+    assert all({k for k, _ in c.proxy.class_cap + c.proxy.class_budget} <= {"batch"} for c in shedding)
+    assert {c.proxy.shed_when for c in shedding if c.proxy.shed_classes} == {"engine_waiting", "kv_usage"}
+    assert {c.proxy.cancellation for c in shedding} == {"off", "now"}
+
+
+def test_advise_by_class_ranks_and_reports_each_class_delivery():
+    d = from_document(_doc({"condition": "no-control"}))
+    shed = d.condition_for(compose("no-control", shed_classes=["batch"], shed_when="engine_waiting", shed_above=20))
+    res = advise_classes(d, [0, 1], screen=1, finalists=2, candidates=[d.condition_for(), shed], progress=False)
+    assert [r["condition"] for r in res["ranking"]] == sorted([r["condition"] for r in res["ranking"]],
+                                                              key=lambda n: rank_key(
+                                                                  next(r for r in res["ranking"] if r["condition"] == n)))
+    by = {r["condition"]: r for r in res["ranking"]}
+    assert set(by) == {d.condition_for().name, shed.name}
+    # each class's figures are its records' over the seeds
+    recs = [d.run(seed=s, condition=shed) for s in (0, 1)]
+    for name in ("chat", "batch"):
+        c = by[shed.name]["classes"][name]
+        h = [r["classes"][name]["cohorts"]["hold"] for r in recs]
+        assert c["hold_timely"] == pytest.approx(sum(x["within_deadline"] / x["offered"] for x in h) / 2)
+        assert c["shed_calls"] == pytest.approx(sum(r["classes"][name]["shed"]["calls"] for r in recs) / 2)
+        assert c["must_recover"] == (name == "chat")
+    assert by[shed.name]["classes"]["batch"]["shed_calls"] > 0 == by[shed.name]["classes"]["chat"]["shed_calls"]
+    text = report(res)
+    assert "chat (must recover)" in text and "batch:" in text
+
+
+def test_advise_by_class_needs_classes(tmp_path, capsys):
+    f = tmp_path / "one.toml"
+    f.write_text('[workload]\nphases = [{name = "base", duration_s = 60.0, load = 0.6}, '
+                 '{name = "pulse", duration_s = 60.0, load = 2.7}]\n[measures]\nburst = "pulse"\n')
+    assert main(["advise", "--scenario", str(f), "--by-class", "--seeds", "1"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--by-class needs a scenario with workload.classes" in err[0]
+
+
+def test_a_fleet_record_has_its_classes():
+    doc = _doc({"condition": "no-control", "shed_classes": ["batch"], "shed_above": 10})
+    doc["fleet"] = {"replicas": 2}
+    rec = from_document(doc).run(seed=0)
+    assert set(rec["classes"]) == {"chat", "batch"}
+    for cohort in ("pulse", "hold"):
+        assert sum(c["cohorts"][cohort]["offered"] for c in rec["classes"].values()) == \
+            rec["cohorts"][cohort]["offered"]
+    assert rec["recovered"] == rec["classes"]["chat"]["recovered"]     # chat must recover, batch need not
+    assert rec["shed"]["calls"] == rec["classes"]["batch"]["shed"]["calls"] > 0
+    assert rec["classes"]["chat"]["shed"]["calls"] == 0
