@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from sim.deployment import Deployment, ScenarioError, load
-from sim.policy.presets import citations
+from sim.policy.presets import PRESETS, citations
 from sim.policy.stack import Stack
 from sim.policy.stackinfo import REFERENCE_SOURCE, reference_layers, stack_info
 from sim.profile import ProfileError
@@ -17,6 +17,7 @@ from . import args
 from .scenario_cmds import build_prior, scenario_arg
 
 SCENARIO_SOURCE = "set in the scenario"
+KIND_SOURCE = "the kind's default"          # a key of a layer with no preset, not set in the scenario
 
 
 def _finite(x):
@@ -33,8 +34,9 @@ def _layers(dep: Deployment) -> tuple[list, list, bool]:
         settings = dep.layer_settings()
         sources = []
         for given, s in zip(dep.stack_layers, settings):
-            cited = citations(given["preset"])
-            sources.append({k: SCENARIO_SOURCE if k in given and k not in ("kind", "preset") else cited.get(k, "")
+            cited = citations(given["preset"]) if given.get("preset") in PRESETS else {}
+            sources.append({k: SCENARIO_SOURCE if k in given and k not in ("kind", "preset")
+                            else cited.get(k, KIND_SOURCE)
                             for k in s if k not in ("kind", "preset", "version")})
         return settings, sources, False
     router = dep.fleet.router if dep.fleet is not None else None
@@ -47,20 +49,27 @@ def describe(dep: Deployment) -> dict:
     settings, sources, reference = _layers(dep)
     info = stack_info(settings)
     layers = []
+    nan = lambda **xs: [k for k, x in xs.items() if x != x]    # noqa: E731 (figures unknown: NaN)
     for s, src, li, sent in zip(settings, sources, info.layers, info.sent_attempts):
         layers.append({"name": li.name, "kind": li.kind, "preset": s.get("preset"), "version": s.get("version"),
                        "settings": {k: {"value": _finite(list(v) if isinstance(v, tuple) else v), "source": src[k]}
                                     for k, v in s.items() if k in src},
                        "attempts": _finite(float(li.attempts)), "reaching_below": _finite(float(li.reaching)),
                        "attempts_sent": _finite(float(sent)), "attempt_s": _finite(float(li.attempt_s)),
-                       "span_s": _finite(float(li.span_s)), "runs_on": list(li.runs_on)})
+                       "span_s": _finite(float(li.span_s)), "runs_on": list(li.runs_on), "composed": li.composed,
+                       "unknown": nan(attempts=li.attempts, reaching_below=li.reaching, attempts_sent=sent,
+                                      attempt_s=li.attempt_s, span_s=li.span_s)})
+    # a layer that cannot be composed leaves figures unknown: None in JSON as no bound is, named in `unknown`
     return {"scenario": dep.name, "reference_design": reference, "layers": layers,
             "engine_attempts": _finite(float(info.engine_attempts)), "longest_s": _finite(float(info.longest_s)),
-            "runs_on": list(info.runs_on)}
+            "runs_on": list(info.runs_on), "not_composed": list(info.not_composed),
+            "unknown": nan(engine_attempts=info.engine_attempts, longest_s=info.longest_s)}
 
 
-def _num(x, unit: str = "") -> str:
-    return "no bound" if x is None else f"{x:g}{unit}"
+def _num(d: dict, key: str, unit: str = "") -> str:
+    """d[key] as the text shows it: unknown, no bound or the figure."""
+    x = d[key]
+    return "unknown" if key in d["unknown"] else "no bound" if x is None else f"{x:g}{unit}"
 
 
 def _value(v) -> str:
@@ -89,12 +98,16 @@ def cmd_stack(a) -> int:
         vwidth = max((len(v) for v in shown.values()), default=0)
         for k, s in layer["settings"].items():
             print(f"     {k:<{width}} = {shown[k]:<{vwidth}}  {s['source']}")
+        if not layer["composed"]:
+            print(f"   cannot be composed: a {layer['kind']} layer says nothing of the attempts or times it adds, "
+                  "so the stack's figures are unknown")
+            continue
         runs = f"; an abandoned request runs on ({', '.join(layer['runs_on'])})" if layer["runs_on"] else ""
-        print(f"   attempts per attempt from above {_num(layer['attempts'])}, of which {_num(layer['reaching_below'])} "
-              f"can reach below; one attempt lasts at most {_num(layer['attempt_s'], ' s')}, with its retries "
-              f"{_num(layer['span_s'], ' s')}{runs}")
-    print(f"most attempts one call can cause at the engine: {_num(d['engine_attempts'])}")
-    print(f"longest a call can go on being retried: {_num(d['longest_s'], ' s')}")
+        print(f"   attempts per attempt from above {_num(layer, 'attempts')}, of which "
+              f"{_num(layer, 'reaching_below')} can reach below; one attempt lasts at most "
+              f"{_num(layer, 'attempt_s', ' s')}, with its retries {_num(layer, 'span_s', ' s')}{runs}")
+    print(f"most attempts one call can cause at the engine: {_num(d, 'engine_attempts')}")
+    print(f"longest a call can go on being retried: {_num(d, 'longest_s', ' s')}")
     print("layers that let an abandoned request run on: " + (", ".join(d["runs_on"]) or "none"))
     args.write_json(a.json, d)
     if a.json:

@@ -8,6 +8,9 @@ import sys
 
 from calibrate import live_capacity
 from sim.conditions import CONDITIONS
+from sim.deployment import load
+from sim.policy.layers import layer_kind
+from sim.schema import ScenarioError
 from sim.profile import ProfileError, from_dict
 from sim.deployment import ScenarioError
 from sim.scenario import SCENARIOS, NamedScenario, get_scenario
@@ -21,7 +24,7 @@ from validate.validation import (GPU_MODELS, EngineSpec, ValidationError, capaci
 from . import args
 from .calibrate_cmds import fit_summary, recalibrate_needed
 from .model_cmds import condition, control_args
-from .scenario_cmds import deployment
+from .scenario_cmds import build_prior, deployment
 
 
 def _err(msg):
@@ -333,7 +336,17 @@ def cmd_proxy(a) -> int:
     elif fleet_flags:
         raise _err(f"proxy: {', '.join(fleet_flags)} need{'s' if len(fleet_flags) == 1 else ''} two or more engines "
                    "in --upstream (got one)")
-    return proxy_main(ups, condition(a), a.host, a.port, a.prompt_throughput, router)
+    layers = ()
+    if a.layers_from is not None:
+        try:
+            dep = load(a.layers_from, build_prior=build_prior)
+        except ScenarioError as e:
+            raise _err(str(e)) from None
+        layers = tuple(s for s in dep.layer_settings() if not layer_kind(s["kind"]).top)
+        if not layers:
+            raise _err(f"proxy: --layers-from {a.layers_from}: no [[layer]] that stands between the client and "
+                       "the proxy (a gateway)")
+    return proxy_main(ups, condition(a), a.host, a.port, a.prompt_throughput, router, layers)
 
 
 def add_subcommands(sub) -> None:
@@ -398,5 +411,9 @@ def add_subcommands(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--prompt-throughput", type=args.positive(), default=None, metavar="TOKENS_PER_S",
                    help="the estimator's prompt throughput before any first token is seen")
+    p.add_argument("--layers-from", default=None, metavar="FILE|NAME",
+                   help="host the scenario's gateway [[layer]]s above the controls, in their order (the "
+                        "simulator's own gateway objects: a 504 on a gateway's upstream timeout, a 503 from its "
+                        "queue); its client layer is whoever calls the proxy")
     control_args(p)
     p.set_defaults(fn=cmd_proxy)

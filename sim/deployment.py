@@ -685,29 +685,31 @@ class Deployment:
 
     def require_simulated(self, layers: bool = False) -> None:
         """Raises unless the simulator runs every layer of the stack: with
-        `layers` (as `run` does), any layers on one engine, a layer that
-        stands at the client's place (`LayerKind.top`) first and only
-        without traffic classes; without, none (the commands that do not
+        `layers` (as `run` does), any layers on one engine or a fleet, a
+        layer that stands at the client's place (`LayerKind.top`) first and
+        only without traffic classes; without, none (the commands that do not
         run through `run`)."""
         for i, t in enumerate(self.stack_layers):
             top = layer_kind(t["kind"]).top
-            if layers and self.fleet is None and (not top or (i == 0 and not self.scenario.classes)):
+            if layers and (not top or (i == 0 and not self.scenario.classes)):
                 continue
-            what = (" (only one client layer, on one engine, without traffic classes)" if top
-                    else " (on one engine)" if layers else " by this command")
+            what = (" (only one client layer, first, without traffic classes)" if top
+                    else " by this command")
             raise ScenarioError(f"{self.name}: layer[{i}] ({t.get('preset', t['kind'])}): {t['kind']} layers are "
                                 "described by `llmsim stack` but not yet simulated" + what)
 
     def stack_for(self, condition: Condition) -> Stack | None:
         """The stack a run of `condition` drives: None for the reference
         design's (the condition's client and proxy); with [[layer]] tables,
-        the condition's proxy and router under them (a client layer, whose
+        the condition's proxy and the router ([fleet]'s, else the default
+        one) under them (a client layer, whose
         retries are off where the condition turns them off, in the client's
         place; the others between it and the proxy, in order)."""
         if not self.stack_layers:
             return None
         self.require_simulated(layers=True)
-        return Stack.under_layers(condition, self.run_layers(), self.scenario)
+        router = self.fleet.router if self.fleet is not None else None
+        return Stack.under_layers(condition, self.run_layers(), self.scenario, router)
 
     def run_layers(self) -> tuple | None:
         """The [[layer]] tables' effective settings as a run takes them
@@ -819,10 +821,10 @@ class Deployment:
         if cfg["scheduling_policy"] == "fcfs":
             del cfg["scheduling_policy"]        # the default: records read as before
         extra = {"deployment": self.identity(), "engine_config": dict(cfg, depth=self.profile.depth)}
-        if self.fleet is not None:
-            return run_fleet(list(self.fleet.profiles), self.condition_for(condition), trace, s,
-                             self.fleet.capacities(s), self.fleet.router, seed, pulse, extra=extra)
         cond = self.condition_for(condition)
+        if self.fleet is not None:
+            return run_fleet(list(self.fleet.profiles), cond, trace, s, self.fleet.capacities(s), self.fleet.router,
+                             seed, pulse, extra=extra, stack=self.stack_for(cond))
         return run_one(self.profile, cond, pulse, seed, trace=trace, scenario=s, capacity=self.capacity,
                        extra=extra, stack=self.stack_for(cond))
 

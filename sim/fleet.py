@@ -32,6 +32,7 @@ from . import measures
 from .conditions import Condition, get_condition
 from .model import Run
 from .policy.router import RouterConfig
+from .policy.stack import Stack
 from .profile import Profile
 from .run import run_inputs, workload_capacity
 from .runlog import CALL_OUTCOMES, CallRecord, CallTable, RunLog, Series, column, sample_log, take
@@ -102,7 +103,14 @@ def fleet_log(run: Run, log: RunLog) -> FleetLog:
     ex_rep = np.full(len(executions), -1, dtype=np.int64)
     ex_rep[:] = cl.execution_replicas(len(executions))
     landed = cl.landed()
-    if landed is not None:
+    if landed is not None and run.proxy_rows is not None:
+        # the proxy saw the layers' upstream attempts: each client attempt lands where the last of its
+        # upstream attempts that reached a replica did
+        att_rep = np.full(len(log.attempts), -1, dtype=np.int64)
+        for row, r in zip(run.proxy_rows, landed):
+            if r >= 0:
+                att_rep[row] = r
+    elif landed is not None:
         att_rep = np.asarray(landed, dtype=np.int64)
     else:                       # attempts land where their executions do
         a_exec = column(log.attempts, "execution")
@@ -263,13 +271,14 @@ def fleet_measures(log: FleetLog) -> dict:
 
 def simulate_fleet(profiles: list[Profile], trace: Trace, condition: Condition, scenario: Scenario,
                    router: RouterConfig = RouterConfig(), seed: int = 0, max_batched_tokens: int | None = None,
-                   fast_forward: bool = True) -> FleetLog:
+                   fast_forward: bool = True, stack: Stack | None = None) -> FleetLog:
     """`sim.model.simulate` over a cluster of `len(profiles)` replicas
-    behind `router`, as a FleetLog."""
+    behind `router`, as a FleetLog; `stack` (a `sim.policy.stack.Stack`,
+    its router the fleet's) replaces the condition's layers."""
     if not profiles:
         raise ValueError("a fleet needs at least one replica")
     run = Run(list(profiles), trace, condition, scenario, seed, max_batched_tokens, fast_forward,
-              snapshot_times=(scenario.pulse_end, scenario.hold_end), router=router)
+              snapshot_times=(scenario.pulse_end, scenario.hold_end), router=router, stack=stack)
     return fleet_log(run, run.run())
 
 
@@ -285,14 +294,16 @@ def fleet_record(log: FleetLog, scenario: Scenario, capacities: list[float], inp
 
 def run_fleet(profiles: list[Profile], condition: str | Condition, trace: Trace, scenario: Scenario,
               capacities: list[float], router: RouterConfig = RouterConfig(), seed: int = 0, pulse=None,
-              max_batched_tokens: int | None = None, extra: dict | None = None, fast_forward: bool = True) -> dict:
+              max_batched_tokens: int | None = None, extra: dict | None = None, fast_forward: bool = True,
+              stack: Stack | None = None) -> dict:
     """One fleet run of `condition` on `trace` (drawn at the fleet's Ĉ, the
     sum of `capacities`, one per replica), measured into the fleet's record.
     The inputs are those `sim.run.run_one` records, for the first replica's
     profile (`model`). With traffic classes the record has `classes` and the
-    deployment's verdict as a single engine's (`sim.measures.with_classes`)."""
+    deployment's verdict as a single engine's (`sim.measures.with_classes`).
+    `stack`: as `simulate_fleet`'s."""
     cond = condition if isinstance(condition, Condition) else get_condition(condition)
-    log = simulate_fleet(profiles, trace, cond, scenario, router, seed, max_batched_tokens, fast_forward)
+    log = simulate_fleet(profiles, trace, cond, scenario, router, seed, max_batched_tokens, fast_forward, stack)
     rec = fleet_record(log, scenario, capacities,
                        run_inputs(profiles[0], cond, pulse, seed, max_batched_tokens, extra=extra))
     if cond.proxy.sheds:

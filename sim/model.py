@@ -172,6 +172,12 @@ class Run(Interpreter):
         below = self.layers + [self.proxy]
         self._enter, self._enter_left = below[0].on_attempt, below[0].on_attempt_left
         self._below = {layer: (b.on_attempt, b.on_attempt_left) for layer, b in zip(self.layers, below[1:])}
+        # under layers, the attempt-log row of each attempt the proxy saw, in order (the cluster's `landed`
+        # counts the proxy's attempts: a gateway's retries and refusals make them others than the client's)
+        self.proxy_rows: list | None = None
+        if self.layers:
+            self.proxy_rows = []
+            self._below[self.layers[-1]] = (self._proxy_attempt, self.proxy.on_attempt_left)
         self._layer_timer = self._layer_timer
         # Proxy.on_dispatched does nothing: called only where a proxy overrides it
         self._report_dispatch = type(self.proxy).on_dispatched is not Proxy.on_dispatched
@@ -487,6 +493,11 @@ class Run(Interpreter):
         up.row = up.above.row
         i = up.call_id
         self._do(t, self._below[up.layer][0](t, up, (self.max_tokens[i],), self.prompt_len[i]))
+
+    def _proxy_attempt(self, t: float, up: Upstream, params: tuple, prompt_len: int) -> list:
+        """The lowest layer's upstream attempt reaches the proxy (its row noted in `proxy_rows`)."""
+        self.proxy_rows.append(up.row)
+        return self.proxy.on_attempt(t, up, params, prompt_len)
 
     def _leave(self, t: float, a) -> None:
         """A layer closed its upstream attempt: the layer below hears the disconnect."""

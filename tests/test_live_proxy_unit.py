@@ -44,8 +44,8 @@ class StubEngine:
         if self.refuse:
             return web.json_response({"error": "queue full"}, status=503)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
         try:
+            await resp.prepare(request)
             for i in range(N):
                 await asyncio.sleep(self.delay)
                 d = {"id": "cmpl-stub", "model": "stub", "choices": [{"index": 0, "text": f"t{i} ",

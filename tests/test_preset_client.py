@@ -114,7 +114,7 @@ def test_a_run_with_a_client_layer_sends_at_most_its_attempts(retries):
     assert _attempts(ref) == ref.scenario.max_retries + 1
 
 
-def test_deployment_run_runs_a_client_layer_but_refuses_layers_on_a_fleet(tmp_path, capsys):
+def test_deployment_run_runs_a_client_layer_on_one_engine_and_on_a_fleet(tmp_path, capsys):
     dep = from_document({**TINY, "layer": [{"preset": "openai-python", "timeout_s": 2.0, "max_retries": 0}]},
                         "tiny.toml")
     rec = dep.run(0)
@@ -122,8 +122,8 @@ def test_deployment_run_runs_a_client_layer_but_refuses_layers_on_a_fleet(tmp_pa
     assert rec["deployment"]["content_hash"] != ref["deployment"]["content_hash"]
     gw = from_document({**TINY, "fleet": {"replicas": 2, "profiles": ["vllm-cpu-tiny"] * 2},
                         "layer": [{"preset": "openai-python"}, {"preset": "nginx"}]}, "tiny.toml")
-    with pytest.raises(ScenarioError, match="layer\\[0\\] \\(openai-python\\): client layers are described by"):
-        gw.run(0)
+    on_fleet = gw.run(0)
+    assert on_fleet["fleet"]["replicas"] == 2 and on_fleet["extra"]["layers"][0]["preset"] == "nginx"
 
 
 def test_llmsim_run_runs_a_client_layer(tmp_path, capsys):

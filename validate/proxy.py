@@ -54,6 +54,24 @@ one as its number, so a live call goes where the simulated call does.
 `attempt_index` (call and attempt -> its entry in `ReplicaProxies.landed`)
 record where things went, with `keep_records`.
 
+Gateway layers: given `layers` (the effective settings of `[[layer]]`s of a
+kind that stands between the client and the proxy, `sim.policy.gateway`),
+the proxy hosts them above its policy core, each made through the layer
+registry (`sim.policy.layers`) as the simulator makes it: the very same
+`Gateway` object, its actions carried out by the same interpreter on the
+asyncio clock. A request is the top layer's attempt; `Send` hands a layer's
+upstream attempt to the layer below (the next layer, or the policy core),
+`Leave` closes it (the layer below hears the disconnect), `RunOn` leaves its
+execution running with nobody waiting (orphaned), `Timer` is
+`loop.call_at`; a `Complete` or `Refuse` of an upstream attempt goes to the
+layer that sent it, and the top layer's answers the request: the
+gateway's upstream timeout as its `timeout_status` (504), its queue's
+refusals as its `queue_status` (503), with `X-Refused-Reason`. Under a
+layer the answer is written once the top layer has it (the response of
+the execution that served its last upstream attempt, as a gateway that
+buffers the upstream's answer sends it). Shedding by priority needs a
+call's priority, which a request does not carry: nothing is shed.
+
 The proxy's own `/metrics` (prometheus-client) counts attempts and
 executions created / attached / refused / cancelled / orphaned / dropped,
 the proxy queue depth, and the waste gauges (`abort_rate`, `completion_ratio`, `useful_token_ratio`) over the executions
@@ -81,6 +99,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import re
 import sys
 import time
@@ -94,6 +113,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from sim.conditions import Condition
 from sim.runlog import ExecutionRecord
+from sim.policy.layers import LayerContext, Leave, RunOn, Send, Timer, Upstream, layer_kind
 from sim.policy.proxy import (Attempt, EngineView, PromptRate, Subscribe, Refuse, Cancel,
                               Complete, Drop, Wake)
 from sim.policy.router import ReplicaView, RouterConfig
@@ -159,6 +179,7 @@ class Waiter:
         self.completed = False
         self.stream: Stream | None = None
         self.body, self.prompt_len, self.max_tokens, self.received = body, prompt_len, max_tokens, received
+        self.params: tuple = ()           # the policy core's key parameters (the canonical body)
         self.changed = asyncio.Event()
 
     def new_stream(self) -> Stream:
@@ -201,11 +222,13 @@ class Metrics:
 class LiveProxy(Interpreter):
     """The policy core on the asyncio clock, in front of `upstream` (one
     engine URL, or a list of them behind `router`; see the module docstring
-    on fleets). `prompt_throughput` is one engine's."""
+    on fleets). `prompt_throughput` is one engine's. `layers`: the
+    effective settings of the layers it hosts above the policy core, from
+    the top (see the module docstring); `seed` seeds their draws."""
 
     def __init__(self, upstream: str | Sequence[str], condition: Condition, prompt_throughput: float | None = None,
                  scrape_every_s: float = 1.0, max_body_bytes: int = MAX_BODY_BYTES, keep_records: bool = True,
-                 router: RouterConfig | None = None):
+                 router: RouterConfig | None = None, layers: Sequence[dict] = (), seed: int = 0):
         Interpreter.__init__(self)
         ups = [upstream] if isinstance(upstream, str) else list(upstream)
         if not ups:
@@ -224,12 +247,25 @@ class LiveProxy(Interpreter):
         self.awaiting = [0] * n
         self.held = [0] * n
         self.engine_gauges: list[dict] = [{} for _ in range(n)]
+        self.scraped_at = [-math.inf] * n           # when each engine's gauges were read (self.now())
         self.router_config = router
         # the stack's proxy and router over the engines (`sim.policy.stack`), as the simulator binds them
         pt = prompt_throughput
         self.cluster = cl = Stack.from_config(condition, router).bind(
             n, self._engine_view_of, lambda grp: pt * len(grp) if pt else pt, replica_view=self._replica_view)
         self.router, self.proxy = cl.router, cl.proxy
+        # the layers between the client and the policy core, from the top, made as the simulator makes them
+        draws = random.Random(seed)
+        self.layers = []
+        for i, settings in enumerate(layers):
+            kind = layer_kind(settings["kind"])
+            if kind.top:
+                raise ValueError(f"layer[{i}]: a {kind.name} layer stands at the client's place, not in the proxy")
+            self.layers.append(kind.make(settings, LayerContext(draws.uniform, self._pods, None, i + 1)))
+        entries = [(layer.on_attempt, layer.on_attempt_left) for layer in self.layers]
+        entries.append((self._proxy_attempt, self.proxy.on_attempt_left))
+        self._enter, self._enter_left = entries[0]
+        self._below = dict(zip(self.layers, entries[1:]))     # each layer's layer below
         if not keep_records:            # the interpreter's queue log: its last entry only
             self.proxy_queue_log = deque(self.proxy_queue_log, maxlen=1)
         self.prompt_rates = [PromptRate(60.0) for _ in cl.groups]    # the prompt throughput each proxy sees
@@ -284,6 +320,7 @@ class LiveProxy(Interpreter):
                 try:
                     async with self.session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                         self.engine_gauges[r] = parse_metrics(await resp.text())
+                        self.scraped_at[r] = self.now()
                 except (aiohttp.ClientError, TimeoutError, ValueError):
                     pass
             for gauge, key in ((self.metrics.engine_waiting, "vllm:num_requests_waiting"),
@@ -300,6 +337,12 @@ class LiveProxy(Interpreter):
         return EngineView(float(sum(self.awaiting[r] for r in group)), self.prompt_rates[g].rate(t),
                           float(sum(x.get("vllm:num_requests_waiting", 0.0) for x in gauges)),
                           sum(x.get("vllm:kv_cache_usage_perc", 0.0) for x in gauges) / len(gauges))
+
+    def _pods(self, t: float) -> list:
+        """What a layer above the policy core reads of each engine: (waiting,
+        KV cache usage, age of the reading in s) from its last /metrics."""
+        return [(g.get("vllm:num_requests_waiting", 0.0), g.get("vllm:kv_cache_usage_perc", 0.0), t - at)
+                for g, at in zip(self.engine_gauges, self.scraped_at)]
 
     def _replica_view(self, r: int) -> ReplicaView:
         """What the router reads of replica r: the executions this proxy has
@@ -323,7 +366,7 @@ class LiveProxy(Interpreter):
     # simulator's own interpreter (`sim.policy.stack.Interpreter._do`)
     def _subscribe(self, t: float, a: Subscribe) -> None:
         m = self.metrics
-        w = self.waiters[id(a.attempt)]
+        w = self._waiter(a.attempt)
         if self.keep_records:
             self.subscriptions[(str(a.attempt.call_id), a.attempt.number)] = (a.execution.id, a.attempt.attached)
         if a.attempt.attached:
@@ -365,15 +408,24 @@ class LiveProxy(Interpreter):
             st.task.cancel()
 
     def _refuse(self, t: float, a: Refuse) -> None:
-        w = self.waiters[id(a.attempt)]
-        w.refused = a
         self.metrics.refused.labels(a.reason, str(a.status)).inc()
-        w.notify()
+        if type(a.attempt) is Upstream:     # a layer's upstream attempt: the answer goes to that layer
+            up = a.attempt
+            self._do(t, up.layer.on_refused(t, up, a.status, a.retry_after, a.reason))
+            return
+        w = self.waiters.get(id(a.attempt))
+        if w is not None:
+            w.refused = a
+            w.notify()
 
     def _complete(self, t: float, a: Complete) -> None:
-        w = self.waiters[id(a.attempt)]
-        w.completed = True
-        w.notify()
+        if type(a.attempt) is Upstream:
+            self._do(t, a.attempt.layer.on_complete(t, a.attempt))
+            return
+        w = self.waiters.get(id(a.attempt))
+        if w is not None:
+            w.completed = True
+            w.notify()
 
     def _drop(self, t: float, a: Drop) -> None:
         st = self.streams.pop(a.execution.id)
@@ -385,6 +437,61 @@ class LiveProxy(Interpreter):
         loop = asyncio.get_running_loop()
         when = loop.time() + max(0.0, a.at - self.now())
         loop.call_at(when, self._wake, a.execution)
+
+    # the actions of the layers between the client and the policy core
+    def _waiter(self, att: Attempt) -> Waiter:
+        """The request an attempt serves: its own, or for a layer's upstream
+        attempt the request of the top attempt (kept in its `row`)."""
+        return att.row if type(att) is Upstream else self.waiters[id(att)]
+
+    def _proxy_attempt(self, t: float, att: Attempt, params: tuple, prompt_len: int) -> list:
+        """An attempt reaches the policy core (from the client, or the
+        lowest layer); where the router placed it, its place is noted."""
+        actions = self.proxy.on_attempt(t, att, params, prompt_len)
+        landed = self.cluster.landed()
+        if landed is not None and self.keep_records:     # the router placed the attempt itself
+            top = att
+            while type(top) is Upstream:
+                top = top.above
+            self.attempt_index[(top.call_id, top.number)] = len(landed) - 1
+        return actions
+
+    def _send_below(self, t: float, a: Send) -> None:
+        up = a.attempt
+        above = up.above
+        up.row = w = above.row if type(above) is Upstream else self.waiters[id(above)]
+        self._do(t, self._below[up.layer][0](t, up, w.params, w.prompt_len))
+
+    def _leave(self, t: float, a: Leave) -> None:
+        up = a.attempt
+        ex = up.execution
+        self._do(t, self._below[up.layer][1](t, up))
+        if ex is not None and ex.orphaned and ex.state == "dispatched":
+            self._orphaned(t, ex)
+
+    def _run_on(self, t: float, a: RunOn) -> None:
+        att = a.attempt
+        while att is not None and att.execution is None and type(att) is Upstream:
+            k = self.layers.index(att.layer) + 1
+            att = self.layers[k].upstream_of(att) if k < len(self.layers) else None
+        ex = att.execution if att is not None else None
+        if ex is not None and ex.live and ex.state == "dispatched":
+            self._orphaned(t, ex)
+
+    def _timer_at(self, t: float, a: Timer) -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_at(loop.time() + max(0.0, a.at - self.now()), self._layer_timer, a)
+
+    def _layer_timer(self, a: Timer) -> None:
+        t = max(self.now(), a.at)           # the loop may call a little early (its clock's resolution)
+        self._do(t, a.layer.on_timer(t, a.token))
+
+    def _orphaned(self, t: float, ex) -> None:
+        """An execution runs on with nobody waiting for it (its record's `orphaned_at`: the first time)."""
+        self.metrics.orphaned.inc()
+        st = self.streams.get(ex.id)
+        if st is not None and st.record is not None and st.record.orphaned_at != st.record.orphaned_at:
+            st.record.orphaned_at = t
 
     def _do(self, t: float, actions: list) -> None:
         """Carry the actions out (`Interpreter._do`), then set the queue and outstanding gauges."""
@@ -595,24 +702,18 @@ class LiveProxy(Interpreter):
         params = (json.dumps(body, sort_keys=True, separators=(",", ":")),)
         plen = prompt_tokens(body.get("prompt"))
         w = self.waiters[id(att)] = Waiter(body, plen, mt or DEFAULT_MAX_TOKENS, received)
+        w.params = params
         t = self.now()
         try:
-            actions = self.proxy.on_attempt(t, att, params, plen)
-            landed = self.cluster.landed()
-            if landed is not None and self.keep_records:     # the router placed the attempt itself
-                self.attempt_index[(att.call_id, att.number)] = len(landed) - 1
-            self._do(t, actions)
+            self._do(t, self._enter(t, att, params, plen))
             return await self._serve(request, att, w, bool(body.get("stream")))
         except (asyncio.CancelledError, ConnectionResetError) as e:
             if att.open:
                 t = self.now()
                 ex = att.execution
-                actions = self.proxy.on_attempt_left(t, att)
+                actions = self._enter_left(t, att)
                 if ex is not None and ex.orphaned and ex.state == "dispatched":
-                    self.metrics.orphaned.inc()
-                    st = self.streams.get(ex.id)
-                    if st is not None and st.record is not None and st.record.orphaned_at != st.record.orphaned_at:
-                        st.record.orphaned_at = t
+                    self._orphaned(t, ex)
                 self._do(t, actions)
             if isinstance(e, ConnectionResetError):
                 # the client left while its stream was being written: the same
@@ -623,8 +724,10 @@ class LiveProxy(Interpreter):
             self.waiters.pop(id(att), None)
 
     async def _serve(self, request, att: Attempt, w: Waiter, streaming: bool) -> web.StreamResponse:
-        # wait until the attempt is refused, completes, or its stream has output
-        while w.refused is None and not w.completed and not (w.stream is not None and w.stream.chunks):
+        # wait until the attempt is refused, completes, or (with no layer above the policy core, which
+        # answers once it has the answer) its stream has output
+        while w.refused is None and not w.completed and not (w.stream is not None and w.stream.chunks
+                                                             and not self.layers):
             waits = [w.changed.wait()] + ([w.stream.changed.wait()] if w.stream is not None else [])
             tasks = [asyncio.ensure_future(x) for x in waits]
             try:
@@ -641,7 +744,8 @@ class LiveProxy(Interpreter):
             return web.json_response({"error": {"message": f"refused ({r.reason})", "code": r.status}},
                                      status=r.status, headers=headers)
         st = w.stream
-        ids = {"X-Execution-Id": str(att.execution.id), "X-Attached": "1" if att.attached else "0"}
+        ex_id = att.execution.id if att.execution is not None else st.record.id    # under layers: the last one's
+        ids = {"X-Execution-Id": str(ex_id), "X-Attached": "1" if att.attached else "0"}
         if st.error is not None and not st.chunks:
             att.open = False
             return web.Response(status=st.error[0], body=st.error[1], content_type="application/json",
@@ -748,9 +852,11 @@ async def unreachable(upstreams: Sequence[str], timeout_s: float = 3.0) -> list[
 
 
 async def serve(upstream: str | Sequence[str], condition: Condition, port: int, host: str = "127.0.0.1",
-                prompt_throughput: float | None = None, ready=None, router: RouterConfig | None = None) -> None:
-    """Run the proxy until cancelled (before several engines: behind `router`)."""
-    lp = LiveProxy(upstream, condition, prompt_throughput, keep_records=False, router=router)
+                prompt_throughput: float | None = None, ready=None, router: RouterConfig | None = None,
+                layers: Sequence[dict] = ()) -> None:
+    """Run the proxy until cancelled (before several engines: behind
+    `router`; under `layers`, as `LiveProxy`'s)."""
+    lp = LiveProxy(upstream, condition, prompt_throughput, keep_records=False, router=router, layers=layers)
     runner = web.AppRunner(lp.app(), handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -764,7 +870,8 @@ async def serve(upstream: str | Sequence[str], condition: Condition, port: int, 
 
 
 def main(upstream: str | Sequence[str], condition: Condition, host: str, port: int,
-         prompt_throughput: float | None = None, router: RouterConfig | None = None) -> int:
+         prompt_throughput: float | None = None, router: RouterConfig | None = None,
+         layers: Sequence[dict] = ()) -> int:
     """`llmsim proxy`: serve until interrupted. An engine that does not
     answer at start is named on stderr (the proxy serves all the same: an
     engine may come up after it; until then its attempts are refused)."""
@@ -776,7 +883,9 @@ def main(upstream: str | Sequence[str], condition: Condition, host: str, port: i
         to = ups[0] if len(ups) == 1 else \
             f"{len(ups)} engines ({', '.join(ups)}) by {router.policy}, proxy per {router.proxy}, " \
             f"router retries {router.retries}"
-        print(f"llmsim proxy at http://{host}:{port} -> {to} ({condition.name}: {condition.describe()}); "
+        under = "".join(f"{s.get('preset', s['kind'])} -> " for s in layers)
+        print(f"llmsim proxy at http://{host}:{port} -> {under}{to} ({condition.name}: {condition.describe()}); "
               f"metrics at /metrics", file=sys.stderr, flush=True)
-    asyncio.run(serve(ups if len(ups) > 1 else ups[0], condition, port, host, prompt_throughput, ready, router))
+    asyncio.run(serve(ups if len(ups) > 1 else ups[0], condition, port, host, prompt_throughput, ready, router,
+                      layers))
     return 0

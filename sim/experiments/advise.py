@@ -82,6 +82,7 @@ from typing import Callable, Iterable, Sequence
 from .. import verdict
 from ..conditions import CONDITIONS, Condition, compose, engine_cap_for
 from ..fleet import FleetSpec, run_fleet
+from ..policy.stack import Stack
 from ..policy.router import PROXY_PLACEMENTS, ROUTERS, RouterConfig
 from ..profile import Profile
 from ..scenario import Scenario
@@ -407,7 +408,8 @@ def _rows_task(task: tuple) -> list[dict]:
         if fleet is None:
             rec = verdict.run_record(profile, sc, cond, seed, tr, layers=layers)
         else:
-            rec = run_fleet(list(fleet[0]), cond, tr, sc, fleet[1], router, seed, scenario.pulse)
+            stack = None if layers is None else Stack.under_layers(cond, layers, sc, router)
+            rec = run_fleet(list(fleet[0]), cond, tr, sc, fleet[1], router, seed, scenario.pulse, stack=stack)
             rec.pop("replicas")
         row = {k: v for k, v in flatten(rec).items() if not k.startswith(DROP)}
         row["deployment"] = key

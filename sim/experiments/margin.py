@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 from .. import verdict
 from ..conditions import Condition
 from ..fleet import FleetSpec, run_fleet
+from ..policy.stack import Stack
 from ..profile import Profile
 from ..scenario import Scenario
 from ..workload import make_trace
@@ -265,13 +266,16 @@ def run_task(task: tuple, full: bool = False) -> dict:
     layers]]) -> the slim record (the full one with `full`, less a fleet's
     per-replica records). `fleet`, (profiles, capacities, router), runs the
     replicas behind the router instead of `profile`; `layers`, [[layer]]
-    tables' effective settings, stand above the condition's proxy."""
+    tables' effective settings, stand above the condition's proxy (on a
+    fleet, above its proxy or router)."""
     profile, scenario, condition, seed, trace_capacity, *on = task
     fleet, layers = (list(on) + [None, None])[:2]
     trace = make_trace(trace_capacity, scenario, seed)
     if fleet is not None:                   # a fleet: (replicas' profiles, their Ĉ, router)
         profiles, capacities, router = fleet
-        rec = run_fleet(list(profiles), condition, trace, scenario, list(capacities), router, seed, scenario.pulse)
+        stack = None if layers is None else Stack.under_layers(condition, layers, scenario, router)
+        rec = run_fleet(list(profiles), condition, trace, scenario, list(capacities), router, seed, scenario.pulse,
+                        stack=stack)
         rec.pop("replicas", None)
     else:
         rec = verdict.run_record(profile, scenario, condition, seed, trace, layers=layers)

@@ -12,7 +12,13 @@ make, top))` at import, where
   the calls' priorities);
 - `top`: the layer stands where the client does (the first layer: it sends
   a call's attempts and decides on its retries); otherwise it stands
-  between the client and the proxy, in the order of the tables.
+  between the client and the proxy, in the order of the tables;
+- `figures(settings, inner_s)` (optional): what one attempt from above can
+  become at this layer (`Figures`), above a layer below that can take
+  `inner_s` with one attempt (inf: the engine; NaN: unknown), for `llmsim
+  stack` (`sim.policy.stackinfo`; the kinds the presets know, client and
+  gateway, are read from their settings there). A kind without it is shown
+  with its settings and said not to compose.
 
 `sim.deployment` resolves every `[[layer]]` table through this registry and
 `sim.model.Run` makes every layer through it: a new kind of layer is its
@@ -40,7 +46,7 @@ and `Timer(at, layer, token)`. The driver carries them out through the one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .proxy import Attempt
 
@@ -51,6 +57,19 @@ class LayerKind:
     settings: Callable      # (preset name or None, overrides: dict) -> effective settings (dict with "kind")
     make: Callable          # (settings, LayerContext) -> the layer object
     top: bool = False       # the client's place (else between the client and the proxy)
+    figures: Callable | None = None     # (settings, inner_s) -> Figures; None: the stack cannot compose it
+
+
+class Figures(NamedTuple):
+    """What one attempt from above can become at a layer: at most `attempts`
+    attempts (inf: no limit), `reaching` of them can reach the layer below;
+    one lasts at most `attempt_s`, all with their waits `span_s`; `runs_on`
+    names where an abandoned request runs on ("upstream", "queued")."""
+    attempts: float
+    reaching: float
+    attempt_s: float
+    span_s: float
+    runs_on: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -132,5 +151,5 @@ class Timer:
     token: object
 
 
-__all__ = ["LayerKind", "LayerContext", "register", "kinds", "layer_kind", "Upstream", "Send", "Leave", "RunOn",
+__all__ = ["LayerKind", "Figures", "LayerContext", "register", "kinds", "layer_kind", "Upstream", "Send", "Leave", "RunOn",
            "Timer"]

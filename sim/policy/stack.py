@@ -94,16 +94,16 @@ class Stack:
         return self.layers[1:-2]
 
     @classmethod
-    def under_layers(cls, condition, layers, scenario=None) -> "Stack":
-        """A condition's proxy and the default router under `[[layer]]`
-        tables' effective settings (`sim.policy.presets.preset`, application
-        first; `with_layers`): what a run of the condition drives on a
-        scenario with such layers. A layer at the client's place sends no
-        retries where the condition turns them off."""
+    def under_layers(cls, condition, layers, scenario=None, router: RouterConfig | None = None) -> "Stack":
+        """A condition's proxy and `router` (None: the default one) under
+        `[[layer]]` tables' effective settings (`sim.policy.presets.preset`,
+        application first; `with_layers`): what a run of the condition
+        drives on a scenario with such layers. A layer at the client's place
+        sends no retries where the condition turns them off."""
         layers = list(layers)
         if layers and not condition.retries and layer_kind(layers[0]["kind"]).top and "max_retries" in layers[0]:
             layers[0] = dict(layers[0], max_retries=0)
-        return cls.from_config(condition, None, scenario).with_layers(layers)
+        return cls.from_config(condition, router, scenario).with_layers(layers)
 
     def config(self, kind: str):
         return next(c for k, c in self.layers if k == kind)

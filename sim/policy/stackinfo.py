@@ -7,14 +7,23 @@ A call is a non-idempotent POST (a chat or completion request): a layer that
 may not resend a request already sent upstream (nginx's default), or that
 retries only a failed connection (HAProxy's), resends only attempts that
 never reached the layer below, so it multiplies the attempts it sends but not
-the executions below it."""
+the executions below it.
+
+A layer's figures come from its settings: a kind the presets know (client,
+gateway) from its `RetryPolicy` and `GatewayPolicy` (`preset_figures`);
+another registered kind from its `LayerKind.figures`, where it gives one.
+A layer of neither cannot be composed: its figures, and every figure that
+depends on them, are unknown (NaN), and `StackInfo.not_composed` names it."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from .presets import policies
+from .layers import Figures, layer_kind
+from .presets import KINDS as PRESET_KINDS, policies
 from .retry import CONNECT_ERROR
+
+NAN = math.nan
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,7 @@ class LayerInfo:
     attempt_s: float           # longest one of this layer's attempts can last
     span_s: float              # longest this layer can go on with one attempt from above, retries included
     runs_on: tuple = ()        # "upstream" and/or "queued": where an abandoned request runs on
+    composed: bool = True      # False: its kind gives no figures (those above are NaN: unknown)
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,11 @@ class StackInfo:
         """The layers that let an abandoned request run on."""
         return tuple(layer.name for layer in self.layers if layer.runs_on)
 
+    @property
+    def not_composed(self) -> tuple:
+        """The layers whose kind gives no figures (the stack's figures are then unknown)."""
+        return tuple(layer.name for layer in self.layers if not layer.composed)
+
 
 def _name(settings: dict, i: int) -> str:
     return str(settings.get("name") or settings.get("preset") or f"{settings.get('kind', 'client')}{i}")
@@ -72,35 +87,65 @@ def _layer_attempts(retry, gateway) -> tuple:
     return n, (n if resends_sent else 1)
 
 
+def _bound(x: float, cap: float) -> float:
+    """min(x, cap), unknown (NaN) where x is."""
+    return x if x != x else min(x, cap)
+
+
+def preset_figures(settings: dict, inner_s: float) -> Figures:
+    """The figures of a layer of a kind the presets know (its `RetryPolicy`
+    and `GatewayPolicy`), above a layer below that can take `inner_s` with
+    one attempt (inf: the engine; NaN: unknown)."""
+    retry, gateway = policies(settings)
+    attempts, reaching = _layer_attempts(retry, gateway)
+    attempt = inner_s if retry.timeout_s is None else (retry.timeout_s if inner_s != inner_s
+                                                       else min(retry.timeout_s, inner_s))
+    if gateway is not None and gateway.max_connections is not None:
+        attempt += math.inf if gateway.queue_timeout_s is None else gateway.queue_timeout_s
+    if math.isfinite(attempts):
+        waits = sum(retry.longest_wait(k) for k in range(int(attempts) - 1))
+        span = attempts * attempt + waits
+    else:
+        span = math.inf
+    if retry.tries_timeout_s is not None:
+        span = _bound(span, retry.tries_timeout_s + attempt)
+    if retry.deadline_s is not None:
+        span = _bound(span, retry.deadline_s)
+    runs_on = ()
+    if gateway is not None:
+        runs_on = tuple(where for where, passes in (("upstream", gateway.passes_disconnect),
+                                                    ("queued", gateway.passes_disconnect_queued))
+                        if not passes and (where == "upstream" or gateway.max_connections is not None))
+    return Figures(attempts, reaching, attempt, span, runs_on)
+
+
+def figures_of(settings: dict):
+    """How a layer's figures are had (`preset_figures`, or its kind's
+    `LayerKind.figures`); None where its kind gives none."""
+    kind = settings.get("kind", "client")
+    if kind in PRESET_KINDS:
+        return preset_figures
+    try:
+        return layer_kind(kind).figures
+    except ValueError:
+        return None
+
+
 def stack_info(layers: list) -> StackInfo:
-    """layers: each layer's effective settings (presets.preset()), in order
-    from the application to the engine."""
-    built = [policies(s) for s in layers]
+    """layers: each layer's effective settings (presets.preset(), or a
+    registered kind's), in order from the application to the engine."""
     infos = []
     inner = math.inf                 # the engine: no bound on how long an execution takes
     for i in range(len(layers) - 1, -1, -1):
-        retry, gateway = built[i]
-        attempts, reaching = _layer_attempts(retry, gateway)
-        attempt = inner if retry.timeout_s is None else min(retry.timeout_s, inner)
-        if gateway is not None and gateway.max_connections is not None:
-            attempt += math.inf if gateway.queue_timeout_s is None else gateway.queue_timeout_s
-        if math.isfinite(attempts):
-            waits = sum(retry.longest_wait(k) for k in range(int(attempts) - 1))
-            span = attempts * attempt + waits
-        else:
-            span = math.inf
-        if retry.tries_timeout_s is not None:
-            span = min(span, retry.tries_timeout_s + attempt)
-        if retry.deadline_s is not None:
-            span = min(span, retry.deadline_s)
-        runs_on = ()
-        if gateway is not None:
-            runs_on = tuple(where for where, passes in (("upstream", gateway.passes_disconnect),
-                                                        ("queued", gateway.passes_disconnect_queued))
-                            if not passes and (where == "upstream" or gateway.max_connections is not None))
-        infos.append(LayerInfo(_name(layers[i], i), layers[i].get("kind", "client"), attempts, reaching,
-                               attempt, span, runs_on))
-        inner = span
+        name, kind = _name(layers[i], i), layers[i].get("kind", "client")
+        figures = figures_of(layers[i])
+        if figures is None:
+            infos.append(LayerInfo(name, kind, NAN, NAN, NAN, NAN, (), composed=False))
+            inner = NAN
+            continue
+        f = figures(layers[i], inner)
+        infos.append(LayerInfo(name, kind, f.attempts, f.reaching, f.attempt_s, f.span_s, tuple(f.runs_on)))
+        inner = f.span_s
     return StackInfo(tuple(reversed(infos)))
 
 
