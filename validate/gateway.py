@@ -1,0 +1,399 @@
+"""A real nginx or HAProxy between a live run's clients and the live proxy
+(or an engine), configured from the scenario's gateway [[layer]].
+
+Install (`llmsim gateway install nginx|haproxy`, `install()`): the
+distribution's package is fetched without root — `apt-get download` of the
+package and of the libraries it needs that the machine lacks (Debian
+bookworm: nginx 1.22.1, haproxy 2.6.12 with liblua5.3-0 and
+libopentracing-c-wrapper0) — and unpacked with `dpkg-deb -x` into
+`~/.cache/llmsim/gateways/NAME/` (`LLMSIM_STATE_DIR` moves
+`~/.cache/llmsim`); the binary runs from there with the unpacked libraries
+on `LD_LIBRARY_PATH`, and a marker file records its version. A binary
+installed some other way is given by `LLMSIM_NGINX` / `LLMSIM_HAPROXY`.
+
+Config (`nginx_config`, `haproxy_config`): one server, the upstream given
+(the live proxy), listening on a free loopback port, with its pid file, logs
+and temporary files in a run folder of its own. The layer's keys become the
+directives that carry them (nginx: `proxy_read_timeout`,
+`proxy_next_upstream` / `_tries` / `_timeout`, `proxy_ignore_client_abort`,
+`max_conns`, `max_fails` / `fail_timeout`; upstream keepalive is off, as
+nginx's default: each request its own upstream connection. HAProxy:
+`timeout server`, `retries`, `retry-on`, `maxconn` / `maxqueue` with
+`timeout queue`, `option abortonclose`, `disable-l7-retry` for a POST where
+a request already sent may not be retried). A key the software has no
+directive for must keep the preset's value; `gateway_config` refuses a
+changed one in one line naming the key. `/health` is answered by the
+gateway itself.
+
+Run (`start()`): the gateway is a server process like an engine llmsim
+starts (`validate.engine.start_server`): its own process group, stopped and
+reaped with it, owned (stopped at exit, on a signal, by the guard if this
+process dies; the test suite's engine guard covers it too)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sim.policy.presets import META, preset
+from sim.policy.retry import CONNECT_ERROR, HAPROXY_STATUSES, TIMEOUT, haproxy_retry_on, nginx_next_upstream
+
+from . import engine as E
+
+
+class GatewayError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Software:
+    name: str
+    packages: tuple          # fetched with apt-get download; libraries the machine lacks are added
+    binary: str              # in the unpacked tree
+    env: str                 # the variable naming a binary installed some other way
+    version_re: str
+
+
+GATEWAYS = {
+    "nginx": Software("nginx", ("nginx",), "usr/sbin/nginx", "LLMSIM_NGINX", r"nginx/(\S+)"),
+    "haproxy": Software("haproxy", ("haproxy",), "usr/sbin/haproxy", "LLMSIM_HAPROXY", r"HAProxy version (\S+)"),
+}
+MARKER = ".llmsim-installed"
+
+
+def _software(name: str) -> Software:
+    sw = GATEWAYS.get(name)
+    if sw is None:
+        raise GatewayError(f"unknown gateway {name!r}; llmsim runs {', '.join(GATEWAYS)}")
+    return sw
+
+
+def gateway_dir(name: str) -> Path:
+    return E.STATE_DIR / "gateways" / name
+
+
+def _lib_path(root: Path) -> str:
+    dirs = sorted(str(p) for p in (root / "usr" / "lib").glob("*-linux-gnu")) + [str(root / "usr" / "lib")]
+    return ":".join(d for d in dirs if os.path.isdir(d))
+
+
+def run_env(name: str) -> dict:
+    """The environment the gateway's binary runs with (its unpacked libraries first)."""
+    env = dict(os.environ)
+    if os.environ.get(_software(name).env):
+        return env
+    libs = _lib_path(gateway_dir(name) / "root")
+    if libs:
+        env["LD_LIBRARY_PATH"] = libs + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    return env
+
+
+def binary(name: str) -> Path | None:
+    """The gateway's binary: `LLMSIM_NGINX` / `LLMSIM_HAPROXY`, else the one
+    `install()` unpacked, else None."""
+    sw = _software(name)
+    given = os.environ.get(sw.env)
+    if given:
+        return Path(given)
+    p = gateway_dir(name) / "root" / sw.binary
+    return p if (gateway_dir(name) / MARKER).exists() and p.exists() else None
+
+
+def installed(name: str) -> str | None:
+    """The installed gateway's version, or None."""
+    b = binary(name)
+    return version(name, b) if b is not None else None
+
+
+def version(name: str, path: Path) -> str:
+    sw = _software(name)
+    try:
+        r = subprocess.run([str(path), "-v"], capture_output=True, text=True, timeout=30, env=run_env(name))
+    except OSError as e:
+        raise GatewayError(f"{name}: cannot run {path}: {e}") from None
+    m = re.search(sw.version_re, r.stdout + r.stderr)
+    if r.returncode != 0 or m is None:
+        last = (r.stderr or r.stdout).strip().splitlines()
+        raise GatewayError(f"{name}: {path} -v failed: {last[-1] if last else f'exit {r.returncode}'}")
+    return m.group(1)
+
+
+def _depends(deb: Path, run) -> list[str]:
+    """The package names a .deb depends on (the first of each alternative)."""
+    r = run(["dpkg-deb", "-f", str(deb), "Depends"], capture_output=True, text=True)
+    names = []
+    for part in r.stdout.split(","):
+        alt = part.split("|")[0].strip()
+        if alt:
+            names.append(re.split(r"[\s(:]", alt, maxsplit=1)[0])
+    return names
+
+
+def _missing(pkg: str, run) -> bool:
+    r = run(["dpkg-query", "-W", "-f=${Status}", pkg], capture_output=True, text=True)
+    return r.returncode != 0 or "install ok installed" not in r.stdout
+
+
+def install(name: str, log=E._say, run=subprocess.run) -> Path:
+    """Fetch and unpack the gateway's package into `gateway_dir(name)`; a
+    no-op check where it is installed. `run` is subprocess.run (a stand-in
+    in the unit tests). GatewayError, one line saying what to do, when
+    apt-get or dpkg-deb is missing or a fetch fails."""
+    sw = _software(name)
+    d = gateway_dir(name)
+    if (d / MARKER).exists() and (d / "root" / sw.binary).exists():
+        log(f"{name} {(d / MARKER).read_text().strip()} is installed in {d}")
+        return d / "root" / sw.binary
+    for tool in ("apt-get", "dpkg-deb", "dpkg-query"):
+        if shutil.which(tool) is None:
+            raise GatewayError(f"{tool} not found: `llmsim gateway install` fetches the Debian package; on another "
+                               f"system install {name} yourself and give its binary as {sw.env}=/path/to/{name}")
+    debs = d / "debs"
+    shutil.rmtree(d, ignore_errors=True)
+    debs.mkdir(parents=True)
+    want, fetched = list(sw.packages), {}
+    while want:
+        pkg = want.pop(0)
+        if pkg in fetched:
+            continue
+        log(f"apt-get download {pkg} …")
+        r = run(["apt-get", "download", pkg], cwd=debs, capture_output=True, text=True)
+        got = sorted(debs.glob(f"{pkg}_*.deb"))
+        if r.returncode != 0 or not got:
+            err = [l for l in (r.stderr or "").splitlines() if l.startswith("E:")] or (r.stderr or "").splitlines()
+            raise GatewayError(f"apt-get download {pkg} failed ({err[-1].strip() if err else f'exit {r.returncode}'}); "
+                               "run `apt-get update` (as root) or check the network, then run this again")
+        fetched[pkg] = got[-1]
+        # the libraries it needs that the machine lacks (run from the unpacked tree)
+        want += [p for p in _depends(got[-1], run) if p.startswith("lib") and p not in fetched and _missing(p, run)]
+    for pkg, deb in fetched.items():
+        r = run(["dpkg-deb", "-x", str(deb), str(d / "root")], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise GatewayError(f"dpkg-deb -x {deb.name} failed: {(r.stderr or '').strip()[-200:]}")
+    b = d / "root" / sw.binary
+    if not b.exists():
+        raise GatewayError(f"{name}: {sw.binary} is not in {', '.join(p.name for p in fetched.values())}")
+    (d / MARKER).write_text(" ".join(p.name for p in fetched.values()) + "\n")
+    v = version(name, b)
+    (d / MARKER).write_text(f"{v} ({' '.join(p.name for p in fetched.values())})\n")
+    log(f"{name} {v} unpacked into {d}")
+    return b
+
+
+# ----------------------------------------------------------------- config
+def _unchanged(settings: dict, mapped: tuple, software: str) -> None:
+    base = preset("gateway", settings["preset"])
+    for k, v in settings.items():
+        if k in META or k in mapped or k == "name":
+            continue
+        if base.get(k) != v:
+            raise ValueError(f"{k}: {software} has no directive for it (it keeps {base.get(k)!r}); a live run "
+                             f"configures {', '.join(mapped)}")
+
+
+def _secs(x: float) -> str:
+    """A time as nginx / HAProxy read it (milliseconds)."""
+    return f"{max(1, round(float(x) * 1000))}ms"
+
+
+NGINX_KEYS = ("timeout_s", "max_tries", "tries_timeout_s", "retry_on", "retry_sent_non_idempotent",
+              "passes_disconnect", "passes_disconnect_queued", "max_connections", "fails_to_mark_down",
+              "down_for_s", "upstream_servers")
+_NGINX_WORDS = {CONNECT_ERROR: "error", TIMEOUT: "timeout",
+                **{str(c): f"http_{c}" for c in (500, 502, 503, 504, 403, 404, 429)}}
+
+
+def nginx_next_upstream_line(retry_on, non_idempotent: bool) -> str:
+    """`proxy_next_upstream` for a retry-on list (ValueError naming what nginx cannot retry on)."""
+    words = []
+    for item in retry_on:
+        w = _NGINX_WORDS.get(str(item))
+        if w is None:
+            raise ValueError(f"retry_on: nginx's proxy_next_upstream has no condition for {item!r} "
+                             f"(it names {', '.join(_NGINX_WORDS)})")
+        words.append(w)
+    if not words:
+        return "off"
+    return " ".join(words + (["non_idempotent"] if non_idempotent else []))
+
+
+def _one_server(s: dict) -> None:
+    if s.get("upstream_servers", 1) != 1:
+        raise ValueError("upstream_servers: a live run's gateway has one upstream, the live proxy")
+
+
+def nginx_config(s: dict, port: int, upstream: str, run_dir: Path) -> str:
+    """nginx.conf for a gateway layer's effective settings `s`."""
+    _unchanged(s, NGINX_KEYS, "nginx")
+    _one_server(s)
+    if s.get("timeout_s") is None:
+        raise ValueError("timeout_s: nginx always has a read timeout (proxy_read_timeout); give one")
+    if s["passes_disconnect_queued"] != s["passes_disconnect"]:
+        raise ValueError("passes_disconnect_queued: nginx has no queue; it must equal passes_disconnect")
+    nu = nginx_next_upstream_line(s["retry_on"], s["retry_sent_non_idempotent"])
+    host = upstream.split("://", 1)[-1].rstrip("/")
+    server = f"server {host} max_fails={s['fails_to_mark_down'] or 0} fail_timeout={round(s['down_for_s'] or 0)}s"
+    if s.get("max_connections"):
+        server += f" max_conns={int(s['max_connections'])}"
+    r = str(run_dir)
+    user = "user root root;\n" if os.geteuid() == 0 else ""
+    return f"""# nginx for llmsim: layer {s['preset']} ({s.get('version')})
+{user}worker_processes 1;
+daemon off;
+pid {r}/nginx.pid;
+error_log {r}/error.log notice;
+events {{ worker_connections 4096; }}
+http {{
+    access_log {r}/access.log;
+    client_body_temp_path {r}/client_body;
+    proxy_temp_path {r}/proxy;
+    fastcgi_temp_path {r}/fastcgi;
+    uwsgi_temp_path {r}/uwsgi;
+    scgi_temp_path {r}/scgi;
+    client_max_body_size 16m;
+    upstream llmsim_upstream {{
+        {server};
+        # no keepalive: nginx's default (HTTP/1.0 upstream, one connection a request)
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location = /health {{ return 200 "ok\\n"; }}
+        location / {{
+            proxy_pass http://llmsim_upstream;
+            proxy_read_timeout {_secs(s['timeout_s'])};
+            proxy_next_upstream {nu};
+            proxy_next_upstream_tries {int(s['max_tries'])};
+            proxy_next_upstream_timeout {_secs(s['tries_timeout_s']) if s['tries_timeout_s'] else 0};
+            proxy_ignore_client_abort {'off' if s['passes_disconnect'] else 'on'};
+        }}
+    }}
+}}
+"""
+
+
+HAPROXY_KEYS = ("timeout_s", "max_retries", "retry_on", "retry_sent_non_idempotent", "passes_disconnect",
+                "passes_disconnect_queued", "max_connections", "max_queue", "queue_timeout_s", "upstream_servers")
+_HAPROXY_WORDS = {CONNECT_ERROR: "conn-failure", TIMEOUT: "response-timeout", **{c: c for c in HAPROXY_STATUSES}}
+
+
+def haproxy_retry_on_line(retry_on) -> str:
+    """`retry-on` for a retry-on list (ValueError naming what HAProxy cannot retry on)."""
+    words = []
+    for item in retry_on:
+        w = _HAPROXY_WORDS.get(str(item))
+        if w is None:
+            raise ValueError(f"retry_on: HAProxy's retry-on has no condition for {item!r} "
+                             f"(it names {', '.join(_HAPROXY_WORDS)})")
+        words.append(w)
+    return " ".join(words) or "none"
+
+
+def haproxy_config(s: dict, port: int, upstream: str, run_dir: Path) -> str:
+    """haproxy.cfg for a gateway layer's effective settings `s`."""
+    _unchanged(s, HAPROXY_KEYS, "HAProxy")
+    _one_server(s)
+    if s["passes_disconnect_queued"] != s["passes_disconnect"]:
+        raise ValueError("passes_disconnect_queued: HAProxy's option abortonclose sets both; it must equal "
+                         "passes_disconnect")
+    ro = haproxy_retry_on_line(s["retry_on"])
+    l7 = any(str(x) != CONNECT_ERROR for x in s["retry_on"])
+    host = upstream.split("://", 1)[-1].rstrip("/")
+    server = f"server upstream {host}"
+    if s.get("max_connections"):
+        server += f" maxconn {int(s['max_connections'])}"
+        if s.get("max_queue"):
+            server += f" maxqueue {int(s['max_queue'])}"
+    lines = [f"# HAProxy for llmsim: layer {s['preset']} ({s.get('version')})",
+             "global", f"    pidfile {run_dir}/haproxy.pid", "    maxconn 4096",
+             "    # a request is replayed (L7 retries) only if it fits one buffer: room for a long prompt",
+             "    tune.bufsize 262144", "",
+             "defaults", "    mode http", "    timeout connect 5s", "    timeout client 1h",
+             f"    retries {int(s['max_retries'] or 0)}", f"    retry-on {ro}"]
+    if s.get("timeout_s") is not None:
+        lines.append(f"    timeout server {_secs(s['timeout_s'])}")
+    if s.get("queue_timeout_s") is not None:
+        lines.append(f"    timeout queue {_secs(s['queue_timeout_s'])}")
+    if s["passes_disconnect"]:
+        lines.append("    option abortonclose")
+    lines += ["", "frontend llmsim_front", f"    bind 127.0.0.1:{port}",
+              "    http-request return status 200 content-type text/plain string ok if { path /health }",
+              "    default_backend llmsim_upstream", "", "backend llmsim_upstream"]
+    if l7 and not s["retry_sent_non_idempotent"]:
+        lines.append("    http-request disable-l7-retry if METH_POST")
+    lines += [f"    {server}", ""]
+    return "\n".join(lines)
+
+
+CONFIGS = {"nginx": nginx_config, "haproxy": haproxy_config}
+
+
+def gateway_name(settings: dict) -> str:
+    """Which binary runs a gateway layer (its preset), or ValueError."""
+    name = settings.get("preset")
+    if name not in CONFIGS:
+        raise ValueError(f"preset: a live run's gateway is {' or '.join(CONFIGS)}; {name!r} has no live gateway")
+    return name
+
+
+def gateway_config(settings: dict, port: int, upstream: str, run_dir: Path) -> str:
+    return CONFIGS[gateway_name(settings)](settings, port, upstream, run_dir)
+
+
+def retry_on_of(name: str, config: str) -> tuple:
+    """The retry-on list a generated config gives, read back with the
+    simulator's own readers of the directive (`sim.policy.retry`)."""
+    if name == "nginx":
+        return nginx_next_upstream(re.search(r"proxy_next_upstream (.*);", config).group(1))[0]
+    return haproxy_retry_on(re.search(r"retry-on (.*)", config).group(1))
+
+
+# -------------------------------------------------------------------- run
+@dataclass
+class Gateway:
+    name: str
+    version: str
+    url: str
+    upstream: str
+    config_path: Path
+    run_dir: Path
+    process: E.Engine          # the server process handle (start_server's)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.process.stop(timeout=timeout)
+
+    def alive(self) -> bool:
+        return self.process.alive()
+
+    def describe(self) -> dict:
+        return {"software": self.name, "version": self.version, "url": self.url, "upstream": self.upstream,
+                "config": str(self.config_path)}
+
+
+def start(settings: dict, upstream: str, port: int | None = None, timeout: float = 30.0) -> Gateway:
+    """Start the gateway layer's software in front of `upstream` and return
+    when its /health answers. GatewayError when it is not installed or does
+    not start; ValueError for a setting it cannot take."""
+    name = gateway_name(settings)
+    b = binary(name)
+    if b is None:
+        raise GatewayError(f"{name} is not installed: run `llmsim gateway install {name}` first "
+                           f"(or give its binary as {_software(name).env})")
+    port = port or E.free_port()
+    run_dir = E.STATE_DIR / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{port}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    conf = run_dir / f"{name}.conf"
+    conf.write_text(gateway_config(settings, port, upstream, run_dir))
+    v = version(name, b)
+    args = ([str(b), "-e", str(run_dir / "error.log"), "-p", str(run_dir), "-c", str(conf)] if name == "nginx"
+            else [str(b), "-db", "-f", str(conf)])
+    try:
+        proc = E.start_server(args, f"http://127.0.0.1:{port}", run_dir / f"{name}.log", run_env(name), run_dir,
+                              timeout, kind=name)
+    except E.EngineError as e:
+        lines = [l for l in E._log_lines(run_dir / f"{name}.log") if not l.startswith("# ")]
+        raise GatewayError(f"{name} did not start ({lines[-1] if lines else e}); config {conf}") from None
+    return Gateway(name, v, f"http://127.0.0.1:{port}", upstream, conf, run_dir, proc)
