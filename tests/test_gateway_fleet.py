@@ -125,3 +125,24 @@ def test_margin_and_advise_runs_on_a_fleet_take_its_layers():
     (row,) = _rows_task((replace(dep.profile, capacity=dep.capacity), s, (fl.profiles, fl.capacities(s)), "k", None,
                          [(cond, fl.router, dep.run_layers(), 0)]))
     assert row["attempts_refused_gateway"] == ref["attempts"]["refused_gateway"] > 0
+
+
+def test_advise_searches_a_gateways_keys_above_a_fleet(tmp_path):
+    """advise on a fleet with [[layer]]s: `--only gateway` keeps the
+    controls and the router and tries the gateway's keys, each setting run
+    above the fleet (its records carry the layer's counts)."""
+    from dataclasses import replace
+
+    from sim.experiments import advise as A
+    dep = _dep([SDK, NGINX], "deployment")
+    prof = replace(dep.profile, capacity=dep.capacity)
+    res = A.advise(prof, dep.scenario, [0], only="gateway", adapt=dep.condition_for, margin_axes=(),
+                   progress=False, finalists=40, fleet=dep.fleet, base=dep.condition, screen_base_s=None,
+                   screen_hold_s=None, layers=dep.run_layers(), out=str(tmp_path / "a.parquet"))
+    names = [r["condition"] for r in res["ranking"]]
+    assert res["candidates"] > 1 and any(";gateway=" in n for n in names)
+    assert all(n.split(";")[0] == "no-control" for n in names)       # the controls kept
+    changed = [t["layers"] for t in res["top"] if t["layers"]]
+    assert all(set(ch) == {"gateway"} for ch in changed)          # only the gateway's keys move
+    rows = [r for r in A.read_table(str(tmp_path / "a.parquet")).to_pylist() if r["condition"] == "no-control"]
+    assert rows and all(r["attempts_refused_gateway"] > 0 for r in rows)   # nginx's 504s, in the fleet's runs

@@ -526,8 +526,6 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         if x is not None and not x > 0:
             raise ValueError(f"{what} must be positive, got {x!r}")
     t0 = time.perf_counter()
-    if layers is not None and fleet is not None:
-        raise ValueError("[[layer]] tables run on one engine, not on a fleet")
     key = deployment_key(profile, scenario, fleet, layers)
     own = fleet.router if fleet is not None else None
     conds = candidates(scenario, profile.capacity, only, adapt, base)
@@ -555,9 +553,9 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
     if only == "gateway" and not any(s["kind"] == "gateway" for s in layers or ()):
         raise ValueError("--only gateway searches a gateway [[layer]]'s keys, and the scenario has none")
     if layers is not None and only in (None, "client", "gateway"):
-        crossed = [c for c, _ in firsts if only is not None or c.name in CONDITIONS
+        crossed = [(c, r) for c, r in firsts if only is not None or c.name in CONDITIONS
                    or (base is not None and c.name == base.name)]
-        names += [n for n in dict.fromkeys(add(c, None, ls) for c in crossed
+        names += [n for n in dict.fromkeys(add(c, r, ls) for c, r in crossed        # r: a fleet's router, else None
                                            for ls in layer_settings(layers, scenario, only)[1:]) if n not in names]
     n_cands = len(names)
     fleet_task = None if fleet is None else (tuple(fleet.profiles), fleet.capacities(scenario), fleet.autoscaler)
