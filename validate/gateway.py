@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sim.policy.presets import META, preset
+from sim.policy.presets import changed_keys
 from sim.policy.retry import CONNECT_ERROR, HAPROXY_STATUSES, TIMEOUT, haproxy_retry_on, nginx_next_upstream
 
 from . import engine as E
@@ -186,13 +186,22 @@ def install(name: str, log=E._say, run=subprocess.run) -> Path:
 
 # ----------------------------------------------------------------- config
 def _unchanged(settings: dict, mapped: tuple, software: str) -> None:
-    base = preset("gateway", settings["preset"])
-    for k, v in settings.items():
-        if k in META or k in mapped or k == "name":
-            continue
-        if base.get(k) != v:
-            raise ValueError(f"{k}: {software} has no directive for it (it keeps {base.get(k)!r}); a live run "
-                             f"configures {', '.join(mapped)}")
+    changed = changed_keys("gateway", settings, mapped)
+    if changed:
+        (k, kept), = changed[:1]
+        raise ValueError(f"{k}: {software} has no directive for it (it keeps {kept!r}); a live run "
+                         f"configures {', '.join(mapped)}")
+
+
+def _words(retry_on, table: dict, what: str) -> list:
+    """The retry-on list in a gateway's words (ValueError naming what it cannot retry on)."""
+    words = []
+    for item in retry_on:
+        w = table.get(str(item))
+        if w is None:
+            raise ValueError(f"retry_on: {what} has no condition for {item!r} (it names {', '.join(table)})")
+        words.append(w)
+    return words
 
 
 def _secs(x: float) -> str:
@@ -209,13 +218,7 @@ _NGINX_WORDS = {CONNECT_ERROR: "error", TIMEOUT: "timeout",
 
 def nginx_next_upstream_line(retry_on, non_idempotent: bool) -> str:
     """`proxy_next_upstream` for a retry-on list (ValueError naming what nginx cannot retry on)."""
-    words = []
-    for item in retry_on:
-        w = _NGINX_WORDS.get(str(item))
-        if w is None:
-            raise ValueError(f"retry_on: nginx's proxy_next_upstream has no condition for {item!r} "
-                             f"(it names {', '.join(_NGINX_WORDS)})")
-        words.append(w)
+    words = _words(retry_on, _NGINX_WORDS, "nginx's proxy_next_upstream")
     if not words:
         return "off"
     return " ".join(words + (["non_idempotent"] if non_idempotent else []))
@@ -282,14 +285,7 @@ _HAPROXY_WORDS = {CONNECT_ERROR: "conn-failure", TIMEOUT: "response-timeout", **
 
 def haproxy_retry_on_line(retry_on) -> str:
     """`retry-on` for a retry-on list (ValueError naming what HAProxy cannot retry on)."""
-    words = []
-    for item in retry_on:
-        w = _HAPROXY_WORDS.get(str(item))
-        if w is None:
-            raise ValueError(f"retry_on: HAProxy's retry-on has no condition for {item!r} "
-                             f"(it names {', '.join(_HAPROXY_WORDS)})")
-        words.append(w)
-    return " ".join(words) or "none"
+    return " ".join(_words(retry_on, _HAPROXY_WORDS, "HAProxy's retry-on")) or "none"
 
 
 def haproxy_config(s: dict, port: int, upstream: str, run_dir: Path) -> str:

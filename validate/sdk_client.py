@@ -23,7 +23,7 @@ body give the attempt's outcome and end. The SDK sends the call's
 `X-Call-Id` with every attempt (`extra_headers`)."""
 from __future__ import annotations
 
-from sim.policy.presets import META, preset
+from sim.policy.presets import changed_keys, preset
 from sim.runlog import AttemptRecord, refusal_outcome
 
 SDK_PRESETS = ("openai-python", "langchain-openai")
@@ -38,13 +38,11 @@ def sdk_options(settings: dict) -> dict:
     if name not in SDK_PRESETS:
         raise ValueError(f"preset: a live run's client is the OpenAI Python SDK (presets {', '.join(SDK_PRESETS)}); "
                          f"{name!r} has no live client")
-    base = preset("client", name)
-    for k, v in settings.items():
-        if k in META or k in SDK_KEYS or k == "name":
-            continue
-        if base.get(k) != v:
-            raise ValueError(f"{k}: the OpenAI Python SDK has no setting for it (it keeps {base.get(k)!r}); a live "
-                             f"run's SDK takes {' and '.join(SDK_KEYS)} only")
+    changed = changed_keys("client", settings, SDK_KEYS)
+    if changed:
+        (k, kept), = changed[:1]
+        raise ValueError(f"{k}: the OpenAI Python SDK has no setting for it (it keeps {kept!r}); a live "
+                         f"run's SDK takes {' and '.join(SDK_KEYS)} only")
     out: dict = {"max_retries": int(settings["max_retries"])}
     t = settings.get("timeout_s")
     if t != preset("client", "openai-python")["timeout_s"]:

@@ -429,6 +429,15 @@ def preset(kind: str, name: str, **overrides) -> dict:
     return out
 
 
+def changed_keys(kind: str, settings: dict, kept: tuple) -> list:
+    """The keys of a layer's effective settings, outside `kept` (and the
+    layer's own META keys and name), whose value differs from its preset's:
+    [(key, the preset's value)]."""
+    base = preset(kind, settings["preset"])
+    return [(k, base.get(k)) for k, v in settings.items()
+            if k not in META and k not in kept and k != "name" and base.get(k) != v]
+
+
 def citations(name: str) -> dict:
     """Key -> citation of a preset's values."""
     return {k: c.source for k, c in PRESETS[name].settings.items()}
