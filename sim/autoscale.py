@@ -6,7 +6,8 @@ cluster is built at `max_replicas` engines. Each replica slot is off,
 starting, ready or draining:
 - `initial_replicas` slots are ready at 0, the others off;
 - at each sync period (one timer of the run's `sim.clock.Timers`) the
-  autoscaler reads the metric of the ready replicas and sets a count; a
+  slots' state machine (`sim.policy.autoscaler.ReplicaSet`, which the live
+  harness drives too) reads the metric of the ready replicas and sets a count; a
   scale-up starts the lowest off slots, each ready after a provisioning
   delay drawn from the run's seeded generator (a timer); a scale-down
   stops the newest starting replicas first, then drains the ready ones
@@ -33,22 +34,10 @@ from heapq import heappop, heappush
 
 import numpy as np
 
-from .policy.autoscaler import Autoscaler, AutoscalerConfig, ProvisioningDelay
+from .policy.autoscaler import (DRAINING, OFF, READY, STARTING, AutoscalerConfig, Life, ProvisioningDelay,
+                                ReplicaSet)
 
 INF = float("inf")
-OFF, STARTING, READY, DRAINING = 0, 1, 2, 3
-
-
-class Life:
-    """One replica's life from a scale-up (replicas ready at 0 have one too,
-    decided and ready at 0)."""
-    __slots__ = ("replica", "decided_at", "ready_at", "stopped_at", "ended_at", "timer")
-
-    def __init__(self, replica: int, decided_at: float, ready_at: float | None = None):
-        self.replica, self.decided_at, self.ready_at = replica, decided_at, ready_at
-        self.stopped_at = None          # the scale-down that stopped or drained it
-        self.ended_at = None            # off from then
-        self.timer = None               # its ready timer while starting
 
 
 class Scaling:
@@ -57,14 +46,12 @@ class Scaling:
             raise ValueError(f"an autoscaled fleet is built at max_replicas ({config.max_replicas}) engines; "
                              f"got {run.n}")
         self.run, self.config = run, config
-        n = run.n
-        self.state = [READY if r < config.initial else OFF for r in range(n)]
-        self.hpa = Autoscaler(config)
+        self.replicas = rs = ReplicaSet(config)      # the slots' state machine, shared with the live driver
+        self.state, self.lives, self.current = rs.state, rs.lives, rs.current
+        self.counts, self.decisions = rs.counts, rs.decisions
+        self.hpa = rs.hpa
         self.delay = ProvisioningDelay(config, np.random.default_rng([seed, 3]))
-        self.lives: list[Life] = [Life(r, 0.0, 0.0) for r in range(config.initial)]
-        self.current: list[Life | None] = self.lives + [None] * (n - config.initial)
-        self.counts: list[tuple] = [(0.0, config.initial, 0, 0)]     # (t, ready, starting, draining) at changes
-        self.decisions: list[tuple] = []       # (t, from, to) of each change of the count
+        self.timers: dict[int, object] = {}    # replica -> its ready timer while starting
         self._due: list[float] = []            # times of this scaling's timers not yet fired
         self.ready = [s == READY for s in self.state]
         if not config.fixed:
@@ -107,15 +94,6 @@ class Scaling:
             ready[r] = s == READY
         self.run.router.ready = None if all(ready) else ready
 
-    def _log(self, t: float) -> None:
-        s = self.state
-        row = (t, s.count(READY), s.count(STARTING), s.count(DRAINING))
-        if row[1:] != self.counts[-1][1:]:
-            if self.counts[-1][0] == t:
-                self.counts[-1] = row
-            else:
-                self.counts.append(row)
-
     def _empty(self, r: int) -> bool:
         return self.run.engines[r].num_in_engine() == 0 and self.run.cluster.queued_at(r) == 0
 
@@ -133,63 +111,29 @@ class Scaling:
     # ---------------------------------------------------------- events
     def _sync(self, t: float, _arg=None) -> None:
         self._fired(t)
-        state = self.state
-        for r, s in enumerate(state):
-            if s == DRAINING and self._empty(r):
-                state[r] = OFF
-                self.current[r].ended_at = t
-        ready = [r for r, s in enumerate(state) if s == READY]
-        starting = state.count(STARTING)
-        current = len(ready) + starting
-        desired = self.hpa.decide(t, self.metric(ready), len(ready), starting)
-        if desired != current:
-            self.decisions.append((t, current, desired))
-        if desired > current:
-            for r in [r for r, s in enumerate(state) if s == OFF][:desired - current]:
-                state[r] = STARTING
-                life = self.current[r] = Life(r, t)
-                self.lives.append(life)
-                life.timer = self._at(t + self.delay.draw(), self._ready, r)
-        elif desired < current:
-            self._stop(t, current - desired)
-        if not self.config.fixed:
-            self._mask()
-        self._log(t)
-        self._at(t + self.config.sync_period_s, self._sync)
-
-    def _ready(self, t: float, r: int) -> None:
-        self._fired(t)
-        life = self.current[r]
-        life.timer = None
-        life.ready_at = t
-        self.state[r] = READY
-        self._mask()
-        self._log(t)
-
-    def _stop(self, t: float, k: int) -> None:
-        """Stop k replicas: the newest starting ones, then drain ready ones
-        from the highest index."""
-        state, cur = self.state, self.current
-        starting = sorted((r for r, s in enumerate(state) if s == STARTING),
-                          key=lambda r: (cur[r].decided_at, r), reverse=True)
-        ready = [r for r in range(len(state) - 1, -1, -1) if state[r] == READY]
-        for r in (starting + ready)[:k]:
-            life = cur[r]
-            life.stopped_at = t
-            if state[r] == STARTING:
-                life.timer.live = False         # Timers.cancel
-                life.timer = None
-                state[r] = OFF
-                life.ended_at = t
-                continue
-            state[r] = DRAINING
+        rs = self.replicas
+        started, unstarted, drained = rs.sync(t, self.metric, self._empty)
+        for r in started:
+            self.timers[r] = self._at(t + self.delay.draw(), self._ready, r)
+        for r in unstarted:
+            self.timers.pop(r).live = False         # Timers.cancel
+        for r in drained:
             self.ready[r] = False
             self.run.router.ready = self.ready
             if self.config.drain == "cancel":
                 self._cancel_on(t, r)
             if self._empty(r):
-                state[r] = OFF
-                life.ended_at = t
+                rs.off(t, r)
+        if not self.config.fixed:
+            self._mask()
+        rs.log(t)
+        self._at(t + self.config.sync_period_s, self._sync)
+
+    def _ready(self, t: float, r: int) -> None:
+        self._fired(t)
+        del self.timers[r]
+        self.replicas.became_ready(t, r)
+        self._mask()
 
     def _cancel_on(self, t: float, r: int) -> None:
         """Cancel the requests on replica r: each aborted in its engine and
@@ -211,21 +155,16 @@ class Scaling:
 
     # ---------------------------------------------------------- after the run
     def replica_seconds(self, end: float) -> float:
-        """Replicas starting, ready or draining, integrated over [0, end]."""
-        total, rows = 0.0, self.counts
-        for (t0, a, b, c), nxt in zip(rows, rows[1:] + [(end,)]):
-            t1 = min(nxt[0], end)
-            if t1 > t0:
-                total += (a + b + c) * (t1 - t0)
-        return total
+        return self.replicas.replica_seconds(end)
 
 
-def scaling_measures(scaling: Scaling, execution_replica: np.ndarray, execution_placed: np.ndarray,
+def scaling_measures(scaling: ReplicaSet | Scaling, execution_replica: np.ndarray, execution_placed: np.ndarray,
                      end: float, burst_start: float | None) -> dict:
     """The record's `autoscaler` part: the settings, replicas over time (at
     each change: ready, starting, draining), replica-seconds, each change of
     the count, and each replica started: when it was decided, ready and got
-    its first call, also from the burst's start."""
+    its first call, also from the burst's start. `scaling`: the slots'
+    `ReplicaSet` (a simulated run's `Scaling` or the live harness's)."""
     def since(x):
         return None if x is None or burst_start is None else x - burst_start
     rows = scaling.counts

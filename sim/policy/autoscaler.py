@@ -26,6 +26,17 @@ At each sync period the driver reads the metric and calls
 
 `ProvisioningDelay` draws a new replica's time to become ready (model load
 and warm-up) from the run's seeded generator: fixed, uniform or lognormal.
+
+`ReplicaSet` is the fleet's replica slots under the HPA, one state machine
+for both drivers (the simulator's `sim.autoscale.Scaling`, the live
+harness's `validate.autoscale.LiveScaling`): each slot is off, starting,
+ready or draining; `sync(t, metric, empty)` runs one sync period's decision
+and says which replicas to start, which starting ones to stop and which
+ready ones now drain; the driver reports `became_ready(t, r)` when a
+started replica takes traffic and `off(t, r)` when a drained one is empty.
+A scale-up starts the lowest off slots; a scale-down stops the newest
+starting replicas first, then drains ready ones from the highest index (as
+a ReplicaSet deletes not-ready pods first).
 Nothing here reads a clock: times are the caller's.
 """
 from __future__ import annotations
@@ -202,4 +213,110 @@ class Autoscaler:
         return math.ceil(start * (1.0 - c.scale_down_percent / 100.0))
 
 
-__all__ = ["METRICS", "PROVISIONING", "DRAIN", "AutoscalerConfig", "ProvisioningDelay", "Autoscaler"]
+OFF, STARTING, READY, DRAINING = 0, 1, 2, 3
+
+
+class Life:
+    """One replica's life from a scale-up (replicas ready at 0 have one too,
+    decided and ready at 0)."""
+    __slots__ = ("replica", "decided_at", "ready_at", "stopped_at", "ended_at")
+
+    def __init__(self, replica: int, decided_at: float, ready_at: float | None = None):
+        self.replica, self.decided_at, self.ready_at = replica, decided_at, ready_at
+        self.stopped_at = None          # the scale-down that stopped or drained it
+        self.ended_at = None            # off from then
+
+
+class ReplicaSet:
+    """The replica slots of a fleet built at `config.max_replicas` under the
+    HPA (see the module docstring). `state[r]` is OFF, STARTING, READY or
+    DRAINING; `lives` every replica's life in order of decision, `current[r]`
+    slot r's latest; `counts` (t, ready, starting, draining) at each change
+    (`log(t)` appends one); `decisions` (t, from, to) at each change of the
+    count."""
+
+    def __init__(self, config: AutoscalerConfig):
+        n, k = config.max_replicas, config.initial
+        self.config = config
+        self.state = [READY if r < k else OFF for r in range(n)]
+        self.hpa = Autoscaler(config)
+        self.lives: list[Life] = [Life(r, 0.0, 0.0) for r in range(k)]
+        self.current: list[Life | None] = self.lives + [None] * (n - k)
+        self.counts: list[tuple] = [(0.0, k, 0, 0)]
+        self.decisions: list[tuple] = []
+
+    def sync(self, t: float, metric, empty) -> tuple[list[int], list[int], list[int]]:
+        """One sync at t: draining replicas that `empty(r)` finds empty go
+        off, then the HPA sets the count from `metric(ready replicas)` (a list
+        of values). Returns (started, unstarted, drained): replicas now
+        starting (the driver starts each and reports `became_ready`),
+        starting ones now off (the driver stops their start), ready ones now
+        draining (the driver sends them nothing new and reports `off` once
+        each is empty). The driver calls `log(t)` once it has carried them out."""
+        state = self.state
+        for r, s in enumerate(state):
+            if s == DRAINING and empty(r):
+                self.off(t, r)
+        ready = [r for r, s in enumerate(state) if s == READY]
+        starting = state.count(STARTING)
+        current = len(ready) + starting
+        desired = self.hpa.decide(t, metric(ready), len(ready), starting)
+        started: list[int] = []
+        unstarted: list[int] = []
+        drained: list[int] = []
+        if desired != current:
+            self.decisions.append((t, current, desired))
+        if desired > current:
+            for r in [r for r, s in enumerate(state) if s == OFF][:desired - current]:
+                state[r] = STARTING
+                life = self.current[r] = Life(r, t)
+                self.lives.append(life)
+                started.append(r)
+        elif desired < current:
+            cur = self.current
+            newest = sorted((r for r, s in enumerate(state) if s == STARTING),
+                            key=lambda r: (cur[r].decided_at, r), reverse=True)
+            highest = [r for r in range(len(state) - 1, -1, -1) if state[r] == READY]
+            for r in (newest + highest)[:current - desired]:
+                cur[r].stopped_at = t
+                if state[r] == STARTING:
+                    self.off(t, r)
+                    unstarted.append(r)
+                else:
+                    state[r] = DRAINING
+                    drained.append(r)
+        return started, unstarted, drained
+
+    def became_ready(self, t: float, r: int) -> None:
+        """Replica r, started, takes traffic from t."""
+        self.current[r].ready_at = t
+        self.state[r] = READY
+        self.log(t)
+
+    def off(self, t: float, r: int) -> None:
+        """Replica r is off from t (a drained one found empty, or a start stopped)."""
+        self.state[r] = OFF
+        self.current[r].ended_at = t
+
+    def log(self, t: float) -> None:
+        """Append the counts at t where they changed."""
+        s = self.state
+        row = (t, s.count(READY), s.count(STARTING), s.count(DRAINING))
+        if row[1:] != self.counts[-1][1:]:
+            if self.counts[-1][0] == t:
+                self.counts[-1] = row
+            else:
+                self.counts.append(row)
+
+    def replica_seconds(self, end: float) -> float:
+        """Replicas starting, ready or draining, integrated over [0, end]."""
+        total, rows = 0.0, self.counts
+        for (t0, a, b, c), nxt in zip(rows, rows[1:] + [(end,)]):
+            t1 = min(nxt[0], end)
+            if t1 > t0:
+                total += (a + b + c) * (t1 - t0)
+        return total
+
+
+__all__ = ["METRICS", "PROVISIONING", "DRAIN", "AutoscalerConfig", "ProvisioningDelay", "Autoscaler",
+           "ReplicaSet", "Life", "OFF", "STARTING", "READY", "DRAINING"]
