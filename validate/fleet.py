@@ -163,12 +163,17 @@ class FleetLiveRun(LiveRun):
 
     def __init__(self, urls: list[str], model: str, trace, condition, scenario, router: RouterConfig,
                  profiles: list[str], seed: int = 0, prompt_throughput: float | None = None, progress=None,
-                 step_counts=None, engine_lost=None):
+                 step_counts=None, engine_lost=None, scaling=None):
         super().__init__(urls, model, trace, condition, scenario, seed, prompt_throughput, progress,
                          step_count=None, engine_lost=engine_lost, router=router)
         self.router_config = router
         self.profile_names = list(profiles)
         self.step_counts = step_counts
+        self.scaling = scaling            # a validate.autoscale.LiveScaling: replicas come and go during the run
+        if scaling is not None:
+            scaling.bind(self.proxy, self.now)
+            self.beside.append(scaling.run)
+            self.replica_up = scaling.up
 
     def _log(self, end: float, wall: float) -> FleetLog:
         n = len(self.urls)
@@ -230,10 +235,13 @@ def _minus(a: dict, b: dict) -> dict:
     return {k: v - b.get(k, 0) for k, v in a.items()}
 
 
-def live_fleet_record(log: FleetLog, scenario, capacities: list[float], inputs: dict) -> dict:
+def live_fleet_record(log: FleetLog, scenario, capacities: list[float], inputs: dict,
+                      fleet_capacity: float | None = None) -> dict:
     """The fleet's record of a live run: as `sim.fleet.fleet_record`, each
-    result record made as `validate.live_run.live_record` makes a live one."""
-    rec = live_record(log.fleet, scenario, sum(capacities), inputs)
+    result record made as `validate.live_run.live_record` makes a live one;
+    the fleet's Ĉ is `fleet_capacity` (default: the sum of `capacities`; an
+    autoscaled fleet's is that of the replicas it starts with)."""
+    rec = live_record(log.fleet, scenario, sum(capacities) if fleet_capacity is None else fleet_capacity, inputs)
     rec["replicas"] = [live_record(rl, scenario, c, inputs) for rl, c in zip(log.replicas, capacities)]
     rec["fleet"] = measures._clean(fleet_measures(log))
     return rec

@@ -143,6 +143,10 @@ class LiveRun:
         self.gateway_factory = gateway
         self.gateway = None
         self.front_url = ""                               # where the clients send: the gateway, else the proxy
+        # tasks that run beside the client on the run's clock (fn(self) -> coroutine; an autoscaler's), and
+        # which engines are up to be sampled (fn(r) -> bool; None: all): a replica not started is sampled as empty
+        self.beside: list = []
+        self.replica_up = None
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -259,7 +263,11 @@ class LiveRun:
             failing += 1
             try:
                 per = []
+                up = self.replica_up
                 for r, url in enumerate(self.urls):
+                    if up is not None and not up(r):
+                        per.append((0.0, 0.0, self.proxy.cluster.queued_at(r), {}))
+                        continue
                     async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                         m = parse_metrics(await resp.text())
                     q = self.proxy.cluster.queued_at(r)
@@ -305,6 +313,7 @@ class LiveRun:
                 self.t0 = time.monotonic()
                 self.proxy._t0 = self.t0                  # one clock for client, proxy and samples
                 sampler = asyncio.create_task(self._sample(session))
+                beside = [asyncio.create_task(fn(self)) for fn in self.beside]
 
                 async def drive():
                     for i, at in enumerate(self.trace.arrival):
@@ -319,14 +328,15 @@ class LiveRun:
                     await asyncio.sleep(max(0.0, math.ceil(self.now()) + 0.05 - self.now()))   # last sample
                 driver = asyncio.create_task(drive())
                 try:
-                    await asyncio.wait([driver, sampler], return_when=asyncio.FIRST_COMPLETED)
-                    if driver.done():
-                        driver.result()
+                    await asyncio.wait([driver, sampler, *beside], return_when=asyncio.FIRST_COMPLETED)
+                    for t in (driver, *beside):
+                        if t.done():
+                            t.result()
                 finally:
                     end = self.now()
-                    for t in [driver, sampler, *tasks]:
+                    for t in [driver, sampler, *beside, *tasks]:
                         t.cancel()
-                    await asyncio.gather(driver, sampler, *tasks, return_exceptions=True)
+                    await asyncio.gather(driver, sampler, *beside, *tasks, return_exceptions=True)
         finally:
             if sdk is not None:
                 await sdk.close()
