@@ -96,6 +96,7 @@ OWNER = textwrap.dedent("""
     from validate import engine as E
     tmp, port, how = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with SIGINT ignored
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)              # and one under nohup with SIGHUP ignored
     mode = "never-ready" if how == "sigint-during-start" else "healthy"
     eng = E.start_server([sys.executable, sys.argv[4], str(port), str(tmp / "pids"), mode],
                          f"http://127.0.0.1:{port}", tmp / "server.log", dict(os.environ), tmp, 600, kind="fake")

@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from sim.deployment import load
+from sim.deployment import from_document, load
 from validate import engine as E
 from validate.class_point import engine_args, run_point, table
 
@@ -32,8 +33,18 @@ def test_the_point_runs_priority_scheduling_with_each_class_priority():
     assert {c.name: c.priority for c in d.scenario.classes} == {"chat": 0, "batch": 10}
 
 
+def short():
+    """The example with its hold and delivery horizon cut to a drill's length."""
+    doc = tomllib.loads(EXAMPLE.read_text())
+    for ph in doc["workload"]["phases"]:
+        if ph["name"] == "hold":
+            ph["duration_s"] = 12.0
+    doc["measures"].update(delivery_horizon_s=12.0, primary_skip_s=2.0)
+    return from_document(doc, str(EXAMPLE))
+
+
 def test_drill_each_request_carries_its_class_priority_and_the_record_has_classes(tmp_path):
-    d = load(str(EXAMPLE))
+    d = short()
     seen: list[tuple] = []
 
     def start(args):

