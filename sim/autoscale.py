@@ -47,9 +47,7 @@ class Scaling:
                              f"got {run.n}")
         self.run, self.config = run, config
         self.replicas = rs = ReplicaSet(config)      # the slots' state machine, shared with the live driver
-        self.state, self.lives, self.current = rs.state, rs.lives, rs.current
-        self.counts, self.decisions = rs.counts, rs.decisions
-        self.hpa = rs.hpa
+        self.state, self.lives, self.counts, self.decisions = rs.state, rs.lives, rs.counts, rs.decisions
         self.delay = ProvisioningDelay(config, np.random.default_rng([seed, 3]))
         self.timers: dict[int, object] = {}    # replica -> its ready timer while starting
         self._due: list[float] = []            # times of this scaling's timers not yet fired
