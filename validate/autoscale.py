@@ -88,6 +88,7 @@ class LiveScaling:
         self.now = None
         self._pool = ThreadPoolExecutor(max(1, config.max_replicas - config.initial), "llmsim-replica")
         self._lock = threading.Lock()
+        self._stopping: list[threading.Thread] = []     # engines being stopped (close() waits for them)
 
     def bind(self, proxy, now) -> None:
         """The live proxy whose router it masks and whose readings it takes; `now()` the run's clock."""
@@ -163,7 +164,9 @@ class LiveScaling:
         with self._lock:
             eng = self.engines.pop(r, None)
         if eng is not None:
-            threading.Thread(target=eng.stop, daemon=True).start()
+            t = threading.Thread(target=eng.stop, daemon=True)
+            t.start()
+            self._stopping.append(t)
 
     def lost(self) -> str | None:
         """Why an engine that serves is gone, or None."""
@@ -177,8 +180,11 @@ class LiveScaling:
         return None
 
     def close(self) -> list:
-        """Wait for starts under way, then return every engine still running (the caller stops them)."""
+        """Wait for the starts and stops under way, then return every engine
+        still running (the caller stops them)."""
         self._pool.shutdown(wait=True)
+        for t in self._stopping:
+            t.join()
         with self._lock:
             out = list(self.engines.values())
             self.engines.clear()
