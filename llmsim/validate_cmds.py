@@ -185,6 +185,16 @@ def _say(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
+def _file_condition(a, dep, give: str) -> str:
+    """The scenario file's [proxy] condition, for a live point run without
+    --points; an error where the file changes that condition's settings
+    (`give`: what --points should hold)."""
+    if set(dep.proxy) != {"condition"}:
+        raise _err(f"validate: {a.scenario}: its [proxy] changes the {dep.proxy['condition']!r} condition, which a "
+                   f"live point cannot run; give --points ({give})")
+    return dep.proxy["condition"]
+
+
 def cmd_validate_autoscale(a, from_file) -> int:
     """`validate --scenario FILE` where FILE has [autoscaler]: the live point
     of `validate.autoscale` (the fleet starts with its initial engines, the
@@ -204,10 +214,7 @@ def cmd_validate_autoscale(a, from_file) -> int:
     if a.points is not None and len(a.points) != 1:
         raise _err("validate: an autoscaled fleet runs one point: give one condition in --points (or none: its "
                    "[proxy] condition)")
-    if a.points is None and set(dep.proxy) != {"condition"}:
-        raise _err(f"validate: {a.scenario}: its [proxy] changes the {dep.proxy['condition']!r} condition, which a "
-                   "live point cannot run; give --points (one named condition)")
-    cond = a.points[0] if a.points else dep.proxy["condition"]
+    cond = a.points[0] if a.points else _file_condition(a, dep, "one named condition")
     if cond not in CONDITIONS:
         raise _err(f"validate: unknown condition {cond!r}; valid: {', '.join(CONDITIONS)}")
     if engine.cpu_installed() is None:
@@ -235,10 +242,7 @@ def cmd_validate_fleet(a, from_file=None) -> int:
     dep = from_file[1] if from_file is not None else None
     fleet = dep.fleet if dep is not None else None
     if fleet is not None and a.points is None:
-        if set(dep.proxy) != {"condition"}:
-            raise _err(f"validate: {a.scenario}: its [proxy] changes the {dep.proxy['condition']!r} condition, "
-                       "which a live point cannot run; give --points (named conditions)")
-        a.points = [dep.proxy["condition"]]
+        a.points = [_file_condition(a, dep, "named conditions")]
     if dep is not None and dep.stack_layers:
         raise _err(f"validate: {a.scenario}: a live fleet runs the reference design's client; [[layer]] tables run "
                    "live on one engine")

@@ -164,3 +164,11 @@ def test_validate_on_an_autoscaled_fleet_refuses_what_it_cannot_run(flags, says,
     from llmsim.cli import main
     assert main(["validate", "--scenario", str(EXAMPLE), *flags]) != 0
     assert says in capsys.readouterr().err
+
+
+def test_validate_on_an_autoscaled_file_whose_proxy_changes_its_condition_asks_for_points(tmp_path, capsys):
+    from llmsim.cli import main
+    f = tmp_path / "s.toml"
+    f.write_text(EXAMPLE.read_text().replace('condition = "cancel"', 'condition = "cancel"\ndefer_s = 0.5'))
+    assert main(["validate", "--engine", "cpu", "--scenario", str(f)]) != 0
+    assert "its [proxy] changes the 'cancel' condition" in capsys.readouterr().err
