@@ -188,7 +188,7 @@ def install(name: str, log=E._say, run=subprocess.run) -> Path:
 def _unchanged(settings: dict, mapped: tuple, software: str) -> None:
     changed = changed_keys("gateway", settings, mapped)
     if changed:
-        (k, kept), = changed[:1]
+        k, kept = changed[0]
         raise ValueError(f"{k}: {software} has no directive for it (it keeps {kept!r}); a live run "
                          f"configures {', '.join(mapped)}")
 

@@ -40,7 +40,7 @@ def sdk_options(settings: dict) -> dict:
                          f"{name!r} has no live client")
     changed = changed_keys("client", settings, SDK_KEYS)
     if changed:
-        (k, kept), = changed[:1]
+        k, kept = changed[0]
         raise ValueError(f"{k}: the OpenAI Python SDK has no setting for it (it keeps {kept!r}); a live "
                          f"run's SDK takes {' and '.join(SDK_KEYS)} only")
     out: dict = {"max_retries": int(settings["max_retries"])}
