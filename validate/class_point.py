@@ -29,7 +29,7 @@ from sim.deployment import Deployment
 
 from . import engine as E
 from .live_run import EngineLost, LiveRun, live_record
-from .validation import PointFailed, _steps, engine_gone, scaled_profile, step_time_ratio
+from .validation import PointFailed, _steps, engine_gone, engine_speed, scaled_profile, speed_note, step_time_ratio
 
 
 def _say(msg: str) -> None:
@@ -106,16 +106,14 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
         scaled = dataclasses.replace(d, profile=scaled_profile(d.profile, ratio["ratio"])).run(
             seed=seed, condition=cond, trace=trace)
     return {"condition": cond.name, "seed": seed, "capacity": cap, "step_time_vs_profile": ratio,
-            "live": live, "sim": sim, "sim_engine_steps": scaled, "classes": compare(live, sim, scaled)}
+            "engine_speed": engine_speed(ratio), "live": live, "sim": sim, "sim_engine_steps": scaled, "classes": compare(live, sim, scaled)}
 
 
 def table(point: dict) -> str:
     """The point's per-class comparison, one line a class."""
     def f(v):
         return "-" if v is None else f"{100.0 * v:.1f}%"
-    lines = [f"{point['condition']} (seed {point['seed']}, Ĉ {point['capacity']:.2f} calls/s); live steps / "
-             f"profile: {point['step_time_vs_profile']['ratio']:.2f}" if point["step_time_vs_profile"] else
-             point["condition"]]
+    lines = [f"{point['condition']} (seed {point['seed']}, Ĉ {point['capacity']:.2f} calls/s){speed_note(point)}"]
     for name, r in point["classes"].items():
         e = r.get("sim_engine_steps")
         lines.append(f"  {name} (priority {r['priority']}): recovered live {r['live']['recovered']}, predicted "

@@ -43,7 +43,8 @@ from sim.scenario import NamedScenario
 from sim.workload import make_trace
 
 from . import engine as E
-from . import step_log
+from . import machine, step_log
+from .harness import how_measured
 from .live_run import EngineLost, LiveRun, live_record
 from .validation import (PointFailed, ValidationError, _inputs, _load, _say, _steps, capacity_for, engine_gone,
                          run_point, scaled_profile, step_time_ratio, steps_path, table)
@@ -55,8 +56,9 @@ IDLE_WAIT_S = 60.0
 
 # ----------------------------------------------------------------- engines
 def cores() -> list[int]:
-    """The cores this process may run on."""
-    return sorted(os.sched_getaffinity(0))
+    """The cores this process may run on (as given at its start: a pinned
+    harness does not take them from the engines)."""
+    return machine.cores()
 
 
 def available_gib() -> float | None:
@@ -361,7 +363,7 @@ def fleet_table(points: list[dict]) -> str:
 
 def validate_fleet(spec, profile: Profile, vs: NamedScenario, n: int, routers: list[str], conditions: list[str],
                    json_path: str | None = None, capacity: float | None = None, retries: int = 1,
-                   proxy: str = "replica", urls: list[str] | None = None, log=_say) -> dict:
+                   proxy: str = "replica", urls: list[str] | None = None, log=_say, retry_slow: int = 0) -> dict:
     """Predict and run each (router, condition) point on a fleet of N engines:
     N CPU engines started here for all the points (spec.kind `cpu`), or the
     engines at `urls`. `capacity` is one engine's Ĉ."""
@@ -369,7 +371,7 @@ def validate_fleet(spec, profile: Profile, vs: NamedScenario, n: int, routers: l
     for name in conditions:
         get_condition(name)
     doc = {"engine": {"kind": spec.kind, "version": None, "model": spec.model or (urls and urls[0])},
-           "scenario": vs.to_dict(), "profile": profile.name,
+           "scenario": vs.to_dict(), "profile": profile.name, "profile_measured": how_measured(profile.raw),
            "fleet": {"replicas": n, "router_retries": retries, "proxy": proxy},
            "capacity": None, "capacity_per_replica": None, "points": []}
     done = [p for p in _load(json_path, doc) if "failed" not in p]
@@ -407,7 +409,7 @@ def validate_fleet(spec, profile: Profile, vs: NamedScenario, n: int, routers: l
                             f"{k + 1}/{len(todo)}", lambda: predict_fleet(profile, n, rc, name, vs, cap),
                             f"{n} engines", live,
                             lambda ratio: predict_fleet(scaled_profile(profile, ratio), n, rc, name, vs, cap),
-                            json_path, log)
+                            json_path, log, retry_slow=retry_slow)
             if not ran and started and any(engine_gone(x) for x in engines):
                 break                  # a lost engine ends the fleet's points
     finally:

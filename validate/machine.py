@@ -24,8 +24,18 @@ def _cpuinfo() -> dict:
     return out
 
 
+# the cores this process was given at its start: a validation later pins its
+# harness to some of them (`validate.harness`), which leaves the machine as it was
+_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 0))
+
+
+def cores() -> list[int]:
+    """The cores this process was given at its start."""
+    return list(_CORES)
+
+
 def cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
+    return len(_CORES)
 
 
 def gpus() -> dict | None:

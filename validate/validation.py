@@ -35,6 +35,7 @@ from sim.workload import make_trace
 from . import engine as E
 from . import gateway
 from . import step_log
+from .harness import how_measured
 from .step_log import steps_from_raw
 from .live_run import EngineLost, LiveRun, live_record
 from .sdk_client import sdk_options
@@ -83,11 +84,12 @@ class EngineSpec:
     kind: str
     model: str | None = None       # gpu: the HF model id; url: the served model name
     url: str | None = None
+    cpus: list[int] | None = None  # cpu: the cores the engine is pinned to (None: vLLM's own binding)
 
     def start(self, extra_args: list[str]) -> tuple[E.Engine, bool]:
         """An engine for one point; the bool says whether llmsim started it."""
         if self.kind == "cpu":
-            return E.start_cpu(extra_args=extra_args), True
+            return E.start_cpu(extra_args=extra_args, cpus=self.cpus), True
         if self.kind == "gpu":
             return E.start_gpu(self.model, extra_args=GPU_FLAGS + extra_args), True
         return E.connect(self.url), False
@@ -130,6 +132,24 @@ def step_time_ratio(step_log, profile: Profile, skip: int = 0) -> dict | None:
     pred = predict_steps(profile.step_time, rows)
     return {"ratio": float(actual.sum() / pred.sum()), "median_step_ratio": float(np.median(actual / pred)),
             "steps": len(rows), "actual_s": float(actual.sum()), "predicted_s": float(pred.sum())}
+
+
+SPEED_BAND = (0.9, 1.1)
+
+
+def engine_speed(st: dict | None, band: tuple[float, float] = SPEED_BAND) -> dict | None:
+    """k, the engine's step time during a point over the profile's for the
+    same steps (`step_time_ratio`), and whether it lies in `band`. A point
+    whose engine ran outside it does not test the model: the prediction was
+    made for an engine of another speed. None where no steps were recorded."""
+    if st is None:
+        return None
+    k = float(st["ratio"])
+    ok = band[0] <= k <= band[1]
+    how = f"{k:.2f}x slower" if k >= 1 else f"{1 / k:.2f}x faster"
+    return {"k": k, "band": list(band), "tests_model": ok,
+            "says": None if ok else f"the engine ran {how} than calibrated (k {k:.2f}, outside "
+                                    f"{band[0]:g}-{band[1]:g}): this point does not test the model"}
 
 
 def predict(profile: Profile, name: str, vs: NamedScenario, capacity: float, stack_for=None) -> dict:
@@ -299,8 +319,7 @@ def table(points: list[dict]) -> str:
             lines += [f"  {label:26s} {_fmt(f(p['live'])):>9s}" for label, f in ROWS]
             continue
         adj = p.get("sim_step_adjusted")
-        k = (p["live"].get("step_time_vs_profile") or {}).get("ratio")
-        lines.append(f"{p['condition']}" + (f"  (engine steps took {k:.3f} x the profile's)" if k else ""))
+        lines.append(f"{p['condition']}{speed_note(p)}")
         head = f"  {'':26s} {'sim':>9s} {'live':>9s} {'live-sim':>9s}"
         lines.append(head + (f" {'sim x k':>9s} {'live-simk':>9s}" if adj else ""))
         for label, f in ROWS:
@@ -311,6 +330,15 @@ def table(points: list[dict]) -> str:
                 line += f" {_fmt(c):>9s} {_diff(c, b):>9s}"
             lines.append(line)
     return "\n".join(lines)
+
+
+def speed_note(p: dict) -> str:
+    """The point's k in words, for its heading: '' where no steps were recorded."""
+    sp = p.get("engine_speed") or engine_speed((p.get("live") or {}).get("step_time_vs_profile"))
+    if sp is None:
+        return ""
+    return f"  (engine steps took {sp['k']:.3f} x the profile's" + ("" if sp["tests_model"] else
+                                                                  ": outside the band, not a test of the model") + ")"
 
 
 def agreement(p: dict, points_bound: float = 15.0) -> dict:
@@ -359,14 +387,16 @@ def steps_path(json_path: str | None, tag: str) -> str | None:
 
 
 def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, live, simulate_scaled,
-              json_path: str | None, log=_say) -> bool:
+              json_path: str | None, log=_say, retry_slow: int = 0) -> bool:
     """One point of a validation: `simulate()` its record, `live()` its
     (record, engine description) on `where`, then append it to doc["points"]
     (as `key` plus sim and live, the agreement, and where the run recorded
-    its steps `simulate_scaled(k)`, the prediction with every step k times
-    as long) and save the document. A point whose engine fails or dies is
-    appended as failed with the reason and the engine's last lines; returns
-    whether the point ran."""
+    its steps its `engine_speed` and `simulate_scaled(k)`, the prediction
+    with every step k times as long) and save the document. A live run whose
+    engine ran outside the speed band is run again, up to `retry_slow`
+    times (the slower runs kept under `slow_runs`). A point whose engine
+    fails or dies is appended as failed with the reason and the engine's
+    last lines; returns whether the point ran."""
     t0 = time.monotonic()
     log(f"point {count}: {tag} — simulating …")
     try:
@@ -374,55 +404,73 @@ def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, 
     except NoPrediction as e:
         sim, why = None, str(e)
         log(f"point {count}: {tag} — the prediction is not available: {why}")
-    log(f"point {count}: {tag} — live on {where} …")
+    head = key | {"sim": sim, **({"no_prediction": why} if sim is None else {})}
     try:
-        rec, desc = live()
+        rec, desc, slow = _live_in_band(live, f"point {count}: {tag}", where, retry_slow, log)
     except (PointFailed, E.EngineError) as e:
         # recorded as failed; the points done are kept and a rerun retries this one
         tail = e.engine_log if isinstance(e, PointFailed) else []
         errors = e.engine_errors if isinstance(e, PointFailed) else []
-        doc["points"].append(key | {"sim": sim, **({"no_prediction": why} if sim is None else {}),
-                                    "failed": {"reason": str(e), "engine_errors": errors,
-                                                           "engine_log": tail}})
+        doc["points"].append(head | {"failed": {"reason": str(e), "engine_errors": errors, "engine_log": tail}})
         _save(json_path, doc)
         log(f"point {count}: {tag} FAILED: {e}" + "".join(f"\n  | {l}" for l in (errors or tail[-5:])))
         return False
     doc["engine"].update({"version": desc["version"], "model": desc["model"]})
-    p = key | {"sim": sim, "live": rec}
-    if sim is None:
-        p["no_prediction"] = why
-        doc["points"].append(p)
-        _save(json_path, doc)
-        log(f"point {count}: {tag} done in {time.monotonic() - t0:.0f} s (live only)")
-        return True
-    p["agreement"] = agreement(p)
+    p = head | {"live": rec, "engine_speed": engine_speed(rec.get("step_time_vs_profile"))}
+    if slow:
+        p["slow_runs"] = slow
     st = rec.get("step_time_vs_profile")
-    if st is not None:
+    if sim is not None:
+        p["agreement"] = agreement(p)
+    if sim is not None and st is not None:
         # the same prediction with the profile's steps stretched to what the
         # engine did during the run: separates step-time error from the rest
         adj = simulate_scaled(st["ratio"])
         p["sim_step_adjusted"] = adj
         p["agreement_step_adjusted"] = agreement({"sim": adj, "live": rec})
-        log(f"  the engine's steps took {st['ratio']:.3f} x the profile's over the run")
     doc["points"].append(p)
     _save(json_path, doc)
-    log(f"point {count}: {tag} done in {time.monotonic() - t0:.0f} s")
+    log(f"point {count}: {tag} done in {time.monotonic() - t0:.0f} s" + (" (live only)" if sim is None else ""))
     return True
+
+
+def _live_in_band(live, what: str, where: str, retry_slow: int, log) -> tuple[dict, dict, list[dict]]:
+    """`live()` on `where`, run again while its engine ran outside the speed
+    band, at most `retry_slow` more times: (the last run's record, its engine
+    description, the records of the runs before it, each with its k)."""
+    slow: list[dict] = []
+    while True:
+        log(f"{what} — live on {where} …")
+        rec, desc = live()
+        speed = engine_speed(rec.get("step_time_vs_profile"))
+        if speed is not None:
+            log(f"  the engine's steps took {speed['k']:.3f} x the profile's over the run")
+        if speed is None or speed["tests_model"]:
+            return rec, desc, slow
+        log(f"{what} — {speed['says']}")
+        if len(slow) >= retry_slow:
+            return rec, desc, slow
+        slow.append({"k": speed["k"], "live": rec})
+        log(f"{what} — running it again ({len(slow)}/{retry_slow}, --retry-slow)")
 
 
 def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list[str],
              json_path: str | None = None, capacity: float | None = None, log=_say,
-             calibration: dict | None = None, layers: list[dict] | None = None, stack_for=None) -> dict:
+             calibration: dict | None = None, layers: list[dict] | None = None, stack_for=None,
+             retry_slow: int = 0) -> dict:
     """Predict and run each point; `calibration`, when the profile was fitted
     for this validation, describes how (kept in the record). `layers` (a
     scenario's [[layer]] effective settings) run live as the OpenAI SDK and
     nginx / HAProxy (`run_live`), and `stack_for(condition)` gives the stack
-    the simulator predicts them with (`Deployment.stack_for`)."""
+    the simulator predicts them with (`Deployment.stack_for`). A point whose
+    engine ran outside the speed band is run again up to `retry_slow` times
+    (`run_point`)."""
     for name in points:
         get_condition(name)                      # unknown names fail before any work
     live_layers(layers)
     doc = {"engine": {"kind": spec.kind, "version": None, "model": spec.model or spec.url},
-           "scenario": vs.to_dict(), "profile": profile.name, "capacity": None, "points": []}
+           "scenario": vs.to_dict(), "profile": profile.name, "profile_measured": how_measured(profile.raw),
+           "capacity": None, "points": []}
     if layers:
         doc["stack"] = [dict(t) for t in layers]
     if calibration is not None:
@@ -443,6 +491,7 @@ def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list
                   f"a {'fresh ' if spec.kind != 'url' else ''}{spec.kind} engine",
                   lambda: run_live(spec, profile, name, vs, cap, log, steps_path=steps_path(json_path, name),
                                    layers=layers),
-                  lambda ratio: predict(scaled_profile(profile, ratio), name, vs, cap, stack_for), json_path, log)
+                  lambda ratio: predict(scaled_profile(profile, ratio), name, vs, cap, stack_for), json_path, log,
+                  retry_slow=retry_slow)
     doc["points"].sort(key=lambda p: points.index(p["condition"]) if p["condition"] in points else len(points))
     return doc

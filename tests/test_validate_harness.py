@@ -1,0 +1,186 @@
+"""Which profile a validation predicts with, and the engine-speed band
+(`validate.harness`, `validation.engine_speed`, `run_point`'s --retry-slow).
+No engine: the live run and the capacity calibration are replaced by
+stand-ins named as such."""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+
+import pytest
+
+from llmsim import validate_cmds as VC
+from llmsim.cli import main
+from sim.profile import from_dict, load_profile
+from sim.scenario import get_scenario
+from validate import engine as E
+from validate import harness as H
+from validate import machine
+from validate import validation as V
+
+
+@pytest.fixture
+def state_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(E, "STATE_DIR", tmp_path / "state")
+    return tmp_path / "state"
+
+
+# ------------------------------------------------------------ speed band
+@pytest.mark.parametrize("k, ok, words", [(1.0, True, None), (0.9, True, None), (1.1, True, None),
+                                           (1.3, False, "1.30x slower"), (0.8, False, "1.25x faster")])
+def test_engine_speed_band(k, ok, words):
+    sp = V.engine_speed({"ratio": k})
+    assert sp["k"] == k and sp["tests_model"] is ok and sp["band"] == [0.9, 1.1]
+    if ok:
+        assert sp["says"] is None
+    else:
+        assert words in sp["says"] and "does not test the model" in sp["says"]
+    assert V.engine_speed(None) is None
+
+
+def _record(recovered: bool, pulse: float, hold: float, k: float | None) -> dict:
+    return {"recovered": recovered,
+            "cohorts": {"pulse": {"offered": 100, "delivered": pulse}, "hold": {"offered": 100, "delivered": hold}},
+            "step_time_vs_profile": None if k is None else {"ratio": k}}
+
+
+def _run(ks: list[float | None], retry_slow: int) -> tuple[dict, list]:
+    """run_point with a stand-in live run whose engine ran at k = ks[i] on its i-th run."""
+    runs = []
+
+    def live():
+        rec = _record(True, 90.0, 80.0, ks[len(runs)])
+        runs.append(rec)
+        return rec, {"version": "test", "model": "m"}
+    doc = {"engine": {}, "points": []}
+    ran = V.run_point(doc, {"condition": "no-control"}, "no-control", "1/1", lambda: _record(True, 92.0, 85.0, None),
+                      "a stand-in engine", live, lambda k: _record(True, 91.0, 84.0, None), None, log=lambda m: None,
+                      retry_slow=retry_slow)
+    assert ran
+    return doc["points"][0], runs
+
+
+def test_a_point_in_the_band_runs_once_and_keeps_its_k():
+    p, runs = _run([1.04, 1.0], retry_slow=2)
+    assert len(runs) == 1 and "slow_runs" not in p
+    assert p["engine_speed"]["k"] == 1.04 and p["engine_speed"]["tests_model"]
+    assert p["agreement"]["all"] and "sim_step_adjusted" in p
+
+
+def test_a_slow_point_is_run_again_up_to_retry_slow_times_and_the_slow_runs_are_kept():
+    p, runs = _run([1.3, 1.25, 1.02], retry_slow=2)
+    assert len(runs) == 3 and [r["k"] for r in p["slow_runs"]] == [1.3, 1.25]
+    assert p["live"] is runs[-1] and p["engine_speed"]["tests_model"]
+    p, runs = _run([1.3, 1.25, 1.02], retry_slow=1)
+    assert len(runs) == 2 and p["engine_speed"]["k"] == 1.25 and not p["engine_speed"]["tests_model"]
+    assert "not a test of the model" in V.speed_note(p)
+    p, runs = _run([1.3], retry_slow=0)
+    assert len(runs) == 1 and not p["engine_speed"]["tests_model"] and "slow_runs" not in p
+
+
+def test_a_point_without_recorded_steps_has_no_speed_and_is_not_rerun():
+    p, runs = _run([None, None], retry_slow=3)
+    assert len(runs) == 1 and p["engine_speed"] is None
+
+
+# ------------------------------------------------------- which profile
+def _args(mode: str = "auto", **kw) -> argparse.Namespace:
+    return argparse.Namespace(calibrate_from=mode, no_recalibrate=False, json=None, **kw)
+
+
+@pytest.fixture
+def calibrations(monkeypatch):
+    """`_calibrate_first` replaced by a stand-in that fits nothing: the
+    profile comes back marked as measured under the harness here."""
+    calls = []
+
+    def fake(spec, prof, vs, json_path, diffs, layout):
+        calls.append((spec.cpus, layout))
+        raw = copy.deepcopy(prof.raw)
+        raw["name"] = f"{prof.name} (fitted under load here)"
+        raw["calibration"] = {"from": "capacity", "layout": layout}
+        raw["provenance"]["measured_under"] = H.measured_under(layout, spec.kind, 123)
+        return from_dict(raw, "fitted"), raw["calibration"]
+    monkeypatch.setattr(VC, "_calibrate_first", fake)
+    monkeypatch.setattr(VC, "recalibrate_needed", lambda *a: [])
+    return calls
+
+
+def test_auto_fits_a_quiet_profile_under_the_harness_once_and_reuses_it(state_dir, calibrations, capsys):
+    prof, vs = load_profile("vllm-cpu-tiny"), get_scenario("cpu-tiny")
+    spec = V.EngineSpec("cpu")
+    p, cal = VC._predicting_profile(_args(), spec, prof, vs, "cpu", "shared")
+    assert calibrations == [(None, "shared")] and cal["from"] == "capacity"
+    assert "not under this validation's harness" in capsys.readouterr().err
+    assert H.cache_path(prof.raw, "shared").exists()
+    # the next validation of the same profile on this machine and layout reuses it
+    p2, cal2 = VC._predicting_profile(_args(), spec, prof, vs, "cpu", "shared")
+    assert len(calibrations) == 1 and p2.name == p.name and cal2 == cal
+    assert "fitted under the validation harness here before" in capsys.readouterr().err
+    assert "measured under the validation harness (shared layout, 123 steps)" in H.how_measured(p2.raw)
+    # another layout is another engine; --calibrate-from capacity fits again
+    VC._predicting_profile(_args(), spec, prof, vs, "cpu", "split")
+    VC._predicting_profile(_args("capacity"), spec, prof, vs, "cpu", "shared")
+    assert [c[1] for c in calibrations] == ["shared", "split", "shared"]
+    # a profile that was itself measured under the harness here is used as it is
+    p3, cal3 = VC._predicting_profile(_args(), spec, p2, vs, "cpu", "shared")
+    assert p3 is p2 and cal3 is None and len(calibrations) == 3
+
+
+def test_profile_mode_gpu_and_url_engines_predict_with_the_profile_as_given(state_dir, calibrations):
+    prof, vs = load_profile("vllm-cpu-tiny"), get_scenario("cpu-tiny")
+    for mode, kind in (("profile", "cpu"), ("auto", "gpu"), ("auto", "url"), ("profile", "url")):
+        p, cal = VC._predicting_profile(_args(mode), V.EngineSpec(kind), prof, vs, kind, "shared")
+        assert p is prof and cal is None, (mode, kind)
+    assert calibrations == []
+    with pytest.raises(VC.args.UsageError, match="engine given by URL has none"):
+        VC._predicting_profile(_args("capacity"), V.EngineSpec("url"), prof, vs, "url", "shared")
+
+
+def test_a_cached_profile_of_another_machine_is_not_reused(state_dir, calibrations, monkeypatch):
+    prof, vs = load_profile("vllm-cpu-tiny"), get_scenario("cpu-tiny")
+    VC._predicting_profile(_args(), V.EngineSpec("cpu"), prof, vs, "cpu", "shared")
+    path = H.cache_path(prof.raw, "shared")
+    doc = json.loads(path.read_text())
+    doc["provenance"]["measured_under"]["hardware"]["processor"] = "another CPU"
+    path.write_text(json.dumps(doc))
+    assert H.cached(prof.raw, "shared") is None
+    path.write_text("{not json")
+    assert H.cached(prof.raw, "shared") is None
+
+
+def test_layouts_pin_the_engine_and_the_harness_apart():
+    cores = machine.cores()
+    assert H.layout_cpus("shared") == (None, None)
+    eng, harness = H.layout_cpus("split")
+    if len(cores) >= 2:
+        assert eng == cores[:1] and harness == cores[1:]
+    else:
+        assert (eng, harness) == (None, None)
+    assert H.layout_cpus(H.FLEET_LAYOUT) == (cores[:1], None)
+    with pytest.raises(ValueError, match="unknown layout 'nope'"):
+        H.layout_cpus("nope")
+
+
+def test_harness_on_pins_every_thread_and_gives_the_cores_back():
+    before = os.sched_getaffinity(0)
+    one = [machine.cores()[-1]]
+    with H.harness_on(one):
+        assert os.sched_getaffinity(0) == set(one)
+        assert machine.cpus() == len(machine.cores())        # the machine is described as it was given
+    assert os.sched_getaffinity(0) == before
+    with H.harness_on(None):
+        assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--layout", "apart"], ["invalid choice: 'apart'"]),
+    (["--retry-slow", "-1"], ["--retry-slow"]),
+    (["--calibrate-from", "log"], ["invalid choice: 'log'"]),
+])
+def test_bad_flags_exit_2_with_one_line(args, words, capsys):
+    assert main(["validate", "--engine", "cpu", "--points", "no-control", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any(all(w in line for w in words) for line in err)
