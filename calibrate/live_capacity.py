@@ -146,6 +146,9 @@ def record_run(eng, scenario, params: dict, steps_path, progress=None) -> dict:
     return live
 
 
+MIN_FIT_STEPS = 200     # fewer steps than this (one stage at most) do not span the compositions a fit needs
+
+
 def calibrate_under_load(eng, prof: dict, params: dict, steps_path, name: str | None = None, progress=None,
                          log=None, scenario=None) -> tuple[dict, dict, dict]:
     """Run the live protocol on `eng` under `scenario`'s workload (default
@@ -158,6 +161,11 @@ def calibrate_under_load(eng, prof: dict, params: dict, steps_path, name: str | 
     live = record_run(eng, sc, params, steps_path, progress=progress("live") if progress else None)
     if not live["steps"]:
         raise RuntimeError("the engine recorded no steps (the step recorder runs only in engines llmsim starts)")
+    if live["steps"] < MIN_FIT_STEPS:
+        raise RuntimeError(f"the capacity run recorded {live['steps']} steps, fewer than the {MIN_FIT_STEPS} a fit "
+                           f"needs: the engine saturated in its first stage ({params['start_rate']:.2f} calls/s), far "
+                           "slower than the profile says; run it again on a quieter machine, or start from a profile "
+                           "measured on this engine")
     fitted = fit_profile([steps_path], name or f"{prof.get('name', 'profile')} (fitted under load)", log=log,
                          scenario="scaled")
     sim_res = simulated_capacity_protocol(from_dict(fitted), sc, progress=progress("simulated") if progress
