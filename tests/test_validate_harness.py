@@ -184,3 +184,23 @@ def test_bad_flags_exit_2_with_one_line(args, words, capsys):
     assert main(["validate", "--engine", "cpu", "--points", "no-control", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert any(all(w in line for w in words) for line in err)
+
+
+def test_a_capacity_run_with_too_few_steps_is_not_fitted(monkeypatch, tmp_path):
+    """An engine that saturated in the first stage leaves a handful of steps;
+    a profile fitted to them would describe nothing (the run is a stand-in)."""
+    from calibrate import live_capacity as L
+
+    class StandInEngine:
+        url, kind = "http://127.0.0.1:9", "cpu"
+
+        def version(self):
+            return "stand-in"
+
+        def served_model(self):
+            return "m"
+    monkeypatch.setattr(L, "record_run", lambda *a, **k: {"steps": 15, "capacity": 0.5})
+    monkeypatch.setattr(L, "fit_profile", lambda *a, **k: pytest.fail("fitted a profile to 15 steps"))
+    params = L.plan(4.0, via_proxy=True)
+    with pytest.raises(RuntimeError, match="recorded 15 steps, fewer than the 200"):
+        L.calibrate_under_load(StandInEngine(), load_profile("vllm-cpu-tiny").raw, params, tmp_path / "s.jsonl")
