@@ -19,8 +19,8 @@ from sim.policy.router import PROXY_PLACEMENTS, ROUTERS, RouterConfig
 from validate import autoscale as live_autoscale
 from validate import engine, gateway
 from validate import fleet as live_fleet
-from validate.harness import (CALIBRATE_FROM, DEFAULT_LAYOUT, FLEET_LAYOUT, LAYOUTS, cached, harness_on, how_measured, keep,
-                              layout_cpus, measured_under, under_harness_here)
+from validate.harness import (CALIBRATE_FROM, DEFAULT_LAYOUT, FLEET_LAYOUT, LAYOUTS, cached, harness_on, how_measured,
+                              keep, layout_cpus, measured_under, under_harness_here)
 from validate.proxy import main as proxy_main, upstream_url
 from validate.validation import (GPU_MODELS, EngineSpec, ValidationError, capacity_for, live_layers, steps_path,
                                  table, validate)
@@ -142,7 +142,7 @@ def cmd_validate(a) -> int:
         prof, calibration = _predicting_profile(a, spec, prof, vs, kind, a.layout)
         try:
             doc = validate(spec, prof, vs, a.points, a.json, a.capacity, calibration=calibration, layers=layers,
-                           stack_for=stack_for, retry_slow=a.retry_slow)
+                           stack_for=stack_for, retry_slow=a.retry_slow, probe=not a.no_speed_probe)
         except (ValidationError, engine.EngineError) as e:
             raise _err(f"validate: {e}") from None
     print(f"{vs.name} on {doc['engine']['kind']} vLLM {doc['engine']['version']} ({doc['engine']['model']}), "
@@ -413,7 +413,8 @@ def _calibrate_first(spec: EngineSpec, prof, vs, json_path: str | None, diffs: l
     finally:
         if started:
             eng.stop()
-    calibration = {"from": "capacity", "workload": vs.name, "params": params, "profile_before": prof.name, "machine_differences": diffs,
+    calibration = {"from": "capacity", "workload": vs.name, "params": params, "profile_before": prof.name,
+                   "machine_differences": diffs,
                    "steps_file": steps, "steps": live["steps"], "profile_file": prof_path,
                    "live_capacity": live["capacity"], "simulated_capacity": sim_res["capacity"],
                    "live_wall_s": live["wall_s"], "fit_error": fitted["provenance"]["fit_error"], "layout": layout}
@@ -505,6 +506,10 @@ def add_subcommands(sub) -> None:
                    help="run a point again, up to N times, while its engine ran outside the speed band "
                         "(k, its step time over the profile's, outside 0.9-1.1): such a point does not test the "
                         "model (default 0)")
+    p.add_argument("--no-speed-probe", action="store_true",
+                   help="one engine: do not measure the fresh engine's speed with a few calls before each point "
+                        "(by default each point is predicted for the engine's speed so measured, the profile's "
+                        "steps scaled by it)")
     p.add_argument("--no-recalibrate", action="store_true",
                    help="stop if the profile was measured on another machine, instead of fitting it first")
     p.set_defaults(fn=cmd_validate)

@@ -186,3 +186,25 @@ def test_a_fleet_point_gives_the_prediction_with_the_engines_own_step_times_too(
         meta, rows = step_log.read_steps(rep["steps_file"])
         assert meta["source"]["replica"] == r and len(rows) == reps[r]["steps"]
     assert not any(e.alive() for e in spec.started)
+
+
+def test_a_point_is_predicted_for_its_engine_as_probed_just_before_it(tmp_path):
+    """Before the point a few calls measure the fresh engine's speed against
+    the profile; the point is predicted with the profile's steps scaled by
+    it (the profile's own prediction kept), its k is against that, and the
+    probe's calls are not in the point's engine counters."""
+    prof = load_profile("vllm-cpu-tiny")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    doc = V.validate(FakeSpec(tmp_path / "a", ["serve"]), prof, DRILL, ["no-retry"], None, capacity=CAPACITY,
+                     log=lambda m: None)
+    p = doc["points"][0]
+    probe = p["live"]["speed_probe"]
+    assert probe["calls"] == V.PROBE_CALLS and probe["steps"] >= V.PROBE_CALLS and probe["k"] > 0
+    assert p["sim"]["model"] == f"{prof.name} x{probe['k']:.3f}"
+    assert p["sim_profile"]["model"] == prof.name
+    assert p["engine_speed"]["k"] > 0 and "probed before the point" in V.table(doc["points"])
+    plain = V.validate(FakeSpec(tmp_path / "b", ["serve"]), prof, DRILL, ["no-retry"], None, capacity=CAPACITY,
+                       log=lambda m: None, probe=False)["points"][0]
+    assert plain["live"]["speed_probe"] is None and "sim_profile" not in plain
+    assert p["live"]["counters"]["prompt_tokens_total"] == plain["live"]["counters"]["prompt_tokens_total"] > 0

@@ -106,7 +106,8 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
         scaled = dataclasses.replace(d, profile=scaled_profile(d.profile, ratio["ratio"])).run(
             seed=seed, condition=cond, trace=trace)
     return {"condition": cond.name, "seed": seed, "capacity": cap, "step_time_vs_profile": ratio,
-            "engine_speed": engine_speed(ratio), "live": live, "sim": sim, "sim_engine_steps": scaled, "classes": compare(live, sim, scaled)}
+            "engine_speed": engine_speed(ratio), "live": live, "sim": sim, "sim_engine_steps": scaled,
+            "classes": compare(live, sim, scaled)}
 
 
 def table(point: dict) -> str:

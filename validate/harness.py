@@ -33,7 +33,7 @@ from . import machine
 
 HARNESS = "validate: live capacity protocol through the live proxy"
 LAYOUTS = ("shared", "split")
-DEFAULT_LAYOUT = "shared"
+DEFAULT_LAYOUT = "split"
 FLEET_LAYOUT = "one-core"      # a fleet's engine: pinned to a core of its own, the harness on every core
 CALIBRATE_FROM = ("auto", "capacity", "profile")
 
@@ -94,7 +94,8 @@ def cache_path(raw: dict, layout: str) -> Path:
     key = json.dumps([raw, layout, here["processor"], here["cpus"], here["cpu_flags_sha1"], here["node"]],
                      sort_keys=True, default=str)
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(raw.get("name", "profile")))[:40]
-    return E.STATE_DIR / "validate" / "harness-profiles" / f"{slug}-{layout}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    return E.STATE_DIR / "validate" / "harness-profiles" / f"{slug}-{layout}-{digest}.json"
 
 
 def cached(raw: dict, layout: str) -> tuple[dict, Path] | None:

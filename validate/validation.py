@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,8 @@ from . import gateway
 from . import step_log
 from .harness import how_measured
 from .step_log import steps_from_raw
-from .live_run import EngineLost, LiveRun, live_record
+from .live_run import COUNTERS, EngineLost, LiveRun, live_record
+from .loadgen import VOCAB_HI, VOCAB_LO, request_body
 from .sdk_client import sdk_options
 
 # the published figures' engine flags for a GPU engine (one H100 80 GB SXM there)
@@ -196,13 +198,63 @@ def live_layers(layers: list[dict] | None) -> tuple[dict | None, dict | None]:
     return client, gw
 
 
+PROBE_CALLS = 6      # calls sent at once to a point's engine before the point, to measure its speed (seconds)
+
+
+def speed_probe(eng: E.Engine, profile: Profile, vs: NamedScenario, log=_say) -> dict | None:
+    """How fast a point's fresh engine runs just before the point, against
+    the profile: `PROBE_CALLS` calls of the scenario's mean prompt and
+    median response lengths sent at once straight to the engine (prompts of
+    their own, sharing no prefix with the trace's), their steps' durations
+    over what the profile predicts for them (`step_time_ratio`). The
+    machine's speed drifts by tens of percent over minutes, alike for every
+    kind of step, so the point is predicted with the profile's steps scaled
+    by this k (measured before the point, on calls that are not its own).
+    None where the engine records no steps."""
+    s0 = _steps(eng)
+    if s0 is None:
+        return None
+    sc, model = vs.scenario, eng.served_model()
+    rng = np.random.default_rng([vs.seed, 0x5EED])
+    bodies = [request_body(model, rng.integers(VOCAB_LO, VOCAB_HI, int(sc.prompt_mean)).tolist(),
+                           max(1, int(sc.response_median))) | {"stream": False, "stream_options": None}
+              for _ in range(PROBE_CALLS)]
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        list(pool.map(lambda b: E.http_post(eng.url + "/v1/completions", b, parse=False), bodies))
+    time.sleep(0.2)                     # the recorder writes a step as it ends
+    st = step_time_ratio(getattr(eng, "step_log", None), profile, s0)
+    if st is None:
+        return None
+    log(f"  speed probe: {PROBE_CALLS} calls, {st['steps']} steps in {time.monotonic() - t0:.1f} s took "
+        f"{st['ratio']:.3f} x the profile's")
+    return {"k": st["ratio"], "steps": st["steps"], "calls": PROBE_CALLS, "wall_s": time.monotonic() - t0}
+
+
+def _minus_counters(rl, base: dict) -> None:
+    """The run's engine counters as changes since `base` (the probe's calls are not the point's)."""
+    def sub(c):
+        return {k: v - base.get(k, 0) for k, v in c.items()}
+    rl.counters = sub(rl.counters)
+    rl.counters_at = {t: sub(c) for t, c in rl.counters_at.items()}
+
+
+def _counters(eng: E.Engine) -> dict:
+    m = E.parse_metrics(E.http_get(eng.url + "/metrics"))
+    return {v: m[c] for c, v in COUNTERS.items() if c in m}
+
+
 def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, capacity: float,
-             log=_say, steps_path: str | None = None, layers: list[dict] | None = None) -> tuple[dict, dict]:
+             log=_say, steps_path: str | None = None, layers: list[dict] | None = None,
+             probe: bool = True) -> tuple[dict, dict]:
     """One point on a live engine: (result record, engine description). With
     `steps_path`, the steps the engine recorded during the run are kept there
     (a steps file, `validate.step_log`) and the record names it (`steps_file`).
     `layers` (a scenario's [[layer]] effective settings): the OpenAI SDK as
-    the client, and nginx or HAProxy between it and the live proxy."""
+    the client, and nginx or HAProxy between it and the live proxy. With
+    `probe`, the engine's speed is measured first (`speed_probe`, the
+    record's `speed_probe`) and the point's k is against the profile scaled
+    by it."""
     client, gw = live_layers(layers)
     cond = vs.condition(get_condition(name))
     sc = vs.scenario
@@ -214,6 +266,13 @@ def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, c
         desc = {"kind": spec.kind, "version": eng.version(),
                 "model": eng.served_model(), "url": eng.url, "fresh": started, "flags": eng.flags or None}
         trace = make_trace(capacity, sc, vs.seed)
+        try:
+            probed = speed_probe(eng, profile, vs, log) if probe and started else None
+        except E.EngineError as e:
+            raise PointFailed(engine_gone(eng) or f"the speed probe failed: {e}", eng.log_tail(20),
+                              eng.log_errors()) from None
+        point_profile = scaled_profile(profile, probed["k"]) if probed else profile
+        base = _counters(eng) if probed else {}
         steps0 = _steps(eng)
 
         def step_count():
@@ -235,8 +294,10 @@ def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, c
             raise PointFailed(str(e), eng.log_tail(20), eng.log_errors()) from None
         except gateway.GatewayError as e:
             raise PointFailed(str(e), [], []) from None
+        _minus_counters(rl, base)
         rec = live_record(rl, sc, capacity, _inputs(profile, cond, vs) | {"engine": desc})
-        rec["step_time_vs_profile"] = step_time_ratio(getattr(eng, "step_log", None), profile, steps0 or 0)
+        rec["speed_probe"] = probed
+        rec["step_time_vs_profile"] = step_time_ratio(getattr(eng, "step_log", None), point_profile, steps0 or 0)
         if steps_path:
             n = step_log.record(eng, steps_path, steps0 or 0, source={"kind": "live run", "run": f"validate {name}",
                                                                      "scenario": vs.name})
@@ -334,11 +395,14 @@ def table(points: list[dict]) -> str:
 
 def speed_note(p: dict) -> str:
     """The point's k in words, for its heading: '' where no steps were recorded."""
-    sp = p.get("engine_speed") or engine_speed((p.get("live") or {}).get("step_time_vs_profile"))
+    live = p.get("live") or {}
+    sp = p.get("engine_speed") or engine_speed(live.get("step_time_vs_profile"))
     if sp is None:
         return ""
-    return f"  (engine steps took {sp['k']:.3f} x the profile's" + ("" if sp["tests_model"] else
-                                                                  ": outside the band, not a test of the model") + ")"
+    probe = live.get("speed_probe")
+    said = (f"  (probed before the point at {probe['k']:.3f} x the profile's; its steps took {sp['k']:.3f} x that"
+            if probe else f"  (engine steps took {sp['k']:.3f} x the profile's")
+    return said + ("" if sp["tests_model"] else ": outside the band, not a test of the model") + ")"
 
 
 def agreement(p: dict, points_bound: float = 15.0) -> dict:
@@ -392,7 +456,10 @@ def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, 
     (record, engine description) on `where`, then append it to doc["points"]
     (as `key` plus sim and live, the agreement, and where the run recorded
     its steps its `engine_speed` and `simulate_scaled(k)`, the prediction
-    with every step k times as long) and save the document. A live run whose
+    with every step k times as long) and save the document. Where the live
+    run probed its engine's speed first (`speed_probe`), `sim` is the
+    prediction for the engine so probed, `simulate_scaled(k0)`, and the
+    profile's own is kept as `sim_profile`. A live run whose
     engine ran outside the speed band is run again, up to `retry_slow`
     times (the slower runs kept under `slow_runs`). A point whose engine
     fails or dies is appended as failed with the reason and the engine's
@@ -419,13 +486,17 @@ def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, 
     p = head | {"live": rec, "engine_speed": engine_speed(rec.get("step_time_vs_profile"))}
     if slow:
         p["slow_runs"] = slow
+    k0 = (rec.get("speed_probe") or {}).get("k")
+    if sim is not None and k0 is not None:
+        # the prediction for the engine as the probe found it before the point
+        p["sim_profile"], p["sim"] = sim, simulate_scaled(k0)
     st = rec.get("step_time_vs_profile")
     if sim is not None:
         p["agreement"] = agreement(p)
     if sim is not None and st is not None:
         # the same prediction with the profile's steps stretched to what the
         # engine did during the run: separates step-time error from the rest
-        adj = simulate_scaled(st["ratio"])
+        adj = simulate_scaled(st["ratio"] * (k0 or 1.0))
         p["sim_step_adjusted"] = adj
         p["agreement_step_adjusted"] = agreement({"sim": adj, "live": rec})
     doc["points"].append(p)
@@ -457,14 +528,15 @@ def _live_in_band(live, what: str, where: str, retry_slow: int, log) -> tuple[di
 def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list[str],
              json_path: str | None = None, capacity: float | None = None, log=_say,
              calibration: dict | None = None, layers: list[dict] | None = None, stack_for=None,
-             retry_slow: int = 0) -> dict:
+             retry_slow: int = 0, probe: bool = True) -> dict:
     """Predict and run each point; `calibration`, when the profile was fitted
     for this validation, describes how (kept in the record). `layers` (a
     scenario's [[layer]] effective settings) run live as the OpenAI SDK and
     nginx / HAProxy (`run_live`), and `stack_for(condition)` gives the stack
     the simulator predicts them with (`Deployment.stack_for`). A point whose
     engine ran outside the speed band is run again up to `retry_slow` times
-    (`run_point`)."""
+    (`run_point`); with `probe`, each point's engine has its speed measured
+    first and the point is predicted for it (`speed_probe`)."""
     for name in points:
         get_condition(name)                      # unknown names fail before any work
     live_layers(layers)
@@ -490,7 +562,7 @@ def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list
                   lambda: predict(profile, name, vs, cap, stack_for),
                   f"a {'fresh ' if spec.kind != 'url' else ''}{spec.kind} engine",
                   lambda: run_live(spec, profile, name, vs, cap, log, steps_path=steps_path(json_path, name),
-                                   layers=layers),
+                                   layers=layers, probe=probe),
                   lambda ratio: predict(scaled_profile(profile, ratio), name, vs, cap, stack_for), json_path, log,
                   retry_slow=retry_slow)
     doc["points"].sort(key=lambda p: points.index(p["condition"]) if p["condition"] in points else len(points))
