@@ -22,8 +22,8 @@ from validate import fleet as live_fleet
 from validate.harness import (CALIBRATE_FROM, DEFAULT_LAYOUT, FLEET_LAYOUT, LAYOUTS, cached, harness_on, how_measured,
                               keep, layout_cpus, measured_under, under_harness_here)
 from validate.proxy import main as proxy_main, upstream_url
-from validate.validation import (GPU_MODELS, EngineSpec, ValidationError, capacity_for, live_layers, steps_path,
-                                 table, validate)
+from validate.validation import (GPU_MODELS, EngineSpec, ValidationError, capacity_for, live_layers, speed_probe,
+                                 steps_path, table, validate)
 
 from . import args
 from .calibrate_cmds import fit_summary, recalibrate_needed
@@ -408,6 +408,8 @@ def _calibrate_first(spec: EngineSpec, prof, vs, json_path: str | None, diffs: l
         fitted, live, sim_res = live_capacity.calibrate_under_load(
             eng, prof.raw, params, steps, name=f"{prof.name} (fitted under load here)", progress=progress,
             scenario=vs.scenario)
+        # the speed probe on the engine just fitted: the reference a point's probe is compared with
+        fitted["speed_probe"] = speed_probe(eng, from_dict(fitted), vs, _say) if started else None
     except (engine.EngineError, RuntimeError, ValueError) as e:
         raise _err(f"validate: calibrating from the capacity run: {e}") from None
     finally:

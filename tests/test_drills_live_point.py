@@ -208,3 +208,25 @@ def test_a_point_is_predicted_for_its_engine_as_probed_just_before_it(tmp_path):
                        log=lambda m: None, probe=False)["points"][0]
     assert plain["live"]["speed_probe"] is None and "sim_profile" not in plain
     assert p["live"]["counters"]["prompt_tokens_total"] == plain["live"]["counters"]["prompt_tokens_total"] > 0
+
+
+def test_the_speed_probe_is_read_against_the_same_probe_when_the_profile_was_fitted(tmp_path):
+    """A profile fitted under the harness keeps the probe's ratio on the
+    engine it was fitted on; a point's probe is divided by it (what the
+    profile's shape makes of the probe's batches cancels), and only where
+    the probe's lengths are the same."""
+    import dataclasses
+    prof = load_profile("vllm-cpu-tiny")
+    spec = FakeSpec(tmp_path, ["serve"])
+    eng, _ = spec.start([])
+    try:
+        plain = V.speed_probe(eng, prof, DRILL, log=lambda m: None)
+        assert plain["reference"] is None and plain["k"] == plain["ratio"] > 0
+        ref = {"ratio": 2.0, "lengths": V.probe_lengths(DRILL)}
+        fitted = dataclasses.replace(prof, raw=dict(prof.raw, speed_probe=ref))
+        probed = V.speed_probe(eng, fitted, DRILL, log=lambda m: None)
+        assert probed["reference"] == 2.0 and abs(probed["k"] - probed["ratio"] / 2.0) < 1e-12
+        other = dataclasses.replace(prof, raw=dict(prof.raw, speed_probe=dict(ref, lengths=[1, 1])))
+        assert V.speed_probe(eng, other, DRILL, log=lambda m: None)["reference"] is None
+    finally:
+        eng.stop()

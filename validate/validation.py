@@ -214,11 +214,11 @@ def speed_probe(eng: E.Engine, profile: Profile, vs: NamedScenario, log=_say) ->
     s0 = _steps(eng)
     if s0 is None:
         return None
-    sc, model = vs.scenario, eng.served_model()
+    model = eng.served_model()
     rng = np.random.default_rng([vs.seed, 0x5EED])
-    bodies = [request_body(model, rng.integers(VOCAB_LO, VOCAB_HI, int(sc.prompt_mean)).tolist(),
-                           max(1, int(sc.response_median))) | {"stream": False, "stream_options": None}
-              for _ in range(PROBE_CALLS)]
+    prompt, response = probe_lengths(vs)
+    bodies = [request_body(model, rng.integers(VOCAB_LO, VOCAB_HI, prompt).tolist(), response)
+              | {"stream": False, "stream_options": None} for _ in range(PROBE_CALLS)]
     t0 = time.monotonic()
     with ThreadPoolExecutor(len(bodies)) as pool:
         list(pool.map(lambda b: E.http_post(eng.url + "/v1/completions", b, parse=False), bodies))
@@ -226,9 +226,22 @@ def speed_probe(eng: E.Engine, profile: Profile, vs: NamedScenario, log=_say) ->
     st = step_time_ratio(getattr(eng, "step_log", None), profile, s0)
     if st is None:
         return None
-    log(f"  speed probe: {PROBE_CALLS} calls, {st['steps']} steps in {time.monotonic() - t0:.1f} s took "
-        f"{st['ratio']:.3f} x the profile's")
-    return {"k": st["ratio"], "steps": st["steps"], "calls": PROBE_CALLS, "wall_s": time.monotonic() - t0}
+    out = {"ratio": st["ratio"], "steps": st["steps"], "calls": PROBE_CALLS, "wall_s": time.monotonic() - t0,
+           "lengths": probe_lengths(vs)}
+    # the same probe run when the profile was fitted, on that engine: its ratio then is what the profile's
+    # shape makes of the probe's batches, so the ratio of the two is the engine's drift alone
+    ref = (profile.raw.get("speed_probe") or {})
+    out["reference"] = ref.get("ratio") if ref.get("lengths") == out["lengths"] else None
+    out["k"] = out["ratio"] / out["reference"] if out["reference"] else out["ratio"]
+    log(f"  speed probe: {PROBE_CALLS} calls, {st['steps']} steps in {out['wall_s']:.1f} s took {st['ratio']:.3f} x "
+        f"the profile's" + (f" ({out['reference']:.3f} when it was fitted): k {out['k']:.3f}" if out["reference"]
+                            else ""))
+    return out
+
+
+def probe_lengths(vs: NamedScenario) -> list[int]:
+    """The speed probe's prompt and response lengths on a scenario."""
+    return [int(vs.scenario.prompt_mean), max(1, int(vs.scenario.response_median))]
 
 
 def _minus_counters(rl, base: dict) -> None:
