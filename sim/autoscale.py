@@ -6,8 +6,10 @@ cluster is built at `max_replicas` engines. Each replica slot is off,
 starting, ready or draining:
 - `initial_replicas` slots are ready at 0, the others off;
 - at each sync period (one timer of the run's `sim.clock.Timers`) the
-  slots' state machine (`sim.policy.autoscaler.ReplicaSet`, which the live
-  harness drives too) reads the metric of the ready replicas and sets a count; a
+  slots' state machine (`sim.policy.autoscaler.ReplicaSet`, through the
+  driver logic `ScalingDriver` that the live harness shares; `Scaling`
+  gives it the timers, the run's readings and its actions) reads the
+  metric of the ready replicas and sets a count; a
   scale-up starts the lowest off slots, each ready after a provisioning
   delay drawn from the run's seeded generator (a timer); a scale-down
   stops the newest starting replicas first, then drains the ready ones

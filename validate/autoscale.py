@@ -5,7 +5,8 @@ provisioning delay; side by side with the prediction on the same trace.
 
 `LiveScaling` drives the simulator's own replica slots
 (`sim.policy.autoscaler.ReplicaSet`, the HPA's decision and the slots' state
-machine) on the asyncio clock of a live fleet run
+machine, through the driver logic `ScalingDriver` the simulator uses too)
+on the asyncio clock of a live fleet run
 (`validate.fleet.FleetLiveRun(scaling=...)`): every sync period it reads the
 metric from the live proxy (`waiting` and `kv`: each ready engine's
 `/metrics` as the proxy last scraped it; `in_flight`: the requests the proxy
