@@ -6,8 +6,10 @@ cluster is built at `max_replicas` engines. Each replica slot is off,
 starting, ready or draining:
 - `initial_replicas` slots are ready at 0, the others off;
 - at each sync period (one timer of the run's `sim.clock.Timers`) the
-  slots' state machine (`sim.policy.autoscaler.ReplicaSet`, which the live
-  harness drives too) reads the metric of the ready replicas and sets a count; a
+  slots' state machine (`sim.policy.autoscaler.ReplicaSet`, through the
+  driver logic `ScalingDriver` that the live harness shares; `Scaling`
+  gives it the timers, the run's readings and its actions) reads the
+  metric of the ready replicas and sets a count; a
   scale-up starts the lowest off slots, each ready after a provisioning
   delay drawn from the run's seeded generator (a timer); a scale-down
   stops the newest starting replicas first, then drains the ready ones
@@ -35,25 +37,25 @@ from heapq import heappop, heappush
 import numpy as np
 
 from .policy.autoscaler import (DRAINING, OFF, READY, STARTING, AutoscalerConfig, Life, ProvisioningDelay,
-                                ReplicaSet)
+                                ReplicaSet, ScalingDriver)
 
 INF = float("inf")
 
 
-class Scaling:
+class Scaling(ScalingDriver):
     def __init__(self, run, config: AutoscalerConfig, seed: int = 0):
         if run.n != config.max_replicas:
             raise ValueError(f"an autoscaled fleet is built at max_replicas ({config.max_replicas}) engines; "
                              f"got {run.n}")
-        self.run, self.config = run, config
-        self.replicas = rs = ReplicaSet(config)      # the slots' state machine, shared with the live driver
+        super().__init__(config)                     # the slots' state machine and the driver logic, shared
+        self.run, self.router = run, run.router      # with the live driver
+        rs = self.replicas
         self.state, self.lives, self.counts, self.decisions = rs.state, rs.lives, rs.counts, rs.decisions
         self.delay = ProvisioningDelay(config, np.random.default_rng([seed, 3]))
         self.timers: dict[int, object] = {}    # replica -> its ready timer while starting
         self._due: list[float] = []            # times of this scaling's timers not yet fired
-        self.ready = [s == READY for s in self.state]
         if not config.fixed:
-            self._mask()
+            self.apply_mask()
             run.timers.horizon = self.horizon
             self._at(float(config.sync_period_s), self._sync)
 
@@ -84,59 +86,44 @@ class Scaling:
                 h = p[0].end
         return h
 
-    # ---------------------------------------------------------- state
-    def _mask(self) -> None:
-        """The router's mask: None where every replica is ready."""
-        ready = self.ready
-        for r, s in enumerate(self.state):
-            ready[r] = s == READY
-        self.run.router.ready = None if all(ready) else ready
-
-    def _empty(self, r: int) -> bool:
-        return self.run.engines[r].num_in_engine() == 0 and self.run.cluster.queued_at(r) == 0
-
-    def metric(self, ready: list[int]) -> list[float]:
-        """The metric's values: one per ready replica, or the proxy's queue."""
-        run, m = self.run, self.config.metric
-        if m == "waiting":
-            return [float(run.engines[r].scheduler.num_waiting) for r in ready]
-        if m == "kv":
-            return [run._kv_usage_of(r) for r in ready]
-        if m == "in_flight":
-            return [float(run._outstanding_of(r)) for r in ready]
-        return [float(run.proxy.queued)]
-
-    # ---------------------------------------------------------- events
     def _sync(self, t: float, _arg=None) -> None:
         self._fired(t)
-        rs = self.replicas
-        started, unstarted, drained = rs.sync(t, self.metric, self._empty)
-        for r in started:
-            self.timers[r] = self._at(t + self.delay.draw(), self._ready, r)
-        for r in unstarted:
-            self.timers.pop(r).live = False         # Timers.cancel
-        for r in drained:
-            self.ready[r] = False
-            self.run.router.ready = self.ready
-            if self.config.drain == "cancel":
-                self._cancel_on(t, r)
-            if self._empty(r):
-                rs.off(t, r)
-        if not self.config.fixed:
-            self._mask()
-        rs.log(t)
+        self.sync(t)
         self._at(t + self.config.sync_period_s, self._sync)
 
     def _ready(self, t: float, r: int) -> None:
         self._fired(t)
         del self.timers[r]
-        self.replicas.became_ready(t, r)
-        self._mask()
+        self.became_ready(t, r)
 
-    def _cancel_on(self, t: float, r: int) -> None:
-        """Cancel the requests on replica r: each aborted in its engine and
-        its execution refused (503) to its attempts; a proxy queue held for
-        r alone dispatches its next ones to r, cancelled in turn."""
+    # ---------------------------------------------------------- readings
+    def waiting(self, r: int) -> float:
+        return self.run.engines[r].scheduler.num_waiting
+
+    def kv(self, r: int) -> float:
+        return self.run.kv_usage_on(r)
+
+    def held(self, r: int) -> int:
+        return self.run.held_on(r)
+
+    def queued(self) -> float:
+        return self.run.proxy.queued
+
+    # ---------------------------------------------------------- actions
+    def start(self, t: float, r: int) -> None:
+        """A replica ready after a provisioning delay drawn from the run's generator."""
+        self.timers[r] = self._at(t + self.delay.draw(), self._ready, r)
+
+    def unstart(self, t: float, r: int) -> None:
+        self.timers.pop(r).live = False         # Timers.cancel
+
+    def drain(self, t: float, r: int) -> None:
+        """With drain = "cancel", cancel the requests on replica r: each
+        aborted in its engine and its execution refused (503) to its
+        attempts; a proxy queue held for r alone dispatches its next ones to
+        r, cancelled in turn."""
+        if self.config.drain != "cancel":
+            return
         run = self.run
         reps = run.exec_replica
         while True:
@@ -144,12 +131,7 @@ class Scaling:
             if not mine:
                 return
             for i in mine:
-                req = run.requests.pop(i)
-                run.executions[i].cancel_requested_at = t
-                run.engines[r].abort_request(req)
-                ex = run.proxy.executions.get(i)
-                if ex is not None:
-                    run._do(t, run.proxy.on_engine_refused(t, ex))
+                run.abort_execution(t, i)
 
     # ---------------------------------------------------------- after the run
     def replica_seconds(self, end: float) -> float:

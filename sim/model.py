@@ -378,6 +378,18 @@ class Run(Interpreter):
     def _kv_usage_of(self, r: int) -> float:
         return self.engines[r].scheduler.block_pool.usage()
 
+    # what the autoscaler (sim.autoscale.Scaling) reads and does
+    held_on, kv_usage_on = _outstanding_of, _kv_usage_of
+
+    def abort_execution(self, t: float, i: int) -> None:
+        """Abort execution i in its engine and refuse it (503) to its attempts (a drained replica's cancel)."""
+        req = self.requests.pop(i)
+        self.executions[i].cancel_requested_at = t
+        self.engines[self.exec_replica[i]].abort_request(req)
+        ex = self.proxy.executions.get(i)
+        if ex is not None:
+            self._do(t, self.proxy.on_engine_refused(t, ex))
+
     def _engine_view_of(self, group: tuple, g: int, t: float) -> EngineView:
         """What the g-th proxy knows of the engines it feeds (`group`): the
         uncomputed prompt tokens of the executions waiting or running in

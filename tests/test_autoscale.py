@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import golden
 from llmsim.cli import main
-from sim.autoscale import DRAINING, READY
+from sim.autoscale import DRAINING, OFF, READY
 from sim.conditions import compose
 from sim.deployment import load
 from sim.fleet import run_fleet, simulate_fleet
-from sim.policy.autoscaler import Autoscaler, AutoscalerConfig, ProvisioningDelay
+from sim.policy.autoscaler import Autoscaler, AutoscalerConfig, ProvisioningDelay, ScalingDriver
 from sim.policy.router import ROUTERS, Router, RouterConfig
 from sim.profile import load_profile
 from sim.runlog import CALL_OUTCOMES, column
@@ -112,6 +112,52 @@ def test_the_router_picks_among_ready_replicas_only():
         assert picks <= {0, 2}, policy
         assert r.pick(7, exclude=[0]) == 2
         assert not r.may_retry([0, 2])
+
+
+class _Driver(ScalingDriver):
+    """A driver on no clock: the test says the time, the readings and when a started replica is ready."""
+
+    def __init__(self, config, waiting):
+        super().__init__(config)
+        self.router = Router(RouterConfig("round-robin", 2), config.max_replicas)
+        self.waiting_on, self.held_on, self.did = waiting, [0] * config.max_replicas, []
+
+    def waiting(self, r):
+        return self.waiting_on[r]
+
+    def held(self, r):
+        return self.held_on[r]
+
+    def start(self, t, r):
+        self.did.append(("start", t, r))
+
+    def drain(self, t, r):
+        self.did.append(("drain", t, r, self.router.ready[r]))
+
+    def stopped(self, t, r):
+        self.did.append(("stopped", t, r))
+
+
+def test_the_driver_logic_starts_masks_drains_and_stops_a_replica_once_empty():
+    cfg = AutoscalerConfig(target=4.0, min_replicas=1, max_replicas=3, scale_down_stabilization_s=0.0)
+    d = _Driver(cfg, waiting=[12.0, 0.0, 0.0])
+    d.apply_mask()
+    assert d.router.ready == [True, False, False]
+    d.sync(15.0)                         # 12 waiting on one replica at target 4: three replicas
+    assert d.did == [("start", 15.0, 1), ("start", 15.0, 2)] and d.router.ready == [True, False, False]
+    d.became_ready(40.0, 1)
+    d.became_ready(41.0, 2)
+    assert d.router.ready is None        # every replica ready: no mask
+    d.waiting_on, d.held_on = [0.0, 0.0, 0.0], [0, 0, 2]
+    d.did.clear()
+    d.sync(45.0)                         # nothing waiting: down to one, replica 2 holds two requests
+    assert d.did == [("drain", 45.0, 2, False), ("drain", 45.0, 1, False), ("stopped", 45.0, 1)]
+    assert d.replicas.state == [READY, OFF, DRAINING] and d.router.ready == [True, False, False]
+    d.held_on[2] = 0
+    d.did.clear()
+    d.sync(60.0)
+    assert d.did == [("stopped", 60.0, 2)] and d.replicas.state == [READY, OFF, OFF]
+    assert d.replicas.counts[-1] == (60.0, 1, 0, 0)
 
 
 # ------------------------------------------------------ min == max: fixed

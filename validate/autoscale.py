@@ -5,7 +5,8 @@ provisioning delay; side by side with the prediction on the same trace.
 
 `LiveScaling` drives the simulator's own replica slots
 (`sim.policy.autoscaler.ReplicaSet`, the HPA's decision and the slots' state
-machine) on the asyncio clock of a live fleet run
+machine, through the driver logic `ScalingDriver` the simulator uses too)
+on the asyncio clock of a live fleet run
 (`validate.fleet.FleetLiveRun(scaling=...)`): every sync period it reads the
 metric from the live proxy (`waiting` and `kv`: each ready engine's
 `/metrics` as the proxy last scraped it; `in_flight`: the requests the proxy
@@ -41,7 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 from sim import measures
 from sim.autoscale import scaling_measures
 from sim.deployment import Deployment
-from sim.policy.autoscaler import DRAINING, OFF, READY, STARTING, AutoscalerConfig, ReplicaSet
+from sim.model import prompt_throughput
+from sim.policy.autoscaler import DRAINING, READY, STARTING, AutoscalerConfig, ReplicaSet, ScalingDriver
 
 from . import engine as E
 from .fleet import FleetLiveRun, cores, fleet_problem, fleet_step_time_ratio, live_fleet_record
@@ -66,7 +68,7 @@ def startup_spread_s(config: AutoscalerConfig) -> float:
     return 0.0
 
 
-class LiveScaling:
+class LiveScaling(ScalingDriver):
     """The replica slots on the asyncio clock (module docstring). `start(r)`
     starts replica r's engine and returns it once it answers (blocking: run
     in a thread); `initial` the engines of the replicas ready at 0."""
@@ -77,8 +79,7 @@ class LiveScaling:
                              f"got {config.drain!r}, which the simulator alone models")
         if len(initial) != config.initial:
             raise ValueError(f"the autoscaler starts with {config.initial} replicas; {len(initial)} engines given")
-        self.config = config
-        self.replicas = ReplicaSet(config)
+        super().__init__(config)
         self.start_engine = start
         self.engines: dict[int, object] = dict(enumerate(initial))
         self.startup_s: dict[int, float] = {}       # replica -> decision to /health answering
@@ -92,55 +93,49 @@ class LiveScaling:
 
     def bind(self, proxy, now) -> None:
         """The live proxy whose router it masks and whose readings it takes; `now()` the run's clock."""
-        self.proxy, self.now = proxy, now
+        self.proxy, self.now, self.router = proxy, now, proxy.router
 
     def up(self, r: int) -> bool:
         """Replica r's engine serves (ready or draining)."""
         s = self.replicas.state[r]
         return s == READY or s == DRAINING
 
-    def metric(self, ready: list[int]) -> list[float]:
-        m, p = self.config.metric, self.proxy
-        if m == "waiting":
-            return [float(p.engine_gauges[r].get(WAITING, 0.0)) for r in ready]
-        if m == "kv":
-            return [float(p.engine_gauges[r].get(KV, 0.0)) for r in ready]
-        if m == "in_flight":
-            return [float(p.held[r] + p.cluster.queued_at(r)) for r in ready]
-        return [float(p.proxy.queued)]
+    # readings: each ready engine's /metrics as the proxy last scraped it, the requests the proxy holds
+    def waiting(self, r: int) -> float:
+        return self.proxy.engine_gauges[r].get(WAITING, 0.0)
 
-    def empty(self, r: int) -> bool:
-        return self.proxy.held[r] == 0 and self.proxy.cluster.queued_at(r) == 0
+    def kv(self, r: int) -> float:
+        return self.proxy.engine_gauges[r].get(KV, 0.0)
 
-    def _mask(self) -> None:
-        ready = [s == READY for s in self.replicas.state]
-        self.proxy.router.ready = None if all(ready) else ready
+    def held(self, r: int) -> int:
+        return self.proxy.held[r] + self.proxy.cluster.queued_at(r)
+
+    def queued(self) -> float:
+        return self.proxy.proxy.queued
 
     async def run(self, _live=None) -> None:
         """Sync every sync period until cancelled (the run's end)."""
-        rs, every = self.replicas, self.config.sync_period_s
-        self._mask()
+        every = self.config.sync_period_s
+        self.apply_mask()
         k = 1
         while True:
             await asyncio.sleep(max(0.0, k * every - self.now()))
             k += 1
-            t = self.now()
-            before = list(rs.state)
-            started, unstarted, drained = rs.sync(t, self.metric, self.empty)
-            for r in started:
-                self.log(f"  autoscaler: t={t:.0f}s scale-up, starting replica {r}")
-                asyncio.get_running_loop().create_task(self._start(r, t))
-            for r in drained:
-                self.log(f"  autoscaler: t={t:.0f}s draining replica {r}")
-                if self.empty(r):
-                    rs.off(t, r)
-            for r in unstarted:
-                self.log(f"  autoscaler: t={t:.0f}s replica {r} stopped while starting")
-            for r, (b, s) in enumerate(zip(before, rs.state)):
-                if s == OFF and b != OFF:
-                    self._stop(r)
-            self._mask()
-            rs.log(t)
+            self.sync(self.now())
+
+    # actions
+    def start(self, t: float, r: int) -> None:
+        self.log(f"  autoscaler: t={t:.0f}s scale-up, starting replica {r}")
+        asyncio.get_running_loop().create_task(self._start(r, t))
+
+    def unstart(self, t: float, r: int) -> None:
+        self.log(f"  autoscaler: t={t:.0f}s replica {r} stopped while starting")
+
+    def drain(self, t: float, r: int) -> None:
+        self.log(f"  autoscaler: t={t:.0f}s draining replica {r}")
+
+    def stopped(self, t: float, r: int) -> None:
+        self._stop(r)
 
     async def _start(self, r: int, decided: float) -> None:
         try:
@@ -156,8 +151,7 @@ class LiveScaling:
             self._stop(r)               # stopped while it started
             return
         self.startup_s[r] = t - decided
-        self.replicas.became_ready(t, r)
-        self._mask()
+        self.became_ready(t, r)
         self.log(f"  autoscaler: t={t:.0f}s replica {r} ready ({t - decided:.0f} s after its scale-up)")
 
     def _stop(self, r: int) -> None:
@@ -277,7 +271,7 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
         profiles = list(d.fleet.profiles)
         run = FleetLiveRun([f"http://127.0.0.1:{p}" for p in ports], model, trace, cond, sc, d.fleet.router,
                            [p.name for p in profiles], seed,
-                           prompt_throughput=profiles[0].capacity * max(1.0, sc.prompt_mean - sc.shared_prefix),
+                           prompt_throughput=prompt_throughput(profiles[0], sc),
                            progress=progress, step_counts=step_counts, engine_lost=scaling.lost, scaling=scaling)
         try:
             flog = run.run()

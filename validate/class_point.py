@@ -26,6 +26,7 @@ import sys
 
 from sim import measures
 from sim.deployment import Deployment
+from sim.model import prompt_throughput
 
 from . import engine as E
 from .live_run import EngineLost, LiveRun, live_record
@@ -86,7 +87,7 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
             log(f"  t={st['t']:5.0f}s sent {st['sent']}/{st['calls']} calls, delivered {st['delivered']}, failed "
                 f"{st['failed']}; engine waiting {st['waiting']} running {st['running']}")
         run = LiveRun(eng.url, eng.served_model(), trace, cond, sc, seed,
-                      prompt_throughput=d.profile.capacity * max(1.0, sc.prompt_mean - sc.shared_prefix),
+                      prompt_throughput=prompt_throughput(d.profile, sc),
                       progress=progress, progress_every_s=10.0,
                       step_count=lambda: (_steps(eng) or 0) - (steps0 or 0), engine_lost=lambda: engine_gone(eng))
         try:

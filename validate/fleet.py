@@ -36,6 +36,7 @@ import numpy as np
 from sim import measures
 from sim.conditions import get_condition
 from sim.fleet import FleetLog, fleet_measures, fleet_record, first_landing, replica_log, simulate_fleet
+from sim.model import prompt_throughput
 from sim.policy.router import ROUTERS, RouterConfig
 from sim.profile import Profile
 from sim.runlog import Series
@@ -300,7 +301,7 @@ def run_live_fleet(engines: list[E.Engine], started: bool, profile: Profile, rou
         log(f"  [{tag}] t={st['t']:5.0f}s sent {st['sent']}/{st['calls']} calls, delivered {st['delivered']}, "
             f"failed {st['failed']}; attempts {st['attempts']}, executions {st['executions']}")
     run = FleetLiveRun([e.url for e in engines], model, trace, cond, sc, router, [profile.name] * n, vs.seed,
-                       prompt_throughput=profile.capacity * max(1.0, sc.prompt_mean - sc.shared_prefix),
+                       prompt_throughput=prompt_throughput(profile, sc),
                        progress=progress, step_counts=step_counts, engine_lost=lost if started else None)
     try:
         flog = run.run()

@@ -27,7 +27,7 @@ import numpy as np
 from sim import measures
 from sim.capacity import capacity_protocol
 from sim.conditions import get_condition
-from sim.model import simulate
+from sim.model import prompt_throughput, simulate
 from sim.profile import Profile
 from sim.scenario import NamedScenario
 from sim.steps import predict as predict_steps
@@ -297,7 +297,7 @@ def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, c
                 f"failed {st['failed']}; attempts {st['attempts']}, executions {st['executions']}; engine "
                 f"waiting {_n(st['waiting'])} running {_n(st['running'])}; proxy queue {st['proxy_queue']}")
         run = LiveRun(eng.url, desc["model"], trace, cond, sc, vs.seed,
-                      prompt_throughput=profile.capacity * max(1.0, sc.prompt_mean - sc.shared_prefix),
+                      prompt_throughput=prompt_throughput(profile, sc),
                       progress=progress, step_count=step_count,
                       engine_lost=(lambda: engine_gone(eng)) if started else None, client_layer=client,
                       gateway=(lambda up: gateway.start(gw, up)) if gw is not None else None)

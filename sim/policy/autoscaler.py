@@ -37,6 +37,10 @@ started replica takes traffic and `off(t, r)` when a drained one is empty.
 A scale-up starts the lowest off slots; a scale-down stops the newest
 starting replicas first, then drains ready ones from the highest index (as
 a ReplicaSet deletes not-ready pods first).
+
+`ScalingDriver` is what both drivers do with the slots (the metric, the
+router's mask, the empty check, the sync period's work); each supplies its
+clock, its readings of the replicas and its actions (starting an engine).
 Nothing here reads a clock: times are the caller's.
 """
 from __future__ import annotations
@@ -318,5 +322,104 @@ class ReplicaSet:
         return total
 
 
+class ScalingDriver:
+    """What both drivers of the replica slots do, clock-free: the metric,
+    the router's mask, the empty check and one sync period's work. A driver
+    (the simulator's `sim.autoscale.Scaling`, the live harness's
+    `validate.autoscale.LiveScaling`) subclasses it and supplies its clock:
+    it calls `sync(t)` every sync period and `became_ready(t, r)` when a
+    started replica takes traffic; its readings of replica r: `waiting(r)`
+    (its engine's waiting requests), `kv(r)` (its KV cache usage, 0..1),
+    `held(r)` (the requests it holds, in its engine and in its own proxy
+    queue: the `in_flight` metric, and a draining replica holding none is
+    empty), and `queued()` (the proxy's queue); and what it does when a
+    slot changes: `start(t, r)`, `unstart(t, r)` (a starting replica
+    stopped), `drain(t, r)` (a ready one now draining, already masked) and
+    `stopped(t, r)` (a slot gone off). `router` is the router it masks (its
+    `ready`: None where every replica is ready)."""
+
+    def __init__(self, config: AutoscalerConfig):
+        self.config = config
+        self.replicas = rs = ReplicaSet(config)
+        self.mask = [s == READY for s in rs.state]
+        self.router = None
+
+    # ------------------------------------------------ the driver's readings
+    def waiting(self, r: int) -> float:
+        raise NotImplementedError
+
+    def kv(self, r: int) -> float:
+        raise NotImplementedError
+
+    def held(self, r: int) -> float:
+        raise NotImplementedError
+
+    def queued(self) -> float:
+        raise NotImplementedError
+
+    # ------------------------------------------------ the driver's actions
+    def start(self, t: float, r: int) -> None:
+        raise NotImplementedError
+
+    def unstart(self, t: float, r: int) -> None:
+        pass
+
+    def drain(self, t: float, r: int) -> None:
+        pass
+
+    def stopped(self, t: float, r: int) -> None:
+        pass
+
+    # ------------------------------------------------ the logic
+    def metric(self, ready: list[int]) -> list[float]:
+        """The metric's values: one per ready replica, or the proxy's queue."""
+        m = self.config.metric
+        if m == "waiting":
+            return [float(self.waiting(r)) for r in ready]
+        if m == "kv":
+            return [float(self.kv(r)) for r in ready]
+        if m == "in_flight":
+            return [float(self.held(r)) for r in ready]
+        return [float(self.queued())]
+
+    def empty(self, r: int) -> bool:
+        return self.held(r) == 0
+
+    def apply_mask(self) -> None:
+        """The router's mask: None where every replica is ready."""
+        ready = self.mask
+        for r, s in enumerate(self.replicas.state):
+            ready[r] = s == READY
+        self.router.ready = None if all(ready) else ready
+
+    def sync(self, t: float) -> None:
+        """One sync period at t: the HPA's count carried out (replicas
+        started, starts stopped, replicas drained, drained ones found empty
+        off), the mask set and the counts logged."""
+        rs = self.replicas
+        before = list(rs.state)
+        started, unstarted, drained = rs.sync(t, self.metric, self.empty)
+        for r in started:
+            self.start(t, r)
+        for r in unstarted:
+            self.unstart(t, r)
+        for r in drained:
+            self.mask[r] = False
+            self.router.ready = self.mask
+            self.drain(t, r)
+            if self.empty(r):
+                rs.off(t, r)
+        for r, (b, s) in enumerate(zip(before, rs.state)):
+            if s == OFF and b != OFF:
+                self.stopped(t, r)
+        self.apply_mask()
+        rs.log(t)
+
+    def became_ready(self, t: float, r: int) -> None:
+        """Replica r, started, takes traffic from t."""
+        self.replicas.became_ready(t, r)
+        self.apply_mask()
+
+
 __all__ = ["METRICS", "PROVISIONING", "DRAIN", "AutoscalerConfig", "ProvisioningDelay", "Autoscaler",
-           "ReplicaSet", "Life", "OFF", "STARTING", "READY", "DRAINING"]
+           "ReplicaSet", "ScalingDriver", "Life", "OFF", "STARTING", "READY", "DRAINING"]
