@@ -81,6 +81,10 @@ def layers_line(layers: tuple | None) -> str:
 
 def capacity_line(dep: Deployment) -> str:
     info = dep.capacity_info
+    if dep.fleet is not None and dep.fleet.autoscaler is not None:
+        k = dep.fleet.autoscaler.initial
+        return (f"Ĉ {dep.capacity:.3f} calls/s, of the {k} replica{'s' if k != 1 else ''} the autoscaler starts "
+                f"with (at most {dep.fleet.replicas}; {info['source']})")
     if dep.fleet is not None:
         return f"Ĉ {dep.capacity:.3f} calls/s, the sum of the {dep.fleet.replicas} replicas' ({info['source']})"
     if info["source"] == "profile":
