@@ -225,7 +225,7 @@ def resolve(d: dict, source: str = "scenario", base_dir: str = ".", build_prior=
         sc, trace_src, burst = _replayed(w, me, base_dir, trace_speedup)
     else:
         (sc, burst), trace_src = _generated(w, me, base_dir, schema), None
-    scenario = _scenario(sc, secs["client"], me, prof, trace_src is None, schema)
+    scenario = _scenario(sc, secs.values(), prof, trace_src is None, schema)
     if doc.has("faults"):
         scenario = scenario.with_(**_faults(secs["faults"]))
     _check_lengths(w, scenario, trace_src, prof)
@@ -434,12 +434,12 @@ def _classes(w: _Doc, base_dir: str, shares_of_trace: bool = False) -> tuple[Tra
     return tuple(out)
 
 
-def _scenario(sc: dict, cl: _Doc, me: _Doc, prof: Profile, generated: bool, schema: Schema) -> Scenario:
-    """The Scenario: the workload's fields, and the [client] and [measures]
-    keys that are Scenario fields, with the defaults that follow the
-    deadline (Retry-After cap, primary cohort's start, delivery horizon =
-    hold + one deadline)."""
-    for sec in (cl, me):
+def _scenario(sc: dict, secs, prof: Profile, generated: bool, schema: Schema) -> Scenario:
+    """The Scenario: the workload's fields, and the keys of `secs` whose
+    rows are Scenario fields ([client]'s, some of [measures]'), with the
+    defaults that follow the deadline (Retry-After cap, primary cohort's
+    start, delivery horizon = hold + one deadline)."""
+    for sec in secs:
         sc.update({k: v for k, v in _values(schema, sec.where_, sec.d).items() if schema.row(sec.where_, k).field})
     deadline = sc.get("deadline_s", PAPER.deadline_s)
     sc.setdefault("max_retry_after_s", float(deadline))
