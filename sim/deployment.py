@@ -298,13 +298,12 @@ class Deployment:
         if model is None and max_batched_tokens is None and pulse is None and not mixed_prompts:
             return self
         return from_document(doc, self.name, self.base_dir, self.build_prior,
-                             self.trace_source.speedup if self.trace_source else None)
+                             self.trace_source.speedup if self.trace_source else None, self.schema)
 
     # -- presenting
     def to_toml(self) -> str:
         """The resolved deployment as a complete, commented scenario file."""
         return scenario_writer.to_toml(self.document(), self.profile.engine, self.table)
-
 
 
 def _profile_hash(p: Profile) -> str:

@@ -191,6 +191,12 @@ def test_a_layers_section_added_as_rows_is_checked_kept_written_and_documented(t
         from_document({"gateway": {"timeout_s": 30}}, "g.toml")
 
 
+def test_the_command_lines_changes_keep_the_table_a_deployment_was_read_with():
+    dep = from_document({"gateway": {"timeout_s": 30}}, "g.toml", schema=SCHEMA.with_rows(*GATEWAY))
+    changed = dep.with_changes(max_batched_tokens=4096)
+    assert changed.sections == dep.sections and changed.profile.engine["max_num_batched_tokens"] == 4096
+
+
 def test_a_phase_key_added_as_a_row_is_checked_and_documented():
     schema = SCHEMA.with_rows(Key("phase", "shape", STRING, "how the rate moves in the phase", default="flat",
                                   choices=("flat", "ramp")))
