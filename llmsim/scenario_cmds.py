@@ -1,9 +1,13 @@
-"""`llmsim scenario show|check`, and the `--scenario FILE|NAME` option the
-model's commands share (`scenario_arg`, `deployment`)."""
+"""`llmsim scenario show|check` (check's report: `implications`, what a
+deployment implies), and the `--scenario FILE|NAME` option the model's
+commands share (`scenario_arg`, `deployment`)."""
 from __future__ import annotations
 
 import json
+import math
 import sys
+
+import numpy as np
 
 from calibrate.prior import GPUS, prior_profile, shape_from_config
 from sim.deployment import Deployment, ScenarioError, load
@@ -77,6 +81,10 @@ def layers_line(layers: tuple | None) -> str:
 
 def capacity_line(dep: Deployment) -> str:
     info = dep.capacity_info
+    if dep.fleet is not None and dep.fleet.autoscaler is not None:
+        k = dep.fleet.autoscaler.initial
+        return (f"Ĉ {dep.capacity:.3f} calls/s, of the {k} replica{'s' if k != 1 else ''} the autoscaler starts "
+                f"with (at most {dep.fleet.replicas}; {info['source']})")
     if dep.fleet is not None:
         return f"Ĉ {dep.capacity:.3f} calls/s, the sum of the {dep.fleet.replicas} replicas' ({info['source']})"
     if info["source"] == "profile":
@@ -96,13 +104,55 @@ def cmd_show(a) -> int:
     return 0
 
 
+def implications(dep: Deployment) -> dict:
+    """What the scenario implies: calls per phase at Ĉ, the burst's backlog
+    (arrivals beyond capacity over the burst, in seconds of work at
+    capacity) against the deadline, and the KV seats for the mean prompt
+    plus mean response."""
+    s, cap = dep.scenario, dep.capacity
+    out: dict = {"capacity": cap, "capacity_source": dep.capacity_info["source"]}
+    if dep.trace_source is not None:
+        tr = dep.trace_source.trace
+        out["phases"] = [{"name": "trace", "duration_s": float(tr.arrival[-1]), "calls": len(tr)}]
+        if dep.burst is not None:
+            n = int(np.count_nonzero((tr.arrival >= s.pulse_start) & (tr.arrival < s.pulse_end)))
+            burst_rate = n / s.pulse_s
+    else:
+        out["phases"] = []
+        for name, (a, b, r) in zip([p.name for p in s.phases], s.arrival_phases(cap)):
+            out["phases"].append({"name": name, "duration_s": b - a, "rate": r, "calls": r * (b - a)})
+        if dep.burst is not None:
+            burst_rate = next(p["rate"] for p in out["phases"] if p["name"] == dep.burst)
+    if dep.burst is not None:
+        backlog = max(0.0, burst_rate - cap) * s.pulse_s / cap
+        out["burst"] = {"name": dep.burst, "start_s": s.pulse_start, "end_s": s.pulse_end,
+                        "rate": burst_rate, "load": burst_rate / cap, "backlog_s": backlog,
+                        "deadline_s": s.deadline_s, "beyond_deadline": backlog > s.deadline_s}
+    out["kv"] = _kv_seats(dep)
+    return out
+
+
+def _kv_seats(dep: Deployment) -> dict:
+    """The KV cache's seats for a mean call (mean prompt, mixed ones
+    included, plus mean response)."""
+    s, e = dep.scenario, dep.profile.engine
+    mean_prompt = (s.prompt.expected if s.prompt else s.prompt_mean)
+    if s.mixed_share:
+        mean_prompt = (1 - s.mixed_share) * mean_prompt + s.mixed_share * s.mixed_prompt_len
+    mean_resp = s.response.expected if s.response else s.response_mean
+    per = math.ceil((mean_prompt + mean_resp) / e["block_size"])
+    return {"tokens": e["num_gpu_blocks"] * e["block_size"], "blocks": e["num_gpu_blocks"],
+            "mean_prompt": mean_prompt, "mean_response": mean_resp, "blocks_per_call": per,
+            "seats": e["num_gpu_blocks"] // per, "max_num_seqs": e["max_num_seqs"]}
+
+
 def cmd_check(a) -> int:
     try:
         dep = load(a.file, build_prior=build_prior)
         dep.capacity
     except (ScenarioError, ProfileError) as e:
         raise args.UsageError(f"scenario check: {e}") from None
-    imp = dep.implications()
+    imp = implications(dep)
     e = dep.profile.engine
     over = dep.profile.raw.get("engine_overrides") or {}
     print(f"{dep.name} (content hash {dep.content_hash}): {a.file} is valid")

@@ -53,7 +53,7 @@ ELSEWHERE = "elsewhere"
 
 @dataclass(frozen=True)
 class FleetSpec:
-    """A scenario's [fleet] (read by `sim.deployment` against `sim.schema`):
+    """A scenario's [fleet] (read by `sim.scenario_file` against `sim.schema`):
     the router and one profile per replica; `profile_names` as the file
     named them (None: the model's for all); `autoscaler` ([autoscaler]),
     where given, scales the replicas between its min and max (the profiles

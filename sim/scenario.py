@@ -12,7 +12,7 @@ distributions (`Lengths`), prefix groups with shares, a mixed-prompt share
 and a cut to the engine's context length. Each is left out of `to_dict`
 while unset, and phases of the reference design's shape are given there by
 its six fields, so the reference scenarios read exactly as before; scenario
-files (`sim.deployment`) set them.
+files (`sim.scenario_file`) set them.
 
 Named scenarios:
 - `paper`: the reference design as written (947 s of arrivals, 120 s deadline) — the default

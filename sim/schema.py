@@ -2,9 +2,10 @@
 with its section, type, bounds, default and comment. The table drives the
 checking of a scenario file (unknown sections and keys, types, bounds, a cap
 below its base; every error one line naming the file and `section.key`), the
-commented TOML that `llmsim scenario show` prints and records carry, and the
-`[section]` tables of layers that no resolver of `sim.deployment` reads
-(kept as checked and given back by `Deployment.sections`).
+commented TOML that `llmsim scenario show` prints and records carry
+(`sim.scenario_writer`), and the `[section]` tables of layers that no
+resolver of `sim.scenario_file` reads (kept as checked and given back by
+`Deployment.sections`).
 
 A section is itself a row: `Key("", "fleet", TABLE, ...)` declares `[fleet]`;
 `Key("workload", "phases", TABLES, of="phase")` declares a list of tables,

@@ -182,6 +182,16 @@ def test_capacity_belongs_to_the_workload():
     assert mixed["capacity"] == capacity_protocol(prof, PAPER.with_(mixed_share=0.5))["capacity"]
 
 
+def test_check_gives_an_autoscaled_fleets_capacity_as_its_starting_replicas(capsys):
+    """An autoscaled fleet's Ĉ is the sum of the replicas it starts with,
+    not of the replicas it may grow to."""
+    f = os.path.join(os.path.dirname(__file__), "..", "examples", "autoscale.toml")
+    assert main(["scenario", "check", f]) == 0
+    out = capsys.readouterr().out
+    cap = load(f).capacity
+    assert f"Ĉ {cap:.3f} calls/s, of the 1 replica the autoscaler starts with (at most 4; profile)" in out
+
+
 def test_mixed_prompts_scale_by_the_mix_capacity():
     from sim.run import run_one
     prof = load_profile("qwen2.5-7b")

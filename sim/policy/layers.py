@@ -6,7 +6,7 @@ make, top))` at import, where
 
 - `settings(preset, overrides)` returns the layer's effective settings (a
   dict with `kind`), raising a one-line `ValueError("key: why")` for a bad
-  value (`sim.deployment` turns it into `FILE: layer[i].key why`);
+  value (`sim.scenario_file` turns it into `FILE: layer[i].key why`);
 - `make(settings, context)` returns the clock-free layer object a run
   drives (`LayerContext`: the run's random draws, a view of the engines,
   the calls' priorities);
@@ -20,7 +20,7 @@ make, top))` at import, where
   gateway, are read from their settings there). A kind without it is shown
   with its settings and said not to compose.
 
-`sim.deployment` resolves every `[[layer]]` table through this registry and
+`sim.scenario_file` resolves every `[[layer]]` table through this registry and
 `sim.model.Run` makes every layer through it: a new kind of layer is its
 module (which registers it), its rows in `sim/schema.py` (the module is
 imported there, so its registration is done before any scenario is read),
