@@ -101,9 +101,9 @@ class Scaling:
         if m == "waiting":
             return [float(run.engines[r].scheduler.num_waiting) for r in ready]
         if m == "kv":
-            return [run._kv_usage_of(r) for r in ready]
+            return [run.kv_usage_of(r) for r in ready]
         if m == "in_flight":
-            return [float(run._outstanding_of(r)) for r in ready]
+            return [float(run.outstanding_of(r)) for r in ready]
         return [float(run.proxy.queued)]
 
     # ---------------------------------------------------------- events
@@ -134,22 +134,8 @@ class Scaling:
         self._mask()
 
     def _cancel_on(self, t: float, r: int) -> None:
-        """Cancel the requests on replica r: each aborted in its engine and
-        its execution refused (503) to its attempts; a proxy queue held for
-        r alone dispatches its next ones to r, cancelled in turn."""
-        run = self.run
-        reps = run.exec_replica
-        while True:
-            mine = [i for i in run.requests if reps[i] == r]
-            if not mine:
-                return
-            for i in mine:
-                req = run.requests.pop(i)
-                run.executions[i].cancel_requested_at = t
-                run.engines[r].abort_request(req)
-                ex = run.proxy.executions.get(i)
-                if ex is not None:
-                    run._do(t, run.proxy.on_engine_refused(t, ex))
+        """Cancel the requests on replica r (`sim.replicas.Replicas.cancel_on`)."""
+        self.run.replicas.cancel_on(t, r)
 
     # ---------------------------------------------------------- after the run
     def replica_seconds(self, end: float) -> float:
