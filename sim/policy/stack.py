@@ -398,6 +398,9 @@ class Interpreter:
                 else:
                     handlers[ta](t, a)
                 if stack:                   # the handler's own actions, on the stack now, come first
+                    if k == len(actions):   # none of this list's left: its end comes after theirs
+                        self._do_nested()
+                        break
                     stack.insert(0, (t, iter(actions[k:])))
                     self._do_nested()       # each list ends in turn, this one's rest last
                     self._doing = False
