@@ -59,8 +59,9 @@ def direct(d: _Driver, n: int) -> None:
 
 
 def actions(d: _Driver, n: int) -> None:
+    above = Attempt(0, 0, 1.0)              # the attempt each one serves (an upstream attempt has one)
     for i in range(n):
-        att = Upstream(i, 0, 1.0, d, None)
+        att = Upstream(i, 0, 1.0, d, above)
         d._do(0.0, [Timer(1.0, d, att), Send(att)])
 
 

@@ -101,10 +101,10 @@ class Scaling(ScalingDriver):
         return self.run.engines[r].scheduler.num_waiting
 
     def kv(self, r: int) -> float:
-        return self.run.kv_usage_on(r)
+        return self.run.kv_usage_of(r)
 
     def held(self, r: int) -> int:
-        return self.run.held_on(r)
+        return self.run.outstanding_of(r)
 
     def queued(self) -> float:
         return self.run.proxy.queued
@@ -118,20 +118,10 @@ class Scaling(ScalingDriver):
         self.timers.pop(r).live = False         # Timers.cancel
 
     def drain(self, t: float, r: int) -> None:
-        """With drain = "cancel", cancel the requests on replica r: each
-        aborted in its engine and its execution refused (503) to its
-        attempts; a proxy queue held for r alone dispatches its next ones to
-        r, cancelled in turn."""
-        if self.config.drain != "cancel":
-            return
-        run = self.run
-        reps = run.exec_replica
-        while True:
-            mine = [i for i in run.requests if reps[i] == r]
-            if not mine:
-                return
-            for i in mine:
-                run.abort_execution(t, i)
+        """With drain = "cancel", cancel the requests on replica r
+        (`sim.replicas.Replicas.cancel_on`)."""
+        if self.config.drain == "cancel":
+            self.run.replicas.cancel_on(t, r)
 
     # ---------------------------------------------------------- after the run
     def replica_seconds(self, end: float) -> float:

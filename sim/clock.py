@@ -368,3 +368,123 @@ class RoutedTimers(Timers):
         if h and h[0][2].t < t:
             t = h[0][2].t
         return t
+
+
+# ---- the driver's side of the horizon over a cluster of engines (the contract above)
+
+def next_finish(engine) -> float:
+    """The end of the first step in flight of `engine` that finishes a request (INF: none)."""
+    for plan in engine.pending:
+        if plan.finishing:
+            return plan.end
+    return INF
+
+
+def horizon_one(engines: list) -> float:
+    """The timers' horizon over one engine: the end of its step in flight (-INF while it is idle)."""
+    pending = engines[0].pending
+    return pending[0].end if pending else -INF
+
+
+def horizon_all(engines: list) -> float:
+    """The earliest end of a step in flight; -INF while an engine is idle
+    (an input may start a step on it at once)."""
+    h = INF
+    for e in engines:
+        p = e.pending
+        if not p:
+            return -INF
+        if p[0].end < h:
+            h = p[0].end
+    return h
+
+
+class NextInput:
+    """Each engine's `next_input_time()` over a cluster (`engines`, the
+    stack's `cluster` of proxies): the next timer, bounded further while a
+    proxy — or a layer of `queueing_layers` above it — holds a queue that
+    drains as requests finish. `reroutes_refusals`: an engine's 503 sends a
+    request on to another replica (every proxy's queue counts for every
+    engine). Where every call stays on its home replica (`timers` a
+    `RoutedTimers`), `calls_of[r]` are the calls r is home to, in arrival
+    order, and `workload` the run's calls (`sim.calls.Calls`: their
+    `arrival` times, and `next_call`, the first call not yet arrived)."""
+
+    def __init__(self, timers, engines: list, cluster, queueing_layers=(), may_queue: bool = False,
+                 reroutes_refusals: bool = False, workload=None):
+        self.timers, self.engines, self.cluster = timers, engines, cluster
+        self.queueing_layers = list(queueing_layers)
+        self.may_queue, self.reroutes_refusals = may_queue, reroutes_refusals
+        self.all_groups = range(len(cluster.groups))
+        self.routed = isinstance(timers, RoutedTimers)
+        self.workload = workload
+        if self.routed:
+            self.calls_of = [[] for _ in cluster.group_of]  # call ids by home replica, in arrival order
+            for c, r in enumerate(timers.home):
+                self.calls_of[r].append(c)
+            self.calls_at = [0] * len(cluster.group_of)     # first of them not yet arrived
+
+    def functions(self) -> list:
+        """Each engine's `next_input_time`."""
+        n = len(self.cluster.group_of)
+        if self.queueing_layers:
+            return [partial(self.of, r) for r in range(n)]
+        if not self.routed and not self.may_queue:
+            return [self.timers.next_time] * n             # no proxy ever queues: the next timer
+        if n == 1:
+            return [self.one]
+        return [partial(self.of, r) for r in range(n)]
+
+    def one(self) -> float:
+        """`of` the one engine of a cluster of one: the next timer, or —
+        while the proxy holds executions in its queue — the end of the
+        first step in flight that finishes a request (its completion frees
+        a seat under the proxy cap, and a queued execution is dispatched
+        then)."""
+        t = self.timers.next_time()
+        if self.cluster.proxy.queued:
+            return min(t, next_finish(self.engines[0]))
+        return t
+
+    def of(self, r: int) -> float:
+        """A bound on when engine r may next get input (or be read by the
+        router): the next timer; and while a proxy holds a queue, the next
+        moment a request may finish where that queue drains on finishes: if
+        the proxy feeds r, the steps in flight that finish one on the
+        engines it feeds, and for another of them also the end of its steps
+        in flight (a step it has not scheduled yet may finish one just
+        after); where an engine's 503 sends a request on to another replica,
+        any other proxy's queue counts likewise; an idle engine just given
+        input bounds it at now (the step it is about to start may finish one
+        at any time). Where every call stays on its home replica, only the
+        timers of r's calls count, and the arrival of the next call r is
+        home to."""
+        if self.routed:
+            t = self.timers.next_time_of(r)
+            calls, i, arrived = self.calls_of[r], self.calls_at[r], self.workload.next_call
+            while i < len(calls) and calls[i] < arrived:
+                i += 1
+            self.calls_at[r] = i
+            if i < len(calls) and self.workload.arrival[calls[i]] < t:
+                t = self.workload.arrival[calls[i]]
+        else:
+            t = self.timers.next_time()
+        engines = self.engines
+        if self.queueing_layers and any(layer.queued for layer in self.queueing_layers):
+            # a layer above the proxy sends a queued attempt on as a request anywhere below it finishes
+            for s, e in enumerate(engines):
+                t = min(t, next_finish(e))
+                if s != r and e.pending:
+                    t = min(t, e.pending[-1].end)
+        if self.may_queue:
+            cl = self.cluster
+            for g in self.all_groups if self.reroutes_refusals else (cl.group_of[r],):
+                if cl.proxies[g].queued:
+                    for s in cl.groups[g]:
+                        e = engines[s]
+                        t = min(t, next_finish(e))
+                        if s != r and e.pending:
+                            t = min(t, e.pending[-1].end)
+                        elif s != r and e.inbox:     # idle with input: a step about to start may finish one
+                            t = min(t, self.timers.env.now)
+        return t

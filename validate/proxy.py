@@ -113,7 +113,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from sim.conditions import Condition
 from sim.runlog import ExecutionRecord
-from sim.policy.layers import LayerContext, Leave, RunOn, Send, Timer, Upstream, layer_kind
+from sim.policy.layers import LayerContext, Timer, Upstream, layer_kind
 from sim.policy.proxy import (Attempt, EngineView, PromptRate, Subscribe, Refuse, Cancel,
                               Complete, Drop, Wake)
 from sim.policy.router import ReplicaView, RouterConfig
@@ -219,6 +219,12 @@ class Metrics:
                                         "tokens of completed executions / max tokens (accepted)", registry=r)
 
 
+class RequestAttempt(Attempt):
+    """A client's attempt (an HTTP request) with its `Waiter` as its `row`
+    (the row an upstream attempt serving it carries: `Interpreter._send_below`)."""
+    __slots__ = ("row",)
+
+
 class LiveProxy(Interpreter):
     """The policy core on the asyncio clock, in front of `upstream` (one
     engine URL, or a list of them behind `router`; see the module docstring
@@ -262,10 +268,7 @@ class LiveProxy(Interpreter):
             if kind.top:
                 raise ValueError(f"layer[{i}]: a {kind.name} layer stands at the client's place, not in the proxy")
             self.layers.append(kind.make(settings, LayerContext(draws.uniform, self._pods, None, i + 1)))
-        entries = [(layer.on_attempt, layer.on_attempt_left) for layer in self.layers]
-        entries.append((self._proxy_attempt, self.proxy.on_attempt_left))
-        self._enter, self._enter_left = entries[0]
-        self._below = dict(zip(self.layers, entries[1:]))     # each layer's layer below
+        self._chain(self.layers, (self._proxy_attempt, self.proxy.on_attempt_left))
         if not keep_records:            # the interpreter's queue log: its last entry only
             self.proxy_queue_log = deque(self.proxy_queue_log, maxlen=1)
         self.prompt_rates = [PromptRate(60.0) for _ in cl.groups]    # the prompt throughput each proxy sees
@@ -408,20 +411,17 @@ class LiveProxy(Interpreter):
             st.task.cancel()
 
     def _refuse(self, t: float, a: Refuse) -> None:
+        """Every refusal is counted; the chain routes it (`Interpreter._refuse`)."""
         self.metrics.refused.labels(a.reason, str(a.status)).inc()
-        if type(a.attempt) is Upstream:     # a layer's upstream attempt: the answer goes to that layer
-            up = a.attempt
-            self._do(t, up.layer.on_refused(t, up, a.status, a.retry_after, a.reason))
-            return
+        Interpreter._refuse(self, t, a)
+
+    def _refused(self, t: float, a: Refuse) -> None:
         w = self.waiters.get(id(a.attempt))
         if w is not None:
             w.refused = a
             w.notify()
 
-    def _complete(self, t: float, a: Complete) -> None:
-        if type(a.attempt) is Upstream:
-            self._do(t, a.attempt.layer.on_complete(t, a.attempt))
-            return
+    def _completed(self, t: float, a: Complete) -> None:
         w = self.waiters.get(id(a.attempt))
         if w is not None:
             w.completed = True
@@ -439,10 +439,17 @@ class LiveProxy(Interpreter):
         loop.call_at(when, self._wake, a.execution)
 
     # the actions of the layers between the client and the policy core
-    def _waiter(self, att: Attempt) -> Waiter:
-        """The request an attempt serves: its own, or for a layer's upstream
-        attempt the request of the top attempt (kept in its `row`)."""
-        return att.row if type(att) is Upstream else self.waiters[id(att)]
+    @staticmethod
+    def _waiter(att: Attempt) -> Waiter:
+        """The request an attempt serves (kept in its `row`: a client's
+        attempt's own, a layer's upstream attempt's that of the attempt it
+        serves)."""
+        return att.row
+
+    @staticmethod
+    def _request(up: Upstream) -> tuple:
+        """What an upstream attempt carries below: its request's params and prompt length."""
+        return up.row.params, up.row.prompt_len
 
     def _proxy_attempt(self, t: float, att: Attempt, params: tuple, prompt_len: int) -> list:
         """An attempt reaches the policy core (from the client, or the
@@ -456,28 +463,6 @@ class LiveProxy(Interpreter):
             self.attempt_index[(top.call_id, top.number)] = len(landed) - 1
         return actions
 
-    def _send_below(self, t: float, a: Send) -> None:
-        up = a.attempt
-        above = up.above
-        up.row = w = above.row if type(above) is Upstream else self.waiters[id(above)]
-        self._do(t, self._below[up.layer][0](t, up, w.params, w.prompt_len))
-
-    def _leave(self, t: float, a: Leave) -> None:
-        up = a.attempt
-        ex = up.execution
-        self._do(t, self._below[up.layer][1](t, up))
-        if ex is not None and ex.orphaned and ex.state == "dispatched":
-            self._orphaned(t, ex)
-
-    def _run_on(self, t: float, a: RunOn) -> None:
-        att = a.attempt
-        while att is not None and att.execution is None and type(att) is Upstream:
-            k = self.layers.index(att.layer) + 1
-            att = self.layers[k].upstream_of(att) if k < len(self.layers) else None
-        ex = att.execution if att is not None else None
-        if ex is not None and ex.live and ex.state == "dispatched":
-            self._orphaned(t, ex)
-
     def _timer_at(self, t: float, a: Timer) -> None:
         loop = asyncio.get_running_loop()
         loop.call_at(loop.time() + max(0.0, a.at - self.now()), self._layer_timer, a)
@@ -487,7 +472,10 @@ class LiveProxy(Interpreter):
         self._do(t, a.layer.on_timer(t, a.token))
 
     def _orphaned(self, t: float, ex) -> None:
-        """An execution runs on with nobody waiting for it (its record's `orphaned_at`: the first time)."""
+        """An execution sent to its engine runs on with nobody waiting for it
+        (its record's `orphaned_at`: the first time)."""
+        if ex.state != "dispatched":
+            return
         self.metrics.orphaned.inc()
         st = self.streams.get(ex.id)
         if st is not None and st.record is not None and st.record.orphaned_at != st.record.orphaned_at:
@@ -684,7 +672,7 @@ class LiveProxy(Interpreter):
         klass = request.headers.get("X-Class")
         if klass is not None and not CALL_ID.fullmatch(klass):
             raise web.HTTPBadRequest(text="X-Class must be 1-128 characters of A-Za-z0-9._:-")
-        return Attempt(call, number, klass=klass)
+        return RequestAttempt(call, number, klass=klass)
 
     async def handle_completion(self, request: web.Request) -> web.StreamResponse:
         received = time.monotonic()
@@ -701,7 +689,7 @@ class LiveProxy(Interpreter):
         self.metrics.attempts.labels("retry" if att.number > 0 else "first").inc()
         params = (json.dumps(body, sort_keys=True, separators=(",", ":")),)
         plen = prompt_tokens(body.get("prompt"))
-        w = self.waiters[id(att)] = Waiter(body, plen, mt or DEFAULT_MAX_TOKENS, received)
+        w = att.row = self.waiters[id(att)] = Waiter(body, plen, mt or DEFAULT_MAX_TOKENS, received)
         w.params = params
         t = self.now()
         try:
@@ -709,12 +697,7 @@ class LiveProxy(Interpreter):
             return await self._serve(request, att, w, bool(body.get("stream")))
         except (asyncio.CancelledError, ConnectionResetError) as e:
             if att.open:
-                t = self.now()
-                ex = att.execution
-                actions = self._enter_left(t, att)
-                if ex is not None and ex.orphaned and ex.state == "dispatched":
-                    self._orphaned(t, ex)
-                self._do(t, actions)
+                self._disconnect(self.now(), att, self._enter_left)
             if isinstance(e, ConnectionResetError):
                 # the client left while its stream was being written: the same
                 # as a disconnect noticed by the server (not a server error)

@@ -35,7 +35,7 @@ from functools import partial
 from typing import Callable, Sequence
 
 from .client import ClientConfig
-from .layers import Leave, RunOn, Send, Timer, layer_kind
+from .layers import Leave, RunOn, Send, Timer, Upstream, layer_kind
 from .proxy import (Cancel, Complete, Dispatch, Drop, EngineView, Execution, Proxy, ProxyConfig, Refuse, Subscribe,
                     Wake)
 from .router import ReplicaProxies, Router, RouterConfig
@@ -272,31 +272,106 @@ class SidecarPerReplica(Cluster):
 
 
 class Interpreter:
-    """Carries a layer's actions out: the one interpreter of the simulator
-    (`sim.model.Run`) and the live proxy (`validate.proxy.LiveProxy`). A
-    driver subclasses it with one handler per action, each given the time:
-    `_subscribe(t, Subscribe)`, `_dispatch(t, execution)`, `_cancel(t,
-    Cancel)`, `_refuse(t, Refuse)`, `_complete(t, Complete)`, `_drop(t,
-    Drop)`, `_wake_at(t, Wake)`; and for the layers between the client and
-    the proxy (`sim.policy.layers`): `_send_below(t, Send)`, `_leave(t,
-    Leave)`, `_run_on(t, RunOn)`, `_timer_at(t, Timer)` (a driver that hosts
-    no such layer keeps the defaults, which refuse them). As each list of
-    actions ends, the length of the queue of `proxy` is appended to
-    `proxy_queue_log` as (t, length) if it changed."""
+    """Carries a layer's actions out and routes attempts through the chain of
+    layers: the one interpreter of the simulator (`sim.model.Run`) and the
+    live proxy (`validate.proxy.LiveProxy`). A driver subclasses it with one
+    handler per action of the proxy, each given the time: `_subscribe(t,
+    Subscribe)`, `_dispatch(t, execution)`, `_cancel(t, Cancel)`, `_drop(t,
+    Drop)`, `_wake_at(t, Wake)`, and `_timer_at(t, Timer)` for a layer's
+    timer; and the hooks of the routing this class owns: `_refused(t,
+    Refuse)` and `_completed(t, Complete)` (the answer to an attempt from the
+    top, the client's), `_request(up)` (the (params, prompt length) an
+    upstream attempt carries below) and `_orphaned(t, execution)` (an
+    execution runs on with nobody waiting). `_chain(layers, bottom)` wires
+    the layers between the client and the proxy (`sim.policy.layers`): an
+    answer to a layer's upstream attempt goes to that layer, `Send` to the
+    layer below, `Leave` is its disconnect there, `RunOn` finds the
+    execution that runs on. As each list of actions ends, the length of the
+    queue of `proxy` is appended to `proxy_queue_log` as (t, length) if it
+    changed."""
 
     def __init__(self):
         self.proxy_queue_log: list = [(0.0, 0)]     # (t, proxy queue length) at changes
         self._action_stack: list = []       # (t, actions) lists being carried out (see _do)
         self._doing = False                 # _do's loop is running
+        self.layers: list = []
+        self._below: dict = {}
         self._handlers = {Subscribe: self._subscribe, Cancel: self._cancel, Refuse: self._refuse,
                           Complete: self._complete, Drop: self._drop, Wake: self._wake_at,
                           Send: self._send_below, Leave: self._leave, RunOn: self._run_on, Timer: self._timer_at}
+
+    # ---------------------------------------------------------- the chain of layers
+    def _chain(self, layers, bottom: tuple) -> None:
+        """Wire `layers` (from the top) above `bottom`, the (on_attempt,
+        on_attempt_left) of what stands below the lowest of them (the
+        proxy): `_enter` / `_enter_left` take the top's attempts. Without
+        layers every answer is to the top: `_refused` / `_completed` take
+        them straight from the table."""
+        self.layers = list(layers)
+        entries = [(layer.on_attempt, layer.on_attempt_left) for layer in self.layers] + [bottom]
+        self._enter, self._enter_left = entries[0]
+        self._below = dict(zip(self.layers, entries[1:]))     # each layer's layer below
+        h = self._handlers
+        if not self.layers and h[Refuse].__func__ is Interpreter._refuse:
+            h[Refuse] = self._refused
+        if not self.layers and h[Complete].__func__ is Interpreter._complete:
+            h[Complete] = self._completed
+
+    def _below_layer(self, layer):
+        """The layer below `layer` between the client and the proxy (None: the proxy)."""
+        k = self.layers.index(layer) + 1
+        return self.layers[k] if k < len(self.layers) else None
+
+    def _refuse(self, t: float, a: Refuse) -> None:
+        if type(a.attempt) is Upstream:     # a layer's upstream attempt: the answer goes to that layer
+            up = a.attempt
+            self._do(t, up.layer.on_refused(t, up, a.status, a.retry_after, a.reason))
+        else:
+            self._refused(t, a)
+
+    def _complete(self, t: float, a: Complete) -> None:
+        if type(a.attempt) is Upstream:
+            self._do(t, a.attempt.layer.on_complete(t, a.attempt))
+        else:
+            self._completed(t, a)
+
+    def _send_below(self, t: float, a: Send) -> None:
+        """A layer's upstream attempt goes to the layer below; it carries
+        the `row` of the attempt it serves."""
+        up = a.attempt
+        up.row = up.above.row
+        params, prompt_len = self._request(up)
+        self._do(t, self._below[up.layer][0](t, up, params, prompt_len))
+
+    def _leave(self, t: float, a: Leave) -> None:
+        """A layer closed its upstream attempt: the layer below hears the disconnect."""
+        up = a.attempt
+        self._disconnect(t, up, self._below[up.layer][1])
+
+    def _disconnect(self, t: float, att, left) -> None:
+        """`left(t, att)`, the disconnect of `att` at the layer below it; an
+        execution left with nobody waiting runs on (`_orphaned`)."""
+        ex = att.execution
+        self._do(t, left(t, att))
+        if ex is not None and ex.orphaned:
+            self._orphaned(t, ex)
+
+    def _run_on(self, t: float, a: RunOn) -> None:
+        """Nobody waits for a layer's upstream attempt any more: the execution
+        serving it (found down the layers below) runs on, orphaned."""
+        att = a.attempt
+        while att is not None and att.execution is None and type(att) is Upstream:
+            below = self._below_layer(att.layer)
+            att = below.upstream_of(att) if below is not None else None
+        ex = att.execution if att is not None else None
+        if ex is not None and ex.live:
+            self._orphaned(t, ex)
 
     def _no_layers(self, t: float, a) -> None:
         raise NotImplementedError(f"{type(self).__name__} hosts no layer between the client and the proxy "
                                   f"({type(a).__name__})")
 
-    _send_below = _leave = _run_on = _timer_at = _no_layers
+    _timer_at = _no_layers
 
     def _do(self, t: float, actions: list) -> None:
         """Carry out the actions in order. Actions that a handler's own call
@@ -323,6 +398,9 @@ class Interpreter:
                 else:
                     handlers[ta](t, a)
                 if stack:                   # the handler's own actions, on the stack now, come first
+                    if k == len(actions):   # none of this list's left: its end comes after theirs
+                        self._do_nested()
+                        break
                     stack.insert(0, (t, iter(actions[k:])))
                     self._do_nested()       # each list ends in turn, this one's rest last
                     self._doing = False
