@@ -10,17 +10,22 @@ from calibrate import live_capacity
 from sim.conditions import CONDITIONS
 from sim.deployment import load
 from sim.policy.layers import layer_kind
-from sim.schema import ScenarioError
-from sim.profile import ProfileError, from_dict
-from sim.deployment import ScenarioError
-from sim.scenario import SCENARIOS, NamedScenario, get_scenario
 from sim.policy.router import PROXY_PLACEMENTS, ROUTERS, RouterConfig
-from validate import autoscale as live_autoscale
-from validate import engine, gateway
-from validate import fleet as live_fleet
+from sim.profile import ProfileError, from_dict
+from sim.scenario import SCENARIOS, NamedScenario, get_scenario
+from sim.schema import ScenarioError
+from validate import autoscale as live_autoscale, engine, fleet as live_fleet, gateway
 from validate.proxy import main as proxy_main, upstream_url
-from validate.validation import (GPU_MODELS, EngineSpec, ValidationError, capacity_for, live_layers, steps_path,
-                                 table, validate)
+from validate.validation import (
+    GPU_MODELS,
+    EngineSpec,
+    ValidationError,
+    capacity_for,
+    live_layers,
+    steps_path,
+    table,
+    validate,
+)
 
 from . import args
 from .calibrate_cmds import fit_summary, recalibrate_needed
@@ -354,7 +359,8 @@ def _calibrate_first(spec: EngineSpec, prof, vs, json_path: str | None, diffs: l
     finally:
         if started:
             eng.stop()
-    calibration = {"from": "capacity", "workload": vs.name, "params": params, "profile_before": prof.name, "machine_differences": diffs,
+    calibration = {"from": "capacity", "workload": vs.name, "params": params, "profile_before": prof.name,
+                   "machine_differences": diffs,
                    "steps_file": steps, "steps": live["steps"], "profile_file": prof_path,
                    "live_capacity": live["capacity"], "simulated_capacity": sim_res["capacity"],
                    "live_wall_s": live["wall_s"], "fit_error": fitted["provenance"]["fit_error"]}

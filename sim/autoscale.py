@@ -34,8 +34,7 @@ from heapq import heappop, heappush
 
 import numpy as np
 
-from .policy.autoscaler import (DRAINING, OFF, READY, STARTING, AutoscalerConfig, Life, ProvisioningDelay,
-                                ReplicaSet)
+from .policy.autoscaler import DRAINING, OFF, READY, STARTING, AutoscalerConfig, Life, ProvisioningDelay, ReplicaSet
 
 INF = float("inf")
 

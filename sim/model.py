@@ -14,20 +14,31 @@ import numpy as np
 import simpy
 
 from .autoscale import Scaling
+from .classes import call_classes, call_objectives, call_priorities, clients
 from .clock import Clock, RoutedTimers, Timers
 from .conditions import Condition
-from .engine.core import EngineCore, EngineConfig
+from .engine.core import EngineConfig, EngineCore
 from .engine.request import Request
-from .classes import call_classes, call_objectives, call_priorities, clients
-from .policy.client import CallState, Retry, Delivered
+from .policy.client import CallState, Delivered, Retry
 from .policy.layers import LayerContext, Upstream, layer_kind
-from .policy.proxy import (Proxy, Attempt, EngineView, PromptRate, Subscribe, Refuse, Cancel, Complete,
-                           Drop, Wake)
+from .policy.proxy import Attempt, Cancel, Complete, Drop, EngineView, PromptRate, Proxy, Refuse, Subscribe, Wake
 from .policy.router import ReplicaView, RouterConfig
 from .policy.stack import Interpreter, Stack
 from .profile import Profile
-from .runlog import (RunLog, ExecutionRecord, ExecutionTable, Series, AttemptTable, CallTable, ATTEMPT_OUTCOMES,
-                     CALL_OUTCOMES, sample_columns, sample_log, refusal_outcome, thin_log)
+from .runlog import (
+    ATTEMPT_OUTCOMES,
+    CALL_OUTCOMES,
+    AttemptTable,
+    CallTable,
+    ExecutionRecord,
+    ExecutionTable,
+    RunLog,
+    Series,
+    refusal_outcome,
+    sample_columns,
+    sample_log,
+    thin_log,
+)
 from .scenario import Scenario
 from .workload import Trace
 

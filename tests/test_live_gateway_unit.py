@@ -18,9 +18,8 @@ import pytest
 from sim.conditions import get_condition
 from sim.policy.presets import preset
 from sim.workload import Trace
-from validate import gateway as G
-
 from test_live_run_unit import SlotStub, _scenario
+from validate import gateway as G
 
 RUN = Path("/tmp/llmsim-gw-test")
 
@@ -121,6 +120,7 @@ _needs = pytest.mark.usefixtures("gateways_installed")
 
 async def _through(gateway_settings, client_settings, cond, trace, sc, slots):
     from aiohttp.test_utils import TestServer
+
     from validate.live_run import LiveRun
     stub = SlotStub(slots)
     server = TestServer(stub.app())

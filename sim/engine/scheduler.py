@@ -36,10 +36,9 @@ from itertools import count
 
 from .decode_group import DecodeGroup
 from .kv_cache_manager import KVCacheManager
-from .request import Request, WAITING, RUNNING, PREEMPTED, FINISHED, ABORTED, WAITING_STATUSES
+from .request import ABORTED, FINISHED, PREEMPTED, RUNNING, WAITING, WAITING_STATUSES, Request
 from .step_time import StepTimeModel
 from .utils import cdiv
-
 
 KV_POLICIES = ("on-demand", "reserve")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -207,7 +206,8 @@ class Scheduler:
                         break
                     if r.status != RUNNING:
                         continue                # preempted above as a victim
-                    num_new_tokens = r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens   # r.num_tokens - ...
+                    # r.num_tokens - r.num_computed_tokens
+                    num_new_tokens = r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens
                     if num_new_tokens > token_budget:
                         num_new_tokens = token_budget
                     while not kv.allocate_slots(r, num_new_tokens):
