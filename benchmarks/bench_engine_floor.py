@@ -29,8 +29,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_fleet import own_calls  # noqa: E402
-from sim.conditions import get_condition  # noqa: E402
 from sim.clock import Clock  # noqa: E402
+from sim.conditions import get_condition  # noqa: E402
 from sim.engine.core import EngineCore  # noqa: E402
 from sim.engine.request import Request  # noqa: E402
 from sim.model import Run, engine_config  # noqa: E402

@@ -14,8 +14,7 @@ import statistics
 import tempfile
 import time
 
-from sim.experiments import paper as pp
-from sim.experiments import sweep as sw
+from sim.experiments import paper as pp, sweep as sw
 
 
 def main(argv=None) -> int:

@@ -14,8 +14,8 @@ import statistics
 import tempfile
 import time
 
-from sim.experiments import sweep as sw
 from sim.conditions import CONDITIONS
+from sim.experiments import sweep as sw
 
 
 def main(argv=None) -> int:

@@ -38,8 +38,15 @@ from pathlib import Path
 
 from validate.engine import Engine, EngineError
 from validate.machine import describe as describe_machine
-from validate.step_log import (ITERATION_RE, parse_iteration_line, parse_iteration_log, parse_kv_tokens,  # noqa: F401
-                               read_steps, steps_from_raw, write_steps)
+from validate.step_log import (  # noqa: F401
+    ITERATION_RE,
+    parse_iteration_line,
+    parse_iteration_log,
+    parse_kv_tokens,
+    read_steps,
+    steps_from_raw,
+    write_steps,
+)
 
 # Grids. Prefill: one request at a time, prompt p (chunks of <= max batched
 # tokens, so later chunks see growing context). Decode: n requests sharing a
@@ -124,7 +131,7 @@ def _one_pass(grid, rng, ph, batch, log):
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def capture(engine: Engine, out: str | Path, grid: str | dict = "full", seed: int = 0, log=print) -> dict:

@@ -41,9 +41,9 @@ import numpy as np
 from scipy.optimize import nnls
 
 from sim.capacity import capacity_protocol
+from sim.engine.step_time import COEFFICIENTS, StepTimeModel
 from sim.profile import from_dict
 from sim.scenario import get_scenario
-from sim.engine.step_time import COEFFICIENTS, StepTimeModel
 from sim.steps import FEATURES, design, predict
 from validate.step_log import read_steps
 

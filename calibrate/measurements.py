@@ -552,8 +552,9 @@ def refit_profile(profile: Profile, experiments: list[Experiment], source: str, 
         "stages_before": [_brief(r) for r in before],
         "stages": [_brief(r) for r in res["stages"]],
         "simulation": {"duration_s": duration_s, "warmup_s": warmup_s, "seed": 0},
-        "method": (f"scipy.optimize.least_squares (trf, bounds: the roofline at full efficiency <= coefficient <= {M_MAX:g} x prior) on log residuals: stages in "
-                   f"units of {STAGE_SCALE:.0%}, published figures in units of "
+        "method": (f"scipy.optimize.least_squares (trf, bounds: the roofline at full efficiency <= coefficient <= "
+                   f"{M_MAX:g} x prior) on log residuals: stages in units of {STAGE_SCALE:.0%}, published figures in "
+                   "units of "
                    + ", ".join(f"{k} {v:.1%}" for k, v in PUBLISHED_SCALE.items())
                    + f", prior {PRIOR_WEIGHT:g} x (m - 1); {res['evaluations']} evaluations"),
         "date": datetime.date.today().isoformat(),

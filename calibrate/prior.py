@@ -17,7 +17,7 @@ KV capacity (vLLM's profiling run): blocks = floor((total memory * utilization
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 GiB = 1024 ** 3
 
@@ -98,7 +98,8 @@ def kv_cache(shape: ModelShape, gpu: GPU, utilization: float = 0.9, block_size: 
             "kv_bytes": int(kv_bytes), "kv_bytes_per_token": shape.kv_bytes_per_token,
             "block_size": block_size, "bytes_per_block": per_block, "num_gpu_blocks": blocks,
             "kv_tokens": blocks * block_size,
-            "formula": "floor((memory*utilization - weights - reserve) / (2*layers*kv_heads*head_dim*dtype_bytes*block_size))"}
+            "formula": "floor((memory*utilization - weights - reserve)"
+                       " / (2*layers*kv_heads*head_dim*dtype_bytes*block_size))"}
 
 
 def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: float | None = None,

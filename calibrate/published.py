@@ -17,10 +17,10 @@ import sys
 import numpy as np
 from scipy.optimize import least_squares
 
-from calibrate.prior import prior_profile, MODELS, GPUS
+from calibrate.prior import GPUS, MODELS, prior_profile
 from sim.capacity import capacity_protocol
 from sim.latency import latency
-from sim.profile import from_dict, load_profile, ProfileError
+from sim.profile import ProfileError, from_dict, load_profile
 
 # The published figures: vLLM on one H100 80 GB SXM, chunked prefill at 8,192 tokens, prefix
 # caching on, max 256 running, 32,768-token context, 0.9 memory utilization.

@@ -76,8 +76,8 @@ import time
 from pathlib import Path
 
 from calibrate.prior import GPUS, MODELS, ModelShape, kv_cache, shape_from_config
+from sim.engine.step_time import prefill_pairs  # stdlib only, like calibrate.prior
 from validate.machine import describe as describe_machine
-from sim.engine.step_time import prefill_pairs     # stdlib only, like calibrate.prior
 
 GiB = 1024 ** 3
 PAPER_PROMPT = 12000            # the paper workload's mean prompt length
@@ -204,7 +204,7 @@ def build_meta(shape_name: str, shape: ModelShape, grid_kind: str, cells: list[C
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            names = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
         if names:
             return names[0]
     except OSError:
@@ -540,8 +540,8 @@ def run(a) -> int:
                 torch.cuda.empty_cache()
                 _say(f"[{k}/{len(cells)}] {cell.label}: skipped, {str(e).splitlines()[0][:160]}")
                 continue
-            rows = [step_row(cell, scaled_duration(e, l, h, timed, shape.layers), r, embed_s=e,
-                             timed_layers_s=l, head_s=h) for r, (e, l, h) in enumerate(runs)]
+            rows = [step_row(cell, scaled_duration(e, lay, h, timed, shape.layers), r, embed_s=e,
+                             timed_layers_s=lay, head_s=h) for r, (e, lay, h) in enumerate(runs)]
             med = statistics.median(r["duration_s"] for r in rows)
             for r in rows:
                 r["cell_median_s"] = med

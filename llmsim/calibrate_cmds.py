@@ -6,8 +6,7 @@ import os
 import sys
 import time
 
-from calibrate import live_capacity
-from calibrate import measurements as ms
+from calibrate import live_capacity, measurements as ms
 from calibrate.capture import capture
 from calibrate.fit import WEIGHTS, build_profile, fit_report, load_sources
 from calibrate.from_log import LogError, profile_from_log
@@ -17,7 +16,6 @@ from sim.profile import ProfileError, from_dict, load_profile
 from validate import engine, gateway
 
 from . import args
-
 
 WEIGHTS_HELP = ("time: residuals in seconds, so the sum of step times (the rate the engine sustains) comes out "
                 "right; relative: residuals over the step's time, the least per-step MAPE")
@@ -403,8 +401,8 @@ def add_subcommands(sub) -> None:
     q.add_argument("--name", default="vllm-cpu-tiny-qwen2")
     q.add_argument("--window", type=int, default=10, help="steps per window for the window-sum error")
     q.add_argument("--capacity-scenario", choices=("scaled", "paper"), default=None,
-                   help="workload of the capacity protocol: scaled (the small CPU engine's) or paper (the reference design's); "
-                        "default: paper for steps timed on a GPU, scaled otherwise")
+                   help="workload of the capacity protocol: scaled (the small CPU engine's) or paper (the reference "
+                        "design's); default: paper for steps timed on a GPU, scaled otherwise")
     q.set_defaults(fn=cmd_calibrate_fit)
     q = cs.add_parser("fit-published", help="refit a profile's step time to published latency measurements of a "
                                             "real vLLM (a folder of experiments.json + measurements.csv) jointly "

@@ -9,8 +9,7 @@ import sys
 
 from sim.conditions import CONDITIONS
 
-from . import (args, calibrate_cmds, experiment_cmds, model_cmds, scenario_cmds, stack_cmds, validate_cmds,
-               verdict_cmds)
+from . import args, calibrate_cmds, experiment_cmds, model_cmds, scenario_cmds, stack_cmds, validate_cmds, verdict_cmds
 
 
 class _Parser(argparse.ArgumentParser):

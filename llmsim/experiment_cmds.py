@@ -7,9 +7,9 @@ import os
 
 from sim import verdict
 from sim.conditions import CONDITIONS
+from sim.experiments.figures import waste_plot
 from sim.experiments.paper import DEFAULT_SEEDS, paper, write_report
 from sim.experiments.sweep import ResultsFileError, cell_key, grid, read_rows, sweep
-from sim.experiments.figures import waste_plot
 from sim.experiments.waste import table, waste_study
 from sim.scenario import PAPER
 
@@ -104,9 +104,12 @@ def add_subcommands(sub) -> None:
     p = sub.add_parser("waste", help="steady-load cancellation waste (docs/model.md): KV policies x abort latencies")
     model_arg(p)
     p.add_argument("--cancel-rate", type=args.rates, default=[0.0, 0.1, 0.3], help="comma-separated, e.g. 0,0.1,0.3")
-    p.add_argument("--stop-rate", type=args.rates, default=None, help="share of responses ended by a stop sequence (0.2)")
-    p.add_argument("--rate", type=args.positive(most=args.RATE_MAX), default=None, help="calls/s (default: 90%% of the decode capacity)")
-    p.add_argument("--duration", type=args.positive(most=args.DURATION_MAX), default=600.0, help="seconds of arrivals (default 600)")
+    p.add_argument("--stop-rate", type=args.rates, default=None,
+                   help="share of responses ended by a stop sequence (0.2)")
+    p.add_argument("--rate", type=args.positive(most=args.RATE_MAX), default=None,
+                   help="calls/s (default: 90%% of the decode capacity)")
+    p.add_argument("--duration", type=args.positive(most=args.DURATION_MAX), default=600.0,
+                   help="seconds of arrivals (default 600)")
     p.add_argument("--max-tokens", type=args.positive(int, most=2**20), default=2048)
     p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
     p.add_argument("--json", metavar="PATH")

@@ -6,10 +6,9 @@ import dataclasses
 import sys
 import time
 
-from sim import fleet, measures
+from sim import fleet, measures, verdict
 from sim.capacity import capacity_protocol
 from sim.conditions import CONDITIONS, DIAGNOSTIC, Condition, compose, get_condition
-from sim import verdict
 from sim.experiments import fleet_figure, reference
 from sim.experiments.margin import margin, margin_cell, parse_axes
 from sim.latency import latency
@@ -18,7 +17,6 @@ from sim.scenario import PAPER
 
 from . import args
 from .scenario_cmds import capacity_line, deployment, layers_line, scenario_arg
-
 
 _CONTROL_FLAGS = ("retries", "cancel", "coalesce", "budget", "order", "proxy_cap", "queue", "engine_cap")
 
@@ -305,7 +303,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--rate", type=args.positive(most=args.RATE_MAX), required=True, help="calls/s")
     p.add_argument("--arrivals", choices=("poisson", "constant"), default="poisson",
                    help="poisson (default) or constant: one call every 1/rate s, as inference-perf and guidellm send")
-    p.add_argument("--duration", type=args.positive(most=args.DURATION_MAX), default=600.0, help="seconds of arrivals (default 600)")
+    p.add_argument("--duration", type=args.positive(most=args.DURATION_MAX), default=600.0,
+                   help="seconds of arrivals (default 600)")
     p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
     p.add_argument("--max-batched-tokens", type=args.positive(int), default=None)
     p.add_argument("--json", metavar="PATH")

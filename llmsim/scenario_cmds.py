@@ -164,7 +164,8 @@ def cmd_check(a) -> int:
     if dep.fleet is not None:
         f, caps = dep.fleet, dep.capacity_info["replicas"]
         print(f"fleet: {f.replicas} replicas behind a {f.router.policy} router (retries {f.router.retries}), proxy "
-              f"per {f.router.proxy}; Ĉ per replica " + ", ".join(f"{p.name} {c:.3f}" for p, c in zip(f.profiles, caps)))
+              f"per {f.router.proxy}; Ĉ per replica "
+              + ", ".join(f"{p.name} {c:.3f}" for p, c in zip(f.profiles, caps)))
     for sec, values in dep.sections.items():
         print(f"[{sec}]: " + ", ".join(f"{k} = {v!r}" for k, v in values.items()))
     for i, t in enumerate(dep.stack_layers):

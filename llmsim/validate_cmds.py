@@ -9,21 +9,37 @@ import sys
 
 from calibrate import live_capacity
 from sim.conditions import CONDITIONS
-from sim.deployment import load
+from sim.deployment import ScenarioError, load
 from sim.policy.layers import layer_kind
-from sim.schema import ScenarioError
-from sim.profile import ProfileError, from_dict
-from sim.deployment import ScenarioError
-from sim.scenario import SCENARIOS, NamedScenario, get_scenario
 from sim.policy.router import PROXY_PLACEMENTS, ROUTERS, RouterConfig
-from validate import autoscale as live_autoscale
-from validate import engine, gateway
-from validate import fleet as live_fleet
-from validate.harness import (CALIBRATE_FROM, DEFAULT_LAYOUT, FLEET_LAYOUT, LAYOUTS, cached, harness_on, how_measured,
-                              keep, layout_cpus, measured_under, under_harness_here)
+from sim.profile import ProfileError, from_dict
+from sim.scenario import SCENARIOS, NamedScenario, get_scenario
+from validate import autoscale as live_autoscale, engine, fleet as live_fleet, gateway
+from validate.harness import (
+    CALIBRATE_FROM,
+    DEFAULT_LAYOUT,
+    FLEET_LAYOUT,
+    LAYOUTS,
+    cached,
+    harness_on,
+    how_measured,
+    keep,
+    layout_cpus,
+    measured_under,
+    under_harness_here,
+)
 from validate.proxy import main as proxy_main, upstream_url
-from validate.validation import (GPU_MODELS, EngineSpec, ValidationError, capacity_for, live_layers, speed_probe,
-                                 steps_path, table, validate)
+from validate.validation import (
+    GPU_MODELS,
+    EngineSpec,
+    ValidationError,
+    capacity_for,
+    live_layers,
+    speed_probe,
+    steps_path,
+    table,
+    validate,
+)
 
 from . import args
 from .calibrate_cmds import fit_summary, recalibrate_needed

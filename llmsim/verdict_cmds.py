@@ -9,10 +9,7 @@ import os
 import sys
 
 from sim.conditions import CONDITIONS, get_condition
-from sim.experiments import advise as advise_mod
-from sim.experiments import advise_classes as advise_classes_mod
-from sim.experiments import margin as margin_mod
-from sim.experiments import phasemap
+from sim.experiments import advise as advise_mod, advise_classes as advise_classes_mod, margin as margin_mod, phasemap
 from sim.scenario import SCENARIOS
 
 from . import args

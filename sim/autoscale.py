@@ -36,8 +36,17 @@ from heapq import heappop, heappush
 
 import numpy as np
 
-from .policy.autoscaler import (DRAINING, OFF, READY, STARTING, AutoscalerConfig, Life, ProvisioningDelay,
-                                ReplicaSet, ScalingDriver)
+from .policy.autoscaler import (
+    DRAINING,
+    OFF,
+    READY,
+    STARTING,
+    AutoscalerConfig,
+    Life,
+    ProvisioningDelay,
+    ReplicaSet,
+    ScalingDriver,
+)
 
 INF = float("inf")
 

@@ -18,7 +18,7 @@ from .conditions import get_condition
 from .model import Run
 from .profile import Profile
 from .runlog import sample_log
-from .scenario import Scenario, PAPER
+from .scenario import PAPER, Scenario
 from .workload import make_trace
 
 

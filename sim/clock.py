@@ -212,7 +212,6 @@ class Timers:
         self._seq = 0
         self._armed: list[float] = []       # times of this heap's SimPy events in the queue
         self._firing = False
-        self._call = Call(self._tick)       # the queue entry of those events (the Clock leaves a Call as it was)
         self._each = env.public             # one SimPy timeout per timer
 
     def reserve(self, n: int) -> int:
@@ -253,8 +252,7 @@ class Timers:
 
     def _arm(self, tf: float) -> None:
         heappush(self._armed, tf)
-        env = self.env
-        heappush(env._queue, (tf, NORMAL, next(env._eid), self._call))     # env.schedule_at(tf, _tick)
+        self.env.schedule_at(tf, self._tick)
 
     def _pop(self) -> None:
         """Take the heap's first entry out; if it is the lane's first, the

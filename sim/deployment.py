@@ -48,8 +48,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from . import scenario_file, scenario_writer
-from . import schema as _schema
+from . import scenario_file, scenario_writer, schema as _schema
 from .conditions import Condition, get_condition
 from .fleet import FleetSpec, run_fleet
 from .policy.layers import layer_kind
@@ -59,7 +58,7 @@ from .profile import Profile
 from .run import run_one, workload_capacity
 from .scenario import Scenario
 from .scenario_file import TraceSource, layer_settings
-from .schema import Schema, ScenarioError
+from .schema import ScenarioError, Schema
 from .workload import Trace, make_trace
 
 __all__ = ["Deployment", "ScenarioError", "TraceSource", "from_document", "from_named", "layer_settings", "load"]

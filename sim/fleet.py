@@ -312,10 +312,10 @@ def fleet_record(log: FleetLog, scenario: Scenario, capacities: list[float], inp
     sc = log.scaling
     rec = measures.record(log.fleet, scenario, fleet_capacity(log, capacities), inputs)
     rec["replicas"] = [measures.record(rl, scenario, c, inputs) for rl, c in zip(log.replicas, capacities)]
-    rec["fleet"] = measures._clean(fleet_measures(log))
+    rec["fleet"] = measures.jsonable(fleet_measures(log))
     if sc is not None:
         burst = scenario.pulse_start if scenario.burst is not None else None
-        rec["autoscaler"] = measures._clean(scaling_measures(sc, log.execution_replica, log.execution_placed,
+        rec["autoscaler"] = measures.jsonable(scaling_measures(sc, log.execution_replica, log.execution_placed,
                                                              log.fleet.end_time, burst))
     return rec
 

@@ -10,7 +10,7 @@ from .conditions import Condition
 from .model import Run
 from .policy.proxy import ProxyConfig
 from .profile import Profile
-from .scenario import Scenario, PAPER
+from .scenario import PAPER, Scenario
 from .workload import make_trace
 
 STRAIGHT = Condition("straight", retries=False, proxy=ProxyConfig(cancellation="off"))
@@ -32,7 +32,10 @@ def latency(profile: Profile, rate: float, duration_s: float = 600.0, warmup_s: 
     e2e = np.array([e.finished_at - e.created_at for e in ex])
     if len(ex) == 0:
         raise RuntimeError("no call completed after the warm-up; lengthen --duration")
-    pct = lambda a, q: float(np.percentile(a, q))
+
+    def pct(a, q):
+        return float(np.percentile(a, q))
+
     return {"model": profile.name, "rate": rate, "duration_s": duration_s, "warmup_s": warmup_s, "seed": seed,
             "calls": len(ex), "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90),
             "e2e_p50": pct(e2e, 50), "e2e_p90": pct(e2e, 90),

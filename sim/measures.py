@@ -16,8 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .runlog import (RunLog, ATTEMPT_OUTCOMES, CALL_OUTCOMES, EXECUTION_FATES, ExecutionTable, Series, column,
-                     take)
+from .runlog import ATTEMPT_OUTCOMES, CALL_OUTCOMES, EXECUTION_FATES, ExecutionTable, RunLog, Series, column, take
 from .scenario import Scenario
 
 # Tolerance on the recovery thresholds: a share computed as 49/50 or a slope
@@ -194,16 +193,16 @@ def window_stats(log: RunLog, scenario: Scenario) -> dict[str, np.ndarray]:
 # The result record (docs/model.md#result-record)
 # --------------------------------------------------------------------------
 
-def _clean(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
     """JSON-able plain Python: numpy scalars/arrays converted, NaN/inf -> None."""
     if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, np.ndarray):
         if x.dtype.kind == "f" and not np.isfinite(x).all():
             return [v if math.isfinite(v) else None for v in x.tolist()]
         return x.tolist()
     if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, (bool, np.bool_)):
         return bool(x)
     if isinstance(x, (int, np.integer)):
@@ -373,7 +372,8 @@ def _calls_failed(c: _Columns) -> dict:
     failed = (outc == _C_FAILED_ATTEMPTS) | (outc == _C_FAILED_RETRY_AFTER)
     is_last = c.a_number == c.call_attempts[c.a_call] - 1 if len(c.a_call) else np.zeros(0, dtype=bool)
     refused_calls = c.a_call[is_last & np.isin(c.a_outcome, (_O_BUDGET, _O_ENGINE, _O_PROXY, _O_GATEWAY, _O_SHED))]
-    return {"attempts": int((outc == _C_FAILED_ATTEMPTS).sum()), "retry_after": int((outc == _C_FAILED_RETRY_AFTER).sum()),
+    return {"attempts": int((outc == _C_FAILED_ATTEMPTS).sum()),
+            "retry_after": int((outc == _C_FAILED_RETRY_AFTER).sum()),
             "outstanding": int((outc == _C_LIVE).sum()), "by_refusal": int(failed[refused_calls].sum())}
 
 
@@ -473,7 +473,7 @@ def record(log: RunLog, scenario: Scenario, capacity: float, inputs: dict) -> di
     })
     if log.extra:
         rec["extra"] = log.extra
-    return _clean(rec)
+    return jsonable(rec)
 
 
 # --------------------------------------------------------------------------

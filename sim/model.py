@@ -29,7 +29,7 @@ from .policy.proxy import Wake
 from .policy.router import RouterConfig
 from .policy.stack import Interpreter, Stack
 from .profile import Profile
-from .records import ReplicaParts, Records
+from .records import Records, ReplicaParts
 from .replicas import Replicas, engine_config, never, prompt_throughput, sum_counters
 from .runlog import RunLog
 from .scenario import Scenario

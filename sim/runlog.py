@@ -121,7 +121,8 @@ class CallRecord:
     planned_at: float
     delivered_at: float = NAN   # client received the complete response
     attempts: int = 0
-    # delivered | failed_attempts (four failed attempts) | failed_retry_after (429 wait > limit) | "" (outstanding at run end)
+    # delivered | failed_attempts (four failed attempts) | failed_retry_after (429 wait > limit)
+    # | "" (outstanding at run end)
     outcome: str = _coded(CALL_OUTCOMES)
 
 

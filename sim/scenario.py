@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, asdict, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 LENGTH_KINDS = ("normal", "lognormal", "fixed", "empirical")
 ARRIVALS = ("poisson", "constant")

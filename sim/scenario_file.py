@@ -46,18 +46,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import schema as _schema
 from .conditions import SHED_KEYS, Condition, compose, get_condition, parse_cancel
+from .fleet import FleetSpec
 from .policy.autoscaler import AutoscalerConfig
 from .policy.layers import layer_kind
 from .policy.presets import PRESETS
-from .profile import Profile, ProfileError, embedded_names, from_dict, load_profile, with_engine
-from .fleet import FleetSpec
 from .policy.router import RouterConfig
+from .profile import Profile, ProfileError, embedded_names, from_dict, load_profile, with_engine
 from .scenario import CLIENT_FIELDS, PAPER, REFERENCE_PHASES, SCENARIOS, Lengths, Phase, Scenario, TrafficClass
-from . import schema as _schema
-from .schema import NUMBER, SCHEMA, Schema, ScenarioError
+from .schema import NUMBER, SCHEMA, ScenarioError, Schema
 from .workload import Trace, TraceError, read_trace
-
 
 DEFAULT_MODEL = SCHEMA.row("model", "profile").default
 SCENARIO_MODEL = {"paper": "qwen2.5-7b", "scaled": "vllm-cpu-tiny", "cpu-small": "vllm-cpu-tiny",

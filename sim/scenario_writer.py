@@ -16,8 +16,8 @@ import dataclasses
 import json
 import math
 
-from .scenario import Lengths, TrafficClass
 from . import schema as _schema
+from .scenario import Lengths, TrafficClass
 from .schema import PAIRS, TABLE, TABLES, Key, Schema
 
 

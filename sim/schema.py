@@ -28,14 +28,14 @@ import math
 from dataclasses import dataclass
 
 from .conditions import CONDITIONS
-from .policy import gateway, preset_client     # the built-in layer kinds: importing them registers them
+from .engine.scheduler import SCHEDULING_POLICIES
+from .policy import gateway, preset_client  # noqa: F401  (the built-in layer kinds: importing them registers them)
 from .policy.autoscaler import DRAIN, METRICS, PROVISIONING, AutoscalerConfig
 from .policy.layers import kinds
 from .policy.presets import PRESETS
 from .policy.proxy import SHED_RETRY_AFTER, SHED_WHEN
 from .policy.retry import GatewayPolicy, RetryPolicy
 from .policy.router import PROXY_PLACEMENTS, ROUTERS
-from .engine.scheduler import SCHEDULING_POLICIES
 from .profile import ENGINE_FLAGS
 from .scenario import ARRIVALS, LENGTH_KINDS, PAPER
 

@@ -105,9 +105,10 @@ def _spread(v: Sequence[float]) -> dict:
 def summarize(recs: Sequence[dict]) -> dict:
     """One cell over its seeds: n, recovered (count), p, lo, hi (95% Wilson),
     tipping (the interval straddles 1/2 and the runs disagree), too_few (the
-    interval straddles 1/2 though every run agrees: fewer than 4 seeds), recovery_time {median, min, max} over the recovered runs, and per
-    cohort (hold, pulse, primary) and share (delivered, within_deadline) the
-    median and 10th/90th percentiles of the share of offered calls."""
+    interval straddles 1/2 though every run agrees: fewer than 4 seeds),
+    recovery_time {median, min, max} over the recovered runs, and per cohort
+    (hold, pulse, primary) and share (delivered, within_deadline) the median
+    and 10th/90th percentiles of the share of offered calls."""
     if not recs:
         raise ValueError("summarize needs at least one record")
     n = len(recs)
@@ -189,5 +190,6 @@ def table(summaries: dict, deadline_s: float | None = None, extra: dict | None =
 
 def legend(n: int) -> str:
     return (f"P(recovered) over {n} seed{'s' if n != 1 else ''} with its 95% Wilson interval (a tipping point: "
-            "the interval straddles 1/2 and the runs disagree; too few seeds: it straddles 1/2 though they agree); recovery time median (range) over the recovered runs; shares "
+            "the interval straddles 1/2 and the runs disagree; too few seeds: it straddles 1/2 though they agree); "
+            "recovery time median (range) over the recovered runs; shares "
             "median (10th-90th percentile) over the seeds")

@@ -258,8 +258,8 @@ def read_trace(path: str, speedup: float = 1.0, shared_prefix: int = 0) -> tuple
                 v = float("nan")
             ok = math.isfinite(v) and v == int(v) and (v >= 0 if name == "prefix_tokens" else v > 0)
             if not ok:
-                raise TraceError(f"{where}: {name} must be a {'non-negative' if name == 'prefix_tokens' else 'positive'}"
-                                 f" whole number of tokens, got {row[i]!r}")
+                sign = "non-negative" if name == "prefix_tokens" else "positive"
+                raise TraceError(f"{where}: {name} must be a {sign} whole number of tokens, got {row[i]!r}")
             vals.append(int(v))
         times.append(t)
         prompts.append(vals[0])

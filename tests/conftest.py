@@ -36,12 +36,13 @@ def cpu_engine_installed():
 @pytest.fixture(scope="session")
 def gateways_installed():
     """nginx and HAProxy, installed by `llmsim gateway install` once per
-    session (a no-op check where they are installed already)."""
+    session (a no-op check where they are installed already), before the
+    first test that needs them; a failed install fails those tests."""
     from validate import gateway as G
     for name in G.GATEWAYS:
         if G.installed(name) is None:
             r = subprocess.run([sys.executable, "-m", "llmsim", "gateway", "install", name], timeout=600)
-            assert r.returncode == 0
+            assert r.returncode == 0, f"llmsim gateway install {name} failed (exit {r.returncode})"
     return {name: G.binary(name) for name in G.GATEWAYS}
 
 

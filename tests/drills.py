@@ -30,12 +30,12 @@ _DIE_IN_REWRITE = textwrap.dedent("""
 _LOG_ADDED = textwrap.dedent("""
     import json, os
     from sim.experiments import sweep as S
-    real_add = S._Store.add
+    real_add = S.ParquetStore.add
     def add_and_log(self, row):
         real_add(self, row)
         with open(os.environ["DRILL_ADDED"], "a") as f:
             f.write(json.dumps(list(S.cell_key(row))) + "\\n")
-    S._Store.add = add_and_log
+    S.ParquetStore.add = add_and_log
 """)
 _MAIN = textwrap.dedent("""
     import sys

@@ -3,7 +3,7 @@ given times, every step taking `step_s` seconds unless a model is given."""
 from __future__ import annotations
 
 from sim.clock import Clock
-from sim.engine.core import EngineCore, EngineConfig
+from sim.engine.core import EngineConfig, EngineCore
 from sim.engine.request import Request
 from sim.engine.scheduler import SchedulerConfig
 from sim.engine.step_time import StepTimeModel

@@ -66,7 +66,10 @@ def test_gives_up_names_the_worse_measures():
 
 def test_gives_up_a_smaller_margin():
     s = {"p": 1.0, "timely": 0.8, "delivered": 0.9, "burst": 0.5, "recovery_time": {"median": 100.0}}
-    ax = lambda c: {"axes": [{"axis": "speed", "baseline": 1.0, "crossing": c, "recovers_at_baseline": True}]}
+
+    def ax(c):
+        return {"axes": [{"axis": "speed", "baseline": 1.0, "crossing": c, "recovers_at_baseline": True}]}
+
     g = A.gives_up(s, s, ax(1.41), ax(1.59))
     assert g == ["margin on speed: flips at 1.41 vs 1.59 (now 1)"]
     assert A.gives_up(s, s, ax(1.59), ax(1.41)) == [] and A.gives_up(s, s, ax(1.58), ax(1.59)) == []
@@ -78,7 +81,10 @@ def test_pick_skips_a_setting_that_adds_controls_for_nothing():
           "b": compose("no-retry", cancel="now", proxy_cap=10, queue="lifo", engine_cap=10, name="b"),
           "c": compose("no-control", cancel="now", budget=0.1, name="c"),
           "d": compose("no-control", name="d")}
-    sc = lambda t: {"p": 1.0, "timely": t, "delivered": t, "burst": t}
+
+    def sc(t):
+        return {"p": 1.0, "timely": t, "delivered": t, "burst": t}
+
     scored = {"a": sc(0.864), "b": sc(0.8645), "c": sc(0.86), "d": sc(0.5)}
     assert A.pick(["a", "b", "c", "d"], scored, by, 3) == ["a", "c", "d"]
 

@@ -8,7 +8,6 @@ from llmsim.cli import main
 from sim.conditions import compose
 from sim.deployment import from_document
 from sim.experiments.advise_classes import advise_classes, class_candidates, rank_key, report
-
 from tests.test_shedding import _doc
 
 
@@ -29,9 +28,8 @@ def test_advise_by_class_ranks_and_reports_each_class_delivery():
     d = from_document(_doc({"condition": "no-control"}))
     shed = d.condition_for(compose("no-control", shed_classes=["batch"], shed_when="engine_waiting", shed_above=20))
     res = advise_classes(d, [0, 1], screen=1, finalists=2, candidates=[d.condition_for(), shed], progress=False)
-    assert [r["condition"] for r in res["ranking"]] == sorted([r["condition"] for r in res["ranking"]],
-                                                              key=lambda n: rank_key(
-                                                                  next(r for r in res["ranking"] if r["condition"] == n)))
+    ranked = [r["condition"] for r in res["ranking"]]
+    assert ranked == sorted(ranked, key=lambda n: rank_key(next(r for r in res["ranking"] if r["condition"] == n)))
     by = {r["condition"]: r for r in res["ranking"]}
     assert set(by) == {d.condition_for().name, shed.name}
     # each class's figures are its records' over the seeds

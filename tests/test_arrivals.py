@@ -52,7 +52,8 @@ def test_scenario_file_phase_arrivals(tmp_path, capsys):
 [model]
 capacity = 3.0
 [workload]
-phases = [{name = "a", duration_s = 20.0, rate = 5.0, arrivals = "constant"}, {name = "b", duration_s = 20.0, rate = 1.0}]
+phases = [{name = "a", duration_s = 20.0, rate = 5.0, arrivals = "constant"},
+          {name = "b", duration_s = 20.0, rate = 1.0}]
 prompt = {dist = "fixed", value = 500}
 response = {dist = "fixed", value = 50}
 shared_prefix = 100

@@ -252,8 +252,8 @@ def test_replicas_stay_in_bounds_take_no_call_before_ready_and_drains_lose_none(
 
 def test_a_burst_scales_up_and_the_hold_scales_back_down(tiny3):
     trace, sc = burst_case(10, 60, [1500], [40])
-    cfg = AutoscalerConfig(metric="in_flight", target=2.0, max_replicas=3, sync_period_s=2.0, scale_down_stabilization_s=10.0,
-                           provisioning_s=5.0)
+    cfg = AutoscalerConfig(metric="in_flight", target=2.0, max_replicas=3, sync_period_s=2.0,
+                           scale_down_stabilization_s=10.0, provisioning_s=5.0)
     log = scaled_run(trace, sc, compose("cancel"), RouterConfig("least-outstanding"), cfg)
     check_invariants(log, cfg)
     counts = np.array(log.scaling.counts)
@@ -271,8 +271,8 @@ def test_a_burst_scales_up_and_the_hold_scales_back_down(tiny3):
 
 def test_a_drain_that_cancels_ends_running_requests_and_loses_no_call():
     trace, sc = burst_case(10, 60, [1500], [60])
-    cfg = AutoscalerConfig(metric="in_flight", target=2.0, max_replicas=3, sync_period_s=2.0, scale_down_stabilization_s=2.0,
-                           provisioning_s=2.0, drain="cancel")
+    cfg = AutoscalerConfig(metric="in_flight", target=2.0, max_replicas=3, sync_period_s=2.0,
+                           scale_down_stabilization_s=2.0, provisioning_s=2.0, drain="cancel")
     log = scaled_run(trace, sc, compose("no-control"), RouterConfig("round-robin"), cfg)
     check_invariants(log, cfg)
     assert any(s.stopped_at is not None for s in log.scaling.lives)
@@ -285,7 +285,8 @@ def test_the_same_seed_scales_the_same_way():
                            provisioning_s=4.0, provisioning_sigma=0.5)
     a = scaled_run(trace, sc, compose("cancel"), RouterConfig(), cfg, seed=1)
     b = scaled_run(trace, sc, compose("cancel"), RouterConfig(), cfg, seed=1)
-    assert [(x.decided_at, x.ready_at) for x in a.scaling.lives] == [(x.decided_at, x.ready_at) for x in b.scaling.lives]
+    assert ([(x.decided_at, x.ready_at) for x in a.scaling.lives]
+            == [(x.decided_at, x.ready_at) for x in b.scaling.lives])
 
 
 # ---------------------------------------------------------------- scenarios
@@ -482,7 +483,8 @@ def test_an_autoscaled_fleet_runs_under_gateway_layers(tmp_path, placement):
     f = tmp_path / "a.toml"
     f.write_text(AUTOSCALED_TOML.replace("[autoscaler]", f'[fleet]\nproxy = "{placement}"\n[autoscaler]')
                  + "max_replicas = 3\ntarget = 2.0\nprovisioning_s = 5.0\nsync_period_s = 5.0\n"
-                 + '[[layer]]\npreset = "openai-python"\ntimeout_s = 8.0\n[[layer]]\npreset = "nginx"\ntimeout_s = 6.0\n')
+                 + '[[layer]]\npreset = "openai-python"\ntimeout_s = 8.0\n'
+                 + '[[layer]]\npreset = "nginx"\ntimeout_s = 6.0\n')
     dep = load(str(f))
     rec = dep.run(0)
     a, (nginx,), att = rec["autoscaler"], rec["extra"]["layers"], rec["attempts"]

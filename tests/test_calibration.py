@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from calibrate.capture import parse_iteration_log, parse_kv_tokens, steps_from_raw, write_steps, read_steps
-from calibrate.fit import fit_report, nnls_fit, predict, build_profile, window_mape
+from calibrate.capture import parse_iteration_log, parse_kv_tokens, read_steps, steps_from_raw, write_steps
+from calibrate.fit import build_profile, fit_report, nnls_fit, predict, window_mape
 from llmsim.cli import main
 from sim.engine.step_time import StepTimeModel, prefill_pairs
-from sim.profile import from_dict, load_profile, ProfileError
-from validate.engine import parse_metrics, TINY_MODEL
+from sim.profile import ProfileError, from_dict, load_profile
+from validate.engine import TINY_MODEL, parse_metrics
 
 DATA = Path(__file__).parent / "data"
 TRUE = StepTimeModel(fixed_s=3e-3, per_request_s=5e-5, per_token_s=3e-5, per_prefill_pair_s=1.5e-8,
@@ -125,7 +125,7 @@ def test_iteration_log_parser_on_real_lines():
 
 
 def test_step_recorder_lines_join_with_the_log():
-    raw = [json.loads(l) for l in (DATA / "step_recorder_sample.jsonl").read_text().splitlines()]
+    raw = [json.loads(line) for line in (DATA / "step_recorder_sample.jsonl").read_text().splitlines()]
     its = parse_iteration_log((DATA / "vllm_cpu_iteration.log").read_text())
     rows = steps_from_raw(raw, its)
     assert len(rows) == len(raw)
@@ -196,6 +196,7 @@ def test_engine_errors_are_one_line(tmp_path, monkeypatch, capsys):
 
 def test_measured_profile_capacity_is_the_protocol_on_the_scaled_scenario():
     from importlib import resources
+
     from calibrate.fit import protocol_capacity
     d = json.loads((resources.files("sim") / "profiles" / "vllm-cpu-tiny.json").read_text())
     got = protocol_capacity(d, d["capacity_protocol"]["scenario_name"])
@@ -330,8 +331,7 @@ def test_machine_differences():
 
 def test_measured_profile_from_another_machine_is_refused_when_told_not_to_recalibrate(monkeypatch, capsys, tmp_path):
     from calibrate import live_capacity
-    from validate import engine as E
-    from validate import machine
+    from validate import engine as E, machine
     monkeypatch.setattr(machine, "describe", lambda: {"processor": "Some other CPU", "cpus": 96})
     monkeypatch.setattr(E, "cpu_installed", lambda venv=None: "0.32.0")
     assert live_capacity.machine_mismatch(load_profile("vllm-cpu-tiny").raw)

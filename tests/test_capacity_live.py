@@ -1,12 +1,12 @@
 """The capacity protocol shared by the simulator and live drivers, and the
 open-loop load generator against a stub streaming server (a stand-in for
 vLLM's HTTP surface, not an engine)."""
+import asyncio
 import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import asyncio
 import numpy as np
 import pytest
 

@@ -67,7 +67,8 @@ def test_each_call_goes_through_its_class_client_with_its_priority():
     assert (a.config.deadline_s, a.config.max_retries, a.config.max_retry_after_s) == (30.0, 0, 30.0)
     assert (b.config.deadline_s, b.config.max_retries) == (PAPER.deadline_s, PAPER.max_retries)
     # the condition's retries off still rules every class
-    assert all(c.config.max_retries == 0 for c in clients(CONDITIONS["no-retry"].client_config(s), CONDITIONS["no-retry"], s, tr, None).by_class)
+    no_retry = CONDITIONS["no-retry"]
+    assert all(c.config.max_retries == 0 for c in clients(no_retry.client_config(s), no_retry, s, tr, None).by_class)
     assert call_priorities(tr, s) == [0 if k == 0 else 7 for k in tr.klass.tolist()]
 
 

@@ -7,8 +7,21 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from sim.conditions import CONDITIONS, compose, parse_cancel
-from sim.policy.proxy import (Attempt, Cancel, Complete, Dispatch, Drop, EngineView, PromptRate, Proxy, ProxyConfig,
-                              Refuse, RetryBudget, Subscribe, Wake)
+from sim.policy.proxy import (
+    Attempt,
+    Cancel,
+    Complete,
+    Dispatch,
+    Drop,
+    EngineView,
+    PromptRate,
+    Proxy,
+    ProxyConfig,
+    Refuse,
+    RetryBudget,
+    Subscribe,
+    Wake,
+)
 
 DEADLINE = 120.0
 
@@ -437,6 +450,7 @@ def test_budget_never_admits_retries_above_its_share_over_60s(ratio, events):
 
 def _tiny_run(condition, arrivals, max_tokens, deadline=1.0, retries=0):
     import numpy as np
+
     from sim.model import simulate
     from sim.profile import from_dict
     from sim.scenario import Scenario
@@ -507,6 +521,7 @@ def test_record_counts_refusals_and_proxy_queue():
 
 def test_cli_composes_a_condition_from_flags(tmp_path, capsys):
     import json
+
     from llmsim.cli import main
     out = tmp_path / "r.json"
     assert main(["run", "--condition", "cancel", "--coalesce", "--cancel", "deferred:5", "--budget", "0.1",
@@ -538,6 +553,7 @@ def test_the_clock_runs_as_a_simpy_environment():
     nobody defused, and an `until` event left untriggered."""
     import pytest
     import simpy
+
     from sim.clock import Clock
 
     def story(env):
@@ -585,6 +601,7 @@ def test_timers_due_before_the_horizon_share_one_event():
 
 def test_thinning_the_gauge_logs_keeps_the_1s_series():
     import numpy as np
+
     from sim.model import Run
     from sim.profile import load_profile
     from sim.scenario import PAPER
@@ -609,6 +626,7 @@ def test_a_run_leaves_its_closed_attempts_to_reference_counting():
     """An attempt and its deadline timer make no reference cycle: with the
     cyclic collector off, the attempts of a run do not pile up."""
     import gc
+
     from sim.model import Run
     from sim.policy.proxy import Attempt
     from sim.profile import load_profile
@@ -631,6 +649,7 @@ def test_a_run_leaves_its_closed_attempts_to_reference_counting():
 
 def test_thin_log_keeps_the_last_entry_of_each_second():
     import numpy as np
+
     from sim.runlog import sample_log, thin_log
     log = [(0.0, 1), (0.5, 2), (1.0, 3), (1.2, 4), (1.7, 5), (3.0, 6), (3.5, 7)]
     ts = np.arange(0.0, 6.0)
@@ -642,6 +661,7 @@ def test_thin_log_keeps_the_last_entry_of_each_second():
 
 def test_sample_columns_reads_each_column_as_sample_log_does():
     import numpy as np
+
     from sim.runlog import sample_columns, sample_log
     log = [(0.5, 1, 10), (1.0, 2, 20), (2.5, 3, 30)]
     ts = np.array([0.0, 0.5, 1.0, 2.0, 3.0])

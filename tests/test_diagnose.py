@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from sim.experiments import reference
 from llmsim.cli import main
+from sim.experiments import reference
 
 
 def rec(condition, hold_delivered, offered=1000, recovered=False, t=None, seed=0):

@@ -1,7 +1,8 @@
 """The README is a front door: short, with the two commands word for word
 (CI runs the test command as written), and every relative link in it and in
 docs/ leads to a file that exists and, where it names one, to a heading of
-that file."""
+that file. docs/README.md's map of the code names every module of the
+packages."""
 import re
 import unicodedata
 from pathlib import Path
@@ -95,3 +96,60 @@ def test_every_relative_link_resolves(page):
 def test_readme_links_every_docs_page():
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in links(README)}
     assert [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.resolve() not in linked] == []
+
+
+# ------------------------------------------------------- the map of the code
+MAPPED = ("sim", "validate", "calibrate", "llmsim")
+MAP_DIR = re.compile(r"^( {2})?([\w.]+)/(?:\s|$)")
+
+
+def code_map(text: str) -> dict[str, str]:
+    """The text of each directory's entry in a map of the code (the fenced
+    block that opens with `sim/`), by directory: 'sim', 'sim/engine', ...
+    An entry at the margin is a package; one indented two spaces below it a
+    subpackage if it names a directory, else more of the package's entry;
+    deeper lines continue the entry above."""
+    block = re.search(r"^```\n(sim/.*?)^```", text, re.S | re.M).group(1)
+    entries: dict[str, str] = {}
+    top = here = None
+    for line in block.splitlines():
+        m = MAP_DIR.match(line)
+        if m and not m.group(1):
+            top = here = m.group(2)
+        elif m:
+            here = f"{top}/{m.group(2)}"
+        elif line.startswith("  ") and not line.startswith("   "):
+            here = top
+        entries[here] = entries.get(here, "") + line + "\n"
+    return entries
+
+
+def unmapped(text: str, modules: list[str]) -> list[str]:
+    """The modules (paths relative to the root) a map does not name in its
+    directory's entry; a package's __init__.py is named by its directory."""
+    entries = code_map(text)
+    missing = []
+    for path in modules:
+        folder, _, name = path.rpartition("/")
+        entry = entries.get(folder)
+        named = entry is not None and (name == "__init__.py"
+                                       or re.search(rf"(?<![\w/.]){re.escape(name)}(?!\w)", entry))
+        if not named:
+            missing.append(path)
+    return missing
+
+
+def test_the_map_check_reads_each_entry_apart():
+    text = ("```\nsim/   the model\n  engine/   core.py\n                  step_time.py\n"
+            "  fleet.py  replicas\nvalidate/   proxy.py\n```\n")
+    assert unmapped(text, ["sim/fleet.py", "sim/engine/core.py", "sim/engine/step_time.py",
+                           "sim/engine/__init__.py", "validate/proxy.py"]) == []
+    assert unmapped(text, ["sim/core.py", "sim/engine/fleet.py", "validate/fleet.py", "sim/policy/__init__.py",
+                           "sim/proxy.py"]) == ["sim/core.py", "sim/engine/fleet.py", "validate/fleet.py",
+                                                "sim/policy/__init__.py", "sim/proxy.py"]
+
+
+def test_the_map_of_the_code_names_every_module():
+    modules = sorted(str(p.relative_to(ROOT)) for pkg in MAPPED for p in (ROOT / pkg).rglob("*.py"))
+    assert len(modules) > 50
+    assert unmapped((ROOT / "docs" / "README.md").read_text(), modules) == []

@@ -46,7 +46,8 @@ def valid(path: tuple, v) -> bool:
     if sec == "step_time":
         return _num(v) and v >= 0
     if sec == "engine":
-        return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= (DEPTH_MAX if key == "depth" else ENGINE_MAX)
+        most = DEPTH_MAX if key == "depth" else ENGINE_MAX
+        return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= most
     if key == "capacity":
         return _num(v) and 0 < v <= CAPACITY_MAX
     if key == "name":
@@ -164,9 +165,12 @@ FLAGS = [
     (["run", "--condition", "no-retry"], "--cancel", lambda s: s in ("off", "now") or s.startswith("deferred")),
     (["latency"], "--rate", _float_ok(most=A.RATE_MAX)),
     (["latency", "--rate", "1"], "--duration", _float_ok(most=A.DURATION_MAX)),
-    (["diagnose"], "--seeds", lambda s: False if not s.strip(" ,") else all(p.strip().replace("-", "", 1).isdigit() for p in s.split(",") if p.strip())),
-    (["waste"], "--cancel-rate", lambda s: all(_float_ok(zero=True, most=1.0)(x) for x in s.split(",") if x.strip()) and bool(s.strip(" ,"))),
-    (["sweep", "--conditions", "no-retry", "--out", "OUT"], "--pulses", lambda s: bool(s.strip(" ,")) and all(_float_ok(most=A.PULSE_MAX)(x) for x in s.split(",") if x.strip())),
+    (["diagnose"], "--seeds", lambda s: False if not s.strip(" ,") else all(
+        p.strip().replace("-", "", 1).isdigit() for p in s.split(",") if p.strip())),
+    (["waste"], "--cancel-rate", lambda s: all(
+        _float_ok(zero=True, most=1.0)(x) for x in s.split(",") if x.strip()) and bool(s.strip(" ,"))),
+    (["sweep", "--conditions", "no-retry", "--out", "OUT"], "--pulses", lambda s: bool(s.strip(" ,")) and all(
+        _float_ok(most=A.PULSE_MAX)(x) for x in s.split(",") if x.strip())),
 ]
 TEXT = st.one_of(st.sampled_from(["nan", "inf", "-inf", "-1", "0", "1e400", "", " ", "abc", "１", "0x10", "1e9",
                                   "99999999999999999999999", "2,", ",", "-", "1-0", "\x00"]),

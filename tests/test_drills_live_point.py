@@ -12,19 +12,16 @@ import os
 import sys
 from pathlib import Path
 
-
 from sim.conditions import get_condition
 from sim.profile import load_profile
 from sim.scenario import NamedScenario, _scaled
 from sim.workload import make_trace
-from validate import engine as E
-from validate import fleet as F
-from validate import step_log
-from validate import validation as V
+from validate import engine as E, fleet as F, step_log, validation as V
 from validate.live_run import LiveRun
 
 FAKE = Path(__file__).resolve().parent / "fake_vllm.py"
-DRILL = NamedScenario("drill", _scaled(200.0), time_scale=200.0, about="the reference scenario's times / 200, for drills")
+DRILL = NamedScenario("drill", _scaled(200.0), time_scale=200.0,
+                      about="the reference scenario's times / 200, for drills")
 CAPACITY = 4.0
 
 
@@ -55,7 +52,7 @@ def test_an_engine_killed_mid_point_fails_that_point_only_and_the_next_runs_on_a
     assert [p["condition"] for p in doc["points"]] == points
     assert "live" in ok1 and "live" in ok3 and "failed" not in ok1 and "failed" not in ok3
     assert bad["failed"]["reason"].startswith("the engine process was killed by signal 9 at t=")
-    assert any("EngineCore encountered a fatal error" in l for l in bad["failed"]["engine_log"])
+    assert any("EngineCore encountered a fatal error" in line for line in bad["failed"]["engine_log"])
     assert bad["failed"]["engine_errors"] == ["EngineDeadError: EngineCore encountered a fatal error (fake)"]
     assert bad["failed"]["reason"].endswith("(EngineDeadError: EngineCore encountered a fatal error (fake))")
     assert "live" not in bad and bad["sim"]["cohorts"]["hold"]["offered"] > 0

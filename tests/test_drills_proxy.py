@@ -17,10 +17,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from sim.conditions import get_condition
+from test_live_proxy_unit import BODY, EXPECTED, N, StubEngine, _read_stream
 from validate import proxy as P
 from validate.proxy import LiveProxy
-
-from test_live_proxy_unit import BODY, EXPECTED, N, StubEngine, _read_stream
 
 
 def run(condition, scenario, **kw):

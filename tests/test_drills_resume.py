@@ -51,7 +51,10 @@ def test_advise_killed_with_sigkill_resumes_to_the_same_table_and_ranking(tmp_pa
     ref_rows = rows_by_cell(ref)
     assert len(read_rows(str(out))) == len(ref_rows) > 200
     assert rows_by_cell(out) == ref_rows
-    ranking = lambda text: text.rsplit("\n(", 1)[0]             # all but the closing "(N s)" line
+
+    def ranking(text):
+        return text.rsplit("\n(", 1)[0]             # all but the closing "(N s)" line
+
     assert ranking(stdout) == ranking(r.stdout) and "1. " in stdout
     assert without_wall(json.loads(out_json.read_text())) == without_wall(json.loads(ref_json.read_text()))
 

@@ -19,8 +19,8 @@ import pytest
 
 from drills import KILL_IN_REWRITE, rows_by_cell
 from llmsim.cli import main
-from validate.engine import children
 from sim.experiments.sweep import ResultsFileError, grid, read_rows, sweep
+from validate.engine import children
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = "0-7"

@@ -362,7 +362,7 @@ def test_kv_cache_manager_verbs():
 
 
 def test_preempted_request_waits_at_the_front_with_status_preempted():
-    from sim.engine.request import Request, PREEMPTED, RUNNING
+    from sim.engine.request import PREEMPTED, RUNNING, Request
     from sim.engine.scheduler import Scheduler, SchedulerConfig
     from sim.engine.step_time import StepTimeModel
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks=5, block_size=4),
@@ -403,12 +403,12 @@ def test_uncomputed_prompt_tokens_counted_once_between_boundaries_equals_a_fresh
     wait estimate of a run under the deadline queue (overload, preemption,
     aborts) the figure equals a count made from scratch, and so does the
     number of requests in the engine."""
+    from sim.conditions import get_condition
     from sim.engine.request import WAITING_STATUSES
     from sim.model import Run
     from sim.profile import load_profile
     from sim.run import make_trace, workload_capacity
     from sim.scenario import PAPER
-    from sim.conditions import get_condition
 
     def fresh(eng):
         s = eng.scheduler

@@ -3,7 +3,6 @@
 Unset, a scenario's records are the reference's (the golden test)."""
 from __future__ import annotations
 
-
 import pytest
 
 from llmsim.cli import main

@@ -16,8 +16,8 @@ import golden
 from llmsim.cli import main
 from sim.conditions import compose
 from sim.deployment import load
-from sim.model import simulate
 from sim.fleet import RECORD_KEYS, run_fleet, simulate_fleet
+from sim.model import simulate
 from sim.policy.router import ROUTERS, ReplicaView, Router, RouterConfig
 from sim.profile import load_profile
 from sim.run import run_one
@@ -404,6 +404,7 @@ def test_margin_of_a_fleet_of_one_is_the_single_engines_and_perturbs_every_repli
     scaled by the probe's factor (the runs' tasks are read as they are
     handed to the workers)."""
     import dataclasses
+
     from sim import verdict
     from sim.experiments.margin import margin
     one, single = _one_replica_and_single(tmp_path, "round-robin")
@@ -470,6 +471,7 @@ def test_replica_records_from_the_fleets_columns_are_those_of_their_records(tiny
     from the fleet's; the result record measured from them is the one
     measured from the records."""
     import dataclasses
+
     from sim import measures
     from sim.fleet import replica_log
     from sim.runlog import ExecutionTable, column

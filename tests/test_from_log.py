@@ -46,8 +46,10 @@ def test_fit_recovers_known_terms_from_synthetic_iterations():
     fixed, per_req, per_tok = 0.003, 2e-4, 5e-5
     its = []
     for i in range(400):
-        cr = int(rng.integers(0, 2)); ct = int(rng.integers(50, 1000)) * cr
-        gr = int(rng.integers(0, 40)); gt = gr
+        cr = int(rng.integers(0, 2))
+        ct = int(rng.integers(50, 1000)) * cr
+        gr = int(rng.integers(0, 40))
+        gt = gr
         if cr + gr == 0:
             gr = gt = 1
         its.append({"i": i, "ctx_reqs": cr, "ctx_tokens": ct, "gen_reqs": gr, "gen_tokens": gt,

@@ -14,8 +14,8 @@ from sim.deployment import from_document
 from sim.fleet import RECORD_KEYS, fleet_log, run_fleet
 from sim.model import Run
 from sim.runlog import column
-from test_gateway_run import NGINX, SDK
 from test_fleet import _no_step_events, without
+from test_gateway_run import NGINX, SDK
 from test_preset_client import TINY
 
 LITELLM = {"preset": "litellm", "timeout_s": 2.0, "max_retries": 1, "backoff": "none"}

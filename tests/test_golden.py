@@ -6,10 +6,10 @@ Regenerate with `python -m tests.golden` only with a stated reason."""
 from __future__ import annotations
 
 import json
+
 import pytest
 
 import golden
-
 
 with open(golden.GOLDEN) as _f:
     STORED = json.load(_f)

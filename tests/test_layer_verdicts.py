@@ -11,9 +11,8 @@ import pytest
 
 from llmsim.cli import main
 from sim.conditions import get_condition
-from sim.deployment import from_document, from_named
-from sim.experiments import advise as A
-from sim.experiments import margin as M
+from sim.deployment import Deployment, from_document, from_named
+from sim.experiments import advise as A, margin as M
 from sim.policy.presets import PRESETS
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
@@ -176,8 +175,11 @@ def test_advise_only_gateway_without_a_gateway_layer_ends_in_one_line(tmp_path, 
 
 def test_gives_up_compares_no_margins_searched_from_different_values():
     s = {"p": 1.0, "timely": 0.8, "delivered": 0.9, "burst": 0.5, "recovery_time": {"median": 100.0}}
-    ax = lambda base, c: {"axes": [{"axis": "layer.client.timeout_s", "baseline": base, "crossing": c,
-                                    "recovers_at_baseline": True}]}
+
+    def ax(base, c):
+        return {"axes": [{"axis": "layer.client.timeout_s", "baseline": base, "crossing": c,
+                          "recovers_at_baseline": True}]}
+
     assert A.gives_up(s, s, ax(120.0, 21.0), ax(240.0, 21.0)) == []
     assert A.gives_up(s, s, ax(120.0, 100.0), ax(120.0, 21.0)) != []
 

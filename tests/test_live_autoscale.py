@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from sim.deployment import from_document, load
-from sim.policy.autoscaler import OFF, AutoscalerConfig
+from sim.policy.autoscaler import AutoscalerConfig
 from validate import engine as E
 from validate.autoscale import LiveScaling, compare, run_point, startup_spread_s, table
 

@@ -41,10 +41,10 @@ import sys
 
 import pytest
 
-from calibrate.capture import capture, read_steps
-from calibrate.from_log import parse_log
-from calibrate.fit import fit_report, build_profile
 from calibrate import live_capacity as L
+from calibrate.capture import capture, read_steps
+from calibrate.fit import build_profile, fit_report
+from calibrate.from_log import parse_log
 from sim.profile import from_dict
 from validate import engine as E
 from validate.step_log import parse_iteration_log, read_raw, steps_from_raw

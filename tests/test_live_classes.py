@@ -106,7 +106,9 @@ def test_a_live_class_queue_ends_at_the_first_token():
     """A live run cannot see a request's first step: its wait in a class's
     queue ends at its first token, not at its end."""
     from types import SimpleNamespace
+
     import numpy as np
+
     from sim.measures import _class_series
     from sim.runlog import ExecutionRecord, Series
     t = np.arange(0.0, 11.0)

@@ -18,10 +18,9 @@ import time
 import pytest
 
 from sim.policy.router import RouterConfig, mix64
+from tests.test_live_fleet_unit import proxy_before
 from validate import engine as E
 from validate.fleet import start_cpu_fleet, stop_fleet
-
-from tests.test_live_fleet_unit import proxy_before
 
 pytestmark = pytest.mark.live
 

@@ -13,16 +13,15 @@ from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 
 from sim.conditions import get_condition
-from sim.schema import SCHEMA
 from sim.policy.router import RouterConfig, call_key, mix64
 from sim.scenario import PAPER
+from sim.schema import SCHEMA
 from sim.workload import Trace
+from tests.test_live_proxy_unit import wait_until
+from tests.test_live_run_unit import SlotStub
 from validate import engine as E
 from validate.fleet import FleetLiveRun, fleet_problem, live_fleet_record, settle
 from validate.proxy import LiveProxy
-
-from tests.test_live_proxy_unit import wait_until
-from tests.test_live_run_unit import SlotStub
 
 
 class MockEngine(SlotStub):
@@ -259,6 +258,7 @@ def test_llmsim_proxy_before_several_engines_routes_by_call_and_names_an_engine_
     every attempt of a call reaches the engine its call id hashes to; an
     engine that does not answer at start is named on stderr."""
     import socket
+
     from validate import proxy as P
     mocks = [MockEngine(), MockEngine()]
 

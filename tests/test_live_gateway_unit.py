@@ -2,7 +2,8 @@
 gateway layer's settings, read back with the simulator's own readers of the
 directives; settings the software cannot take refused in one line; the
 install's errors (with a stand-in for subprocess.run, named as such); and,
-where `llmsim gateway install` has put nginx / HAProxy in llmsim's cache,
+with nginx / HAProxy put in llmsim's cache by `llmsim gateway install` (once
+per session, before the tests that need them: conftest.gateways_installed),
 the real binaries between the OpenAI SDK and the live proxy in front of a
 stub engine (test_live_run_unit's `SlotStub`, not vLLM)."""
 from __future__ import annotations
@@ -17,9 +18,8 @@ import pytest
 from sim.conditions import get_condition
 from sim.policy.presets import preset
 from sim.workload import Trace
-from validate import gateway as G
-
 from test_live_run_unit import SlotStub, _scenario
+from validate import gateway as G
 
 RUN = Path("/tmp/llmsim-gw-test")
 
@@ -114,13 +114,13 @@ def test_the_cli_names_a_failed_install_in_one_line(monkeypatch, tmp_path, capsy
     assert len(err) == 1 and err[0].startswith("llmsim: gateway install: apt-get not found")
 
 
-# ------------------------------------------- the real binaries, where installed
-def _needs(name):
-    return pytest.mark.skipif(G.binary(name) is None, reason=f"{name} not installed (llmsim gateway install {name})")
+# ------------------- the real binaries, installed once per session (conftest.gateways_installed)
+_needs = pytest.mark.usefixtures("gateways_installed")
 
 
 async def _through(gateway_settings, client_settings, cond, trace, sc, slots):
     from aiohttp.test_utils import TestServer
+
     from validate.live_run import LiveRun
     stub = SlotStub(slots)
     server = TestServer(stub.app())
@@ -145,7 +145,7 @@ def _long_calls(n, tokens=200):
                  max_tokens=np.full(n, tokens, dtype=np.int64), shared_prefix=10)
 
 
-@_needs("nginx")
+@_needs
 def test_nginx_read_timeout_answers_504_that_the_sdk_retries():
     sc = _scenario(deadline=3.0)
     n = 2
@@ -161,7 +161,7 @@ def test_nginx_read_timeout_answers_504_that_the_sdk_retries():
     assert log.extra["gateway"]["software"] == "nginx" and log.extra["gateway"]["version"] == "1.22.1"
 
 
-@_needs("haproxy")
+@_needs
 def test_haproxy_queue_timeout_answers_503_and_a_connection_limit_holds():
     sc = _scenario(deadline=3.0)
     n = 3
@@ -174,7 +174,7 @@ def test_haproxy_queue_timeout_answers_503_and_a_connection_limit_holds():
     assert len(log.executions) == 1 and stub.completed == 1
 
 
-@_needs("nginx")
+@_needs
 def test_a_started_gateway_is_owned_until_stopped_and_leaves_nothing_behind():
     g = G.start(preset("gateway", "nginx", timeout_s=1), "http://127.0.0.1:9")
     try:

@@ -15,9 +15,8 @@ from llmsim.cli import main
 from sim.conditions import get_condition
 from sim.policy.gateway import Gateway, settings
 from sim.policy.router import RouterConfig
-from validate.proxy import LiveProxy
-
 from tests.test_live_proxy_unit import BODY, DELAY, EXPECTED, N, StubEngine, _metrics, _read_stream, wait_until
+from validate.proxy import LiveProxy
 
 STREAM_S = N * DELAY        # how long the stub takes over one stream
 

@@ -11,10 +11,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from sim.conditions import get_condition
+from tests.test_live_proxy import proxy_metrics_when
 from validate.engine import parse_metrics
 from validate.proxy import LiveProxy
-
-from tests.test_live_proxy import proxy_metrics_when
 
 N = 8            # chunks per stub stream
 DELAY = 0.05     # s between stub chunks

@@ -13,10 +13,9 @@ import pytest
 from sim.conditions import get_condition
 from sim.policy.presets import preset
 from sim.workload import Trace
+from test_live_run_unit import SlotStub, _scenario, _trace
 from validate.live_run import LiveRun, live_record
 from validate.sdk_client import attempt_outcome, give_up_outcome, sdk_options
-
-from test_live_run_unit import SlotStub, _scenario, _trace
 
 pytest.importorskip("openai")
 

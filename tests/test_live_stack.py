@@ -25,8 +25,7 @@ from pathlib import Path
 import pytest
 
 from llmsim.validate_cmds import _live_stack, _scenario_file
-from validate import engine as E
-from validate import gateway as G
+from validate import engine as E, gateway as G
 from validate.validation import EngineSpec, table, validate
 
 pytestmark = pytest.mark.live

@@ -30,8 +30,7 @@ import pytest
 
 from sim.profile import load_profile
 from sim.scenario import get_scenario
-from validate import engine as E
-from validate import validation as V
+from validate import engine as E, validation as V
 
 pytestmark = pytest.mark.live
 KILL_AFTER_S = 20
@@ -79,7 +78,7 @@ def test_validate_cpu_tiny_a_dead_engine_fails_its_point_only_and_a_rerun_resume
     assert "failed" in first and "live" not in first
     assert first["failed"]["reason"].startswith("the engine process")
     assert first["failed"]["engine_log"]
-    assert any("EngineDeadError" in l for l in first["failed"]["engine_errors"])
+    assert any("EngineDeadError" in line for line in first["failed"]["engine_errors"])
     assert len(spec.started) == 2 and not any(e.alive() for e in spec.started)
     # the next, on a fresh engine, end to end
     saved = json.loads(out.read_text())

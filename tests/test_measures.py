@@ -8,9 +8,22 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sim.measures import recovery, window_stats, record, summary, REQUIRED_KEYS
-from sim.runlog import (AttemptRecord, AttemptTable, CallRecord, CallTable, ExecutionRecord, ExecutionTable, RunLog,
-                        Series, NAN, ATTEMPT_OUTCOMES, CALL_OUTCOMES, EXECUTION_FATES, column)
+from sim.measures import REQUIRED_KEYS, record, recovery, summary, window_stats
+from sim.runlog import (
+    ATTEMPT_OUTCOMES,
+    CALL_OUTCOMES,
+    EXECUTION_FATES,
+    NAN,
+    AttemptRecord,
+    AttemptTable,
+    CallRecord,
+    CallTable,
+    ExecutionRecord,
+    ExecutionTable,
+    RunLog,
+    Series,
+    column,
+)
 from sim.scenario import PAPER
 
 S = PAPER          # pulse end 227, hold end 947, primary from 347, 12 windows
@@ -211,7 +224,8 @@ def test_window_stats_98_percent_from_counts():
             for j in range(50):
                 planned = 227.0 + 60 * k + j
                 d = planned + (10.0 if j < on_time else 130.0)
-                calls.append(CallRecord(i, planned, d)); i += 1
+                calls.append(CallRecord(i, planned, d))
+                i += 1
         t = np.arange(0.0, 1000.0)
         z = np.zeros_like(t)
         return RunLog(calls, [], [], Series(t, z, z, z), {}, {}, {}, 1000.0)

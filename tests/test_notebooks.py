@@ -69,10 +69,10 @@ def test_policy_sweep_notebook(kernel_env):
     table = (out / "table.md").read_text().splitlines()
     assert len(table) == 2 + len(conds)
     for c in conds:                                                         # one row per condition, both seeds
-        assert any(l.startswith(f"| {c} | {SEEDS} |") for l in table), c
+        assert any(line.startswith(f"| {c} | {SEEDS} |") for line in table), c
     # the table is the Parquet's numbers: no-control's hold delivered mean
     nc = [100 * r["hold_delivered"] / r["hold_offered"] for r in rows if r["condition"] == "no-control"]
-    line = next(l for l in table if l.startswith("| no-control |"))
+    line = next(ln for ln in table if ln.startswith("| no-control |"))
     assert line.split("|")[3].strip() == f"{sum(nc) / len(nc):.1f}"
     md = outputs(nb, "text/markdown")
     assert md and "| lifo |" in md[-1]["data"]["text/markdown"]
@@ -91,5 +91,5 @@ def test_trigger_sweep_notebook(kernel_env):
     # recovered counts in the table match the results file
     for c in DIAGNOSTIC:
         n = sum(bool(r["recovered"]) for r in rows if r["condition"] == c and r["pulse"] == 2.7)
-        line = next(l for l in table if l.startswith(f"| {c} | 2.7 |"))
+        line = next(ln for ln in table if ln.startswith(f"| {c} | 2.7 |"))
         assert line.split("|")[5].strip() == f"{n}/{SEEDS}"

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sim.experiments import paper as pp
 from llmsim.cli import main
 from sim.conditions import CONDITIONS, DIAGNOSTIC
+from sim.experiments import paper as pp
 
 MODEL = "qwen2.5-7b"
 
@@ -50,14 +50,14 @@ def test_tiny_paper_writes_tables_and_figures(tiny):
     text = open(os.path.join(out, "report.md")).read()
     assert "<!-- block: diagnostic -->" in text and "<!-- block: deferral -->" in text
     assert "<!-- block: trigger -->" not in text
-    lines = [l for l in text.splitlines() if l.startswith(f"| {MODEL} |")]
+    lines = [line for line in text.splitlines() if line.startswith(f"| {MODEL} |")]
     assert len(lines) == 4 + 2
     for c in DIAGNOSTIC + ("deferred", "coalesce+cancel"):
-        assert any(l.startswith(f"| {MODEL} | {c} |") for l in lines), c
+        assert any(line.startswith(f"| {MODEL} | {c} |") for line in lines), c
     assert "hold delivered %" in text and "recovery time s" in text and "created ×Ĉ" in text
     assert "Against the published figures (vLLM on one H100, Qwen2.5-7B-Instruct)" in text
     assert "SPEC" not in text
-    ref = [l for l in text.splitlines() if l.startswith("| no-retry |")]
+    ref = [line for line in text.splitlines() if line.startswith("| no-retry |")]
     assert len(ref) == 1 and "| 72.4-74.8% |" in ref[0] and "| 480-540 s |" in ref[0]
     for f in pp.FIGURES:
         p = os.path.join(out, f)
@@ -83,11 +83,12 @@ def test_report_is_computed_from_the_parquet_file(tiny, tmp_path):
             r["rates_xC_created"] = 7.25
     pq.write_table(pa.Table.from_pylist(rows, schema=t.schema), os.path.join(d, "results.parquet"))
     pp.write_report(d, blocks=["diagnostic"], models=[MODEL], seeds=1)
-    line = next(l for l in open(os.path.join(d, "report.md")).read().splitlines()
-                if l.startswith(f"| {MODEL} | no-retry |"))
+    line = next(ln for ln in open(os.path.join(d, "report.md")).read().splitlines()
+                if ln.startswith(f"| {MODEL} | no-retry |"))
     cols = [c.strip() for c in line.strip("|").split("|")]
     assert cols[5] == "100.0" and "7.25" in cols
-    ref = next(l for l in open(os.path.join(d, "report.md")).read().splitlines() if l.startswith("| no-retry |"))
+    ref = next(line for line in open(os.path.join(d, "report.md")).read().splitlines()
+               if line.startswith("| no-retry |"))
     cols = [c.strip() for c in ref.strip("|").split("|")]
     assert cols[1] == "100.0%" and cols[3] == "25.2" and cols[6].startswith("OFF: hold delivery 25.2 points above")
     for f in pp.FIGURES:
@@ -128,4 +129,4 @@ def test_block_figures_from_the_parquet_file(tiny, tmp_path):
         assert f"![{f}]({f})" in section
     # the trigger table has the relabelled pulses
     trig = text.split("<!-- block: trigger -->", 1)[1].split("\n## ", 1)[0]
-    assert sum(l.startswith(f"| {MODEL} |") for l in trig.splitlines()) == 4 * 3
+    assert sum(line.startswith(f"| {MODEL} |") for line in trig.splitlines()) == 4 * 3

@@ -92,7 +92,8 @@ def _copy(tmp_path):
     (lambda d: _edit_json(d, lambda e: e[1].update(exp_id=16)), "exp_id 16 appears twice"),
     (lambda d: (d / "measurements.csv").write_text("exp_id,stage_index,e2e_mean_ms\n"), "lacks ttft_mean_ms"),
     (lambda d: _edit_csv(d, "2278.0596", "fast"), "e2e_mean_ms must be a positive number"),
-    (lambda d: _edit_csv(d, "\n16,meta-llama/Llama-3.1-8B-Instruct,general,H100,1,2048,1,", "\n16,x,general,H100,1,2048,7,"),
+    (lambda d: _edit_csv(d, "\n16,meta-llama/Llama-3.1-8B-Instruct,general,H100,1,2048,1,",
+                         "\n16,x,general,H100,1,2048,7,"),
      "no row for experiment 16 stage_index 1"),
 ])
 def test_malformed_fitting_set_is_one_line(tmp_path, capsys, edit, says):
@@ -152,7 +153,10 @@ def test_refit_profile_records_its_residuals_and_they_reproduce(experiments, nam
         assert r["e2e_residual"] == pytest.approx(rec["e2e_residual"], abs=1e-4)
         assert r["ttft_residual"] == pytest.approx(rec["ttft_residual"], abs=1e-4)
     # the refit is no worse than the profile it started from, stage by stage taken together
-    err = lambda rs: sum(abs(x["e2e_residual"]) + abs(x["ttft_residual"]) for x in rs)
+
+    def err(rs):
+        return sum(abs(x["e2e_residual"]) + abs(x["ttft_residual"]) for x in rs)
+
     assert err(pm["stages"]) <= err(pm["stages_before"]) + 1e-9
 
 

@@ -3,8 +3,8 @@ import sys
 
 import pytest
 
-from sim.policy import ClientConfig, RetryingClient, CallState, Retry, GiveUp, Delivered
-from sim.policy.proxy import Proxy, ProxyConfig, Attempt, Subscribe, Dispatch, Cancel, Complete, Refuse
+from sim.policy import CallState, ClientConfig, Delivered, GiveUp, Retry, RetryingClient
+from sim.policy.proxy import Attempt, Cancel, Complete, Dispatch, Proxy, ProxyConfig, Refuse, Subscribe
 
 
 def client(retries=3, wait=1.0):

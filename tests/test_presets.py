@@ -7,8 +7,20 @@ import math
 import pytest
 
 from sim.policy.presets import PRESETS, citations, keys_of, policies, preset
-from sim.policy.retry import (CONNECT_ERROR, STATUS, TIMEOUT, Failure, GiveUp, Refuse, Retrier, RetryAt,
-                              backoff_wait, envoy_retry_on, haproxy_retry_on, nginx_next_upstream)
+from sim.policy.retry import (
+    CONNECT_ERROR,
+    STATUS,
+    TIMEOUT,
+    Failure,
+    GiveUp,
+    Refuse,
+    Retrier,
+    RetryAt,
+    backoff_wait,
+    envoy_retry_on,
+    haproxy_retry_on,
+    nginx_next_upstream,
+)
 from sim.policy.stackinfo import stack_info
 
 # the constants as the cited sources hold them (docs/presets.md)
@@ -326,8 +338,9 @@ def test_the_real_openai_sdk_agrees_on_backoffs_and_on_what_it_retries(monkeypat
 def test_the_real_tenacity_wait_agrees_with_with_retry(monkeypatch):
     """The real tenacity (a test dependency; langchain-core's retry library):
     the wait with_retry() builds agrees with the preset."""
-    import tenacity
     import random as stdlib_random
+
+    import tenacity
     monkeypatch.setattr(stdlib_random, "uniform", lambda a, b: a + (b - a) * 0.3)
     wait = tenacity.wait_exponential_jitter()                 # RunnableRetry's, with no parameters
     c, _ = layer("client", "langchain-with-retry", 0.3)

@@ -1,7 +1,7 @@
 """Roofline prior: KV arithmetic from a model's shape and a GPU."""
 import pytest
 
-from calibrate.prior import MODELS, GPUS, kv_cache, prior_profile, GiB
+from calibrate.prior import GPUS, MODELS, GiB, kv_cache, prior_profile
 from sim.profile import from_dict, load_profile
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from sim.engine.request import WAITING_STATUSES, RUNNING
+from sim.engine.request import RUNNING, WAITING_STATUSES
 from sim.engine.scheduler import PriorityWaitingQueue, SchedulerConfig, priority_key
 from tests.engine_harness import Harness
 
@@ -79,7 +79,7 @@ def test_no_waiting_request_is_admitted_before_one_of_higher_priority(reqs, num_
             return out
         sched.schedule = checked_schedule
 
-    h = _run(reqs, "priority", num_gpu_blocks, budget, max_num_seqs, depth, watch)
+    _run(reqs, "priority", num_gpu_blocks, budget, max_num_seqs, depth, watch)
     assert sum(checked) >= len(reqs)       # every request was admitted at least once, and checked
 
 

@@ -140,7 +140,8 @@ def composed(draw) -> Condition:
                    cancel=draw(st.sampled_from(["off", "now", "deferred:0", "deferred:2", "deferred:10"])),
                    coalesce=draw(st.booleans()), budget=draw(st.sampled_from([0, 0.1, 0.5])),
                    order=draw(st.sampled_from(["budget-first", "lookup-first"])),
-                   proxy_cap=draw(st.sampled_from([0, 1, 4, 20])), queue=draw(st.sampled_from(["fifo", "deadline", "lifo"])),
+                   proxy_cap=draw(st.sampled_from([0, 1, 4, 20])),
+                   queue=draw(st.sampled_from(["fifo", "deadline", "lifo"])),
                    engine_cap=draw(st.sampled_from([0, 3, 30])))
     return dataclasses.replace(cond, proxy=dataclasses.replace(cond.proxy, lifo_after=draw(st.sampled_from([0, 5]))))
 
@@ -552,7 +553,8 @@ def light_hold_cases(draw) -> Case:
     longest = int((trace.prompt_len + trace.max_tokens).max())
     step = m.duration(e["max_num_seqs"], e["max_num_batched_tokens"] + e["max_num_seqs"],
                       e["max_num_batched_tokens"] * longest, e["max_num_seqs"] * longest)
-    service = (math.ceil(int(trace.prompt_len.max()) / e["max_num_batched_tokens"]) + int(trace.max_tokens.max())) * step
+    prefill_steps = math.ceil(int(trace.prompt_len.max()) / e["max_num_batched_tokens"])
+    service = (prefill_steps + int(trace.max_tokens.max())) * step
     if 1.5 * service > s.deadline_s:
         s = s.with_(deadline_s=1.5 * service, delivery_horizon_s=s.delivery_horizon_s / s.deadline_s * 1.5 * service)
     condition = CONDITIONS[draw(st.sampled_from(["no-retry", "no-retry+cancel"]))]

@@ -8,9 +8,26 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sim.policy.retry import (CONNECT_ERROR, STATUS, TIMEOUT, Admit, Failure, GatewayPolicy, GiveUp, Refuse,
-                              RetryAt, Retrier, RetryPolicy, SaturationRule, TokenBucket, backoff_wait,
-                              envoy_retry_limit, envoy_retry_on, parse_retry_after, statuses)
+from sim.policy.retry import (
+    CONNECT_ERROR,
+    STATUS,
+    TIMEOUT,
+    Admit,
+    Failure,
+    GatewayPolicy,
+    GiveUp,
+    Refuse,
+    Retrier,
+    RetryAt,
+    RetryPolicy,
+    SaturationRule,
+    TokenBucket,
+    backoff_wait,
+    envoy_retry_limit,
+    envoy_retry_on,
+    parse_retry_after,
+    statuses,
+)
 
 
 def fixed(r):

@@ -262,7 +262,8 @@ def test_rate_and_load_both_given(tmp_path, capsys):
 
 
 def test_no_burst_declared_while_cohorts_need_one(tmp_path, capsys):
-    text = '[workload]\nphases = [{name = "x", duration_s = 10.0, load = 1.0}, {name = "y", duration_s = 10.0, load = 2.0}]\n'
+    text = ('[workload]\nphases = [{name = "x", duration_s = 10.0, load = 1.0}, '
+            '{name = "y", duration_s = 10.0, load = 2.0}]\n')
     err = _bad(tmp_path, capsys, text)
     assert "no burst declared" in err and "measures" in err
     assert main(["scenario", "check", str(tmp_path / "bad.toml")]) == 0      # checking needs no cohorts
@@ -375,8 +376,8 @@ def test_prefix_groups_share_their_own_prefix(tmp_path, groups, hits):
 
 
 def test_generated_prefix_groups_follow_their_shares(tmp_path):
-    dep = load(write(tmp_path / "g.toml", "[model]\ncapacity = 2.0\n[workload]\nprefix_groups = [{tokens = 3000, share = 0.25}, "
-                                          "{tokens = 500, share = 0.75}]\n"))
+    dep = load(write(tmp_path / "g.toml", "[model]\ncapacity = 2.0\n[workload]\nprefix_groups = "
+                                          "[{tokens = 3000, share = 0.25}, {tokens = 500, share = 0.75}]\n"))
     tr = dep.trace(0)
     assert tr.shared_prefix == 500 and set(tr.prefix_len.tolist()) == {3000, 500}
     assert (tr.prefix_len == np.array([3000, 500])[tr.prefix_group]).all() and (tr.prompt_len > tr.prefix_len).all()

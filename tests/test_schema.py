@@ -14,8 +14,7 @@ import pytest
 from llmsim.cli import main
 from sim.deployment import from_document, load
 from sim.scenario import PAPER, REFERENCE_PHASES, SCENARIOS, Phase, Scenario, reference_phases
-from sim.schema import (BOOL, NUMBER, PAIRS, SCHEMA, STRING, STRINGS, TABLE, TABLES, WHOLE, Key, Schema,
-                        ScenarioError)
+from sim.schema import BOOL, NUMBER, PAIRS, SCHEMA, STRING, STRINGS, TABLE, TABLES, WHOLE, Key, ScenarioError, Schema
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 EXAMPLE_FILES = sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".toml"))

@@ -20,9 +20,8 @@ from sim.model import simulate
 from sim.policy.proxy import Attempt, EngineView, Proxy, ProxyConfig, Refuse
 from sim.runlog import ATTEMPT_OUTCOMES, column
 from sim.schema import ScenarioError
-from validate.proxy import LiveProxy
-
 from tests.test_live_proxy_unit import BODY, StubEngine, wait_until
+from validate.proxy import LiveProxy
 
 SHED = ATTEMPT_OUTCOMES.index("refused_shed")
 

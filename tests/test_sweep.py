@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from sim.experiments import sweep as sw
 from llmsim.cli import main
-from sim.run import run_one
+from sim.experiments import sweep as sw
 from sim.profile import load_profile
+from sim.run import run_one
 
 MODEL = "qwen2.5-7b"
 CONDS = ("cancel", "no-control")

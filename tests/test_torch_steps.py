@@ -58,7 +58,7 @@ def test_grid_respects_the_engine_limits_and_scales_with_the_budget(kind):
                          and c.kv_tokens <= 1_000_000 for c in cells)
     labels = [c.label for c in cells]
     assert len(set(labels)) == len(labels)
-    assert {l.split()[0] for l in labels} == {"prefill", "decode", "mixed"}
+    assert {line.split()[0] for line in labels} == {"prefill", "decode", "mixed"}
     assert any(c.kv_tokens > 0.5e6 for c in cells) or kind == "quick"
     small = T.make_grid(kind, 1024)
     assert max(c.num_tokens for c in small) <= 1024
@@ -169,6 +169,7 @@ def test_calibrate_fit_accepts_the_steps_file(quick_steps, tmp_path, capsys):
     """`llmsim calibrate fit`'s own code path on the file: read, NNLS fit,
     build_profile with the simulator's capacity protocol, validation, write."""
     import argparse
+
     from llmsim.calibrate_cmds import cmd_calibrate_fit
     from sim.profile import load_profile
 

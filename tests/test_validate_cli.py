@@ -6,10 +6,9 @@ import pytest
 
 from llmsim.cli import main
 from sim.conditions import get_condition
-from sim.scenario import PAPER
-from sim.scenario import SCENARIOS, get_scenario
-from validate.validation import EngineSpec, ValidationError, validate
 from sim.profile import load_profile
+from sim.scenario import PAPER, SCENARIOS, get_scenario
+from validate.validation import EngineSpec, ValidationError, validate
 
 
 @pytest.mark.parametrize("args, words", [

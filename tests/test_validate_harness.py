@@ -15,10 +15,7 @@ from llmsim import validate_cmds as VC
 from llmsim.cli import main
 from sim.profile import from_dict, load_profile
 from sim.scenario import get_scenario
-from validate import engine as E
-from validate import harness as H
-from validate import machine
-from validate import validation as V
+from validate import engine as E, harness as H, machine, validation as V
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ import pytest
 
 from llmsim.cli import main
 from validate import engine as E
-from validate import gateway as G
 
 pytest.importorskip("openai")
 FAKE = Path(__file__).resolve().parent / "fake_vllm.py"
@@ -102,7 +101,7 @@ def test_the_sdk_stack_is_run_live_and_compared(tmp_path, fake_engine, capsys):
     assert "no-control: recovered" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(G.binary("nginx") is None, reason="nginx not installed (llmsim gateway install nginx)")
+@pytest.mark.usefixtures("gateways_installed")
 def test_the_sdk_behind_nginx_runs_live_through_the_gateway(tmp_path, fake_engine, capsys):
     out = tmp_path / "nginx.json"
     assert _validate(_write(tmp_path, "sdk-nginx", SDK + NGINX), fake_engine, out) == 0

@@ -4,13 +4,15 @@ tokens, the token budget is 8, unless said otherwise."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from calibrate.prior import MODELS, GPUS, kv_cache
+from calibrate.prior import GPUS, MODELS, kv_cache
+from engine_harness import Harness
 from sim.engine.core import EngineConfig
 from sim.engine.request import Request
 from sim.engine.scheduler import Scheduler, SchedulerConfig
 from sim.engine.step_time import StepTimeModel
-
-from engine_harness import Harness
+from sim.experiments import waste as W
+from sim.experiments.figures import waste_plot
+from sim.profile import load_profile
 
 MiB = 1024 ** 2
 
@@ -160,9 +162,6 @@ def test_reserve_never_preempts_and_frees_everything(policy):
 
 
 # ------------------------------------------------------------- the study
-from sim.experiments import waste as W
-from sim.experiments.figures import waste_plot
-from sim.profile import load_profile
 
 
 def test_sharegpt_fit_matches_stated_means():

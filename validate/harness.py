@@ -28,8 +28,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from . import engine as E
-from . import machine
+from . import engine as E, machine
 
 HARNESS = "validate: live capacity protocol through the live proxy"
 LAYOUTS = ("shared", "split")

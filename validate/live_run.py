@@ -55,12 +55,12 @@ from sim import measures
 from sim.classes import call_classes, call_priorities, clients
 from sim.conditions import Condition
 from sim.model import sum_counters
-from sim.policy.client import CallState, Retry, Delivered
+from sim.policy.client import CallState, Delivered, Retry
 from sim.runlog import AttemptRecord, CallRecord, RunLog, Series, refusal_outcome
 from sim.scenario import Scenario
 from sim.workload import Trace
 
-from .engine import parse_metrics, free_port
+from .engine import free_port, parse_metrics
 from .loadgen import TracePrompts, request_body
 from .proxy import LiveProxy
 from .sdk_client import AttemptLog, client as sdk_client, give_up_outcome, sdk_options, sdk_version
@@ -220,7 +220,7 @@ class LiveRun:
     async def _call_sdk(self, sdk, i: int) -> None:
         """Call i through the OpenAI SDK: one `completions.create`, its
         retries the SDK's own."""
-        import openai                      # optional: the real SDK as the live client
+        import openai  # optional: the real SDK as the live client
         crec = self.call_records[i]
         try:
             # the token ids go in extra_body, sent as given: the SDK's parameter transform

@@ -109,15 +109,14 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from sim.conditions import Condition
-from sim.runlog import ExecutionRecord
 from sim.policy.layers import LayerContext, Timer, Upstream, layer_kind
-from sim.policy.proxy import (Attempt, EngineView, PromptRate, Subscribe, Refuse, Cancel,
-                              Complete, Drop, Wake)
+from sim.policy.proxy import Attempt, Cancel, Complete, Drop, EngineView, PromptRate, Refuse, Subscribe, Wake
 from sim.policy.router import ReplicaView, RouterConfig
 from sim.policy.stack import Interpreter, Stack
+from sim.runlog import ExecutionRecord
 
 from .engine import parse_metrics
 

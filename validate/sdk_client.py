@@ -117,9 +117,9 @@ def client(settings: dict, base_url: str, log: AttemptLog):
     layer's settings, its requests passing through a transport that
     records each attempt in `log`. The openai package is an optional
     dependency (`pip install llmsim[sdk]`)."""
-    import httpx2                      # optional: the OpenAI SDK's transport
-    import openai                      # optional: the real SDK as the live client
-    from openai._constants import DEFAULT_CONNECTION_LIMITS    # optional: the SDK's own pool limits
+    import httpx2  # optional: the OpenAI SDK's transport
+    import openai  # optional: the real SDK as the live client
+    from openai._constants import DEFAULT_CONNECTION_LIMITS  # optional: the SDK's own pool limits
 
     class _Watched(httpx2.AsyncByteStream):
         def __init__(self, inner, rec):
@@ -185,5 +185,5 @@ def give_up_outcome(error: BaseException, retry_after_cap_s: float | None) -> st
 
 
 def sdk_version() -> str:
-    import openai                      # optional: the real SDK as the live client
+    import openai  # optional: the real SDK as the live client
     return openai.__version__

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,14 +32,12 @@ from sim.scenario import NamedScenario
 from sim.steps import predict as predict_steps
 from sim.workload import make_trace
 
-from . import engine as E
-from . import gateway
-from . import step_log
+from . import engine as E, gateway, step_log
 from .harness import how_measured
-from .step_log import steps_from_raw
 from .live_run import COUNTERS, EngineLost, LiveRun, live_record
 from .loadgen import VOCAB_HI, VOCAB_LO, request_body
 from .sdk_client import sdk_options
+from .step_log import steps_from_raw
 
 # the published figures' engine flags for a GPU engine (one H100 80 GB SXM there)
 GPU_FLAGS = ["--max-num-batched-tokens", "8192", "--max-num-seqs", "256", "--max-model-len", "32768",
@@ -75,9 +72,6 @@ def engine_gone(eng: E.Engine) -> str | None:
     return f"the engine process exited with code {rc}"
 
 
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
 
 @dataclass
 class EngineSpec:
@@ -97,7 +91,7 @@ class EngineSpec:
         return E.connect(self.url), False
 
 
-def capacity_for(profile: Profile, vs: NamedScenario, log=_say) -> float:
+def capacity_for(profile: Profile, vs: NamedScenario, log=E.say) -> float:
     """Ĉ of the profile under the scenario's workload: the capacity protocol on
     the simulator (300 s stages; the protocol is not time-scaled — it
     measures a rate)."""
@@ -106,7 +100,7 @@ def capacity_for(profile: Profile, vs: NamedScenario, log=_say) -> float:
     return float(res["capacity"])
 
 
-def _inputs(profile: Profile, cond, vs: NamedScenario) -> dict:
+def point_inputs(profile: Profile, cond, vs: NamedScenario) -> dict:
     return {"model": profile.name, "condition": cond.name, "pulse": vs.scenario.pulse, "seed": vs.seed,
             "scenario": vs.name, "condition_settings": cond.settings(),
             "profile_provenance": profile.provenance.get("kind")}
@@ -168,7 +162,7 @@ def predict(profile: Profile, name: str, vs: NamedScenario, capacity: float, sta
         except ValueError as e:             # ScenarioError: a layer the simulator does not run yet
             raise NoPrediction(str(e)) from None
     log = simulate(profile, trace, cond, sc, vs.seed, stack=stack)
-    return measures.record(log, sc, capacity, _inputs(profile, cond, vs))
+    return measures.record(log, sc, capacity, point_inputs(profile, cond, vs))
 
 
 class NoPrediction(Exception):
@@ -201,7 +195,7 @@ def live_layers(layers: list[dict] | None) -> tuple[dict | None, dict | None]:
 PROBE_CALLS = 6      # calls sent at once to a point's engine before the point, to measure its speed (seconds)
 
 
-def speed_probe(eng: E.Engine, profile: Profile, vs: NamedScenario, log=_say) -> dict | None:
+def speed_probe(eng: E.Engine, profile: Profile, vs: NamedScenario, log=E.say) -> dict | None:
     """How fast a point's fresh engine runs just before the point, against
     the profile: `PROBE_CALLS` calls of the scenario's mean prompt and
     median response lengths sent at once straight to the engine (prompts of
@@ -211,7 +205,7 @@ def speed_probe(eng: E.Engine, profile: Profile, vs: NamedScenario, log=_say) ->
     kind of step, so the point is predicted with the profile's steps scaled
     by this k (measured before the point, on calls that are not its own).
     None where the engine records no steps."""
-    s0 = _steps(eng)
+    s0 = engine_steps(eng)
     if s0 is None:
         return None
     model = eng.served_model()
@@ -258,7 +252,7 @@ def _counters(eng: E.Engine) -> dict:
 
 
 def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, capacity: float,
-             log=_say, steps_path: str | None = None, layers: list[dict] | None = None,
+             log=E.say, steps_path: str | None = None, layers: list[dict] | None = None,
              probe: bool = True) -> tuple[dict, dict]:
     """One point on a live engine: (result record, engine description). With
     `steps_path`, the steps the engine recorded during the run are kept there
@@ -286,10 +280,10 @@ def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, c
                               eng.log_errors()) from None
         point_profile = scaled_profile(profile, probed["k"]) if probed else profile
         base = _counters(eng) if probed else {}
-        steps0 = _steps(eng)
+        steps0 = engine_steps(eng)
 
         def step_count():
-            n = _steps(eng)
+            n = engine_steps(eng)
             return None if n is None or steps0 is None else n - steps0
 
         def progress(st):
@@ -308,7 +302,7 @@ def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, c
         except gateway.GatewayError as e:
             raise PointFailed(str(e), [], []) from None
         _minus_counters(rl, base)
-        rec = live_record(rl, sc, capacity, _inputs(profile, cond, vs) | {"engine": desc})
+        rec = live_record(rl, sc, capacity, point_inputs(profile, cond, vs) | {"engine": desc})
         rec["speed_probe"] = probed
         rec["step_time_vs_profile"] = step_time_ratio(getattr(eng, "step_log", None), point_profile, steps0 or 0)
         if steps_path:
@@ -325,7 +319,7 @@ def _n(x) -> str:
     return "?" if x is None else f"{x:.0f}"
 
 
-def _steps(eng: E.Engine) -> int | None:
+def engine_steps(eng: E.Engine) -> int | None:
     """Engine steps so far, from llmsim's step recorder (engines it started)."""
     p = getattr(eng, "step_log", None)
     if not p:
@@ -421,10 +415,10 @@ def speed_note(p: dict) -> str:
 def agreement(p: dict, points_bound: float = 15.0) -> dict:
     """The agreement bar for one point: recovered agrees, pulse and hold
     delivery within `points_bound` percentage points."""
-    s, l = p["sim"], p["live"]
-    out = {"recovered": s["recovered"] == l["recovered"]}
+    s, live = p["sim"], p["live"]
+    out = {"recovered": s["recovered"] == live["recovered"]}
     for c in ("pulse", "hold"):
-        a, b = _pct(s["cohorts"][c], "delivered"), _pct(l["cohorts"][c], "delivered")
+        a, b = _pct(s["cohorts"][c], "delivered"), _pct(live["cohorts"][c], "delivered")
         out[f"{c}_delivered_diff"] = None if a is None or b is None else b - a
         out[c] = a is not None and b is not None and abs(b - a) <= points_bound
     out["all"] = out["recovered"] and out["pulse"] and out["hold"]
@@ -432,7 +426,7 @@ def agreement(p: dict, points_bound: float = 15.0) -> dict:
 
 
 # ------------------------------------------------------------------- run
-def _load(path: str | None, head: dict) -> list[dict]:
+def load_points(path: str | None, head: dict) -> list[dict]:
     """Points already in `path` for the same engine kind, scenario and profile."""
     if not path or not os.path.exists(path):
         return []
@@ -464,7 +458,7 @@ def steps_path(json_path: str | None, tag: str) -> str | None:
 
 
 def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, live, simulate_scaled,
-              json_path: str | None, log=_say, retry_slow: int = 0) -> bool:
+              json_path: str | None, log=E.say, retry_slow: int = 0) -> bool:
     """One point of a validation: `simulate()` its record, `live()` its
     (record, engine description) on `where`, then append it to doc["points"]
     (as `key` plus sim and live, the agreement, and where the run recorded
@@ -493,7 +487,7 @@ def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, 
         errors = e.engine_errors if isinstance(e, PointFailed) else []
         doc["points"].append(head | {"failed": {"reason": str(e), "engine_errors": errors, "engine_log": tail}})
         _save(json_path, doc)
-        log(f"point {count}: {tag} FAILED: {e}" + "".join(f"\n  | {l}" for l in (errors or tail[-5:])))
+        log(f"point {count}: {tag} FAILED: {e}" + "".join(f"\n  | {line}" for line in (errors or tail[-5:])))
         return False
     doc["engine"].update({"version": desc["version"], "model": desc["model"]})
     p = head | {"live": rec, "engine_speed": engine_speed(rec.get("step_time_vs_profile"))}
@@ -539,7 +533,7 @@ def _live_in_band(live, what: str, where: str, retry_slow: int, log) -> tuple[di
 
 
 def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list[str],
-             json_path: str | None = None, capacity: float | None = None, log=_say,
+             json_path: str | None = None, capacity: float | None = None, log=E.say,
              calibration: dict | None = None, layers: list[dict] | None = None, stack_for=None,
              retry_slow: int = 0, probe: bool = True) -> dict:
     """Predict and run each point; `calibration`, when the profile was fitted
@@ -560,7 +554,7 @@ def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list
         doc["stack"] = [dict(t) for t in layers]
     if calibration is not None:
         doc["calibration"] = calibration
-    done = [p for p in _load(json_path, doc) if "failed" not in p]       # a failed point runs again
+    done = [p for p in load_points(json_path, doc) if "failed" not in p]       # a failed point runs again
     if done:
         doc["capacity"] = (done[0]["sim"] or done[0]["live"])["capacity"]
         log(f"resuming: {', '.join(p['condition'] for p in done)} already in {json_path}")

@@ -129,12 +129,7 @@ class BlockPool:
         """A fresh extent of hi-lo newly allocated blocks, held by `owner`."""
         self.take_free(hi - lo)
         e = Extent(space, lo, hi, owner, owner)
-        if space >= 0 and hi > lo:      # _index(e)
-            lst = self.cached.get(space)
-            if lst is None:
-                self.cached[space] = [e]
-            else:
-                lst.append(e)
+        self._index(e)
         return e
 
     def grow(self, e: Extent, hi: int) -> None:

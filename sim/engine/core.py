@@ -26,7 +26,7 @@ from typing import Callable
 from simpy.events import URGENT
 
 from ..clock import Clock
-from .request import Request, RUNNING, FINISHED, ABORTED, WAITING_STATUSES
+from .request import ABORTED, FINISHED, RUNNING, WAITING_STATUSES, Request
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .step_time import StepTimeModel
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from .block_pool import BlockPool, Extent, call_space, exec_space, prefix_space
 from .request import Request
+from .utils import cdiv
 
 
 class KVCacheManager:
@@ -98,11 +99,8 @@ class KVCacheManager:
         bs = self.block_size
         table = r.blocks
         if new_computed_blocks is not None:
-            # blocks of the whole request: cdiv(tokens, bs)
-            if self.reserve:
-                needed = -((r.num_prompt_tokens + r.max_tokens) // -bs)
-            else:
-                needed = -((r.num_prompt_tokens + r.num_output_tokens) // -bs)
+            # blocks of the whole request
+            needed = cdiv(r.num_prompt_tokens + r.max_tokens if self.reserve else r.num_tokens, bs)
             hit_in_free_queue = 0
             for e, lo, hi in new_computed_blocks:
                 if e.free:
@@ -112,7 +110,7 @@ class KVCacheManager:
             r.reserve_top = needed
             for e, lo, hi in new_computed_blocks:
                 table.append(pool.acquire(e, lo, hi, r))
-        target = -((r.num_computed_tokens + num_new_computed_tokens + num_new_tokens) // -bs)    # cdiv
+        target = cdiv(r.num_computed_tokens + num_new_computed_tokens + num_new_tokens, bs)
         if table:
             top = table[-1]
             held = top.hi
@@ -136,8 +134,7 @@ class KVCacheManager:
             if last > target:
                 last = target
             if top is not None and top.owner is r and top.space == space and top.hi == held:
-                pool.take_free(last - held)         # pool.grow(top, last)
-                top.hi = last
+                pool.grow(top, last)
             else:
                 if top is not None and top.owner is r and top.space != space:
                     top.owner = None            # complete: the sequence moved past it
@@ -175,11 +172,11 @@ class KVCacheManager:
                 e.owner = None
         top = table[-1] if table else None
         if top is None or top.space != own or top.owner is not r:
-            first = -(r.num_computed_tokens // -self.block_size)     # cdiv
+            first = cdiv(r.num_computed_tokens, self.block_size)
             table.append(Extent(own, first, first, r, r))
 
     def sync_output_blocks(self, r: Request) -> None:
         """A member leaving the group: its output extent covers its computed tokens."""
         top = r.blocks[-1]
-        hi = -(r.num_computed_tokens // -self.block_size)      # cdiv
+        hi = cdiv(r.num_computed_tokens, self.block_size)
         top.hi = hi if hi > top.lo else top.lo

@@ -36,10 +36,9 @@ from itertools import count
 
 from .decode_group import DecodeGroup
 from .kv_cache_manager import KVCacheManager
-from .request import Request, WAITING, RUNNING, PREEMPTED, FINISHED, ABORTED, WAITING_STATUSES
-from .step_time import StepTimeModel
+from .request import ABORTED, FINISHED, PREEMPTED, RUNNING, WAITING, WAITING_STATUSES, Request
+from .step_time import StepTimeModel, prefill_pairs
 from .utils import cdiv
-
 
 KV_POLICIES = ("on-demand", "reserve")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -182,18 +181,16 @@ class Scheduler:
         preempted = False
 
         # 1. running requests: the decode group, one token each, then those in prefill
-        num_new_blocks = group.new_blocks_by_phase[step % self.block_size]     # group.new_blocks_at(step)
-        if num_new_blocks:
-            if num_new_blocks <= self.block_pool.num_free:                      # kv.allocate_decode_blocks
-                self.block_pool.take_free(num_new_blocks)
-            elif self.by_priority:
+        num_new_blocks = group.new_blocks_at(step)
+        if num_new_blocks and not self.kv_cache_manager.allocate_decode_blocks(num_new_blocks):
+            if self.by_priority:
                 preempted = self._allocate_decode_blocks_by_priority(step, num_new_blocks)
             else:
                 preempted = self._allocate_decode_blocks_preempting(step)
         # the group as it enters this step: requests whose prefill completes
         # below join it for the next step
         num_decode = group.num_reqs
-        output.decode_context = group.context_offset + num_decode * (step + 1)  # group.context_sum(step)
+        output.decode_context = group.context_sum(step)
         token_budget = max_num_batched_tokens - num_decode
         num_prefill = 0
         kv = self.kv_cache_manager
@@ -207,7 +204,7 @@ class Scheduler:
                         break
                     if r.status != RUNNING:
                         continue                # preempted above as a victim
-                    num_new_tokens = r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens   # r.num_tokens - ...
+                    num_new_tokens = r.num_tokens - r.num_computed_tokens
                     if num_new_tokens > token_budget:
                         num_new_tokens = token_budget
                     while not kv.allocate_slots(r, num_new_tokens):
@@ -391,9 +388,8 @@ class Scheduler:
         if r.record is not None:
             r.record.prompt_computed += num_new_tokens
         output.prefill_chunks.append((r, num_new_tokens, context_before))
-        # prefill_pairs(num_new_tokens, context_before)
-        output.prefill_pairs += num_new_tokens * (context_before + (num_new_tokens + 1) / 2.0)
-        if computed == r.num_prompt_tokens + r.num_output_tokens:     # r.num_tokens
+        output.prefill_pairs += prefill_pairs(num_new_tokens, context_before)
+        if computed == r.num_tokens:
             r.num_output_tokens += 1
             output.first_outputs = [*output.first_outputs, r]
             self.prefilling.remove(r)

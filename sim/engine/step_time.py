@@ -14,8 +14,7 @@ Two forms (a profile's `step_time.form`):
 from __future__ import annotations
 
 import math
-
-from dataclasses import dataclass, asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 COEFFICIENTS = ("fixed_s", "per_request_s", "per_token_s", "per_prefill_pair_s", "per_decode_ctx_s")
 ROOFLINE_COEFFICIENTS = COEFFICIENTS + ("weights_s",)

@@ -87,13 +87,13 @@ from typing import Callable, Iterable, Sequence
 from .. import verdict
 from ..conditions import CONDITIONS, Condition, compose, engine_cap_for
 from ..fleet import FleetSpec, run_fleet
-from ..policy.stack import Stack
 from ..policy.router import PROXY_PLACEMENTS, ROUTERS, RouterConfig
+from ..policy.stack import Stack
 from ..profile import Profile
 from ..scenario import Scenario
 from ..workload import Trace, make_trace
 from . import margin as margin_mod
-from .sweep import _local, _ray, _Store, flatten, read_table
+from .sweep import ParquetStore, flatten, read_table, run_local, run_ray
 
 OBJECTIVES = ("timely", "delivered", "burst")
 LAYERS = ("client", "gateway", "proxy", "engine", "router")
@@ -159,7 +159,8 @@ def candidates(scenario: Scenario, capacity: float, only: str | None = None,
                             tag += [f"budget={budget:g}"] if budget else []
                             tag += [order] if order else []
                             after = None if lifo is None else int(lifo * cap)
-                            tag += [f"proxy-cap={cap}/{queue}" + (f"@{after}" if after is not None else "")] if cap else []
+                            tag += [f"proxy-cap={cap}/{queue}"
+                                    + (f"@{after}" if after is not None else "")] if cap else []
                             proxies.append((",".join(tag), dict(cancel=cancel, coalesce=coalesce, budget=budget,
                                                                 order=order, proxy_cap=cap, queue=queue, after=after)))
     for retries in RETRIES if layer["client"] else (True,):
@@ -374,7 +375,10 @@ def cut_scenario(scenario: Scenario, cut: tuple[float, float]) -> Scenario:
 def cut_trace(trace: Trace, cut: tuple[float, float]) -> Trace:
     """The calls of `trace` planned in [cut[0], cut[1]), times shifted by -cut[0]."""
     i, j = (int(x) for x in trace.arrival.searchsorted(cut, side="left"))
-    pick = lambda v: None if v is None else v[i:j]
+
+    def pick(v):
+        return None if v is None else v[i:j]
+
     return Trace(arrival=trace.arrival[i:j] - cut[0], prompt_len=trace.prompt_len[i:j],
                  max_tokens=trace.max_tokens[i:j], shared_prefix=trace.shared_prefix,
                  prefix_len=pick(trace.prefix_len), prefix_group=pick(trace.prefix_group))
@@ -568,7 +572,7 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
             have = set(t.column("deployment").to_pylist()) if "deployment" in t.column_names else {None}
             if have != {key}:
                 raise ValueError(f"{out} holds runs of another deployment (profile, scenario); give another --out")
-        store = _Store(out)
+        store = ParquetStore(out)
         for r in ([] if t is None else t.to_pylist()):
             rows[(r["condition"], int(r["seed"]), r.get("scenario_hash") or "")] = r
 
@@ -580,8 +584,8 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         tasks = [(profile, scenario, fleet_task, key, c,
                   [(by_name[n], routers[n], stacks[n], s, scalers[n]) for n, s in todo[i:i + BATCH]])
                  for i in range(0, len(todo), BATCH)]
-        it = _ray(tasks, ray_address, fn=_rows_task) if ray_address is not None else \
-            _local(tasks, workers if workers else (os.cpu_count() or 1), fn=_rows_task)
+        it = run_ray(tasks, ray_address, fn=_rows_task) if ray_address is not None else \
+            run_local(tasks, workers if workers else (os.cpu_count() or 1), fn=_rows_task)
         t1 = time.perf_counter()
         shown = [t1]
         tty = sys.stderr.isatty()
@@ -600,14 +604,17 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
                     el = shown[0] - t1
                     bar = "#" * (30 * i // len(todo))
                     end = "\n" if i == len(todo) or not tty else ""
-                    print(f"\r{stage} [{bar:<30}] {i}/{len(todo)} runs, {el:.0f} s, eta {el / i * (len(todo) - i):.0f} s",
+                    eta = el / i * (len(todo) - i)
+                    print(f"\r{stage} [{bar:<30}] {i}/{len(todo)} runs, {el:.0f} s, eta {eta:.0f} s",
                           end=end, file=sys.stderr, flush=True)
         finally:
             if store is not None:
                 store.flush()
 
-    size = lambda n: (len(by_name[n].describe().split(", ")) + _router_changes(routers[n], own)
-                      + sum(map(len, layer_changes(stacks[n], layers).values())) + (scalers[n] != own_scaler))
+    def size(n):
+        return (len(by_name[n].describe().split(", ")) + _router_changes(routers[n], own)
+                + sum(map(len, layer_changes(stacks[n], layers).values())) + (scalers[n] != own_scaler))
+
     plan = stages(len(seeds), screen, finalists, cut)
     rounds = []
     for k, (n_s, full, keep) in enumerate(plan):

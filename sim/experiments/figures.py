@@ -8,12 +8,13 @@ import statistics
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
-
 import os
+
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 from ..conditions import CONDITIONS, DIAGNOSTIC
 from .design import BLOCK_FIGURES, BLOCKS, COHORTS, FIGURES, PULSE, block_rows, share
+
 
 def _mean(xs):
     xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]

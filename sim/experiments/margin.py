@@ -41,7 +41,7 @@ from ..policy.stack import Stack
 from ..profile import Profile
 from ..scenario import Scenario
 from ..workload import make_trace
-from .sweep import _local
+from .sweep import run_local
 
 AXES = ("speed", "pulse", "hold_load", "kv")
 SCALING_AXES = ("provisioning", "target")     # a fleet with an [autoscaler] only
@@ -322,7 +322,7 @@ def run_many(tasks: Sequence[tuple], workers: int | None = None, full: bool = Fa
     """run_task over tasks on local processes (default one per CPU), in task order."""
     w = workers if workers else (os.cpu_count() or 1)
     tagged = [(i, t, full) for i, t in enumerate(tasks)]
-    out = list(_local(tagged, min(w, len(tagged)), fn=_tagged))
+    out = list(run_local(tagged, min(w, len(tagged)), fn=_tagged))
     return [r for _, r in sorted(out, key=lambda ir: ir[0])]
 
 

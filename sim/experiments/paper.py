@@ -31,8 +31,21 @@ import statistics
 
 from .. import verdict
 from . import figures, reference
-from .design import (BLOCK_FIGURES, BLOCK_NAMES, BLOCKS, COHORTS, DEFAULT_SEEDS, FIGURES, MODELS, PULSE, Block,
-                     block_rows, get_blocks, paper_cells, share)
+from .design import (
+    BLOCK_FIGURES,
+    BLOCK_NAMES,
+    BLOCKS,
+    COHORTS,
+    DEFAULT_SEEDS,
+    FIGURES,
+    MODELS,
+    PULSE,
+    Block,
+    block_rows,
+    get_blocks,
+    paper_cells,
+    share,
+)
 from .sweep import read_rows, sweep
 
 __all__ = ["BLOCK_FIGURES", "BLOCK_NAMES", "BLOCKS", "COHORTS", "DEFAULT_SEEDS", "FIGURES", "MODELS", "PULSE",
@@ -121,6 +134,7 @@ def _against_reference(groups) -> list[str]:
     if not recs:
         return []
     rows = reference.compare(recs)
-    return [f"Against {reference.SOURCE} ({reference.MODEL}; bar: hold delivery within {reference.BAR_POINTS:g} points, "
+    return [f"Against {reference.SOURCE} ({reference.MODEL}; bar: hold delivery within {reference.BAR_POINTS:g} "
+            "points, "
             f"recovery within one {reference.BAR_WINDOW_S:g} s window; mean over seeds, range in brackets):", "",
             reference.table(rows, markdown=True), ""]

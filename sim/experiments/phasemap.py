@@ -167,7 +167,8 @@ def plot(rows: list[dict], scenario: Scenario, path: str, title: str = "") -> bo
                 ax.text(xs[j], ys[i], "T", ha="center", va="center", fontsize=8)
     drawn = False
     if {xn, yn} & {"pulse", "pulse_s", "deadline_s"}:
-        gx, gy = np.meshgrid(np.linspace(edges(xs)[0], edges(xs)[-1], 200), np.linspace(edges(ys)[0], edges(ys)[-1], 200))
+        gx, gy = np.meshgrid(np.linspace(edges(xs)[0], edges(xs)[-1], 200),
+                             np.linspace(edges(ys)[0], edges(ys)[-1], 200))
         z = backlog_excess(scenario, (xn, yn), gx, gy)
         if z.min() < 0 < z.max():
             ax.contour(gx, gy, z, levels=[0.0], colors="k", linewidths=1.5)

@@ -310,7 +310,7 @@ def _plain(v):
     raise TypeError(f"cannot store {type(v).__name__} in a result row")
 
 
-class _Store:
+class ParquetStore:
     """The rows of one Parquet file and its journal (see the module docstring)."""
 
     def __init__(self, path: str):
@@ -394,7 +394,7 @@ def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _local(cells: list, workers: int, fn: Callable = None) -> Iterator[dict]:
+def run_local(cells: list, workers: int, fn: Callable = None) -> Iterator[dict]:
     """fn(cell) for each cell (default run_cell) on `workers` local processes, yielded as they finish."""
     fn = fn or run_cell
     if workers <= 1:
@@ -424,10 +424,10 @@ def _local(cells: list, workers: int, fn: Callable = None) -> Iterator[dict]:
                 f.cancel()
 
 
-def _ray(cells: list, address: str | None, fn: Callable = None) -> Iterator[dict]:
+def run_ray(cells: list, address: str | None, fn: Callable = None) -> Iterator[dict]:
     """fn(cell) for each cell (default run_cell) as Ray tasks, yielded as they finish."""
     try:
-        import ray          # optional dependency (llmsim[ray]), loaded only for --ray
+        import ray  # optional dependency (llmsim[ray]), loaded only for --ray
     except ImportError:
         raise RuntimeError("the Ray executor needs ray: pip install 'llmsim[ray]'") from None
     if not ray.is_initialized():
@@ -464,13 +464,13 @@ def sweep(cells: Sequence[Cell], out: str, workers: int | None = None, ray_addre
     d = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(d):
         raise ValueError(f"cannot write {out}: directory {d} does not exist")
-    store = _Store(out)
+    store = ParquetStore(out)
     todo = [c for c in cells if c.key not in store.done]
     show = progress if callable(progress) else (_progress_line(len(todo)) if progress else None)
     if ray_address is not None:
-        rows = _ray(todo, ray_address)
+        rows = run_ray(todo, ray_address)
     else:
-        rows = _local(todo, workers if workers else (os.cpu_count() or 1))
+        rows = run_local(todo, workers if workers else (os.cpu_count() or 1))
     ran = 0
     try:
         for row in rows:
@@ -493,5 +493,5 @@ def cells_of(rows: Iterable[dict]) -> list[tuple]:
     return sorted(cell_key(r) for r in rows)
 
 
-__all__ = ["Cell", "KEY", "GROUP", "ResultsFileError", "grid", "parse_seeds", "run_cell", "flatten", "sweep", "read_table",
-           "read_rows", "cells_of", "asdict"]
+__all__ = ["Cell", "KEY", "GROUP", "ResultsFileError", "grid", "parse_seeds", "run_cell", "flatten", "sweep",
+           "read_table", "read_rows", "cells_of", "asdict"]

@@ -50,7 +50,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..clock import Clock
-from ..engine.core import EngineCore, EngineConfig
+from ..engine.core import EngineConfig, EngineCore
 from ..engine.request import Request
 from ..profile import Profile
 from ..runlog import ExecutionRecord

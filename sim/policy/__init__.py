@@ -4,10 +4,25 @@ are events with timestamps, outputs are decisions; nothing here reads a
 clock, sleeps, does I/O or imports SimPy. The simulator (`sim.model`) and the
 live harness drive the very same objects, through one interpreter of their
 actions (`stack.Interpreter`)."""
-from .client import ClientConfig, RetryingClient, CallState, Retry, GiveUp, Delivered
-from .proxy import (ProxyConfig, Proxy, Execution, Attempt, EngineView, PromptRate, RetryBudget,
-                    Subscribe, Dispatch, Refuse, Cancel, Complete, Drop, Wake, call_key)
-from .stack import Stack, Interpreter
+from .client import CallState, ClientConfig, Delivered, GiveUp, Retry, RetryingClient
+from .proxy import (
+    Attempt,
+    Cancel,
+    Complete,
+    Dispatch,
+    Drop,
+    EngineView,
+    Execution,
+    PromptRate,
+    Proxy,
+    ProxyConfig,
+    Refuse,
+    RetryBudget,
+    Subscribe,
+    Wake,
+    call_key,
+)
+from .stack import Interpreter, Stack
 
 __all__ = ["ClientConfig", "RetryingClient", "CallState", "Retry", "GiveUp", "Delivered",
            "ProxyConfig", "Proxy", "Execution", "Attempt", "EngineView", "PromptRate", "RetryBudget",

@@ -151,5 +151,5 @@ class Timer:
     token: object
 
 
-__all__ = ["LayerKind", "Figures", "LayerContext", "register", "kinds", "layer_kind", "Upstream", "Send", "Leave", "RunOn",
-           "Timer"]
+__all__ = ["LayerKind", "Figures", "LayerContext", "register", "kinds", "layer_kind", "Upstream", "Send", "Leave",
+           "RunOn", "Timer"]

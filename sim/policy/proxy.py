@@ -416,7 +416,7 @@ class Proxy:
     def _shed(self, t: float, attempt: Attempt, retry: bool, prompt_len: int) -> list | None:
         """The per-class checks on an attempt that would need a new
         execution (module docstring): the refusal, or None."""
-        cfg, k = self.config, attempt.klass
+        k = attempt.klass
         if k is None:
             return None
         budget = self.class_budgets.get(k)

@@ -36,8 +36,7 @@ from typing import Callable, Sequence
 
 from .client import ClientConfig
 from .layers import Leave, RunOn, Send, Timer, Upstream, layer_kind
-from .proxy import (Cancel, Complete, Dispatch, Drop, EngineView, Execution, Proxy, ProxyConfig, Refuse, Subscribe,
-                    Wake)
+from .proxy import Cancel, Complete, Dispatch, Drop, EngineView, Execution, Proxy, ProxyConfig, Refuse, Subscribe, Wake
 from .router import ReplicaProxies, Router, RouterConfig
 
 LAYERS = ("client", "proxy", "router")
