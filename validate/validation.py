@@ -199,24 +199,30 @@ def speed_probe(eng: E.Engine, profile: Profile, vs: NamedScenario, log=E.say) -
     """How fast a point's fresh engine runs just before the point, against
     the profile: `PROBE_CALLS` calls of the scenario's mean prompt and
     median response lengths sent at once straight to the engine (prompts of
-    their own, sharing no prefix with the trace's), their steps' durations
+    their own, sharing no prefix with the trace's), after one such round to
+    warm the engine that is not measured, their steps' durations
     over what the profile predicts for them (`step_time_ratio`). The
     machine's speed drifts by tens of percent over minutes, alike for every
     kind of step, so the point is predicted with the profile's steps scaled
     by this k (measured before the point, on calls that are not its own).
     None where the engine records no steps."""
-    s0 = engine_steps(eng)
-    if s0 is None:
+    if engine_steps(eng) is None:
         return None
     model = eng.served_model()
     rng = np.random.default_rng([vs.seed, 0x5EED])
     prompt, response = probe_lengths(vs)
-    bodies = [request_body(model, rng.integers(VOCAB_LO, VOCAB_HI, prompt).tolist(), response)
-              | {"stream": False, "stream_options": None} for _ in range(PROBE_CALLS)]
+    warm, bodies = ([request_body(model, rng.integers(VOCAB_LO, VOCAB_HI, prompt).tolist(), response)
+                     | {"stream": False, "stream_options": None} for _ in range(PROBE_CALLS)] for _ in range(2))
+
+    def send(b):
+        return E.http_post(eng.url + "/v1/completions", b, parse=False)
     t0 = time.monotonic()
-    with ThreadPoolExecutor(len(bodies)) as pool:
-        list(pool.map(lambda b: E.http_post(eng.url + "/v1/completions", b, parse=False), bodies))
-    time.sleep(0.2)                     # the recorder writes a step as it ends
+    with ThreadPoolExecutor(PROBE_CALLS) as pool:
+        list(pool.map(send, warm))      # a fresh engine's first batches run slower: one round, not measured
+        time.sleep(0.2)                 # the recorder writes a step as it ends
+        s0 = engine_steps(eng)
+        list(pool.map(send, bodies))
+    time.sleep(0.2)
     st = step_time_ratio(getattr(eng, "step_log", None), profile, s0)
     if st is None:
         return None
