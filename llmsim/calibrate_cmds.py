@@ -107,7 +107,7 @@ def cmd_calibrate_capture(a) -> int:
             eng = run if run is not None and run.url == a.engine.rstrip("/") else engine.connect(a.engine)
         else:
             raise _err(f"calibrate capture: --engine must be cpu or a URL, got {a.engine!r}")
-        meta = capture(eng, a.out, grid=a.grid, seed=a.seed, log=_say)
+        meta = capture(eng, a.out, grid=a.grid, seed=a.seed, log=_say, warmup=not a.no_warmup)
     except engine.EngineError as e:
         raise _err(f"calibrate capture: {e}") from None
     finally:
@@ -389,6 +389,8 @@ def add_subcommands(sub) -> None:
     q.add_argument("--grid", choices=("full", "quick"), default="full")
     q.add_argument("--port", type=int, default=None)
     q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--no-warmup", action="store_true",
+                   help="skip the unrecorded pass of the quick grid that warms a fresh engine first")
     q.add_argument("-o", "--out", required=True, help="steps JSONL")
     q.set_defaults(fn=cmd_calibrate_capture)
     q = cs.add_parser("fit", help="fit the step-time model (NNLS) and write a profile")

@@ -13,8 +13,14 @@ scheduler noise from two shared cores, so the bound leaves a 2.5-4x margin,
 yet a broken fit fails it: step durations span 2-70 ms, so dropping the token
 or attention terms, or mis-joining rows, gives errors of 100% and more.
 
-Bound on live Ĉ / simulated Ĉ (the time-scaled protocol on the same trace):
-within a factor of 2. Measured here 0.98 with a full-grid profile; the quick
+Bound on live Ĉ / simulated Ĉ (the time-scaled protocol on the same trace),
+the simulator's profile scaled by k, the engine's recorded step time during
+the live protocol over the profile's for the same steps: within a factor of
+2. The engine's speed is taken out because this VM's speed drifts (up to 1.8x
+within 25 minutes, docs/validation.md): a capture of a few seconds can catch
+a slow moment, and a CI run read live / profile-predicted Ĉ 2.11 with a quick
+grid fitted minutes before. What is left is the protocol's driver and the
+queue model. Measured here 0.98 unscaled with a full-grid profile; the quick
 grid's step model is less exact (12% held-out), the load generator, API
 server and engine share two cores, and 20 s stages at a 1.5x factor resolve
 Ĉ only to about one stage's step (1.5x). A factor of 2 covers those, while a
@@ -48,6 +54,7 @@ from calibrate.from_log import parse_log
 from sim.profile import from_dict
 from validate import engine as E
 from validate.step_log import parse_iteration_log, read_raw, steps_from_raw
+from validate.validation import engine_steps, scaled_profile, step_time_ratio
 
 pytestmark = pytest.mark.live
 MAPE_BOUND = 0.5
@@ -78,15 +85,21 @@ def test_live_cpu_engine_capture_and_fit(tmp_path):
         sc = L.live_scenario()
         params = L.plan(prof.capacity)
         sim = L.simulated_capacity_protocol(prof, sc, **params)
+        steps0 = engine_steps(eng)
         live = L.live_capacity_protocol(eng.url, eng.served_model(), sc, **params)
+        st = step_time_ratio(eng.step_log, prof, skip=steps0)
     finally:
         eng.stop()
     assert not eng.healthy()
     c = live["capacity"]
-    print(f"live capacity {c:.3f} calls/s in {live['wall_s']:.0f} s, simulated {sim['capacity']:.3f}; "
-          f"ratio {c / sim['capacity']:.2f}")
     assert math.isfinite(c) and c > 0, live
-    assert 1 / CAPACITY_FACTOR < c / sim["capacity"] < CAPACITY_FACTOR, (live, sim)
+    assert st is not None and st["steps"] >= 100, st
+    k = st["ratio"]
+    sim_k = L.simulated_capacity_protocol(scaled_profile(prof, k), sc, **params)
+    print(f"live capacity {c:.3f} calls/s in {live['wall_s']:.0f} s; simulated {sim['capacity']:.3f} with the "
+          f"profile (ratio {c / sim['capacity']:.2f}), {sim_k['capacity']:.3f} with its steps x{k:.2f} as the "
+          f"engine ran them (ratio {c / sim_k['capacity']:.2f})")
+    assert 1 / CAPACITY_FACTOR < c / sim_k["capacity"] < CAPACITY_FACTOR, (live, sim_k, st)
     assert live["saturated_stage"] >= 1 and live["wall_s"] < 240       # not saturated from the start
     stored = from_dict(L.store(raw, live, sim, sc, params, {"url": eng.url}))
     assert stored.capacity == c
