@@ -7,7 +7,10 @@ trace's `klass` column).
   with classes, `ClassClients`, one `RetryingClient` per class (the class's
   deadline, retries, backoff and Retry-After cap; the condition's retries
   on/off still rule), chosen by the call's class. All of them draw their
-  backoff waits from the same `uniform` stream.
+  backoff waits from the same `uniform` stream. `default` is the reference
+  client's `ClientConfig` or a client layer's effective settings (a preset,
+  `sim.policy.preset_client`); for a layer a class's keys become the
+  layer's (`class_layer_settings`).
 - `call_priorities(trace, scenario)`: each call's priority, which its
   executions carry to the engine (`Request.priority`): the class's, 0
   without classes.
@@ -23,7 +26,8 @@ from __future__ import annotations
 
 from .conditions import Condition
 from .policy.client import CallState, ClientConfig, RetryingClient
-from .scenario import Scenario
+from .policy.preset_client import preset_client
+from .scenario import Scenario, TrafficClass
 from .workload import Trace
 
 
@@ -51,9 +55,33 @@ class ClassClients:
         return self._of(call).on_complete(call, t)
 
 
-def clients(default: ClientConfig, condition: Condition, scenario: Scenario, trace: Trace, uniform):
+# a class's client keys as a client layer's policy keys
+LAYER_KEYS = {"deadline_s": "timeout_s", "max_retries": "max_retries", "backoff_min_s": "backoff_base_s",
+              "backoff_max_s": "backoff_cap_s", "max_retry_after_s": "retry_after_cap_s"}
+
+
+def class_layer_settings(settings: dict, klass: TrafficClass, condition: Condition) -> dict:
+    """A client layer's effective settings for the calls of `klass`: the
+    class's deadline as the layer's per-attempt timeout, its retries, its
+    backoff range as the backoff's base and cap, its Retry-After cap (left
+    unset, the class's deadline when it sets one, as for the reference
+    client); retries stay off where the condition turns them off."""
+    kw = {LAYER_KEYS[k]: getattr(klass, k) for k in LAYER_KEYS if getattr(klass, k) is not None}
+    if klass.deadline_s is not None and klass.max_retry_after_s is None:
+        kw["retry_after_cap_s"] = float(klass.deadline_s)
+    if not condition.retries:
+        kw.pop("max_retries", None)
+    return dict(settings, **kw)
+
+
+def clients(default: ClientConfig | dict, condition: Condition, scenario: Scenario, trace: Trace, uniform):
     """The run's client layer (module docstring): `default` (the stack's
     client) without classes, else one client per class."""
+    if isinstance(default, dict):
+        if not scenario.classes or trace.klass is None:
+            return preset_client(default, uniform)
+        by_class = [preset_client(class_layer_settings(default, c, condition), uniform) for c in scenario.classes]
+        return ClassClients(by_class, trace.klass.tolist())
     if not scenario.classes or trace.klass is None:
         return RetryingClient(default, uniform)
     return ClassClients([RetryingClient(condition.client_config(c.client(scenario)), uniform)

@@ -125,15 +125,15 @@ class Deployment:
     def require_simulated(self, layers: bool = False) -> None:
         """Raises unless the simulator runs every layer of the stack: with
         `layers` (as `run` does), any layers on one engine or a fleet, a
-        layer that stands at the client's place (`LayerKind.top`) first and
-        only without traffic classes; without, none (the commands that do not
-        run through `run`)."""
+        layer that stands at the client's place (`LayerKind.top`) first only
+        (with traffic classes, each class's client keys on it:
+        `sim.classes.class_layer_settings`); without, none (the commands that
+        do not run through `run`)."""
         for i, t in enumerate(self.stack_layers):
             top = layer_kind(t["kind"]).top
-            if layers and (not top or (i == 0 and not self.scenario.classes)):
+            if layers and (not top or i == 0):
                 continue
-            what = (" (only one client layer, first, without traffic classes)" if top
-                    else " by this command")
+            what = " (only one client layer, first)" if top else " by this command"
             raise ScenarioError(f"{self.name}: layer[{i}] ({t.get('preset', t['kind'])}): {t['kind']} layers are "
                                 "described by `llmsim stack` but not yet simulated" + what)
 

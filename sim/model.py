@@ -112,7 +112,7 @@ class Run(Interpreter):
         class's (sim.classes)."""
         client = self.stack.config("client")
         draws = uniform_draws(np.random.default_rng([seed, 1]))
-        if isinstance(client, dict):
+        if isinstance(client, dict) and not self.scenario.classes:
             return layer_kind(client["kind"]).make(client, LayerContext(draws))
         return clients(client, condition, self.scenario, self.trace, draws)
 

@@ -64,11 +64,11 @@ def test_each_call_goes_through_its_class_client_with_its_priority():
     layer = clients(CONDITIONS["cancel"].client_config(s), CONDITIONS["cancel"], s, tr, lambda a, b: a)
     assert isinstance(layer, ClassClients)
     a, b = layer.by_class
-    assert (a.config.deadline_s, a.config.max_retries, a.config.max_retry_after_s) == (30.0, 0, 30.0)
-    assert (b.config.deadline_s, b.config.max_retries) == (PAPER.deadline_s, PAPER.max_retries)
+    assert (a.policy.timeout_s, a.policy.max_retries, a.policy.retry_after_cap_s) == (30.0, 0, 30.0)
+    assert (b.policy.timeout_s, b.policy.max_retries) == (PAPER.deadline_s, PAPER.max_retries)
     # the condition's retries off still rules every class
     no_retry = CONDITIONS["no-retry"]
-    assert all(c.config.max_retries == 0 for c in clients(no_retry.client_config(s), no_retry, s, tr, None).by_class)
+    assert all(c.policy.max_retries == 0 for c in clients(no_retry.client_config(s), no_retry, s, tr, None).by_class)
     assert call_priorities(tr, s) == [0 if k == 0 else 7 for k in tr.klass.tolist()]
 
 

@@ -8,7 +8,11 @@ from sim.policy.proxy import Attempt, Cancel, Complete, Dispatch, Proxy, ProxyCo
 
 
 def client(retries=3, wait=1.0):
-    return RetryingClient(ClientConfig(max_retries=retries), lambda a, b: wait)
+    """The reference client whose uniform backoff draws `wait` (the backoff
+    is drawn as min + (max - min) * uniform(0, 1); the config's range is
+    [0, 4] so that the waits used here are exact)."""
+    return RetryingClient(ClientConfig(max_retries=retries, backoff_min_s=0.0, backoff_max_s=4.0),
+                          lambda a, b: a + (b - a) * (wait / 4.0))
 
 
 def test_policy_core_imports_no_simpy():

@@ -1,5 +1,5 @@
-"""A client layer from a preset runs in the simulator: `PresetClient` gives
-the preset's RetryPolicy (through `Retrier`) the interface `Run` drives its
+"""A client layer from a preset runs in the simulator: `preset_client` gives
+the preset's RetryPolicy (through `Retrier`, behind `RetryingClient`) the interface `Run` drives its
 client through, and a scenario's client [[layer]] is the run's client."""
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import os
 import pytest
 
 from llmsim.cli import main
+from sim.classes import class_layer_settings
+from sim.conditions import get_condition
 from sim.deployment import from_document, load
 from sim.model import Run
 from sim.policy.client import CallState, Delivered, GiveUp, Retry
-from sim.policy.preset_client import PresetClient
+from sim.policy.preset_client import preset_client
 from sim.policy.presets import PRESETS, preset
 from sim.runlog import CALL_OUTCOMES
-from sim.schema import ScenarioError
 
 
 class _Draws:
@@ -31,7 +32,7 @@ def _value(key):
 
 
 def _client(r=0.0, **overrides):
-    return PresetClient(preset("client", "openai-python", **overrides), _Draws(r))
+    return preset_client(preset("client", "openai-python", **overrides), _Draws(r))
 
 
 def test_an_attempt_is_given_up_after_the_presets_timeout_or_the_override():
@@ -85,7 +86,7 @@ def test_a_status_outside_the_retry_on_set_gives_up_and_a_response_delivers():
     c, call = _client(), CallState(1, 0.0)
     c.send(call, 0.0)
     d = c.on_complete(call, 3.0)
-    assert type(d) is Delivered and d.at == 3.0 and call.outcome == "delivered" and not c._retries
+    assert type(d) is Delivered and d.at == 3.0 and call.outcome == "delivered" and call.retries.done
 
 
 TINY = {"model": {"profile": "vllm-cpu-tiny"},
@@ -134,9 +135,17 @@ def test_llmsim_run_runs_a_client_layer(tmp_path, capsys):
     assert "pulse" in capsys.readouterr().out
 
 
-def test_a_client_layer_with_traffic_classes_is_refused_not_ignored():
+def test_a_client_layer_with_traffic_classes_takes_each_class_keys():
     dep = load(os.path.join(os.path.dirname(__file__), "..", "examples", "classes-chat-batch.toml"))
+    chat = next(c for c in dep.scenario.classes if c.name == "chat")
+    layer = preset("client", "openai-python")
+    s = class_layer_settings(layer, chat, get_condition("cancel"))
+    assert (s["timeout_s"], s["max_retries"], s["retry_after_cap_s"]) == (30.0, 1, 30.0)
+    assert s["backoff"] == layer["backoff"] and s["preset"] == "openai-python"
+    # the condition's retries off still rules the class
+    assert "max_retries" not in class_layer_settings({}, chat, get_condition("no-retry"))
     doc = dict(dep.document(), layer=[{"preset": "openai-python"}])
     with_layer = from_document(doc, "classes.toml", base_dir=dep.base_dir)
-    with pytest.raises(ScenarioError, match="client layers are described by .* without traffic classes"):
-        with_layer.run(0)
+    chat_rec = with_layer.run(0)["classes"]["chat"]["attempts"]
+    # chat's attempts are given up at its 30 s deadline (the preset's own timeout is 600 s), one retry a call
+    assert chat_rec["timeout"] > 0 and 0 < chat_rec["retries"] <= chat_rec["first"]

@@ -10,8 +10,9 @@ request then carries its class's `priority` in the body, as vLLM reads it,
 and its class in `X-Class`) — on the asyncio clock: every call is its own task, sent at its planned
 time whatever happened to earlier calls; each attempt is one streamed
 `/v1/completions` request carrying `X-Call-Id` (the call's number) and
-`X-Attempt`; the client closes the connection at the attempt's deadline; a 429
-is answered with its `Retry-After`, a 503 with the usual wait. The proxy names
+`X-Attempt`; the client closes the connection at the attempt's deadline; a
+refusal with a `Retry-After` is answered with it (up to its cap), any other
+with the usual wait. The proxy names
 the execution an attempt subscribed to in `X-Execution-Id` / `X-Attached` (and,
 for attempts that end before the response starts, in its `subscriptions`
 table), and a refusal's reason in `X-Refused-Reason`, so attempts and

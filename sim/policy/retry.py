@@ -454,11 +454,12 @@ class Retrier:
         ra = None
         if f.kind == STATUS and p.retry_after:
             ra = parse_retry_after(f.headers, p.retry_after_formats, f.response_epoch)
-            if ra is not None and not math.isfinite(ra):
-                ra = None
+            if ra is not None and (math.isnan(ra) or (math.isinf(ra) and p.retry_after_cap_s is None)):
+                ra = None                   # an infinite wait is above any cap (Python's float() reads "inf")
         over_cap = ra is not None and p.retry_after_cap_s is not None and ra > p.retry_after_cap_s
-        if over_cap and p.retry_after_above_cap == "give_up":
-            return GiveUp("retry_after")
+        exhausted = p.max_retries is not None and call.retries >= p.max_retries
+        if over_cap and p.retry_after_above_cap == "give_up" and not exhausted:
+            return GiveUp("retry_after")    # openai-python: `remaining_retries > 0` is asked first
         retryable = p.retries_on(f.kind, f.status)
         if f.kind == STATUS and p.should_retry_header and f.headers:
             said = {k.lower(): v for k, v in f.headers.items()}.get("x-should-retry")
@@ -471,7 +472,7 @@ class Retrier:
         sent = f.sent if f.sent is not None else f.kind != CONNECT_ERROR
         if sent and not p.retry_sent_non_idempotent:
             return GiveUp("non_idempotent")
-        if p.max_retries is not None and call.retries >= p.max_retries:
+        if exhausted:
             return GiveUp("attempts")
         if self.servers is not None and call.attempts >= self.servers:
             return GiveUp("no_other_server")

@@ -70,7 +70,7 @@ class Stack:
     def with_client(self, client) -> "Stack":
         """This stack with another client: a `ClientConfig`, or a client
         layer's effective settings (`sim.policy.presets.preset`), which the
-        simulator drives through `sim.policy.preset_client.PresetClient`."""
+        simulator drives through `sim.policy.preset_client.preset_client`."""
         return Stack(tuple((k, client if k == "client" else c) for k, c in self.layers))
 
     def with_layers(self, layers) -> "Stack":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .client import reference_settings
 from .layers import Figures, layer_kind
 from .presets import KINDS as PRESET_KINDS, policies
 from .retry import CONNECT_ERROR
@@ -156,19 +157,16 @@ def reference_layers(stack) -> list:
     """The reference design's own layers (`sim.policy.stack.Stack`: its
     client, proxy and router, in the stack's order) as settings
     `stack_info` reads, each key sourced to docs/model.md: the client's
-    deadline bounds each attempt and it retries a timeout, a 429 (its
-    Retry-After honoured up to its cap, a longer one gives the call up) and a
-    503 after a uniform wait; the proxy retries nothing and passes the
+    deadline bounds each attempt and it retries every failure (a timeout, a
+    refusal of any status) after a uniform wait, a Retry-After honoured up to
+    its cap (a longer one gives the call up); the proxy retries nothing and passes the
     disconnect on unless its cancellation is off; the router tries another
     replica on an engine's 503 (a request that never ran, so no more
     executions)."""
     out = []
     for kind, cfg in stack.layers:
         if kind == "client":
-            s = {"kind": "client", "name": "client", "timeout_s": cfg.deadline_s, "max_retries": cfg.max_retries,
-                 "retry_on": ("timeout", "429", "503"), "backoff": "uniform", "backoff_base_s": cfg.backoff_min_s,
-                 "backoff_cap_s": cfg.backoff_max_s, "retry_after": True, "retry_after_formats": ("seconds",),
-                 "retry_after_cap_s": cfg.max_retry_after_s, "retry_after_above_cap": "give_up"}
+            s = reference_settings(cfg)
         elif kind == "proxy":
             passes = cfg.cancellation != "off"
             s = {"kind": "gateway", "name": "proxy", "cancellation": cfg.cancellation, "max_retries": 0,
