@@ -8,9 +8,10 @@ trace's `klass` column).
   deadline, retries, backoff and Retry-After cap; the condition's retries
   on/off still rule), chosen by the call's class. All of them draw their
   backoff waits from the same `uniform` stream. `default` is the reference
-  client's `ClientConfig` or a client layer's effective settings (a preset,
-  `sim.policy.preset_client`); for a layer a class's keys become the
-  layer's (`class_layer_settings`).
+  client's `ClientConfig`, a client layer's effective settings (a preset,
+  `sim.policy.preset_client`) or a tuple of them (client layers one inside
+  another, `NestedClients`); for a layer a class's keys become the
+  layer's, the innermost's of several (`class_layer_settings`).
 - `call_priorities(trace, scenario)`: each call's priority, which its
   executions carry to the engine (`Request.priority`): the class's, 0
   without classes.
@@ -25,8 +26,8 @@ trace's `klass` column).
 from __future__ import annotations
 
 from .conditions import Condition
-from .policy.client import CallState, ClientConfig, RetryingClient
-from .policy.preset_client import preset_client
+from .policy.client import CallState, ClientConfig, NestedClients, RetryingClient
+from .policy.layers import LayerContext, layer_kind
 from .scenario import Scenario, TrafficClass
 from .workload import Trace
 
@@ -74,9 +75,20 @@ def class_layer_settings(settings: dict, klass: TrafficClass, condition: Conditi
     return dict(settings, **kw)
 
 
-def clients(default: ClientConfig | dict, condition: Condition, scenario: Scenario, trace: Trace, uniform):
+def clients(default: ClientConfig | dict | tuple, condition: Condition, scenario: Scenario, trace: Trace, uniform):
     """The run's client layer (module docstring): `default` (the stack's
     client) without classes, else one client per class."""
+    def preset_client(settings: dict, uniform) -> RetryingClient:     # through the registry of layer kinds
+        return layer_kind(settings["kind"]).make(settings, LayerContext(uniform))
+    if isinstance(default, tuple):          # client layers one inside another, classes on the innermost
+        outer = default[:-1]
+
+        def nested(inner: dict) -> NestedClients:
+            return NestedClients([preset_client(s, uniform) for s in outer] + [preset_client(inner, uniform)])
+        if not scenario.classes or trace.klass is None:
+            return nested(default[-1])
+        return ClassClients([nested(class_layer_settings(default[-1], c, condition)) for c in scenario.classes],
+                            trace.klass.tolist())
     if isinstance(default, dict):
         if not scenario.classes or trace.klass is None:
             return preset_client(default, uniform)

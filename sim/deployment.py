@@ -124,16 +124,16 @@ class Deployment:
 
     def require_simulated(self, layers: bool = False) -> None:
         """Raises unless the simulator runs every layer of the stack: with
-        `layers` (as `run` does), any layers on one engine or a fleet, a
-        layer that stands at the client's place (`LayerKind.top`) first only
-        (with traffic classes, each class's client keys on it:
-        `sim.classes.class_layer_settings`); without, none (the commands that
-        do not run through `run`)."""
+        `layers` (as `run` does), any layers on one engine or a fleet, the
+        layers that stand at the client's place (`LayerKind.top`) first, one
+        inside another (with traffic classes, each class's client keys on the
+        innermost: `sim.classes.class_layer_settings`); without, none (the
+        commands that do not run through `run`)."""
         for i, t in enumerate(self.stack_layers):
             top = layer_kind(t["kind"]).top
-            if layers and (not top or i == 0):
+            if layers and (not top or all(layer_kind(u["kind"]).top for u in self.stack_layers[:i])):
                 continue
-            what = " (only one client layer, first)" if top else " by this command"
+            what = " (client layers first, above every other layer)" if top else " by this command"
             raise ScenarioError(f"{self.name}: layer[{i}] ({t.get('preset', t['kind'])}): {t['kind']} layers are "
                                 "described by `llmsim stack` but not yet simulated" + what)
 

@@ -42,13 +42,21 @@ __all__ = ["Run", "simulate", "uniform_draws", "ReplicaParts", "engine_config", 
 def uniform_draws(rng: np.random.Generator, chunk: int = 512):
     """`uniform(a, b)` drawing from `rng` the values `rng.uniform(a, b)`
     would, one call after another, with the generator's doubles taken
-    `chunk` at a time."""
+    `chunk` at a time; its `random()` draws uniform(0, 1) from the same
+    stream."""
     buf: list[float] = []
 
     def uniform(a: float, b: float) -> float:
         if not buf:
             buf.extend(reversed(rng.random(chunk).tolist()))
         return a + (b - a) * buf.pop()
+
+    def random() -> float:
+        """uniform(0, 1), the same draw (0 + 1 * r is r)."""
+        if not buf:
+            buf.extend(reversed(rng.random(chunk).tolist()))
+        return buf.pop()
+    uniform.random = random
     return uniform
 
 
@@ -112,7 +120,7 @@ class Run(Interpreter):
         class's (sim.classes)."""
         client = self.stack.config("client")
         draws = uniform_draws(np.random.default_rng([seed, 1]))
-        if isinstance(client, dict) and not self.scenario.classes:
+        if isinstance(client, dict) and not self.scenario.classes:      # one client layer (a registered kind)
             return layer_kind(client["kind"]).make(client, LayerContext(draws))
         return clients(client, condition, self.scenario, self.trace, draws)
 

@@ -76,8 +76,9 @@ def test_the_cli_exits_2_with_the_file_and_key(tmp_path, capsys, body, key):
 
 
 @pytest.mark.parametrize("layers, message", [
-    ('[[layer]]\npreset = "langchain-with-retry"\n[[layer]]\npreset = "langchain-openai"\n',
-     r"layer\[1\] \(langchain-openai\): client layers are described by `llmsim stack` but not yet simulated"),
+    ('[[layer]]\npreset = "nginx"\n[[layer]]\npreset = "langchain-openai"\n',
+     r"layer\[1\] \(langchain-openai\): client layers are described by `llmsim stack` but not yet simulated "
+     r"\(client layers first, above every other layer\)"),
 ])
 def test_the_simulator_refuses_a_layer_it_does_not_run(tmp_path, capsys, layers, message):
     f = _toml(tmp_path / "s.toml", layers)

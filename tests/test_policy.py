@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from sim.policy import CallState, ClientConfig, Delivered, GiveUp, Retry, RetryingClient
+from sim.policy import CallState, ClientConfig, Delivered, GiveUp, RetryingClient
 from sim.policy.proxy import Attempt, Cancel, Complete, Dispatch, Proxy, ProxyConfig, Refuse, Subscribe
 
 
@@ -26,7 +26,7 @@ def test_deadline_then_retry_after_backoff():
     call = CallState(0, 10.0)
     assert c.send(call, 10.0) == 0
     assert call.deadline == 130.0
-    assert c.on_deadline(call, 130.0) == Retry(132.5)
+    assert c.on_deadline(call, 130.0).at == 132.5
     assert c.send(call, 132.5) == 1
 
 
@@ -53,9 +53,9 @@ def test_refused_attempt_counts_and_429_waits_retry_after():
     c = client(wait=1.0)
     call = CallState(0, 0.0)
     c.send(call, 0.0)
-    assert c.on_refused(call, 0.0, 429, retry_after=30.0) == Retry(30.0)
+    assert c.on_refused(call, 0.0, 429, retry_after=30.0).at == 30.0
     c.send(call, 30.0)
-    assert c.on_refused(call, 30.0, 503) == Retry(31.0)     # usual wait
+    assert c.on_refused(call, 30.0, 503).at == 31.0     # usual wait
     c.send(call, 31.0)
     assert c.on_refused(call, 31.0, 429, retry_after=121.0) == GiveUp("retry_after")
     assert call.attempts == 3

@@ -86,7 +86,7 @@ def test_a_status_outside_the_retry_on_set_gives_up_and_a_response_delivers():
     c, call = _client(), CallState(1, 0.0)
     c.send(call, 0.0)
     d = c.on_complete(call, 3.0)
-    assert type(d) is Delivered and d.at == 3.0 and call.outcome == "delivered" and call.retries.done
+    assert type(d) is Delivered and d.at == 3.0 and call.outcome == "delivered" and call.done
 
 
 TINY = {"model": {"profile": "vllm-cpu-tiny"},

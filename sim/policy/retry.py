@@ -370,13 +370,15 @@ class Failure:
     sent: bool | None = None                # the request had reached the upstream (default: all but a
                                             # connection error)
     response_epoch: float | None = None     # for a Retry-After date without a `date` header
+    retry_after_s: float | None = None      # a `retry-after: <seconds>` header already read (the simulator's
+                                            # layers pass the wait they answer with so)
 
 
 @dataclass(slots=True)
 class RetryAt:
     at: float
-    wait: float
-    source: str                             # "backoff" or "retry_after"
+    wait: float = 0.0
+    source: str = "backoff"                 # "backoff" or "retry_after"
 
 
 @dataclass(slots=True)
@@ -401,11 +403,19 @@ class Retrier:
     bucket (if any) is shared by the layer's calls, as gRPC's is per server."""
 
     def __init__(self, policy: RetryPolicy, random: Callable[[], float], servers: int | None = None):
-        self.policy = policy
+        self.policy = p = policy
         self.random = random
         self.servers = servers      # a gateway that retries only on another server (nginx) has this many
         self.bucket = (TokenBucket(policy.bucket_max_tokens, policy.bucket_token_ratio)
                        if policy.throttle == "token_bucket" else None)
+        # the policy read once: a decision is on every failed attempt of a run
+        self._statuses = p.retry_statuses
+        self._retry_after = p.retry_after
+        self._ra_seconds = "seconds" in p.retry_after_formats
+        self._special = (servers is not None or p.max_tries > 0 or p.tries_timeout_s is not None
+                         or self.bucket is not None or p.throttle != "none" or p.should_retry_header
+                         or not p.retry_sent_non_idempotent)
+        self._timeout = math.inf if p.timeout_s is None else p.timeout_s
 
     def start(self, t: float) -> CallRetries:
         return CallRetries(t)
@@ -414,13 +424,10 @@ class Retrier:
         """An attempt goes out at t; returns when this layer gives it up
         (its per-attempt timeout or the call's deadline; inf for neither)."""
         call.attempts += 1
-        p = self.policy
-        end = math.inf
-        if p.timeout_s is not None:
-            end = t + p.timeout_s
-        if p.deadline_s is not None:
-            end = min(end, call.started_at + p.deadline_s)
-        return end
+        deadline = self.policy.deadline_s
+        if deadline is None:
+            return t + self._timeout
+        return min(t + self._timeout, call.started_at + deadline)
 
     def on_success(self, call: CallRetries, t: float):
         call.done = True
@@ -436,66 +443,100 @@ class Retrier:
             return p.max_concurrent_retries
         return None
 
+    def retry_after_of(self, f: Failure) -> float | None:
+        """The wait a failure's response asks for that this layer reads (None: none)."""
+        p = self.policy
+        if f.retry_after_s is not None and self._ra_seconds:
+            ra = f.retry_after_s
+        else:
+            headers = f.headers if f.retry_after_s is None else {"retry-after": repr(float(f.retry_after_s))}
+            ra = parse_retry_after(headers, p.retry_after_formats, f.response_epoch)
+        if ra is not None and (math.isnan(ra) or (math.isinf(ra) and p.retry_after_cap_s is None)):
+            ra = None                   # an infinite wait is above any cap (Python's float() reads "inf")
+        return ra
+
     def on_failure(self, call: CallRetries, f: Failure, active_requests: int = 0,
                    pending_requests: int = 0, active_retries: int = 0):
-        """The open attempt failed: RetryAt or GiveUp. The counts are the
-        layer's now, for a budget or a concurrency limit on retries."""
-        decision = self._decide(call, f, active_requests, pending_requests, active_retries)
-        if isinstance(decision, GiveUp):
-            call.done = True
-        else:
-            call.retries += 1
-        return decision
-
-    def _decide(self, call, f, active_requests, pending_requests, active_retries):
+        """The open attempt failed: RetryAt or GiveUp (the call done). The
+        counts are the layer's now, for a budget or a concurrency limit on
+        retries."""
         p = self.policy
         if self.bucket is not None:
             self.bucket.on_failure()
-        ra = None
-        if f.kind == STATUS and p.retry_after:
-            ra = parse_retry_after(f.headers, p.retry_after_formats, f.response_epoch)
-            if ra is not None and (math.isnan(ra) or (math.isinf(ra) and p.retry_after_cap_s is None)):
-                ra = None                   # an infinite wait is above any cap (Python's float() reads "inf")
-        over_cap = ra is not None and p.retry_after_cap_s is not None and ra > p.retry_after_cap_s
         exhausted = p.max_retries is not None and call.retries >= p.max_retries
-        if over_cap and p.retry_after_above_cap == "give_up" and not exhausted:
-            return GiveUp("retry_after")    # openai-python: `remaining_retries > 0` is asked first
-        retryable = p.retries_on(f.kind, f.status)
+        ra = None
+        over_cap = False
+        if f.kind == STATUS:
+            retryable = f.status in self._statuses
+            if self._retry_after:
+                ra = f.retry_after_s        # read as retry_after_of would: it is on every refusal of a run
+                if ra is None or not self._ra_seconds or ra != ra or (ra == math.inf and p.retry_after_cap_s is None):
+                    ra = self.retry_after_of(f)
+                over_cap = ra is not None and p.retry_after_cap_s is not None and ra > p.retry_after_cap_s
+                if over_cap and p.retry_after_above_cap == "give_up" and not exhausted:
+                    return _give_up(call, "retry_after")    # openai-python asks `remaining_retries > 0` first
+        else:
+            retryable = f.kind in p.retry_on
+        if self._special:               # the checks of the policies that have them, in their order
+            reason = self._checks(call, f, retryable, exhausted, active_requests, pending_requests, active_retries)
+        else:
+            reason = "not_retryable" if not retryable else "attempts" if exhausted else None
+        if reason is not None:
+            return _give_up(call, reason)
+        if ra is not None and ra > 0 and not over_cap:
+            wait, source = ra, "retry_after"
+        elif over_cap and p.retry_after_above_cap == "clamp":
+            wait, source = p.retry_after_cap_s, "retry_after"
+        elif p.backoff == "uniform":    # backoff_wait's uniform line inlined: a call less on every retry of the
+            wait, source = p.backoff_base_s + (p.backoff_cap_s - p.backoff_base_s) * self.random(), "backoff"
+        else:                           # reference client (about 2,500 instructions, bench_run under callgrind)
+            wait, source = backoff_wait(p, call.retries, self.random), "backoff"
+        if source == "retry_after" and p.retry_after_jitter and p.jitter == "additive":
+            wait += p.jitter_amount * self.random()
+        if p.deadline_s is not None and f.at + wait >= call.started_at + p.deadline_s:
+            return _give_up(call, "deadline")
+        call.retries += 1
+        return RetryAt(f.at + wait, wait, source)
+
+    def _checks(self, call, f, retryable, exhausted, active_requests, pending_requests, active_retries) -> str | None:
+        """Why the call is given up now (None: it may be retried), for a
+        policy with a throttle, limits on tries, the server's x-should-retry
+        or no retry of a request sent."""
+        p = self.policy
         if f.kind == STATUS and p.should_retry_header and f.headers:
             said = {k.lower(): v for k, v in f.headers.items()}.get("x-should-retry")
             if said == "true":
                 retryable = True
             elif said == "false":
-                return GiveUp("should_retry_false")
+                return "should_retry_false"
         if not retryable:
-            return GiveUp("not_retryable")
-        sent = f.sent if f.sent is not None else f.kind != CONNECT_ERROR
-        if sent and not p.retry_sent_non_idempotent:
-            return GiveUp("non_idempotent")
+            return "not_retryable"
+        if not p.retry_sent_non_idempotent and (f.sent if f.sent is not None else f.kind != CONNECT_ERROR):
+            return "non_idempotent"
         if exhausted:
-            return GiveUp("attempts")
+            return "attempts"
         if self.servers is not None and call.attempts >= self.servers:
-            return GiveUp("no_other_server")
+            return "no_other_server"
         if p.max_tries and call.attempts >= p.max_tries:
-            return GiveUp("tries")
+            return "tries"
         if p.tries_timeout_s is not None and f.at - call.started_at >= p.tries_timeout_s:
-            return GiveUp("tries_timeout")
+            return "tries_timeout"
         if self.bucket is not None and not self.bucket.allows_retry():
-            return GiveUp("throttled")
+            return "throttled"
         limit = self.retry_limit(active_requests, pending_requests)
         if limit is not None and active_retries >= limit:
-            return GiveUp("throttled")
-        if ra is not None and ra > 0 and not over_cap:
-            wait, source = ra, "retry_after"
-        elif over_cap and p.retry_after_above_cap == "clamp":
-            wait, source = p.retry_after_cap_s, "retry_after"
-        else:
-            wait, source = backoff_wait(p, call.retries, self.random), "backoff"
-        if source == "retry_after" and p.retry_after_jitter and p.jitter == "additive":
-            wait += p.jitter_amount * self.random()
-        if p.deadline_s is not None and f.at + wait >= call.started_at + p.deadline_s:
-            return GiveUp("deadline")
-        return RetryAt(f.at + wait, wait, source)
+            return "throttled"
+        return None
+
+
+def _give_up(call: CallRetries, reason: str) -> GiveUp:
+    call.done = True
+    return GIVE_UPS[reason]
+
+
+# the decisions to give up, made once: no allocation when a call is given up (nothing changes them)
+GIVE_UPS = {r: GiveUp(r) for r in ("not_retryable", "should_retry_false", "retry_after", "non_idempotent", "attempts",
+                                   "no_other_server", "tries", "tries_timeout", "throttled", "deadline")}
 
 
 # ---- a gateway's own pieces ------------------------------------------------

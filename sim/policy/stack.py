@@ -68,24 +68,22 @@ class Stack:
         return cls((("client", client),) + below)
 
     def with_client(self, client) -> "Stack":
-        """This stack with another client: a `ClientConfig`, or a client
+        """This stack with another client: a `ClientConfig`, a client
         layer's effective settings (`sim.policy.presets.preset`), which the
-        simulator drives through `sim.policy.preset_client.preset_client`."""
+        simulator drives through `sim.policy.preset_client.preset_client`, or
+        a tuple of them, the application's first (`NestedClients`)."""
         return Stack(tuple((k, client if k == "client" else c) for k, c in self.layers))
 
     def with_layers(self, layers) -> "Stack":
         """This stack with `[[layer]]` tables' effective settings (dicts with
-        `kind`, application first): a layer of a kind that stands at the top
-        (`LayerKind.top`, the client) replaces the client; the others stand
-        between the client and the proxy, in order."""
-        out = self
-        chain = []
-        for settings in layers:
-            if layer_kind(settings["kind"]).top:
-                out = out.with_client(settings)
-            else:
-                chain.append((settings["kind"], settings))
-        return Stack(out.layers[:1] + tuple(chain) + out.layers[-2:])
+        `kind`, application first): the layers of a kind that stands at the
+        top (`LayerKind.top`, the client) replace the client (several: one
+        inside another, a tuple); the others stand between the client and
+        the proxy, in order."""
+        tops = tuple(s for s in layers if layer_kind(s["kind"]).top)
+        chain = tuple((s["kind"], s) for s in layers if not layer_kind(s["kind"]).top)
+        out = self.with_client(tops[0] if len(tops) == 1 else tops) if tops else self
+        return Stack(out.layers[:1] + chain + out.layers[-2:])
 
     @property
     def chain(self) -> tuple:
@@ -99,9 +97,8 @@ class Stack:
         application first; `with_layers`): what a run of the condition
         drives on a scenario with such layers. A layer at the client's place
         sends no retries where the condition turns them off."""
-        layers = list(layers)
-        if layers and not condition.retries and layer_kind(layers[0]["kind"]).top and "max_retries" in layers[0]:
-            layers[0] = dict(layers[0], max_retries=0)
+        layers = [dict(s, max_retries=0) if not condition.retries and layer_kind(s["kind"]).top
+                  and "max_retries" in s else s for s in layers]
         return cls.from_config(condition, router, scenario).with_layers(layers)
 
     def config(self, kind: str):
