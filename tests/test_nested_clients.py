@@ -10,6 +10,7 @@ from sim.deployment import from_document
 from sim.policy.client import CallState, Delivered, GiveUp, NestedClients, RetryingClient
 from sim.policy.retry import RetryPolicy
 from sim.schema import ScenarioError
+from test_preset_client import TINY
 
 
 def layer(**kw) -> RetryingClient:
@@ -69,15 +70,6 @@ def test_a_delivered_response_ends_every_layer():
 def test_one_layer_is_not_nested():
     with pytest.raises(ValueError, match="two client layers"):
         NestedClients([layer()])
-
-
-TINY = {"model": {"profile": "vllm-cpu-tiny"},
-        "workload": {"phases": [{"name": "base", "duration_s": 7.5, "load": 0.6},
-                                {"name": "pulse", "duration_s": 6.6875, "load": 2.7},
-                                {"name": "hold", "duration_s": 45.0, "load": 0.6}],
-                     "prompt": {"dist": "normal", "mean": 3600.0, "sd": 360.0},
-                     "response": {"dist": "lognormal", "median": 90.0, "mean": 120.0}, "shared_prefix": 600},
-        "client": {"deadline_s": 7.5, "max_retry_after_s": 7.5}, "measures": {"burst": "pulse"}}
 
 
 def test_a_run_of_two_client_layers_multiplies_their_attempts():
