@@ -78,22 +78,16 @@ def class_layer_settings(settings: dict, klass: TrafficClass, condition: Conditi
 def clients(default: ClientConfig | dict | tuple, condition: Condition, scenario: Scenario, trace: Trace, uniform):
     """The run's client layer (module docstring): `default` (the stack's
     client) without classes, else one client per class."""
-    def preset_client(settings: dict, uniform) -> RetryingClient:     # through the registry of layer kinds
-        return layer_kind(settings["kind"]).make(settings, LayerContext(uniform))
-    if isinstance(default, tuple):          # client layers one inside another, classes on the innermost
-        outer = default[:-1]
+    if not isinstance(default, ClientConfig):
+        layers = default if isinstance(default, tuple) else (default,)
 
-        def nested(inner: dict) -> NestedClients:
-            return NestedClients([preset_client(s, uniform) for s in outer] + [preset_client(inner, uniform)])
+        def client(inner: dict):            # the layers (registered kinds), the innermost with `inner` settings
+            made = [layer_kind(s["kind"]).make(s, LayerContext(uniform)) for s in layers[:-1] + (inner,)]
+            return made[0] if len(made) == 1 else NestedClients(made)
         if not scenario.classes or trace.klass is None:
-            return nested(default[-1])
-        return ClassClients([nested(class_layer_settings(default[-1], c, condition)) for c in scenario.classes],
+            return client(layers[-1])
+        return ClassClients([client(class_layer_settings(layers[-1], c, condition)) for c in scenario.classes],
                             trace.klass.tolist())
-    if isinstance(default, dict):
-        if not scenario.classes or trace.klass is None:
-            return preset_client(default, uniform)
-        by_class = [preset_client(class_layer_settings(default, c, condition), uniform) for c in scenario.classes]
-        return ClassClients(by_class, trace.klass.tolist())
     if not scenario.classes or trace.klass is None:
         return RetryingClient(default, uniform)
     return ClassClients([RetryingClient(condition.client_config(c.client(scenario)), uniform)

@@ -120,8 +120,6 @@ class Run(Interpreter):
         class's (sim.classes)."""
         client = self.stack.config("client")
         draws = uniform_draws(np.random.default_rng([seed, 1]))
-        if isinstance(client, dict) and not self.scenario.classes:      # one client layer (a registered kind)
-            return layer_kind(client["kind"]).make(client, LayerContext(draws))
         return clients(client, condition, self.scenario, self.trace, draws)
 
     def _layers(self, seed: int) -> list:

@@ -154,8 +154,8 @@ class Gateway:
         r = self._relay_of(up)
         if r is not None:
             r.upstream = None
-            headers = None if retry_after is None else {"retry-after": repr(float(retry_after))}
-            self._failed(t, r, Failure(STATUS, t, status, headers), Refuse(r.above, status, retry_after, reason), out)
+            self._failed(t, r, Failure(STATUS, t, status, retry_after_s=retry_after),
+                         Refuse(r.above, status, retry_after, reason), out)
         self._release(t, up, out)
         return out
 

@@ -415,7 +415,7 @@ class Retrier:
         self._special = (servers is not None or p.max_tries > 0 or p.tries_timeout_s is not None
                          or self.bucket is not None or p.throttle != "none" or p.should_retry_header
                          or not p.retry_sent_non_idempotent)
-        self._timeout = math.inf if p.timeout_s is None else p.timeout_s
+        self.attempt_timeout = math.inf if p.timeout_s is None else p.timeout_s   # an attempt's, from its send
 
     def start(self, t: float) -> CallRetries:
         return CallRetries(t)
@@ -426,8 +426,8 @@ class Retrier:
         call.attempts += 1
         deadline = self.policy.deadline_s
         if deadline is None:
-            return t + self._timeout
-        return min(t + self._timeout, call.started_at + deadline)
+            return t + self.attempt_timeout
+        return min(t + self.attempt_timeout, call.started_at + deadline)
 
     def on_success(self, call: CallRetries, t: float):
         call.done = True
@@ -489,7 +489,7 @@ class Retrier:
             wait, source = p.retry_after_cap_s, "retry_after"
         elif p.backoff == "uniform":    # backoff_wait's uniform line inlined: a call less on every retry of the
             wait, source = p.backoff_base_s + (p.backoff_cap_s - p.backoff_base_s) * self.random(), "backoff"
-        else:                           # reference client (about 2,500 instructions, bench_run under callgrind)
+        else:                           # reference client (a few thousand instructions, callgrind)
             wait, source = backoff_wait(p, call.retries, self.random), "backoff"
         if source == "retry_after" and p.retry_after_jitter and p.jitter == "additive":
             wait += p.jitter_amount * self.random()
