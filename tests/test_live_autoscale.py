@@ -142,7 +142,7 @@ def test_live_point_agrees_with_its_prediction_on_recovery_and_the_first_call(cp
             json.dump(p, f, indent=1, default=str)
     print(table(p))
     live = p["live"]
-    errors = {k: v for k, v in live["extra"]["errors"].items() if k != "metrics"}   # a slow /metrics is no error
+    errors = live["extra"]["errors"]   # requests that broke (a slow /metrics is counted apart, in metrics_missed)
     assert not errors, errors
     # the burst made the HPA add the second engine, which took calls once it answered and not before
     (life,) = live["autoscaler"]["started"]

@@ -128,7 +128,8 @@ class LiveRun:
         self.samples: list[Sample] = []
         self.t0 = 0.0
         self.proxy_url = ""
-        self.errors: dict[str, int] = {}
+        self.errors: dict[str, int] = {}        # requests that broke, by kind
+        self.metrics_missed = 0                  # /metrics scrapes that did not answer (the series has a gap)
         self.engine_lost = engine_lost                    # callable -> reason the engine is gone, or None
         self.lost: str | None = None
         # the OpenAI SDK as the client (a client layer's settings), and a
@@ -278,7 +279,7 @@ class LiveRun:
                                            sum_counters(p[3] for p in per), per if len(per) > 1 else None))
                 failing = 0
             except (aiohttp.ClientError, TimeoutError, ValueError):
-                self.errors["metrics"] = self.errors.get("metrics", 0) + 1
+                self.metrics_missed += 1
             if self.progress is not None and t - last_progress >= self.progress_every_s:
                 last_progress = t
                 self.progress(self.state(t))
@@ -408,9 +409,10 @@ class LiveRun:
                       end_time=end, wall_s=wall, extra=self._extra())
 
     def _extra(self) -> dict:
-        """What the run adds to its log: errors; with the SDK, its version and
-        the statuses its attempts got besides 200; the gateway's description."""
-        out: dict = {"errors": dict(self.errors)}
+        """What the run adds to its log: the requests that broke, by kind, and
+        the /metrics scrapes missed; with the SDK, its version and the statuses
+        its attempts got besides 200; the gateway's description."""
+        out: dict = {"errors": dict(self.errors), "metrics_missed": self.metrics_missed}
         if self.sdk_log is not None:
             out["client"] = {"software": "openai-python", "version": sdk_version(),
                              "options": sdk_options(self.client_layer), "statuses": dict(self.sdk_log.statuses),
