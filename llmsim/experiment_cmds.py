@@ -56,7 +56,7 @@ def cmd_sweep(a) -> int:
         for m in models:                      # the scenario's bad input ends here, before any work
             deployment(argparse.Namespace(command="sweep", scenario=a.scenario, model=m, pulse=pulses[0],
                                           max_batched_tokens=(a.max_batched_tokens or [None])[0],
-                                          mixed_prompts=a.mixed_prompts))
+                                          mixed_prompts=a.mixed_prompts), layers=True)
     try:
         cells = grid(models, a.conditions, pulses, a.seeds, a.max_batched_tokens or [None],
                      [True] if a.mixed_prompts else [False], scenario=a.scenario)

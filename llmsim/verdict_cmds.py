@@ -136,10 +136,12 @@ def _advise_by_class(a, dep) -> int:
 
 
 def cmd_map(a) -> int:
-    prof, sc, adapt, fleet = deployment(a)
+    dep = generated(a, layers=True)
+    prof, sc, adapt, fleet = parts(dep)
+    layers = dep.run_layers()
     cond = adapt(get_condition(a.condition))
     try:
-        x, y = phasemap.parse_range(a.x), phasemap.parse_range(a.y)
+        x, y = phasemap.parse_range(a.x, layers), phasemap.parse_range(a.y, layers)
     except ValueError as e:
         raise args.UsageError(f"map: {e}") from None
     if x[0] == y[0]:
@@ -149,12 +151,13 @@ def cmd_map(a) -> int:
     args.check_output(png)
     try:
         rows = phasemap.phase_map(prof, sc, cond, x, y, a.seeds, workers=a.workers,
-                                  progress=None if a.quiet else _progress, fleet=fleet)
+                                  progress=None if a.quiet else _progress, fleet=fleet, layers=layers)
     except ValueError as e:
         raise args.UsageError(f"map: {e}") from None
     phasemap.write_table(rows, a.out)
-    line = phasemap.plot(rows, sc, png, f"{prof.name} / {a.scenario or 'paper'} / {cond.name}: P(recovered) over "
-                                        f"{len(a.seeds)} seeds; T: tipping point")
+    under = f" under {layers_line(layers)}" if layers else ""
+    line = phasemap.plot(rows, sc, png, f"{prof.name} / {a.scenario or 'paper'} / {cond.name}{under}: P(recovered) "
+                                        f"over {len(a.seeds)} seeds; T: tipping point")
     tips = sum(r["tipping"] for r in rows)
     print(f"wrote {a.out} ({len(rows)} points, {tips} tipping points) and {png}"
           + ("" if line else " (the backlog-equals-deadline line lies outside the map)"))
@@ -216,7 +219,9 @@ def add_subcommands(sub) -> None:
 
     p = sub.add_parser("map", help="P(recovered) over a grid of two parameters: Parquet and a PNG heatmap")
     _common(p, condition=True)
-    p.add_argument("--x", required=True, metavar="PARAM=a:b:n", help="e.g. pulse=1:3:9, or PARAM=v1,v2,...")
+    p.add_argument("--x", required=True, metavar="PARAM=a:b:n",
+                   help="e.g. pulse=1:3:9, or PARAM=v1,v2,...; with [[layer]]s a layer's key, e.g. "
+                        "layer.client.timeout_s=2:10:5")
     p.add_argument("--y", required=True, metavar="PARAM=a:b:n", help="e.g. hold_load=0.3:0.9:7")
     p.add_argument("--out", metavar="PARQUET", default="map.parquet", help="the table (default map.parquet)")
     p.add_argument("--png", metavar="PATH", default=None, help="the heatmap (default: --out with .png)")

@@ -1,7 +1,8 @@
 """[[layer]] tables in a scenario file: a preset of real software with its
 keys overridden, checked against the preset's policy with one-line errors
 naming the file and `layer[i].key` (exit 2 from the CLI), kept through the
-written TOML, and refused by the commands that do not run them."""
+written TOML, and refused where the simulator does not run them (a client
+layer below a gateway)."""
 from __future__ import annotations
 
 import tomllib
@@ -86,11 +87,3 @@ def test_the_simulator_refuses_a_layer_it_does_not_run(tmp_path, capsys, layers,
         load(f).run()
     assert main(["run", "--scenario", f]) == 2
     assert "not yet simulated" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("preset, kind", [("openai-python", "client"), ("nginx", "gateway")])
-def test_commands_that_do_not_run_the_deployments_stack_refuse_a_layer(tmp_path, capsys, preset, kind):
-    f = _toml(tmp_path / "s.toml", f'[[layer]]\npreset = "{preset}"\n')
-    assert main(["map", "--scenario", f, "--condition", "no-control", "--x", "pulse=1,2", "--y", "hold_load=0.5,0.6",
-                 "--out", str(tmp_path / "m.parquet")]) == 2
-    assert f"{kind} layers are described by `llmsim stack` but not yet simulated" in capsys.readouterr().err

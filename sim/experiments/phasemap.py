@@ -2,7 +2,8 @@
 parameters — any numeric field of the scenario (pulse, hold_load, pulse_s,
 deadline_s, ...) or the engine's `speed` (step times x s) and `kv` (KV blocks
 x f), or for a fleet with an autoscaler its `provisioning` delay (s) and
-metric `target` — into a Parquet table and a PNG heatmap. Tipping points (a Wilson
+metric `target`, or under [[layer]] tables a layer's key (`layer.client.timeout_s`,
+the axes of `margin.LAYER_AXES`) — into a Parquet table and a PNG heatmap. Tipping points (a Wilson
 interval across 1/2) are marked, and the line where the burst's backlog at
 capacity equals one deadline, (pulse - 1) · pulse_s = deadline_s, is drawn
 over the map where it falls inside it.
@@ -34,7 +35,7 @@ from .. import verdict  # noqa: E402
 from ..conditions import Condition  # noqa: E402
 from ..profile import Profile  # noqa: E402
 from ..scenario import PHASE_FIELDS, Scenario  # noqa: E402
-from .margin import AXIS, SCALING_AXES, fleet_run, run_many  # noqa: E402
+from .margin import AXIS, LAYER_AXES, SCALING_AXES, axis, fleet_run, parse_axes, run_many  # noqa: E402
 
 ENGINE_PARAMS = ("speed", "kv")
 
@@ -43,13 +44,19 @@ def scenario_params() -> list[str]:
     return list(PHASE_FIELDS) + [f.name for f in dataclasses.fields(Scenario) if f.type in ("float", float)]
 
 
-def parse_range(spec: str) -> tuple[str, list[float]]:
-    """`name=a:b:n` (n evenly spaced values from a to b) or `name=v1,v2,...`."""
+def parse_range(spec: str, layers: tuple | None = None) -> tuple[str, list[float]]:
+    """`name=a:b:n` (n evenly spaced values from a to b) or `name=v1,v2,...`;
+    with `layers`, name may be a key of one of them (`layer.KIND.KEY`)."""
     name, sep, rest = spec.partition("=")
     name = name.strip()
     valid = scenario_params() + list(ENGINE_PARAMS) + list(SCALING_AXES)
+    if sep and name.startswith("layer."):
+        parse_axes([name], layers)              # ValueError unless a layer of the scenario sets that key
+        valid = [name]
     if not sep or name not in valid:
-        raise ValueError(f"expected PARAM=a:b:n or PARAM=v1,v2 with PARAM one of {', '.join(valid)}; got {spec!r}")
+        raise ValueError(f"expected PARAM=a:b:n or PARAM=v1,v2 with PARAM one of {', '.join(valid)}"
+                         + (f", {', '.join(a.name for a in LAYER_AXES.values())}" if layers else "")
+                         + f"; got {spec!r}")
     try:
         if ":" in rest:
             a, b, n = rest.split(":")
@@ -65,6 +72,11 @@ def parse_range(spec: str) -> tuple[str, list[float]]:
         raise ValueError(f"{name}: no finite values in {rest!r}")
     if name in ENGINE_PARAMS + SCALING_AXES and min(vals) <= 0:
         raise ValueError(f"{name}: factors must be positive, got {rest!r}")
+    if name.startswith("layer."):
+        ax = axis(name)
+        if min(vals) < ax.lo or max(vals) > ax.hi or (ax.integer and any(v != int(v) for v in vals)):
+            raise ValueError(f"{name}: {ax.what}: values from {ax.lo:g} to {ax.hi:g}"
+                             + (", whole numbers" if ax.integer else "") + f"; got {rest!r}")
     return name, vals
 
 
@@ -73,9 +85,14 @@ def apply(profile: Profile, scenario: Scenario, name: str, v: float) -> tuple[Pr
         return verdict.perturbed(profile, speed=v), scenario
     if name == "kv":
         return verdict.perturbed(profile, kv=v), scenario
-    if name in SCALING_AXES:
+    if name in SCALING_AXES or name.startswith("layer."):
         return profile, scenario
     return profile, scenario.with_(**{name: v})
+
+
+def _layers_at(layers: tuple | None, name: str, v: float) -> tuple | None:
+    """The [[layer]] settings with `name` (a layer's key, else none) at v."""
+    return axis(name).layers_at(layers, v) if name.startswith("layer.") else layers
 
 
 def _scaler(config, name: str, v: float):
@@ -85,11 +102,13 @@ def _scaler(config, name: str, v: float):
 
 def phase_map(profile: Profile, scenario: Scenario, condition: Condition, x: tuple[str, Sequence[float]],
               y: tuple[str, Sequence[float]], seeds: Sequence[int], workers: int | None = 1,
-              progress: Callable[[str], None] | None = None, fleet=None) -> list[dict]:
+              progress: Callable[[str], None] | None = None, fleet=None,
+              layers: tuple | None = None) -> list[dict]:
     """The grid's rows (see the module docstring), x varying fastest. With
     `fleet` (a FleetSpec), the replicas behind its router run instead of
     `profile` (whose capacity is the fleet's Ĉ); speed and kv apply to every
-    replica."""
+    replica. `layers`, [[layer]] tables' settings, stand above the
+    condition's proxy (`margin.run_task`)."""
     (xn, xs), (yn, ys) = x, y
     if xn == yn:
         raise ValueError(f"the two axes must differ, both are {xn}")
@@ -105,8 +124,9 @@ def phase_map(profile: Profile, scenario: Scenario, condition: Condition, x: tup
             on = None if fleet is None else fleet_run(
                 fleet, caps, lambda q: apply(*apply(q, scenario, xn, xv), yn, yv)[0],
                 _scaler(_scaler(fleet.autoscaler, xn, xv), yn, yv) if scaled else None)
+            lay = _layers_at(_layers_at(layers, xn, xv), yn, yv)
             points.append((xv, yv))
-            tasks += [(prof, sc, condition, s, profile.capacity, on) for s in seeds]
+            tasks += [(prof, sc, condition, s, profile.capacity, on, lay) for s in seeds]
     t0 = time.perf_counter()
     recs = run_many(tasks, workers)
     rows = []
