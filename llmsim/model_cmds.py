@@ -49,9 +49,11 @@ def cmd_run(a) -> int:
         cond = dep.condition_for(condition(a, dep.condition))
         t0 = time.perf_counter()
         recs = [dep.run(s, cond) for s in a.seeds]
-        summ = verdict.summarize(recs)
+        summ = verdict.summarize(recs, classes=True)
         print(f"{dep.profile.name} / {cond.name} on {dep.name}: {verdict.verdict(summ)}")
         print(verdict.table({cond.name: summ}, dep.scenario.deadline_s, label="condition"))
+        if has_classes({cond.name: summ}):
+            print(class_tables({cond.name: summ}, recs, dep.scenario))
         print(verdict.legend(len(recs)))
         print(f"({len(recs)} runs in {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
         args.write_json(a.json, {"model": dep.profile.name, "condition": cond.name, "seeds": a.seeds,
@@ -130,17 +132,24 @@ def diagnose_table(recs: list[dict], summ: dict, deadline_s: float, margins: dic
     return verdict.table(summ, deadline_s, extra, label="condition")
 
 
-def class_tables(recs: list[dict], sc) -> str:
-    """Per traffic class, the diagnostic table of its calls (each record's
-    `classes[name]`), headed by the class's priority, deadline and whether
-    the deployment's verdict needs it; the deployment's rule last."""
+def has_classes(summ: dict) -> bool:
+    """Whether every condition's summary has its classes' (`summarize(..., classes=True)`)."""
+    return bool(summ) and all("classes" in s for s in summ.values())
+
+
+def class_tables(summ: dict, recs: list[dict], sc) -> str:
+    """Per traffic class, the table of its calls: each condition's
+    `summ[condition]["classes"][name]` (`sim.verdict.summarize(..., classes=True)`),
+    headed by the class's priority, deadline and whether the deployment's
+    verdict needs it; the deployment's rule last, with the records'
+    `all_calls`."""
     out = []
     for c in sc.classes:
-        summ = verdict.summarize_by([dict(r["classes"][c.name], condition=r["condition"]) for r in recs])
+        by_cond = {n: s["classes"][c.name] for n, s in summ.items()}
         deadline = c.client(sc).deadline_s
         out.append(f"\nclass {c.name} (share {c.share:g}, priority {c.priority}, deadline {deadline:g} s"
                    f"{', must recover' if c.must_recover else ''}):")
-        out.append(verdict.table(summ, deadline, label="condition"))
+        out.append(verdict.table(by_cond, deadline, label="condition"))
     must = [c.name for c in sc.classes if c.must_recover]
     if must:
         out.append(f"\nthe deployment recovers when {', '.join(must)} {'does' if len(must) == 1 else 'do'} "
@@ -195,10 +204,10 @@ def cmd_diagnose(a) -> int:
                    for c in DIAGNOSTIC}
     if len(seeds) > 1:
         print(f"{len(seeds)} seeds ({_seed_list(seeds)})")
-    summ = verdict.summarize_by(recs)
+    summ = verdict.summarize_by(recs, classes=True)
     print(diagnose_table(recs, summ, sc.deadline_s, margins))
-    if sc.classes and all("classes" in r for r in recs):
-        print(class_tables(recs, sc))
+    if has_classes(summ):
+        print(class_tables(summ, recs, sc))
     print(verdict.legend(len(seeds)))
     print(f"recovered: two consecutive {sc.window_s:g} s hold windows each delivering >= "
           f"{100 * sc.recovery_delivery:g}% within {sc.deadline_s:g} s with a queue mean <= "

@@ -102,13 +102,14 @@ def _spread(v: Sequence[float]) -> dict:
     return {"median": float(med), "p10": float(p10), "p90": float(p90)}
 
 
-def summarize(recs: Sequence[dict]) -> dict:
+def summarize(recs: Sequence[dict], classes: bool = False) -> dict:
     """One cell over its seeds: n, recovered (count), p, lo, hi (95% Wilson),
     tipping (the interval straddles 1/2 and the runs disagree), too_few (the
     interval straddles 1/2 though every run agrees: fewer than 4 seeds),
     recovery_time {median, min, max} over the recovered runs, and per cohort
     (hold, pulse, primary) and share (delivered, within_deadline) the median
-    and 10th/90th percentiles of the share of offered calls."""
+    and 10th/90th percentiles of the share of offered calls. With `classes`,
+    records that carry traffic classes add `classes` (`summarize_classes`)."""
     if not recs:
         raise ValueError("summarize needs at least one record")
     n = len(recs)
@@ -123,15 +124,29 @@ def summarize(recs: Sequence[dict]) -> dict:
     for c in COHORTS:
         for s in SHARES:
             out[f"{c}_{s}"] = _spread([x for x in (_cohort(r, c, s) for r in recs) if x is not None])
+    by_class = summarize_classes(recs) if classes else {}
+    if by_class:
+        out["classes"] = by_class
     return out
 
 
-def summarize_by(recs: Iterable[dict], key=lambda r: r["condition"]) -> dict:
-    """{key: summary} over the records grouped by key (first-seen order)."""
+def summarize_classes(recs: Sequence[dict]) -> dict:
+    """Per traffic class (docs/classes.md), `summarize` of the records' own
+    sections of that class (`classes[name]`: the class's calls alone, judged
+    with its deadline): {name: summary} in the records' order of classes;
+    {} unless every record has classes."""
+    if not recs or not all("classes" in r for r in recs):
+        return {}
+    return {name: summarize([r["classes"][name] for r in recs]) for name in recs[0]["classes"]}
+
+
+def summarize_by(recs: Iterable[dict], key=lambda r: r["condition"], classes: bool = False) -> dict:
+    """{key: summary} over the records grouped by key (first-seen order);
+    `classes` as `summarize` takes it."""
     by: dict = {}
     for r in recs:
         by.setdefault(key(r), []).append(r)
-    return {k: summarize(rs) for k, rs in by.items()}
+    return {k: summarize(rs, classes) for k, rs in by.items()}
 
 
 def p_cell(s: dict) -> str:

@@ -179,6 +179,56 @@ def test_diagnose_prints_a_table_per_class(tmp_path):
         assert r["engine_config"]["scheduling_policy"] == "priority"
 
 
+TINY_CLASSES = os.path.join(os.path.dirname(__file__), "..", "examples", "classes-cpu-tiny.toml")
+
+
+def _class_figures(recs: list[dict], name: str) -> dict:
+    """A class's verdict figures computed from the records' class sections."""
+    cs = [r["classes"][name] for r in recs]
+    hold = [c["cohorts"]["hold"]["within_deadline"] / c["cohorts"]["hold"]["offered"] for c in cs]
+    times = [c["recovery_time_s"] for c in cs if c["recovered"]]
+    return {"n": len(cs), "recovered": sum(bool(c["recovered"]) for c in cs),
+            "hold_within_deadline": float(np.median(hold)), "recovery_time": float(np.median(times)) if times else None}
+
+
+def _assert_class_summary(summary: dict, recs: list[dict]) -> None:
+    assert list(summary["classes"]) == ["chat", "batch"]
+    for name, s in summary["classes"].items():
+        want = _class_figures(recs, name)
+        assert (s["n"], s["recovered"]) == (want["n"], want["recovered"])
+        assert s["p"] == pytest.approx(want["recovered"] / want["n"])
+        assert s["hold_within_deadline"]["median"] == pytest.approx(want["hold_within_deadline"])
+        assert s["recovery_time"]["median"] == pytest.approx(want["recovery_time"])
+
+
+def test_run_over_seeds_gives_each_class_its_verdict(tmp_path, capsys):
+    """`llmsim run --seeds` on a scenario with classes prints a table per
+    class and carries each class's verdict under summary.classes, as
+    computed from the records' class sections."""
+    path = tmp_path / "r.json"
+    assert main(["run", "--scenario", TINY_CLASSES, "--seeds", "2", "--json", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "class chat (share 0.7, priority 0, deadline 4 s, must recover):" in text
+    assert "class batch (share 0.3, priority 10, deadline 7.5 s):" in text
+    d = json.loads(path.read_text())
+    assert len(d["runs"]) == 2
+    _assert_class_summary(d["summary"], d["runs"])
+    assert d["summary"]["recovered"] == d["summary"]["classes"]["chat"]["recovered"]    # chat must recover
+
+
+def test_diagnose_json_gives_each_condition_its_classes_verdicts(tmp_path, capsys):
+    """diagnose's summary has, per condition, the classes' verdicts in the
+    shape `run --seeds` gives its one cell."""
+    diag, run = tmp_path / "d.json", tmp_path / "r.json"
+    assert main(["diagnose", "--scenario", TINY_CLASSES, "--seeds", "2", "--json", str(diag)]) == 0
+    assert main(["run", "--scenario", TINY_CLASSES, "--seeds", "2", "--json", str(run)]) == 0
+    capsys.readouterr()
+    d, r = json.loads(diag.read_text()), json.loads(run.read_text())
+    for cond, s in d["summary"].items():
+        _assert_class_summary(s, [x for x in d["runs"] if x["condition"] == cond])
+    assert d["summary"][r["condition"]]["classes"] == r["summary"]["classes"]
+
+
 def test_a_replayed_trace_gives_each_call_its_class_by_a_column(tmp_path):
     (tmp_path / "t.csv").write_text("arrived_at,num_prefill_tokens,num_decode_tokens,class\n"
                                     "0.0,3000,100,chat\n0.5,12000,300,batch\n1.0,3000,120,chat\n")
