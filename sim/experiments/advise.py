@@ -456,6 +456,77 @@ def _rows_task(task: tuple) -> list[dict]:
     return out
 
 
+class Runs:
+    """The advisor's runs of one deployment by (setting, seed, cut tag):
+    those an `out` Parquet store holds (the sweep's atomic store, read back
+    so that a rerun on it runs none of them again; a store made for another
+    deployment is refused) and those run here, added to it as they finish.
+    `key` is the deployment's (`deployment_key`); runs go to `workers`
+    local processes (None: one per CPU) or a Ray cluster at `ray_address`,
+    with a progress bar on stderr unless `progress` is off."""
+
+    def __init__(self, profile: Profile, scenario: Scenario, fleet: FleetSpec | None, key: str,
+                 out: str | None = None, workers: int | None = 1, ray_address: str | None = None,
+                 progress: bool = True):
+        fleet_task = None if fleet is None else (tuple(fleet.profiles), fleet.capacities(scenario), fleet.autoscaler)
+        self.head = (profile, scenario, fleet_task, key)
+        self.workers, self.ray_address, self.progress = workers, ray_address, progress
+        self.rows: dict[tuple[str, int, str], dict] = {}
+        self.store = None
+        if out:
+            t = read_table(out)
+            if t is not None and t.num_rows:
+                have = set(t.column("deployment").to_pylist()) if "deployment" in t.column_names else {None}
+                if have != {key}:
+                    raise ValueError(f"{out} holds runs of another deployment (profile, scenario); give another --out")
+            self.store = ParquetStore(out)
+            for r in ([] if t is None else t.to_pylist()):
+                self.rows[(r["condition"], int(r["seed"]), r.get("scenario_hash") or "")] = r
+
+    def __getitem__(self, k: tuple[str, int, str]) -> dict:
+        return self.rows[k]
+
+    def run(self, names: Sequence[str], seeds: Sequence[int], item: Callable[[str, int], tuple], cut,
+            stage: str) -> None:
+        """Run each (name, seed) not held yet, on the trace cut to `cut`
+        (None: whole runs); `item(name, seed)` gives its part of a task:
+        (condition, router, [[layer]] settings, seed[, autoscaler])."""
+        tag = cut_tag(cut)
+        todo = [(n, s) for s in seeds for n in names if (n, s, tag) not in self.rows]
+        if not todo:
+            return
+        tasks = [(*self.head, cut, [item(n, s) for n, s in todo[i:i + BATCH]]) for i in range(0, len(todo), BATCH)]
+        it = run_ray(tasks, self.ray_address, fn=_rows_task) if self.ray_address is not None else \
+            run_local(tasks, self.workers if self.workers else (os.cpu_count() or 1), fn=_rows_task)
+        t1 = shown = time.perf_counter()
+        i = 0
+        try:
+            for batch in it:
+                for r in batch:
+                    i += 1
+                    self._keep(r, tag)
+                if self.progress and (time.perf_counter() - shown >= 1.0 or i == len(todo)):
+                    shown = time.perf_counter()
+                    _show(stage, i, len(todo), shown - t1)
+        finally:
+            if self.store is not None:
+                self.store.flush()
+
+    def _keep(self, r: dict, tag: str) -> None:
+        self.rows[(r["condition"], int(r["seed"]), tag)] = r
+        if self.store is not None:
+            self.store.add(r)
+            if self.store.due():
+                self.store.flush()
+
+
+def _show(stage: str, i: int, n: int, elapsed: float) -> None:
+    """The progress bar: i of n runs done after `elapsed` seconds."""
+    end = "\n" if i == n or not sys.stderr.isatty() else ""
+    print(f"\r{stage} [{'#' * (30 * i // n):<30}] {i}/{n} runs, {elapsed:.0f} s, eta {elapsed / i * (n - i):.0f} s",
+          end=end, file=sys.stderr, flush=True)
+
+
 def objective(r: dict, name: str) -> float | None:
     """The objective's share for one row (flat record)."""
     if name == "burst":
@@ -562,54 +633,12 @@ def advise(profile: Profile, scenario: Scenario, seeds: Sequence[int], objective
         names += [n for n in dict.fromkeys(add(c, r, ls) for c, r in crossed        # r: a fleet's router, else None
                                            for ls in layer_settings(layers, scenario, only)[1:]) if n not in names]
     n_cands = len(names)
-    fleet_task = None if fleet is None else (tuple(fleet.profiles), fleet.capacities(scenario), fleet.autoscaler)
     cut = screen_cut(scenario, screen_base_s, screen_hold_s)
-    store = None
-    rows: dict[tuple[str, int, str], dict] = {}
-    if out:
-        t = read_table(out)
-        if t is not None and t.num_rows:
-            have = set(t.column("deployment").to_pylist()) if "deployment" in t.column_names else {None}
-            if have != {key}:
-                raise ValueError(f"{out} holds runs of another deployment (profile, scenario); give another --out")
-        store = ParquetStore(out)
-        for r in ([] if t is None else t.to_pylist()):
-            rows[(r["condition"], int(r["seed"]), r.get("scenario_hash") or "")] = r
+    runs = Runs(profile, scenario, fleet, key, out, workers, ray_address, progress)
+    rows = runs.rows
 
     def run(names: Sequence[str], ss: Sequence[int], c, stage: str) -> None:
-        tag = cut_tag(c)
-        todo = [(n, s) for s in ss for n in names if (n, s, tag) not in rows]
-        if not todo:
-            return
-        tasks = [(profile, scenario, fleet_task, key, c,
-                  [(by_name[n], routers[n], stacks[n], s, scalers[n]) for n, s in todo[i:i + BATCH]])
-                 for i in range(0, len(todo), BATCH)]
-        it = run_ray(tasks, ray_address, fn=_rows_task) if ray_address is not None else \
-            run_local(tasks, workers if workers else (os.cpu_count() or 1), fn=_rows_task)
-        t1 = time.perf_counter()
-        shown = [t1]
-        tty = sys.stderr.isatty()
-        i = 0
-        try:
-            for batch in it:
-                for r in batch:
-                    i += 1
-                    rows[(r["condition"], int(r["seed"]), tag)] = r
-                    if store is not None:
-                        store.add(r)
-                        if store.due():
-                            store.flush()
-                if progress and (time.perf_counter() - shown[0] >= 1.0 or i == len(todo)):
-                    shown[0] = time.perf_counter()
-                    el = shown[0] - t1
-                    bar = "#" * (30 * i // len(todo))
-                    end = "\n" if i == len(todo) or not tty else ""
-                    eta = el / i * (len(todo) - i)
-                    print(f"\r{stage} [{bar:<30}] {i}/{len(todo)} runs, {el:.0f} s, eta {eta:.0f} s",
-                          end=end, file=sys.stderr, flush=True)
-        finally:
-            if store is not None:
-                store.flush()
+        runs.run(names, ss, lambda n, s: (by_name[n], routers[n], stacks[n], s, scalers[n]), c, stage)
 
     def size(n):
         return (len(by_name[n].describe().split(", ")) + _router_changes(routers[n], own)
