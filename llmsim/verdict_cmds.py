@@ -90,7 +90,7 @@ def _screen_cut(text: str) -> tuple[float | None, float | None] | None:
 
 
 def cmd_advise(a) -> int:
-    dep = generated(a, layers=not a.by_class)     # --by-class: a scenario with [[layer]]s is refused in one line
+    dep = generated(a, layers=True)
     if a.by_class:
         return _advise_by_class(a, dep)
     layers = dep.run_layers()
@@ -100,10 +100,8 @@ def cmd_advise(a) -> int:
     prof, sc = dataclasses.replace(dep.profile, capacity=dep.capacity), dep.scenario
     cut = _screen_cut(a.screen_cut) if a.screen_cut is not None else advise_mod.default_cut(sc)
     args.check_output(a.out)
-    axes = [] if a.margin_axes == "none" else a.margin_axes
     try:
-        if axes:
-            axes = margin_mod.parse_axes(axes, layers)
+        axes = _margin_axes(a, layers)
         res = advise_mod.advise(prof, sc, a.seeds, a.objective, a.only, a.out, dep.condition_for, screen=a.screen,
                                 finalists=a.finalists, workers=a.workers, ray_address=a.ray, margin_axes=axes,
                                 progress=not a.quiet, fleet=dep.fleet, base=dep.condition,
@@ -119,16 +117,26 @@ def cmd_advise(a) -> int:
     return 0
 
 
+def _margin_axes(a, layers: tuple | None) -> list[str]:
+    """--margin-axes as margin axes ([] for none); ValueError on a bad one."""
+    return [] if a.margin_axes in ("", "none") else margin_mod.parse_axes(a.margin_axes, layers)
+
+
 def _advise_by_class(a, dep) -> int:
     """advise --by-class: which control restores the must-recover classes at least cost to the others."""
     if not dep.scenario.classes:
         raise args.UsageError(f"advise: --by-class needs a scenario with workload.classes; {dep.name} has none")
     dep.require_burst()
+    args.check_output(a.out)
+    layers = dep.run_layers()
     try:
         res = advise_classes_mod.advise_classes(dep, a.seeds, screen=a.screen, finalists=a.finalists,
-                                                progress=not a.quiet)
+                                                progress=not a.quiet, out=a.out, workers=a.workers,
+                                                ray_address=a.ray, margin_axes=_margin_axes(a, layers))
     except ValueError as e:
         raise args.UsageError(f"advise: {e}") from None
+    if layers is not None:
+        print(f"under {layers_line(layers)}")
     print(advise_classes_mod.report(res))
     print(f"({res['wall_s']:.1f} s)")
     args.write_json(a.json, res)
@@ -206,14 +214,16 @@ def add_subcommands(sub) -> None:
     p.add_argument("--finalists", type=args.positive(int), default=12,
                    help="settings run on all seeds after the screen (default 12)")
     p.add_argument("--margin-axes", default="speed",
-                   help="axes of the top settings' margins (default speed; none to skip)")
+                   help="axes of the top settings' margins (default speed; none to skip); with --by-class, of the "
+                        "first three of the ranking")
     p.add_argument("--out", metavar="PARQUET", default=None,
                    help="keep the runs here; a rerun with the same file skips the runs it holds")
     p.add_argument("--ray", metavar="ADDRESS", default=None, help="run on a Ray cluster (local: a local one)")
     p.add_argument("--by-class", action="store_true",
                    help="with traffic classes: which control (priority alone, shedding by class, a class's cap or "
                         "retry budget, cancellation) restores the must-recover classes at least cost to the others, "
-                        "with each class's delivery (docs/classes.md)")
+                        "with each class's delivery, under the scenario's [[layer]]s; --out, --margin-axes, --screen, "
+                        "--finalists, --workers and --ray as without it (docs/classes.md)")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(fn=cmd_advise)
 

@@ -21,20 +21,29 @@ deployment's verdict, every must-recover class recovered — has its 95%
 interval above 1/2, then the rest by P; within each group by the cost to
 the other classes: their calls of the pulse and the hold delivered within
 their deadlines (more is less cost), then the must-recover classes' own.
+The first few of the ranking get their margins (`sim.experiments.margin`,
+along the axes asked for), as plain advise's top settings do.
+
+Runs are plain advise's (`sim.experiments.advise.Runs`): each under the
+deployment's [[layer]]s, on its [fleet] if it has one, kept as rows of a
+Parquet store when one is given (a rerun on it runs none of its runs
+again); a row's class measures are read back by `class_section`.
 
 `advise_classes(deployment, seeds)` returns {"classes", "must_recover",
-"ranking": [{condition, describe, p, lo, hi, classes: {name: {p, timely,
-delivered, hold_timely, shed_calls}}}], "best"}; `report(res)` prints it.
+"layers", "ranking": [{condition, describe, p, lo, hi, classes: {name: {p,
+timely, delivered, hold_timely, shed_calls}}, margin}], "best"};
+`report(res)` prints it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-import sys
 import time
 from typing import Sequence
 
 from .. import verdict
 from ..conditions import DIAGNOSTIC, Condition, compose
+from . import advise, margin as margin_mod
 
 SHARES = (0.1, 0.25, 0.5)             # of ⌈deadline · Ĉ⌉, for the engine-waiting rule and the class cap
 KV_SHARES = (0.8, 0.95)
@@ -79,9 +88,21 @@ def class_candidates(deployment) -> list[Condition]:
     return [deployment.condition_for(c) for c in out.values()]
 
 
-def _share(rec: dict, key: str, cohorts=("pulse", "hold")) -> float | None:
-    off = sum(rec["cohorts"][c]["offered"] for c in cohorts)
-    return sum(rec["cohorts"][c][key] for c in cohorts) / off if off else None
+def class_section(row: dict, name: str) -> dict:
+    """A run's measures of class `name` from its flat row (`sweep.flatten`:
+    classes_NAME_cohorts_hold_offered, ...) as a flat row of its own
+    (hold_offered, ...): what `verdict.summarize` and the shares read."""
+    p = f"classes_{name}_"
+    out = {k: row[p + k] for k in ("recovered", "recovery_time_s", "shed_calls")}
+    for c in verdict.COHORTS:
+        for k in ("offered", *verdict.SHARES):
+            out[f"{c}_{k}"] = row[f"{p}cohorts_{c}_{k}"]
+    return out
+
+
+def _share(c: dict, key: str, cohorts=("pulse", "hold")) -> float | None:
+    off = sum(c[f"{x}_offered"] for x in cohorts)
+    return sum(c[f"{x}_{key}"] for x in cohorts) / off if off else None
 
 
 def _mean(v) -> float | None:
@@ -89,22 +110,23 @@ def _mean(v) -> float | None:
     return sum(v) / len(v) if v else None
 
 
-def summarize(recs: Sequence[dict], must: Sequence[str]) -> dict:
-    """A candidate over its seeds: the deployment's P(recovered) with its
-    interval, and per class P(recovered), the pulse and hold calls delivered
-    within the class's deadline (`timely`) and at all, the hold's own share
-    within the deadline, and the calls shed (mean per run)."""
-    s = verdict.summarize(recs)
+def summarize(rows: Sequence[dict], classes: Sequence[str], must: Sequence[str]) -> dict:
+    """A candidate over its seeds' rows (flat records): the deployment's
+    P(recovered) with its interval, and per class P(recovered), the pulse
+    and hold calls delivered within the class's deadline (`timely`) and at
+    all, the hold's own share within the deadline, and the calls shed (mean
+    per run)."""
+    s = verdict.summarize(rows)
     out = {"p": s["p"], "lo": s["lo"], "hi": s["hi"], "n": s["n"],
            "recovery_time": s["recovery_time"]["median"], "classes": {}}
-    for name in recs[0]["classes"]:
-        cs = [r["classes"][name] for r in recs]
+    for name in classes:
+        cs = [class_section(r, name) for r in rows]
         out["classes"][name] = {
             "must_recover": name in must, "p": sum(bool(c["recovered"]) for c in cs) / len(cs),
             "timely": _mean(_share(c, "within_deadline") for c in cs),
             "delivered": _mean(_share(c, "delivered") for c in cs),
             "hold_timely": _mean(_share(c, "within_deadline", ("hold",)) for c in cs),
-            "shed_calls": _mean(c["shed"]["calls"] for c in cs)}
+            "shed_calls": _mean(c["shed_calls"] for c in cs)}
     others = [v["timely"] for v in out["classes"].values() if not v["must_recover"]]
     mine = [v["timely"] for v in out["classes"].values() if v["must_recover"]]
     out["others_timely"] = _mean(others)
@@ -119,41 +141,56 @@ def rank_key(s: dict) -> tuple:
 
 
 def advise_classes(deployment, seeds: Sequence[int], screen: int = 2, finalists: int = 8,
-                   candidates: Sequence[Condition] | None = None, progress: bool = True) -> dict:
-    """Search the candidates for the deployment (module docstring)."""
+                   candidates: Sequence[Condition] | None = None, progress: bool = True, out: str | None = None,
+                   workers: int | None = 1, ray_address: str | None = None, margin_axes: Sequence[str] = (),
+                   top: int = 3) -> dict:
+    """Search the candidates for the deployment (module docstring), under
+    its [[layer]]s (`run_layers`) and on its [fleet] if it has them. The
+    runs are kept in the Parquet store `out` when given, as plain advise
+    keeps them (`advise.Runs`: a rerun on it runs none of its runs again);
+    the `top` settings of the ranking get their margins along
+    `margin_axes` (none: no margins)."""
     seeds = list(seeds)
     if not seeds:
         raise ValueError("advise needs at least one seed")
     t0 = time.perf_counter()
-    must = [c.name for c in deployment.scenario.classes if c.must_recover]
+    sc, fleet, layers = deployment.scenario, deployment.fleet, deployment.run_layers()
+    profile = dataclasses.replace(deployment.profile, capacity=deployment.capacity)
+    names = [c.name for c in sc.classes]
+    must = [c.name for c in sc.classes if c.must_recover]
     conds = list(candidates) if candidates is not None else class_candidates(deployment)
-    traces = {s: deployment.trace(s) for s in seeds}
-    runs: dict[tuple[str, int], dict] = {}
+    by_name = {c.name: c for c in conds}
+    router = fleet.router if fleet is not None else None
+    key = advise.deployment_key(profile, sc, fleet, layers)
+    runs = advise.Runs(profile, sc, fleet, key, out, workers, ray_address, progress)
 
-    def run(cs: Sequence[Condition], ss: Sequence[int], what: str) -> None:
-        todo = [(c, s) for s in ss for c in cs if (c.name, s) not in runs]
-        for i, (c, s) in enumerate(todo):
-            runs[(c.name, s)] = deployment.run(seed=s, condition=c, trace=traces[s])
-            if progress:
-                print(f"\r{what}: {i + 1}/{len(todo)} runs", end="\n" if i + 1 == len(todo) else "",
-                      file=sys.stderr, flush=True)
+    def scored(cs: Sequence[str], ss: Sequence[int], what: str) -> dict:
+        runs.run(cs, ss, lambda n, s: (by_name[n], router, layers, s), None, what)
+        return {n: summarize([runs[(n, s, "")] for s in ss], names, must) for n in cs}
 
     first = seeds[:max(1, min(screen, len(seeds)))]
-    run(conds, first, f"screen {len(conds)} settings x {len(first)} seeds")
-    scored = {c.name: summarize([runs[(c.name, s)] for s in first], must) for c in conds}
-    keep = sorted(conds, key=lambda c: rank_key(scored[c.name]))[:finalists]
-    if own := next((c for c in conds if c.name == deployment.condition_for().name), None):
-        if own not in keep:
-            keep.append(own)            # the deployment's own condition is always reported
-    run(keep, seeds, f"final {len(keep)} settings x {len(seeds)} seeds")
-    scored = {c.name: summarize([runs[(c.name, s)] for s in seeds], must) for c in keep}
-    ranked = sorted(keep, key=lambda c: rank_key(scored[c.name]))
-    ranking = [{"condition": c.name, "describe": c.describe(), **scored[c.name]} for c in ranked]
+    screened = scored(list(by_name), first, f"screen {len(conds)} settings x {len(first)} seeds")
+    keep = sorted(by_name, key=lambda n: rank_key(screened[n]))[:finalists]
+    own = deployment.condition_for().name
+    if own in by_name and own not in keep:
+        keep.append(own)                # the deployment's own condition is always reported
+    final = scored(keep, seeds, f"final {len(keep)} settings x {len(seeds)} seeds")
+    ranked = sorted(keep, key=lambda n: rank_key(final[n]))
+    margins = {n: margin_mod.margin(profile, sc, by_name[n], seeds, margin_axes, rel_tol=0.05,
+                                           workers=workers, base=verdict.summarize([runs[(n, s, "")] for s in seeds]),
+                                           fleet=fleet, layers=layers)
+               for n in ranked[:top]} if margin_axes else {}
+    ranking = [{"condition": n, "describe": by_name[n].describe(), **final[n],
+                "margin": _margin(margins[n]) if n in margins else None} for n in ranked]
     best = ranking[0] if ranking and ranking[0]["lo"] > 0.5 else None
-    return {"deployment": deployment.name, "classes": [c.name for c in deployment.scenario.classes],
-            "must_recover": must, "seeds": seeds, "screen_seeds": first, "candidates": len(conds),
-            "queue_scale": queue_scale(deployment), "ranking": ranking,
-            "best": best["condition"] if best else None, "wall_s": time.perf_counter() - t0}
+    return {"deployment": deployment.name, "classes": names, "must_recover": must, "seeds": seeds,
+            "screen_seeds": first, "candidates": len(conds), "queue_scale": queue_scale(deployment),
+            "layers": None if layers is None else list(layers), "margin_axes": list(margin_axes or ()),
+            "ranking": ranking, "best": best["condition"] if best else None, "wall_s": time.perf_counter() - t0}
+
+
+def _margin(m: dict) -> dict:
+    return {"sentence": m["sentence"], "axes": m["axes"]}
 
 
 def report(res: dict) -> str:
@@ -172,4 +209,6 @@ def report(res: dict) -> str:
             lines.append(f"   {name}{' (must recover)' if c['must_recover'] else ''}: P {c['p']:.2f}, pulse+hold "
                          f"within deadline {pct(c['timely'])}, delivered {pct(c['delivered'])}, hold within deadline "
                          f"{pct(c['hold_timely'])}, shed calls {c['shed_calls']:.0f} a run")
+        if r.get("margin"):
+            lines.append(f"   margin: {r['margin']['sentence'].split('; ', 1)[-1]}")
     return "\n".join(lines)
