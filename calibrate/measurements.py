@@ -59,6 +59,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from scipy.optimize import least_squares
 
+from calibrate.fit import protocol_capacity
 from calibrate.prior import GPU, MODELS, ModelShape, step_time
 from calibrate.published import PUBLISHED
 from sim.capacity import capacity_protocol
@@ -94,6 +95,7 @@ class Stage:
     ttft_mean_s: float
     e2e_mean_s: float
     measured: dict = field(default_factory=dict, compare=False)     # the CSV row as read
+    as_run_s: float | None = None   # simulated as run: this long of arrivals from an empty engine, every call counted
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class Experiment:
     stages: tuple[Stage, ...]
     kv_blocks: int | None     # the KV block count the server reported, if any
     raw: dict = field(default_factory=dict, compare=False)
+    arrivals: str = "constant"      # the stages' arrival process: constant or poisson (sim.workload)
 
     @property
     def prompt_len(self) -> int:
@@ -287,10 +290,14 @@ def kv_peak_share(profile: Profile, e: Experiment, stage: Stage, e2e_s: float) -
 def simulate_stage(profile: Profile, e: Experiment, stage: Stage, duration_s: float = 90.0,
                    warmup_s: float = 20.0, seed: int = 0) -> dict:
     """The simulator's TTFT and E2E means (s) of one stage: `duration_s` of
-    constant arrivals at the stage's rate, calls created after `warmup_s`."""
+    the experiment's arrivals at the stage's rate, calls created after
+    `warmup_s`; a stage simulated as run (`Stage.as_run_s`), its own length
+    from an empty engine, every call."""
     p = experiment_profile(profile, e)
+    if stage.as_run_s is not None:
+        duration_s, warmup_s = stage.as_run_s, 0.0
     r = latency(p, stage.rate, duration_s=duration_s, warmup_s=warmup_s, scenario=experiment_scenario(e),
-                seed=seed, arrivals="constant")
+                seed=seed, arrivals=e.arrivals)
     return {"ttft_mean": r["ttft_mean"], "e2e_mean": r["e2e_mean"], "ttft_p90": r["ttft_p90"],
             "e2e_p90": r["e2e_p90"], "calls": r["calls"]}
 
@@ -505,18 +512,33 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
 
 def refit_profile(profile: Profile, experiments: list[Experiment], source: str, duration_s: float = 90.0,
                   warmup_s: float = 20.0, max_evals: int = 60, log=None, free=(), frontend: bool = True) -> dict:
-    """The profile's JSON with its step time refitted (`fit`) jointly with its
-    published figures (`PUBLISHED[profile.name]`, if any), Ĉ from the
-    capacity protocol, and the fit's provenance (`provenance.measurements`)."""
-    mine = experiments_for(experiments, profile)
-    target = PUBLISHED.get(profile.name)
+    """The profile's JSON with its step time refitted (`fit`) to the
+    experiments of its model jointly with its published figures
+    (`PUBLISHED[profile.name]`, if any), Ĉ from the capacity protocol, and
+    the fit's provenance (`provenance.measurements`)."""
+    tool = (f"python -m llmsim calibrate fit-published {profile.name} --measurements {source}"
+            + "".join(f" --free {k}" for k in free) + ("" if frontend else " --no-frontend"))
+    return refit(profile, experiments_for(experiments, profile), source, tool, PUBLISHED.get(profile.name),
+                 duration_s, warmup_s, max_evals, log, free, frontend)
+
+
+def refit(profile: Profile, mine: list[Experiment], source: str, tool: str, target: dict | None = None,
+          duration_s: float = 90.0, warmup_s: float = 20.0, max_evals: int = 60, log=None, free=(),
+          frontend: bool = True) -> dict:
+    """The profile's JSON with its step time refitted (`fit`) to `mine`
+    (jointly with `target`, published figures, if any), Ĉ from the capacity
+    protocol, and the fit's provenance (`provenance.measurements`: `source`
+    and the command, `tool`, that made it)."""
     before = compare(profile, mine, duration_s, warmup_s)
     res = fit(profile, mine, target, duration_s, warmup_s, max_evals, log, free, frontend)
     d = json.loads(json.dumps(profile.raw))
     d["step_time"] = res["step_time"]
     fitted = from_dict(d, profile.name)
-    cap = res["published"]["simulated"].get("capacity") or capacity_protocol(fitted)["capacity"]
-    d["capacity"] = cap
+    own = (d.get("capacity_protocol") or {}).get("scenario_name")
+    if not res["published"]["simulated"] and own in ("scaled", "paper"):
+        d.update(protocol_capacity(d, own))     # Ĉ on the workload the profile's own Ĉ is of
+    else:
+        d["capacity"] = res["published"]["simulated"].get("capacity") or capacity_protocol(fitted)["capacity"]
     prov = d.setdefault("provenance", {"kind": "fitted to published measurements"})
     if res["published"]["simulated"]:
         prov["simulated"] = res["published"]["simulated"]
@@ -524,14 +546,15 @@ def refit_profile(profile: Profile, experiments: list[Experiment], source: str, 
     prov["measurements"] = {
         "note": ("step-time coefficients refitted: each the roofline prior's (with the efficiency factors under "
                  "'fitted') times a multiplier >= 0, fitted to the mean TTFT and E2E of every stage below, "
-                 "simulated with constant arrivals and the server's flags, jointly with the published figures "
-                 "above; a coefficient the data do not identify is held at its prior"),
+                 "simulated with the experiment's arrivals and the server's flags"
+                 + (", jointly with the published figures above" if target else "")
+                 + "; a coefficient the data do not identify is held at its prior"),
         "source": source,
         "experiments": [{"exp_id": e.exp_id, "model": e.model, "vllm": e.vllm,
                          "flags": {k: v for k, v in e.flags.items()},
                          "workload": {"system_prompt_len": e.system_prompt_len, "question_len": e.question_len,
                                       "output_len": e.output_len, "groups": e.groups,
-                                      "arrivals": "constant"}} for e in mine],
+                                      "arrivals": e.arrivals}} for e in mine],
         "prior_step_time": res["prior"],
         "multipliers": res["multipliers"],
         "physical_floor": res["floor"],
@@ -551,15 +574,17 @@ def refit_profile(profile: Profile, experiments: list[Experiment], source: str, 
                      "reported is used for its experiment, the profile's own KV derivation is kept"),
         "stages_before": [_brief(r) for r in before],
         "stages": [_brief(r) for r in res["stages"]],
-        "simulation": {"duration_s": duration_s, "warmup_s": warmup_s, "seed": 0},
+        "simulation": {"duration_s": duration_s, "warmup_s": warmup_s, "seed": 0,
+                       **({"as_run": "each stage as it was run: its own length of arrivals from an empty engine, "
+                                     "every call counted"}
+                          if any(st.as_run_s is not None for e in mine for st in e.stages) else {})},
         "method": (f"scipy.optimize.least_squares (trf, bounds: the roofline at full efficiency <= coefficient <= "
                    f"{M_MAX:g} x prior) on log residuals: stages in units of {STAGE_SCALE:.0%}, published figures in "
                    "units of "
                    + ", ".join(f"{k} {v:.1%}" for k, v in PUBLISHED_SCALE.items())
                    + f", prior {PRIOR_WEIGHT:g} x (m - 1); {res['evaluations']} evaluations"),
         "date": datetime.date.today().isoformat(),
-        "tool": f"python -m llmsim calibrate fit-published {profile.name} --measurements {source}"
-                + "".join(f" --free {k}" for k in free) + ("" if frontend else " --no-frontend"),
+        "tool": tool,
     }
     return d
 

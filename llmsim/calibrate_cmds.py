@@ -6,7 +6,8 @@ import os
 import sys
 import time
 
-from calibrate import live_capacity, measurements as ms
+from calibrate import bench_reports, live_capacity, measurements as ms
+from calibrate.bench_reports import TOOL
 from calibrate.capture import capture
 from calibrate.fit import WEIGHTS, build_profile, fit_report, load_sources
 from calibrate.from_log import LogError, profile_from_log
@@ -195,6 +196,39 @@ def cmd_calibrate_fit_published(a) -> int:
     return 0
 
 
+def cmd_calibrate_from_bench(a) -> int:
+    """Fit a profile's step time to a load tester's reports (`calibrate.bench_reports`)."""
+    _check_dir(a.out)
+    try:
+        prof = load_profile(a.profile)
+        stages = bench_reports.read_reports(a.reports, a.shared_prefix)
+        exps = bench_reports.experiments(stages, prof)
+    except (ProfileError, ms.MeasurementsError) as e:
+        raise _err(f"calibrate from-bench: {e}") from None
+    for s in stages:
+        st = s.stage
+        _say(f"  {s.path}: {s.model}, {st.rate:g} calls/s, {st.measured['completed']} calls "
+             f"({st.measured['failed']} failed), prompts {s.prompt_len} tokens ({s.shared_prefix} shared), "
+             f"responses {s.output_len} ({s.lengths}); TTFT {st.ttft_mean_s * 1e3:.1f} ms, "
+             f"E2E {st.e2e_mean_s * 1e3:.0f} ms")
+    _say(f"{prof.name}: {len(stages)} reports of {TOOL} as {len(exps)} experiments, each stage simulated as it "
+         "was run (its own arrivals from an empty engine, on the profile's engine flags and KV cache)")
+    tool = (f"python -m llmsim calibrate from-bench {' '.join(a.reports)} --profile {a.profile}"
+            + ("" if a.shared_prefix is None else f" --shared-prefix {a.shared_prefix}")
+            + "".join(f" --free {k}" for k in a.free or ()) + (" --no-frontend" if a.no_frontend else ""))
+    try:
+        d = ms.refit(prof, exps, ", ".join(a.reports), tool, max_evals=a.max_evals, log=_say,
+                     free=tuple(a.free or ()), frontend=not a.no_frontend)
+    except (ms.MeasurementsError, ValueError, RuntimeError) as e:
+        raise _err(f"calibrate from-bench: {e}") from None
+    d["provenance"]["kind"] = f"fitted to {TOOL} reports"
+    from_dict(d, a.out)
+    _write(a.out, d)
+    print(ms.fit_table(d))
+    print(f"capacity {d['capacity']:.4f} calls/s -> {a.out}")
+    return 0
+
+
 def cmd_calibrate_from_log(a) -> int:
     _check_dir(a.out)
     try:
@@ -356,6 +390,17 @@ def _check_dir(path):
     args.check_output(path)
 
 
+def _fit_flags(q) -> None:
+    """The flags of a fit to measured stages (`calibrate.measurements.fit`)."""
+    q.add_argument("--max-evals", type=args.positive(int), default=60,
+                   help="most evaluations of the optimiser (each simulates every stage; default 60)")
+    q.add_argument("--no-frontend", action="store_true",
+                   help="compare the simulated means with the measured as they are, without fitting the time a "
+                        "call spends in the server outside the engine")
+    q.add_argument("--free", action="append", metavar="COEFFICIENT",
+                   help="fit this step-time coefficient even where the data do not identify it (repeatable)")
+
+
 def add_subcommands(sub) -> None:
     """`engine`, `gateway` and `calibrate` command groups on the llmsim parser's subparsers."""
     p = sub.add_parser("engine", help="install, start and stop a real vLLM engine")
@@ -417,14 +462,20 @@ def add_subcommands(sub) -> None:
                    help="seconds simulated per stage (default 90)")
     q.add_argument("--warmup", type=args.positive(allow_zero=True), default=20.0,
                    help="seconds of a stage's start left out of its means (default 20)")
-    q.add_argument("--max-evals", type=args.positive(int), default=60,
-                   help="most evaluations of the optimiser (each simulates every stage; default 60)")
-    q.add_argument("--no-frontend", action="store_true",
-                   help="compare the simulated means with the measured as they are, without fitting the time a "
-                        "call spends in the server outside the engine")
-    q.add_argument("--free", action="append", metavar="COEFFICIENT",
-                   help="fit this step-time coefficient even where the data do not identify it (repeatable)")
+    _fit_flags(q)
     q.set_defaults(fn=cmd_calibrate_fit_published)
+    q = cs.add_parser("from-bench", help=f"refit a profile's step time to a load tester's reports ({TOOL} "
+                                         "--save-result JSON: a report a rate)")
+    q.add_argument("reports", nargs="+", metavar="REPORT", help=f"result files of `{TOOL} --save-result`")
+    q.add_argument("--profile", required=True,
+                   help="the engine that was load-tested: an embedded profile or a profile file (its step time is "
+                        "the prior; its engine flags and KV cache are taken as the server's)")
+    q.add_argument("--shared-prefix", type=args.positive(int, allow_zero=True), default=None, metavar="N",
+                   help="tokens every prompt shared (the random dataset's --random-prefix-len), where a report "
+                        "does not say (--metadata random_prefix_len=N)")
+    q.add_argument("-o", "--out", required=True, help="the refitted profile (JSON)")
+    _fit_flags(q)
+    q.set_defaults(fn=cmd_calibrate_from_bench)
     q = cs.add_parser("capacity", help="the capacity protocol (time-scaled) on a live engine and the "
                                        "simulator; stores both in the profile")
     q.add_argument("--engine", default="cpu", help="cpu (start the CPU engine, stop it after) or an engine URL")

