@@ -6,15 +6,15 @@ import os
 import sys
 import time
 
-from calibrate import bench_reports, live_capacity, measurements as ms
+from calibrate import bench_reports, live_capacity, measurements as ms, metrics_reports
 from calibrate.bench_reports import TOOL
 from calibrate.capture import capture
 from calibrate.fit import WEIGHTS, build_profile, fit_report, load_sources
 from calibrate.from_log import LogError, profile_from_log
 from calibrate.prior import GPUS, prior_profile, shape_from_config
 from sim.capacity import capacity_protocol
-from sim.profile import ProfileError, from_dict, load_profile
-from validate import engine, gateway
+from sim.profile import ProfileError, from_dict, load_profile, with_engine
+from validate import engine, gateway, scrape
 
 from . import args
 
@@ -225,6 +225,70 @@ def cmd_calibrate_from_bench(a) -> int:
     from_dict(d, a.out)
     _write(a.out, d)
     print(ms.fit_table(d))
+    print(f"capacity {d['capacity']:.4f} calls/s -> {a.out}")
+    return 0
+
+
+def cmd_calibrate_scrape(a) -> int:
+    """Record an engine's /metrics at intervals into a file of scrapes (`validate.scrape`)."""
+    _check_dir(a.out)
+    try:
+        n = scrape.record(a.url, a.out, a.every, getattr(a, "for"), replica=a.replica, log=sys.stderr)
+    except engine.EngineError as e:
+        raise _err(f"calibrate scrape: {e}") from None
+    print(f"{n} scrapes of {a.url} -> {a.out}")
+    return 0
+
+
+def cmd_calibrate_from_metrics(a) -> int:
+    """Fit a profile's step time to an engine's Prometheus metrics (`calibrate.metrics_reports`)."""
+    _check_dir(a.out)
+    mr = metrics_reports
+    try:
+        prof = load_profile(a.profile)
+        scrapes = mr.read_scrapes(a.scrapes)
+        _say(f"{a.scrapes}: {len(scrapes)} scrapes of {len({s.replica for s in scrapes})} replicas "
+             f"(the metric names of vLLM {mr.SUPPORTED})")
+        ws = mr.windows(scrapes, a.window, a.min_requests, log=_say)
+        if not ws:
+            raise ms.MeasurementsError(f"{a.scrapes}: no window of {a.window:g} s with {a.min_requests} requests or "
+                                       "more at a steady rate; give a shorter --window or a smaller --min-requests")
+        blocks = mr.kv_blocks(ws, a.scrapes)
+        if blocks is not None:
+            prof = with_engine(prof, {"num_gpu_blocks": blocks})
+        exps = mr.experiments(ws, prof, a.scrapes)
+    except (ProfileError, ms.MeasurementsError) as e:
+        raise _err(f"calibrate from-metrics: {e}") from None
+    for w in ws:
+        m, st = w.stage.measured, w.stage
+        chk = ", ".join(f"{k} {m[f'{k}_mean'] * 1e3:.0f} ms" for k in ("queue", "prefill", "decode")
+                        if m.get(f"{k}_mean") is not None)
+        _say(f"  {w.replica} {w.t0:.0f}-{w.t1:.0f}: {st.rate:.2f} calls/s ({m['requests']} requests), prompts "
+             f"{w.prompt_len} tokens ({w.shared_prefix} shared: hit share {m['prefix_hit_share']:.2f}), responses "
+             f"{w.output_len}; TTFT {st.ttft_mean_s * 1e3:.1f} ms, E2E {st.e2e_mean_s * 1e3:.0f} ms; checks: {chk}, "
+             f"running {m['running_mean']:.1f}, waiting {m['waiting_mean']:.1f}, KV use {m['kv_usage_mean']:.1%}")
+    _say(f"{prof.name}: {len(ws)} windows as {len(exps)} experiments, KV cache "
+         + (f"{blocks} blocks (vllm:cache_config_info)" if blocks is not None else
+            f"{prof.engine['num_gpu_blocks']} blocks (the profile's: the metrics do not report it)")
+         + "; each window simulated as a steady state (the assumptions follow the fit)")
+    tool = (f"python -m llmsim calibrate from-metrics {a.scrapes} --profile {a.profile} --window {a.window:g} "
+            f"--min-requests {a.min_requests}" + "".join(f" --free {k}" for k in a.free or ())
+            + (" --no-frontend" if a.no_frontend else ""))
+    try:
+        d = ms.refit(prof, exps, a.scrapes, tool, max_evals=a.max_evals, log=_say, free=tuple(a.free or ()),
+                     frontend=not a.no_frontend)
+    except (ms.MeasurementsError, ValueError, RuntimeError) as e:
+        raise _err(f"calibrate from-metrics: {e}") from None
+    d["provenance"]["kind"] = f"fitted to vLLM {mr.SUPPORTED} Prometheus metrics"
+    pm = d["provenance"]["measurements"]
+    pm["assumptions"] = mr.ASSUMPTIONS
+    pm["kv_cache"] = (f"{blocks} blocks of {prof.engine['block_size']} tokens, as vllm:cache_config_info reports "
+                      "(num_gpu_blocks); " if blocks is not None else "") + pm["kv_cache"]
+    pm["checks"] = [{"exp_id": e.exp_id, "stage": s.index, **s.measured} for e in exps for s in e.stages]
+    from_dict(d, a.out)
+    _write(a.out, d)
+    print(ms.fit_table(d))
+    print(f"assumed: {mr.ASSUMPTIONS}")
     print(f"capacity {d['capacity']:.4f} calls/s -> {a.out}")
     return 0
 
@@ -476,6 +540,29 @@ def add_subcommands(sub) -> None:
     q.add_argument("-o", "--out", required=True, help="the refitted profile (JSON)")
     _fit_flags(q)
     q.set_defaults(fn=cmd_calibrate_from_bench)
+    q = cs.add_parser("from-metrics", help="refit a profile's step time and KV cache to an engine's Prometheus "
+                                           f"metrics (vLLM {metrics_reports.SUPPORTED}: scrapes of /metrics or a "
+                                           "query_range export)")
+    q.add_argument("scrapes", metavar="SCRAPES", help="scrapes of /metrics, one JSON a line (`calibrate scrape`), or "
+                                                     "a Prometheus query_range JSON export; gzipped or not")
+    q.add_argument("--profile", required=True,
+                   help="the engine that was scraped: an embedded profile or a profile file (its step time is the "
+                        "prior; its engine flags are taken as the server's, the KV cache as the metrics report it)")
+    q.add_argument("--window", type=args.positive(), default=60.0,
+                   help="seconds of scrapes a stage (at least; default 60)")
+    q.add_argument("--min-requests", type=args.positive(int), default=30,
+                   help="a window with fewer finished requests is dropped (default 30)")
+    q.add_argument("-o", "--out", required=True, help="the refitted profile (JSON)")
+    _fit_flags(q)
+    q.set_defaults(fn=cmd_calibrate_from_metrics)
+    q = cs.add_parser("scrape", help="record an engine's /metrics at intervals into a file of scrapes (what "
+                                     "from-metrics reads)")
+    q.add_argument("url", metavar="URL", help="the engine's base URL, e.g. http://127.0.0.1:8000")
+    q.add_argument("--every", type=args.positive(), default=15.0, help="seconds between scrapes (default 15)")
+    q.add_argument("--for", type=args.positive(), required=True, metavar="SECONDS", help="how long to record")
+    q.add_argument("--replica", default=None, help="the replica's name in the file (default its URL)")
+    q.add_argument("-o", "--out", required=True, help="the file of scrapes (appended to)")
+    q.set_defaults(fn=cmd_calibrate_scrape)
     q = cs.add_parser("capacity", help="the capacity protocol (time-scaled) on a live engine and the "
                                        "simulator; stores both in the profile")
     q.add_argument("--engine", default="cpu", help="cpu (start the CPU engine, stop it after) or an engine URL")

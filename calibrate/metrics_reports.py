@@ -1,0 +1,305 @@
+"""An engine's own Prometheus metrics as a fitting set (`calibrate.measurements`):
+vLLM's `/metrics` exposition scraped at intervals, as production has it, read
+as it is (docs/load-tests.md#from-the-engines-metrics).
+
+Two files are read (either may be gzipped):
+- scrapes: one JSON object a line, `{"t": unix seconds, "replica": a name or
+  URL, "text": the exposition text}` and optionally `"vllm": its version`
+  (what `llmsim calibrate scrape` writes, `validate.scrape`);
+- a Prometheus `query_range` export: `{"status": "success", "data":
+  {"resultType": "matrix", "result": [{"metric": {"__name__": ..., labels},
+  "values": [[t, "v"], ...]}]}}`, a replica an `instance` label.
+
+The metric names are vLLM 0.32's (`SUPPORTED`, its `vllm/v1/metrics/loggers.py`);
+a file whose scrapes name another version, or that lacks a name of `NEEDED`,
+is refused. A counter that goes down (a restarted engine) cuts the replica's
+scrapes there: no window spans it.
+
+A replica's scrapes are cut into windows of at least `window_s` seconds
+(from one scrape to the first at least that much later); each window is a
+stage of the counters' and histograms' increases over it:
+- the request rate: finished requests (the E2E histogram's count) over the
+  window's length; a window with fewer than `min_requests` is dropped, and so
+  is one whose rate changed within it (its halves' rates more than three
+  Poisson standard deviations apart);
+- the mean TTFT and E2E (`_sum` / `_count` of their histograms);
+- the mean prompt and response lengths (`vllm:request_prompt_tokens`,
+  `vllm:request_generation_tokens`);
+- the prefix reuse: prefix-cache hits over queries (tokens) times the mean
+  prompt, rounded to whole KV blocks: one prefix every prompt shares;
+- the KV cache: `num_gpu_blocks` and `block_size` of `vllm:cache_config_info`.
+The queue, prefill and decode times, time per output token, tokens a step
+and the running / waiting / KV-usage gauges are kept with the stage as
+checks (`Stage.measured`), not fitted.
+
+What the metrics cannot say, and is assumed (`ASSUMPTIONS`): request-level
+means under-determine a step-time model, so each window is simulated as a
+steady state of Poisson arrivals at its mean rate, every prompt and response
+of the window's mean lengths, one shared prefix. Windows of one replica and
+workload (the same rounded lengths and prefix) are one experiment, a stage a
+window."""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+from dataclasses import dataclass
+
+from sim.profile import Profile
+from validate.engine import parse_metrics
+
+from .measurements import Experiment, MeasurementsError, Stage
+
+SUPPORTED = "0.32"          # the vLLM minor version whose metric names are read
+HIST = {"ttft": "vllm:time_to_first_token_seconds", "e2e": "vllm:e2e_request_latency_seconds",
+        "prompt": "vllm:request_prompt_tokens", "output": "vllm:request_generation_tokens",
+        "queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
+        "decode": "vllm:request_decode_time_seconds", "tpot": "vllm:request_time_per_output_token_seconds",
+        "step_tokens": "vllm:iteration_tokens_total"}
+COUNTERS = {"hits": "vllm:prefix_cache_hits_total", "queries": "vllm:prefix_cache_queries_total",
+            "preemptions": "vllm:num_preemptions_total"}
+GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+          "kv_usage": "vllm:kv_cache_usage_perc"}
+INFO = "vllm:cache_config_info"
+NEEDED = tuple(f"{HIST[k]}_{s}" for k in ("ttft", "e2e", "prompt", "output") for s in ("sum", "count")) + (
+    COUNTERS["hits"], COUNTERS["queries"], GAUGES["kv_usage"])
+READ = tuple(f"{h}_{s}" for h in HIST.values() for s in ("sum", "count")) + tuple(COUNTERS.values()) + tuple(
+    GAUGES.values()) + (INFO,)
+CHECKS = ("queue", "prefill", "decode", "tpot", "step_tokens")
+ASSUMPTIONS = ("request-level histograms do not determine a step-time model: each window is simulated as a steady "
+               "state of Poisson arrivals at the window's mean rate (arrival times are not in the metrics), every "
+               "prompt and response of the window's mean lengths (the length distributions' spread is not used), "
+               "and one prefix every prompt shares, of the prefix-cache hit share times the mean prompt rounded to "
+               "whole KV blocks (which prompts share what is not in the metrics); the engine flags other than the "
+               "KV cache (max_num_seqs, max_num_batched_tokens, max_model_len) are the base profile's; the queue, "
+               "prefill and decode times and the gauges are checks, not fitted")
+
+
+@dataclass(frozen=True)
+class Scrape:
+    t: float
+    replica: str
+    vllm: str | None
+    samples: dict               # parse_metrics: name -> value summed over label sets, and name{labels} -> value
+
+
+@dataclass(frozen=True)
+class Window:
+    """One window of a replica's scrapes as read: its workload and stage."""
+    replica: str
+    t0: float
+    t1: float
+    prompt_len: int
+    output_len: int
+    shared_prefix: int
+    kv_blocks: int | None
+    block_size: int | None
+    stage: Stage
+
+
+def _text(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise MeasurementsError(f"{path}: cannot read it ({e.strerror or e})") from None
+    try:
+        if raw[:2] == b"\x1f\x8b":
+            raw = gzip.decompress(raw)
+        return raw.decode("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError):
+        raise MeasurementsError(f"{path}: not a text file (or gzip of one); expected scrapes of vLLM's /metrics, "
+                                "one JSON a line, or a Prometheus query_range export") from None
+
+
+def read_scrapes(path: str) -> list[Scrape]:
+    """The file's scrapes, either format (module docstring), in time order."""
+    text = _text(path)
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        doc = None
+    if isinstance(doc, dict) and "data" in doc:
+        out = _query_range(doc, path)
+    else:
+        out = []
+        for i, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise MeasurementsError(f"{path} line {i}: not valid JSON ({e.msg}); expected a scrape a line, "
+                                        '{"t": seconds, "replica": name, "text": the /metrics exposition}') from None
+            if not (isinstance(d, dict) and isinstance(d.get("text"), str) and _finite(d.get("t"))):
+                raise MeasurementsError(f'{path} line {i}: a scrape is {{"t": seconds, "replica": name, "text": '
+                                        "the /metrics exposition}")
+            out.append(Scrape(float(d["t"]), str(d.get("replica", "-")), d.get("vllm"), parse_metrics(d["text"])))
+    if not out:
+        raise MeasurementsError(f"{path}: no scrape in it")
+    for s in out:
+        if s.vllm is not None and not str(s.vllm).startswith(SUPPORTED):
+            raise MeasurementsError(f"{path}: scrapes of vLLM {s.vllm}: the metric names of vLLM {SUPPORTED} are read")
+    seen = set().union(*(s.samples for s in out))
+    if not any(k.startswith("vllm:") for k in seen):
+        raise MeasurementsError(f"{path}: no vllm: metric in it; expected scrapes of a vLLM server's /metrics")
+    miss = [k for k in NEEDED if k not in seen]
+    if miss:
+        raise MeasurementsError(f"{path}: not the metrics of vLLM {SUPPORTED} (no {', '.join(miss)})")
+    return sorted(out, key=lambda s: (s.replica, s.t))
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _query_range(doc: dict, path: str) -> list[Scrape]:
+    data = doc.get("data")
+    if doc.get("status") != "success" or not isinstance(data, dict) or data.get("resultType") != "matrix" \
+            or not isinstance(data.get("result"), list):
+        raise MeasurementsError(f"{path}: not a Prometheus query_range export (status success, resultType matrix)")
+    by: dict[tuple, dict] = {}
+    for k, series in enumerate(data["result"]):
+        try:
+            labels = dict(series["metric"])
+            name = labels.pop("__name__")
+            replica = str(labels.pop("instance", labels.get("job", "-")))
+            labels.pop("job", None)
+            key = name + ("{" + ",".join(f'{a}="{b}"' for a, b in sorted(labels.items())) + "}" if labels else "")
+            for t, v in series["values"]:
+                s = by.setdefault((replica, float(t)), {})
+                s[name] = s.get(name, 0.0) + float(v)
+                if labels:
+                    s[key] = float(v)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise MeasurementsError(f"{path}: result[{k}] is not a series of a query_range export "
+                                    '({"metric": {"__name__": ...}, "values": [[t, "v"], ...]})') from None
+    return [Scrape(t, r, None, s) for (r, t), s in by.items()]
+
+
+def _mean(a: Scrape, b: Scrape, hist: str) -> float | None:
+    n = b.samples.get(hist + "_count", 0.0) - a.samples.get(hist + "_count", 0.0)
+    return (b.samples.get(hist + "_sum", 0.0) - a.samples.get(hist + "_sum", 0.0)) / n if n > 0 else None
+
+
+def _count(a: Scrape, b: Scrape) -> float:
+    k = HIST["e2e"] + "_count"
+    return b.samples.get(k, 0.0) - a.samples.get(k, 0.0)
+
+
+def _reset(a: Scrape, b: Scrape) -> bool:
+    keys = [f"{HIST[h]}_count" for h in ("ttft", "e2e")] + [COUNTERS["queries"]]
+    return any(b.samples.get(k, 0.0) < a.samples.get(k, 0.0) for k in keys)
+
+
+def _kv(s: Scrape) -> tuple[int | None, int | None]:
+    for k in s.samples:
+        if k.startswith(INFO + "{"):
+            blocks, size = re.search(r'num_gpu_blocks="(\d+)"', k), re.search(r'[{,]block_size="(\d+)"', k)
+            return (int(blocks.group(1)) if blocks else None), (int(size.group(1)) if size else None)
+    return None, None
+
+
+def windows(scrapes: list[Scrape], window_s: float, min_requests: int, log=None) -> list[Window]:
+    """Every replica's windows that are stages (module docstring); what was
+    dropped and why is said through `log`."""
+    out, few, unsteady, resets = [], 0, 0, 0
+    for replica in sorted({s.replica for s in scrapes}):
+        mine = [s for s in scrapes if s.replica == replica]
+        segments, cur = [], [mine[0]]
+        for a, b in zip(mine, mine[1:]):
+            if _reset(a, b):
+                segments.append(cur)
+                cur, resets = [b], resets + 1
+            else:
+                cur.append(b)
+        segments.append(cur)
+        for seg in segments:
+            i = 0
+            while i < len(seg) - 1:
+                j = next((k for k in range(i + 1, len(seg)) if seg[k].t - seg[i].t >= window_s * 0.999), None)
+                if j is None:
+                    break
+                w = _window(seg, i, j, min_requests)
+                if w == "few":
+                    few += 1
+                elif w == "unsteady":
+                    unsteady += 1
+                else:
+                    out.append(w)
+                i = j
+    if log:
+        log(f"  {len(out)} windows of at least {window_s:g} s are stages; dropped: {few} with fewer than "
+            f"{min_requests} requests, {unsteady} whose request rate changed within them"
+            + (f"; {resets} counter resets (a restarted engine): no window spans one" if resets else ""))
+    return out
+
+
+def _window(seg: list[Scrape], i: int, j: int, min_requests: int):
+    a, b = seg[i], seg[j]
+    n, dt = _count(a, b), b.t - a.t
+    if n < min_requests:
+        return "few"
+    mid = min(range(i + 1, j), key=lambda k: abs(seg[k].t - (a.t + b.t) / 2), default=None)
+    if mid is not None:
+        m = seg[mid]
+        n1, t1, n2, t2 = _count(a, m), m.t - a.t, _count(m, b), b.t - m.t
+        if abs(n1 / t1 - n2 / t2) > 3 * math.sqrt(max(n1, 1) / t1 ** 2 + max(n2, 1) / t2 ** 2):
+            return "unsteady"
+    ttft, e2e = _mean(a, b, HIST["ttft"]), _mean(a, b, HIST["e2e"])
+    prompt, output = _mean(a, b, HIST["prompt"]), _mean(a, b, HIST["output"])
+    if None in (ttft, e2e, prompt, output) or not (0 < ttft <= e2e):
+        return "few"
+    blocks, size = _kv(b)
+    q = b.samples.get(COUNTERS["queries"], 0.0) - a.samples.get(COUNTERS["queries"], 0.0)
+    share = (b.samples.get(COUNTERS["hits"], 0.0) - a.samples.get(COUNTERS["hits"], 0.0)) / q if q > 0 else 0.0
+    prefix = share * prompt
+    if size:
+        prefix = size * round(prefix / size)
+    prompt_len = max(1, round(prompt))
+    prefix = min(int(prefix), prompt_len - 1)
+    measured = {"replica": a.replica, "from": a.t, "to": b.t, "requests": round(n), "prefix_hit_share": share}
+    for k in CHECKS:
+        measured[f"{k}_mean"] = _mean(a, b, HIST[k])
+    inside = seg[i:j + 1]
+    for k, name in GAUGES.items():
+        measured[f"{k}_mean"] = sum(s.samples.get(name, 0.0) for s in inside) / len(inside)
+    measured["preemptions"] = b.samples.get(COUNTERS["preemptions"], 0.0) - a.samples.get(COUNTERS["preemptions"], 0.0)
+    stage = Stage(0, n / dt, dt, ttft, e2e, measured)
+    return Window(a.replica, a.t, b.t, prompt_len, max(1, round(output)), prefix, blocks, size, stage)
+
+
+def kv_blocks(ws: list[Window], path: str) -> int | None:
+    """The KV blocks the replicas reported (one count for all), or None."""
+    got = sorted({w.kv_blocks for w in ws if w.kv_blocks is not None})
+    if len(got) > 1:
+        raise MeasurementsError(f"{path}: the replicas report different KV caches ({', '.join(map(str, got))} "
+                                "blocks); fit one replica's scrapes at a time")
+    return got[0] if got else None
+
+
+def experiments(ws: list[Window], profile: Profile, source: str) -> list[Experiment]:
+    """The windows as experiments: one per replica and workload (rounded
+    lengths and prefix), a stage per window in the order of their rates, on
+    the engine of `profile` (with the KV cache the metrics report)."""
+    e = profile.engine
+    flags = {"max_num_seqs": e["max_num_seqs"], "max_model_len": e["max_model_len"],
+             "max_num_batched_tokens": e["max_num_batched_tokens"], "num_gpu_blocks": e["num_gpu_blocks"]}
+    groups: dict[tuple, list[Window]] = {}
+    for w in ws:
+        groups.setdefault((w.replica, w.prompt_len, w.output_len, w.shared_prefix), []).append(w)
+    out = []
+    for (replica, prompt, output, prefix), mine in sorted(groups.items()):
+        mine.sort(key=lambda w: w.stage.rate)
+        if prompt + output > flags["max_model_len"]:
+            raise MeasurementsError(f"{source}: calls of {prompt + output} tokens exceed the profile's "
+                                    f"max_model_len {flags['max_model_len']}")
+        eid = f"{replica}:{prompt}+{output}" + (f"/{prefix}" if prefix else "")
+        st = tuple(Stage(k, w.stage.rate, w.stage.duration_s, w.stage.ttft_mean_s, w.stage.e2e_mean_s,
+                         w.stage.measured) for k, w in enumerate(mine))
+        out.append(Experiment(eid, str((profile.raw.get("model") or {}).get("name", profile.name)), SUPPORTED,
+                              dict(flags), prefix, prompt - prefix, output, 1, st, mine[0].kv_blocks,
+                              {"scrapes": source, "replica": replica, "windows": [[w.t0, w.t1] for w in mine]},
+                              arrivals="poisson"))
+    return out
