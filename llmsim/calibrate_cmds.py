@@ -237,6 +237,9 @@ def cmd_calibrate_from_bench(a) -> int:
     except (ms.MeasurementsError, ValueError, RuntimeError) as e:
         raise _err(f"calibrate from-bench: {e}") from None
     d["provenance"]["kind"] = f"fitted to {tools} reports"
+    for e, rec in zip(exps, d["provenance"]["measurements"]["experiments"]):
+        if "prefix_reuse" in e.raw:
+            rec["prefix_reuse"] = e.raw["prefix_reuse"]
     from_dict(d, a.out)
     _write(a.out, d)
     print(ms.fit_table(d))

@@ -114,6 +114,7 @@ def test_from_bench_fits_the_folder_closer_than_the_prior_and_leaves_it_as_it_wa
     assert d["provenance"]["kind"] == "fitted to inference-perf reports"
     assert pm["experiments"][0]["workload"] == {"system_prompt_len": 256, "question_len": 96, "output_len": 32,
                                                 "groups": 4, "arrivals": "poisson"}
+    assert pm["experiments"][0]["prefix_reuse"].startswith("exact at the KV block size 128")
     assert [r["rate"] for r in pm["stages"]] == [4.0, 8.0, 12.0]
     assert _rms(pm["stages"], "e2e_residual") < _rms(pm["stages_before"], "e2e_residual")
     assert _rms(pm["stages"], "ttft_residual") < _rms(pm["stages_before"], "ttft_residual")
