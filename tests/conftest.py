@@ -46,6 +46,18 @@ def gateways_installed():
     return {name: G.binary(name) for name in G.GATEWAYS}
 
 
+@pytest.fixture(scope="session")
+def inference_perf_installed():
+    """inference-perf, installed by `llmsim loadtest install inference-perf`
+    once per session (a no-op check where it is installed already); a failed
+    install fails the tests that need it."""
+    from validate import loadtest as L
+    if L.inference_perf_installed() != L.INFERENCE_PERF_VERSION:
+        r = subprocess.run([sys.executable, "-m", "llmsim", "loadtest", "install", "inference-perf"], timeout=900)
+        assert r.returncode == 0, f"llmsim loadtest install inference-perf failed (exit {r.returncode})"
+    return L.inference_perf_python()
+
+
 @pytest.fixture(autouse=True)
 def _stop_engines_the_test_left():
     before = {id(e) for e in E.owned()}

