@@ -178,12 +178,14 @@ def _query_range(doc: dict, path: str) -> list[Scrape]:
     return [Scrape(t, r, None, s) for (r, t), s in by.items()]
 
 
-def _mean(a: Scrape, b: Scrape, hist: str) -> float | None:
+def mean_between(a: Scrape, b: Scrape, hist: str) -> float | None:
+    """A histogram's mean over the observations made between two scrapes."""
     n = b.samples.get(hist + "_count", 0.0) - a.samples.get(hist + "_count", 0.0)
     return (b.samples.get(hist + "_sum", 0.0) - a.samples.get(hist + "_sum", 0.0)) / n if n > 0 else None
 
 
-def _count(a: Scrape, b: Scrape) -> float:
+def requests_between(a: Scrape, b: Scrape) -> float:
+    """The requests finished between two scrapes."""
     k = HIST["e2e"] + "_count"
     return b.samples.get(k, 0.0) - a.samples.get(k, 0.0)
 
@@ -193,7 +195,8 @@ def _reset(a: Scrape, b: Scrape) -> bool:
     return any(b.samples.get(k, 0.0) < a.samples.get(k, 0.0) for k in keys)
 
 
-def _kv(s: Scrape) -> tuple[int | None, int | None]:
+def kv_cache_of(s: Scrape) -> tuple[int | None, int | None]:
+    """(KV blocks, block size) as vllm:cache_config_info labels them."""
     for k in s.samples:
         if k.startswith(INFO + "{"):
             blocks, size = re.search(r'num_gpu_blocks="(\d+)"', k), re.search(r'[{,]block_size="(\d+)"', k)
@@ -238,20 +241,20 @@ def windows(scrapes: list[Scrape], window_s: float, min_requests: int, log=None)
 
 def _window(seg: list[Scrape], i: int, j: int, min_requests: int):
     a, b = seg[i], seg[j]
-    n, dt = _count(a, b), b.t - a.t
+    n, dt = requests_between(a, b), b.t - a.t
     if n < min_requests:
         return "few"
     mid = min(range(i + 1, j), key=lambda k: abs(seg[k].t - (a.t + b.t) / 2), default=None)
     if mid is not None:
         m = seg[mid]
-        n1, t1, n2, t2 = _count(a, m), m.t - a.t, _count(m, b), b.t - m.t
+        n1, t1, n2, t2 = requests_between(a, m), m.t - a.t, requests_between(m, b), b.t - m.t
         if abs(n1 / t1 - n2 / t2) > 3 * math.sqrt(max(n1, 1) / t1 ** 2 + max(n2, 1) / t2 ** 2):
             return "unsteady"
-    ttft, e2e = _mean(a, b, HIST["ttft"]), _mean(a, b, HIST["e2e"])
-    prompt, output = _mean(a, b, HIST["prompt"]), _mean(a, b, HIST["output"])
+    ttft, e2e = mean_between(a, b, HIST["ttft"]), mean_between(a, b, HIST["e2e"])
+    prompt, output = mean_between(a, b, HIST["prompt"]), mean_between(a, b, HIST["output"])
     if None in (ttft, e2e, prompt, output) or not (0 < ttft <= e2e):
         return "few"
-    blocks, size = _kv(b)
+    blocks, size = kv_cache_of(b)
     q = b.samples.get(COUNTERS["queries"], 0.0) - a.samples.get(COUNTERS["queries"], 0.0)
     share = (b.samples.get(COUNTERS["hits"], 0.0) - a.samples.get(COUNTERS["hits"], 0.0)) / q if q > 0 else 0.0
     prefix = share * prompt
@@ -261,7 +264,7 @@ def _window(seg: list[Scrape], i: int, j: int, min_requests: int):
     prefix = min(int(prefix), prompt_len - 1)
     measured = {"replica": a.replica, "from": a.t, "to": b.t, "requests": round(n), "prefix_hit_share": share}
     for k in CHECKS:
-        measured[f"{k}_mean"] = _mean(a, b, HIST[k])
+        measured[f"{k}_mean"] = mean_between(a, b, HIST[k])
     inside = seg[i:j + 1]
     for k, name in GAUGES.items():
         measured[f"{k}_mean"] = sum(s.samples.get(name, 0.0) for s in inside) / len(inside)

