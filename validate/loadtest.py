@@ -80,7 +80,7 @@ def inference_perf_venv() -> Path:
 
 
 def inference_perf_python() -> Path:
-    return inference_perf_venv() / "bin" / "python"
+    return E.venv_python(inference_perf_venv())
 
 
 def _py_version(py: str) -> tuple[int, int] | None:
@@ -115,7 +115,7 @@ def python_312() -> str:
 def inference_perf_installed(venv: Path | None = None) -> str | None:
     """The inference-perf version installed in its venv by `install_inference_perf`, or None."""
     venv = venv or inference_perf_venv()
-    py = venv / "bin" / "python"
+    py = E.venv_python(venv)
     if not py.exists() or not (venv / _IP_MARKER).exists():
         return None
     r = subprocess.run([str(py), "-c", "import importlib.metadata as m; print(m.version('inference-perf'))"],
@@ -131,7 +131,7 @@ def install_inference_perf(venv: Path | None = None, log=E.say) -> Path:
         log(f"inference-perf {have} already installed in {venv}")
         return venv
     t0 = time.monotonic()
-    py = venv / "bin" / "python"
+    py = E.venv_python(venv)
     if not py.exists() or (_py_version(str(py)) or (0, 0)) < MIN_PYTHON:
         base = python_312()
         log(f"creating venv {venv} with {base}")
