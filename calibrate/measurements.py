@@ -60,7 +60,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from calibrate.fit import protocol_capacity
-from calibrate.prior import GPU, MODELS, ModelShape, step_time
+from calibrate.prior import GPU, MODELS, ModelShape, Serving, step_time
 from calibrate.published import PUBLISHED
 from sim.capacity import capacity_protocol
 from sim.engine.step_time import FORM_MODELS, step_time_model
@@ -368,7 +368,8 @@ def physical_floor(profile: Profile) -> dict:
     if not shape or not gpu:
         return {k: 0.0 for k in names}
     best = step_time(ModelShape(**shape), GPU(**gpu), mfu=1.0, bw_eff=1.0, attn_eff=1.0, step_overhead_s=0.0,
-                     request_overhead_s=0.0, form=profile.step_time.form)
+                     request_overhead_s=0.0, form=profile.step_time.form, allreduce_eff=1.0,
+                     serving=Serving(**profile.raw.get("serving", {})))
     return {k: min(1.0, best[k] / prior[k]) if prior[k] > 0 else 0.0 for k in names}
 
 

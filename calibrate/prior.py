@@ -1,171 +1,196 @@
-"""A roofline prior for the step-time model and the KV capacity, from a
-model's shape and a GPU's published peak compute and memory bandwidth.
+"""The physical step-time model: a prior for the step-time model and the KV
+capacity from a model's shape (`calibrate.model_shape`) and a GPU's
+datasheet (`calibrate.gpus`), served as vLLM serves it (`Serving`: tensor
+parallelism, FP8 weights, CPU weight offload, memory utilization).
 
-Step time (the linear form of `sim.engine.step_time`):
-  fixed_s            = weight bytes / (bandwidth * bw_eff) + step_overhead_s
-  per_request_s      = 2 * hidden * vocab / (peak * mfu)   (LM head, sampled token) + request_overhead_s
-  per_token_s        = 2 * non-embedding params / (peak * mfu)
-  per_prefill_pair_s = 4 * layers * heads * head_dim / (peak * attn_eff)   (QK^T and PV per query-key pair)
-  per_decode_ctx_s   = KV bytes per token / (bandwidth * bw_eff)
-The roofline form (form="roofline") takes the weights' read out of fixed_s:
-  fixed_s            = step_overhead_s
-  weights_s          = weight bytes / (bandwidth * bw_eff)
-and a step the larger of its compute and its memory time (sim.engine.step_time).
+Per GPU, with TP the tensor-parallel size (every matrix product split TP
+ways, the vocabulary too) and the efficiencies (`mfu`, `bw_eff`, `attn_eff`,
+`allreduce_eff`, the overheads):
+  weights read    the dense weights' bytes / TP (FP8 weights 1 byte, others the
+                  dtype's; the embedding table is looked up, not read)
+                  / (bandwidth * bw_eff)
+  per_token_s     2 * active params / TP / (peak * mfu), the FP8 share at the FP8
+                  peak (a GPU without FP8 runs them at the 16-bit peak: weight-only)
+                  + per all-reduce byte: 2 all-reduces a layer of hidden x 2 bytes a
+                  token, a ring moving 2 (TP-1)/TP of them over the link
+  fixed_s         step_overhead_s + 2 layers x the link's all-reduce latency (TP > 1)
+                  + offloaded bytes / (host link bandwidth * bw_eff) (`cpu_offload_gb`
+                  of weights per GPU cross PCIe every step)
+  per_request_s   2 * hidden * vocab / TP / (peak * mfu)   (LM head, sampled token) + request_overhead_s
+  per_prefill_pair_s = 4 * layers * heads/TP * head_dim / (peak * attn_eff)   (QK^T and PV per query-key pair)
+  per_decode_ctx_s   = KV bytes per token per GPU / (bandwidth * bw_eff)
+The linear form (form="linear", dense models) adds the weights' read to
+fixed_s; the roofline form (form="roofline") keeps it apart (`weights_s`) and
+a step takes the larger of its compute and its memory time; a mixture of
+experts takes the moe form (`sim.engine.step_time.MoEStepTimeModel`): its
+experts' weights (`expert_weights_s`) read in the share its tokens route to.
+The all-reduces' bandwidth term rides in per_token_s, so in the roofline
+forms it hides under the weights' read below the ridge point (a decode
+step's all-reduces move a few hundred kB: their latency, in fixed_s, is
+what counts there).
 
-KV capacity (vLLM's profiling run): blocks = floor((total memory * utilization
-- weights - activation/graph reserve) / (bytes per token * block size)).
+KV capacity (vLLM's profiling run, per GPU): blocks = floor((memory * utilization
+- weights per GPU - activation/graph reserve) / (KV bytes per token per GPU * block size)),
+KV heads split TP ways (replicated when TP exceeds them, as vLLM does).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-GiB = 1024 ** 3
+from .gpus import CATALOGUE, GPU, GiB, gpu as find_gpu, gpu_key
+from .model_shape import MODELS, ModelShape, shape_from_config
+
+GPUS = CATALOGUE
+__all__ = ["GPU", "GPUS", "MODELS", "ModelShape", "Serving", "kv_cache", "prior_profile", "shape_from_config",
+           "step_time", "gpu_key"]
+ALLREDUCE_BYTES = 2         # activations all-reduced in 16 bits
 
 
 @dataclass(frozen=True)
-class GPU:
-    name: str
-    memory_bytes: int          # as the CUDA driver reports it (torch.cuda.mem_get_info total)
-    peak_flops: float          # dense bf16/fp16 tensor FLOP/s
-    bandwidth: float           # HBM bytes/s
+class Serving:
+    """How vLLM serves the model (its flags of the same names)."""
+    tensor_parallel_size: int = 1
+    cpu_offload_gb: float = 0.0          # GiB of weights per GPU kept in CPU memory
+    gpu_memory_utilization: float = 0.9
+
+    def check(self, shape: ModelShape) -> list[str]:
+        """ValueError where vLLM would refuse the split; the notes of what it does instead."""
+        tp = self.tensor_parallel_size
+        if not (isinstance(tp, int) and tp >= 1):
+            raise ValueError(f"tensor_parallel_size must be a whole number of at least 1, got {tp!r}")
+        if shape.heads % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the {shape.heads} attention heads "
+                             f"of {shape.name} (vLLM requires it)")
+        if shape.kv_heads >= tp and shape.kv_heads % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the {shape.kv_heads} KV heads of "
+                             f"{shape.name} (vLLM requires it)")
+        if shape.kv_heads < tp and tp % shape.kv_heads:
+            raise ValueError(f"tensor_parallel_size {tp} is not a multiple of the {shape.kv_heads} KV heads of "
+                             f"{shape.name} (vLLM replicates KV heads only then)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb must be at least 0, got {self.cpu_offload_gb!r}")
+        if shape.kv_heads < tp:
+            return [f"{shape.kv_heads} KV heads on {tp} GPUs: each GPU holds a replica of one (vLLM's rule)"]
+        return []
+
+    def kv_heads_per_gpu(self, shape: ModelShape) -> int:
+        return max(1, shape.kv_heads // self.tensor_parallel_size)
 
 
-GPUS = {
-    # H100 SXM5 80 GB: 989.4 TFLOP/s dense BF16, 3.35 TB/s; the driver reports 79.1 GiB
-    "h100": GPU("NVIDIA H100 80GB HBM3 (SXM)", int(79.1 * GiB), 989.4e12, 3.35e12),
-    # H200 SXM 141 GB: same compute as H100 SXM, 4.8 TB/s; the driver reports 139.8 GiB
-    "h200": GPU("NVIDIA H200 (SXM, 141 GB)", int(139.8 * GiB), 989.4e12, 4.8e12),
-    # A100 SXM 80 GB: 312 TFLOP/s dense BF16, 2.039 TB/s; the driver reports 79.2 GiB
-    "a100": GPU("NVIDIA A100-SXM4-80GB", int(79.2 * GiB), 312e12, 2.039e12),
-}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    params: int                # total parameters, embeddings included
-    dtype_bytes: int = 2
-    tied_embeddings: bool = False
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.params * self.dtype_bytes
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-
-    @property
-    def non_embedding_params(self) -> int:
-        return self.params - self.embedding_params
-
-
-MODELS = {
-    # Qwen/Qwen2.5-7B-Instruct config.json
-    "qwen2.5-7b": ModelShape("Qwen2.5-7B-Instruct", layers=28, hidden=3584, heads=28, kv_heads=4, head_dim=128,
-                             intermediate=18944, vocab=152064, params=7_615_616_512),
-    # Qwen/Qwen3-14B config.json
-    "qwen3-14b": ModelShape("Qwen3-14B", layers=40, hidden=5120, heads=40, kv_heads=8, head_dim=128,
-                            intermediate=17408, vocab=151936, params=14_768_307_200),
-    # meta-llama/Llama-3.1-8B-Instruct config.json
-    "llama-3.1-8b": ModelShape("Llama-3.1-8B-Instruct", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
-                               intermediate=14336, vocab=128256, params=8_030_261_248),
-}
+def _per_gpu(shape: ModelShape, serving: Serving) -> dict:
+    """Bytes per GPU: the weights held, the dense weights read a step, the
+    experts' weights, the offloaded bytes, the KV cache's bytes a token."""
+    tp = serving.tensor_parallel_size
+    held = shape.weight_bytes / tp
+    offload = serving.cpu_offload_gb * GiB
+    if offload > held:
+        raise ValueError(f"cpu_offload_gb {serving.cpu_offload_gb:g} exceeds the {held / GiB:.1f} GiB of weights "
+                         f"per GPU of {shape.name} on {tp} GPU(s)")
+    dense = sum(shape.group_bytes(g) for g in ("lm_head", "attention", "mlp", "shared", "router"))
+    return {"held": held - offload, "offload": offload, "dense_read": dense / tp,
+            "experts_read": shape.group_bytes("experts") / tp,
+            "kv_per_token": 2 * shape.layers * serving.kv_heads_per_gpu(shape) * shape.head_dim * shape.dtype_bytes}
 
 
 def kv_cache(shape: ModelShape, gpu: GPU, utilization: float = 0.9, block_size: int = 16,
-             reserve_bytes: int = int(2.5 * GiB)) -> dict:
-    """vLLM's KV sizing, step by step."""
+             reserve_bytes: int = int(2.5 * GiB), serving: Serving | None = None) -> dict:
+    """vLLM's KV sizing, step by step, per GPU (every GPU holds every
+    block's share of the KV heads, so the engine's blocks are one GPU's)."""
+    serving = serving or Serving(gpu_memory_utilization=utilization)
+    per = _per_gpu(shape, serving)
     budget = gpu.memory_bytes * utilization
-    kv_bytes = budget - shape.weight_bytes - reserve_bytes
-    if kv_bytes <= 0:
-        raise ValueError(f"{shape.name} does not fit on {gpu.name} at utilization {utilization}")
-    per_block = shape.kv_bytes_per_token * block_size
+    tp = serving.tensor_parallel_size
+    on = f"{gpu.name}" + (f" x {tp}" if tp > 1 else "")
+    if per["held"] > budget:
+        raise ValueError(f"{shape.name} does not fit: {per['held'] / GiB:.1f} GiB of weights per GPU on {on}, "
+                         f"which holds {budget / GiB:.1f} GiB at gpu_memory_utilization {utilization:g}")
+    kv_bytes = budget - per["held"] - reserve_bytes
+    per_block = per["kv_per_token"] * block_size
+    if kv_bytes < per_block:
+        raise ValueError(f"{shape.name} fits on {on} but leaves no memory for the KV cache at "
+                         f"gpu_memory_utilization {utilization:g} ({per['held'] / GiB:.1f} GiB of weights and "
+                         f"{reserve_bytes / GiB:.1f} GiB of activations per GPU of {budget / GiB:.1f} GiB)")
     blocks = int(kv_bytes // per_block)
     return {"gpu_memory_bytes": gpu.memory_bytes, "utilization": utilization,
-            "weights_bytes": shape.weight_bytes, "reserve_bytes": reserve_bytes,
-            "kv_bytes": int(kv_bytes), "kv_bytes_per_token": shape.kv_bytes_per_token,
+            "weights_bytes": int(per["held"]), "reserve_bytes": reserve_bytes,
+            "kv_bytes": int(kv_bytes), "kv_bytes_per_token": per["kv_per_token"],
             "block_size": block_size, "bytes_per_block": per_block, "num_gpu_blocks": blocks,
-            "kv_tokens": blocks * block_size,
-            "formula": "floor((memory*utilization - weights - reserve)"
-                       " / (2*layers*kv_heads*head_dim*dtype_bytes*block_size))"}
+            "kv_tokens": blocks * block_size, "tensor_parallel_size": tp,
+            "formula": "floor((memory*utilization - weights per GPU - reserve)"
+                       " / (2*layers*kv_heads per GPU*head_dim*dtype_bytes*block_size))"}
 
 
 def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: float | None = None,
-              step_overhead_s: float = 0.002, request_overhead_s: float = 2e-5, form: str = "linear") -> dict:
+              step_overhead_s: float = 0.002, request_overhead_s: float = 2e-5, form: str = "linear",
+              serving: Serving | None = None, allreduce_eff: float = 0.7) -> dict:
+    """The step-time coefficients of the module docstring, as a profile's
+    `step_time` object."""
+    serving = serving or Serving()
+    if shape.experts and form != "moe":
+        raise ValueError(f"{shape.name} is a mixture of experts: its step time takes form moe, not {form}")
+    if form not in ("linear", "roofline", "moe"):
+        raise ValueError(f"form must be linear, roofline or moe, got {form!r}")
+    if form == "moe" and not shape.experts:
+        raise ValueError(f"form moe needs a mixture of experts; {shape.name} is dense")
     attn_eff = mfu if attn_eff is None else attn_eff
-    weights_s = shape.weight_bytes / (gpu.bandwidth * bw_eff)
-    if form not in ("linear", "roofline"):
-        raise ValueError(f"form must be linear or roofline, got {form!r}")
-    out = {"form": "roofline"} if form == "roofline" else {}
-    return out | {
-        "fixed_s": step_overhead_s if form == "roofline" else weights_s + step_overhead_s,
-        "per_request_s": 2 * shape.hidden * shape.vocab / (gpu.peak_flops * mfu) + request_overhead_s,
-        "per_token_s": 2 * shape.non_embedding_params / (gpu.peak_flops * mfu),
-        "per_prefill_pair_s": 4 * shape.layers * shape.heads * shape.head_dim / (gpu.peak_flops * attn_eff),
-        "per_decode_ctx_s": shape.kv_bytes_per_token / (gpu.bandwidth * bw_eff),
-    } | ({"weights_s": weights_s} if form == "roofline" else {})
+    tp, per = serving.tensor_parallel_size, _per_gpu(shape, serving)
+    fp8 = gpu.fp8_flops or gpu.peak_flops         # without FP8 tensor cores FP8 weights run at the 16-bit peak
+    share = shape.active_quantized_share()
+    flops_s = 2 * shape.active_params / tp * (share / fp8 + (1 - share) / gpu.peak_flops) / mfu
+    allreduce_s, latency_s = 0.0, 0.0
+    if tp > 1:
+        allreduce_s = (2 * shape.layers * 2 * (tp - 1) / tp * shape.hidden * ALLREDUCE_BYTES
+                       / (gpu.link_bandwidth * allreduce_eff))
+        latency_s = 2 * shape.layers * gpu.allreduce_latency_s
+    offload_s = per["offload"] / (gpu.host_bandwidth * bw_eff) if per["offload"] else 0.0
+    weights_s = per["dense_read"] / (gpu.bandwidth * bw_eff)
+    fixed_s = step_overhead_s + latency_s + offload_s
+    out = {
+        "fixed_s": fixed_s if form != "linear" else weights_s + fixed_s,
+        "per_request_s": 2 * shape.hidden * shape.vocab / tp / (gpu.peak_flops * mfu) + request_overhead_s,
+        "per_token_s": flops_s + allreduce_s,
+        "per_prefill_pair_s": 4 * shape.layers * shape.heads / tp * shape.head_dim / (gpu.peak_flops * attn_eff),
+        "per_decode_ctx_s": per["kv_per_token"] / (gpu.bandwidth * bw_eff),
+    }
+    if form == "linear":
+        return out
+    out = {"form": form, **out, "weights_s": weights_s}
+    if form == "moe":
+        out |= {"expert_weights_s": per["experts_read"] / (gpu.bandwidth * bw_eff), "experts": shape.experts,
+                "experts_per_token": shape.experts_per_token}
+    return out
 
 
 def prior_profile(model: str, gpu: str = "h100", mfu: float = 0.6, bw_eff: float = 0.8,
                   utilization: float = 0.9, block_size: int = 16, max_num_seqs: int = 256,
                   max_num_batched_tokens: int = 8192, max_model_len: int = 32768, depth: int = 2,
-                  capacity: float = 1.0, **kw) -> dict:
+                  capacity: float = 1.0, serving: Serving | None = None, **kw) -> dict:
+    """A profile (a JSON object, `sim.profile`) of `model` (an embedded
+    shape's name or a ModelShape) on `gpu` (a catalogue key, a reported name
+    or a GPU), served as `serving` says (its memory utilization wins over
+    `utilization`); a mixture of experts takes form moe."""
     shape = MODELS[model] if isinstance(model, str) else model
-    g = GPUS[gpu] if isinstance(gpu, str) else gpu
-    kv = kv_cache(shape, g, utilization, block_size)
+    g = find_gpu(gpu) if isinstance(gpu, str) else gpu
+    serving = serving or Serving(gpu_memory_utilization=utilization)
+    notes = serving.check(shape)
+    if shape.experts:
+        kw["form"] = "moe"
+    kv = kv_cache(shape, g, serving.gpu_memory_utilization, block_size, serving=serving)
+    if shape.quantization == "fp8" and not g.fp8_flops:
+        notes.append(f"{g.name} has no FP8 tensor cores: FP8 weights are read in 8 bits and multiplied at the "
+                     f"16-bit peak (weight-only, as vLLM's Marlin kernels run them)")
     return {
         "name": model if isinstance(model, str) else shape.name,
         "model": asdict(shape),
         "hardware": asdict(g),
+        "serving": asdict(serving),
         "engine": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                    "block_size": block_size, "num_gpu_blocks": kv["num_gpu_blocks"], "depth": depth,
                    "max_model_len": max_model_len},
         "kv_cache": kv,
-        "step_time": step_time(shape, g, mfu, bw_eff, **kw),
+        "step_time": step_time(shape, g, mfu, bw_eff, serving=serving, **kw),
         "capacity": capacity,
-        "provenance": {"kind": "roofline prior", "mfu": mfu, "bw_eff": bw_eff},
+        "provenance": {"kind": "roofline prior", "mfu": mfu, "bw_eff": bw_eff, "notes": notes},
     }
-
-
-_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8": 1, "fp8": 1}
-
-
-def shape_from_config(cfg: dict, name: str | None = None, dtype_bytes: int | None = None) -> ModelShape:
-    """A model shape from a Hugging Face ``config.json`` (Llama/Qwen/Mistral
-    style decoder). Parameters are counted from the shape: embeddings (and an
-    untied LM head), per layer q/k/v/o projections (with q/k/v biases for
-    Qwen2), a gated MLP and two RMSNorms, and the final norm."""
-    cfg = dict(cfg.get("text_config", {}), **{k: v for k, v in cfg.items() if k != "text_config"})
-    need = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-    miss = [k for k in need if k not in cfg]
-    if miss:
-        raise ValueError(f"config.json lacks {', '.join(miss)}")
-    L, h, heads = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    kv = int(cfg.get("num_key_value_heads") or heads)
-    hd = int(cfg.get("head_dim") or h // heads)
-    inter, vocab = int(cfg["intermediate_size"]), int(cfg["vocab_size"])
-    tied = bool(cfg.get("tie_word_embeddings", False))
-    bias = cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False))
-    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + (heads * hd + 2 * kv * hd if bias else 0)
-    if cfg.get("model_type") == "qwen3":
-        attn += 2 * hd                                  # q_norm and k_norm
-    per_layer = attn + 3 * h * inter + 2 * h
-    params = L * per_layer + h + vocab * h * (1 if tied else 2)
-    if dtype_bytes is None:
-        dtype_bytes = _DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
-    arch = (cfg.get("architectures") or [cfg.get("model_type", "model")])[0]
-    return ModelShape(name or cfg.get("_name_or_path") or arch, layers=L, hidden=h, heads=heads, kv_heads=kv,
-                      head_dim=hd, intermediate=inter, vocab=vocab, params=params, dtype_bytes=dtype_bytes,
-                      tied_embeddings=tied)

@@ -1,6 +1,7 @@
 """`llmsim engine …` and `llmsim calibrate …`: the live engine and calibration."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -11,8 +12,10 @@ from calibrate.bench_reports import TOOL
 from calibrate.capture import capture
 from calibrate.fit import WEIGHTS, build_profile, fit_report, load_sources
 from calibrate.from_log import LogError, profile_from_log
+from calibrate.gpus import GiB, gpu_key
 from calibrate.inference_perf_reports import SUPPORTED as IP_VERSION
-from calibrate.prior import GPUS, prior_profile, shape_from_config
+from calibrate.model_shape import name_of_config
+from calibrate.prior import GPUS, Serving, prior_profile, shape_from_config
 from sim.capacity import capacity_protocol
 from sim.profile import ProfileError, from_dict, load_profile, with_engine
 from validate import engine, gateway, loadtest, scrape
@@ -353,6 +356,14 @@ def cmd_calibrate_from_log(a) -> int:
     return 0
 
 
+def _gpu_arg(name: str) -> str:
+    """An argparse type: a catalogue key or a reported GPU name, as its key."""
+    try:
+        return gpu_key(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_calibrate_prior(a) -> int:
     try:
         with open(a.config) as f:
@@ -360,10 +371,13 @@ def cmd_calibrate_prior(a) -> int:
     except (OSError, json.JSONDecodeError) as e:
         raise _err(f"calibrate prior: cannot read {a.config}: {e}") from None
     try:
-        shape = shape_from_config(cfg, name=a.name)
+        shape = shape_from_config(cfg, name=a.name or name_of_config(a.config), dtype=a.dtype,
+                                  quantization=a.quantization)
+        serving = Serving(tensor_parallel_size=a.tp, cpu_offload_gb=a.cpu_offload_gb,
+                          gpu_memory_utilization=a.gpu_memory_utilization)
         prof = prior_profile(shape, a.gpu, max_num_seqs=a.max_num_seqs,
                              max_num_batched_tokens=a.max_batched_tokens, max_model_len=a.max_model_len,
-                             capacity=1.0)
+                             capacity=1.0, serving=serving)
     except (KeyError, ValueError) as e:
         raise _err(f"calibrate prior: {e}") from None
     if a.capacity:
@@ -374,9 +388,13 @@ def cmd_calibrate_prior(a) -> int:
         prof["provenance"]["capacity"] = "placeholder 1.0: rerun with --capacity to run the protocol"
     _write(a.out, prof)
     kv = prof["kv_cache"]
-    print(f"{shape.name} on {GPUS[a.gpu].name}: {kv['kv_bytes_per_token']} B/token, "
-          f"{kv['num_gpu_blocks']} blocks of {kv['block_size']} ({kv['kv_tokens']} tokens); "
+    tp = f" x {a.tp}" if a.tp > 1 else ""
+    print(f"{shape.name} on {prof['hardware']['name']}{tp}: {kv['weights_bytes'] / GiB:.1f} GiB of weights and "
+          f"{kv['kv_bytes_per_token']} B/token of KV per GPU, {kv['num_gpu_blocks']} blocks of {kv['block_size']} "
+          f"({kv['kv_tokens']} tokens); step time form {prof['step_time'].get('form', 'linear')}; "
           f"capacity {prof['capacity']:.3f} -> {a.out}")
+    for note in prof["provenance"]["notes"]:
+        print(f"  {note}")
     return 0
 
 
@@ -619,7 +637,7 @@ def add_subcommands(sub) -> None:
     q.add_argument("-o", "--out", required=True)
     q.add_argument("--config", default=None, help="the model's HF config.json: attention terms from its "
                                                   "roofline prior (the log cannot identify them)")
-    q.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="GPU of the roofline prior (with --config)")
+    q.add_argument("--gpu", type=_gpu_arg, default="h100", help="GPU of the roofline prior (with --config)")
     q.add_argument("--name", default=None, help="profile name (default: the log file's name)")
     q.add_argument("--max-num-seqs", type=int, default=None, help="the server's flag, where the log does not say")
     q.add_argument("--max-batched-tokens", type=int, default=None,
@@ -628,9 +646,19 @@ def add_subcommands(sub) -> None:
     q.add_argument("--no-capacity", action="store_true", help="skip the simulator's capacity protocol (Ĉ = 1.0)")
     q.add_argument("--weights", choices=WEIGHTS, default="time", help=WEIGHTS_HELP)
     q.set_defaults(fn=cmd_calibrate_from_log)
-    q = cs.add_parser("prior", help="roofline prior profile from a HF config.json and a GPU")
-    q.add_argument("--config", required=True)
-    q.add_argument("--gpu", choices=sorted(GPUS), default="h100")
+    q = cs.add_parser("prior", help="a prior profile from a model's config.json and a GPU's datasheet "
+                                    "(the physical step-time model: tensor parallelism, experts, FP8, offload)")
+    q.add_argument("--config", required=True, help="the model's Hugging Face config.json, as published")
+    q.add_argument("--gpu", type=_gpu_arg, default="h100",
+                   help=f"a GPU of the catalogue ({', '.join(GPUS)}) or the name a server reports")
+    q.add_argument("--tp", type=args.positive(int), default=1, help="vLLM's --tensor-parallel-size")
+    q.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="vLLM's --dtype (auto: the config's)")
+    q.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="vLLM's --quantization of a 16-bit checkpoint (an FP8 checkpoint says so itself)")
+    q.add_argument("--cpu-offload-gb", type=args.positive(allow_zero=True), default=0.0,
+                   help="vLLM's --cpu-offload-gb: GiB of weights per GPU kept in CPU memory")
+    q.add_argument("--gpu-memory-utilization", type=args.positive(most=1.0), default=0.9)
     q.add_argument("--name", default=None)
     q.add_argument("--max-num-seqs", type=int, default=256)
     q.add_argument("--max-batched-tokens", type=int, default=8192)

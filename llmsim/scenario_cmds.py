@@ -9,7 +9,8 @@ import sys
 
 import numpy as np
 
-from calibrate.prior import GPUS, prior_profile, shape_from_config
+from calibrate.model_shape import name_of_config
+from calibrate.prior import Serving, prior_profile, shape_from_config
 from sim.deployment import Deployment, ScenarioError, load
 from sim.profile import ProfileError
 from sim.scenario import SCENARIOS
@@ -17,14 +18,15 @@ from sim.scenario import SCENARIOS
 from . import args
 
 
-def build_prior(path: str, gpu: str) -> dict:
-    """A roofline prior profile (`llmsim calibrate prior`) for `[model]
-    hf_config` and `gpu`."""
-    if gpu not in GPUS:
-        raise ValueError(f"unknown gpu {gpu!r}; valid: {', '.join(GPUS)}")
+def build_prior(path: str, gpu: str, tensor_parallel_size: int = 1, dtype: str | None = None,
+                quantization: str | None = None, cpu_offload_gb: float = 0.0) -> dict:
+    """A prior profile from the physical step-time model (`llmsim calibrate
+    prior`) for `[model] hf_config`, `gpu` and how the model is served."""
     with open(path) as f:
         cfg = json.load(f)
-    prof = prior_profile(shape_from_config(cfg), gpu, capacity=1.0)
+    shape = shape_from_config(cfg, name=name_of_config(path), dtype=dtype, quantization=quantization)
+    prof = prior_profile(shape, gpu, capacity=1.0,
+                         serving=Serving(tensor_parallel_size=tensor_parallel_size, cpu_offload_gb=cpu_offload_gb))
     prof["provenance"]["capacity"] = "placeholder: the capacity protocol runs on the scenario's workload"
     return prof
 
@@ -160,6 +162,8 @@ def cmd_check(a) -> int:
           + (f"; engine flags changed: {', '.join(f'{k}={v}' for k, v in over.items())}" if over else ""))
     if dep.profile.provenance.get("kind") == "roofline prior":
         print("  a roofline prior from the model's shape and the GPU's published figures: not a measurement")
+        for note in dep.profile.provenance.get("notes", ()):
+            print(f"  {note}")
     print(capacity_line(dep))
     if dep.fleet is not None:
         f, caps = dep.fleet, dep.capacity_info["replicas"]

@@ -6,7 +6,7 @@ scenario file (`sim.scenario_file`) or a named scenario describes them.
 API (what commands build on):
 - `load(path_or_name, build_prior=None, trace_speedup=None) -> Deployment`:
   a scenario file, or a name of `sim.scenario.SCENARIOS`.
-  `build_prior(hf_config_path, gpu) -> dict` makes a profile dict for
+  `build_prior(hf_config_path, gpu, **serving) -> dict` makes a profile dict for
   `[model] hf_config` (the roofline prior lives above sim). Raises
   `ScenarioError` (one line naming the file and key).
 - `from_document(doc, source, base_dir, build_prior, trace_speedup, schema)`:

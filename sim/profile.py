@@ -6,7 +6,8 @@ Schema (all keys required unless marked optional):
   name                 str
   step_time            {fixed_s, per_request_s, per_token_s, per_prefill_pair_s, per_decode_ctx_s}  seconds;
                        optional form: "linear" (the default, their sum) or "roofline" (with weights_s:
-                       the larger of compute and memory time, sim.engine.step_time)
+                       the larger of compute and memory time, sim.engine.step_time) or "moe" (with
+                       weights_s, expert_weights_s and the routing: whole experts, experts_per_token)
   engine               {max_num_seqs, max_num_batched_tokens, block_size, num_gpu_blocks, depth, max_model_len}
   capacity             float, calls/s (Ĉ) — of this profile's engine under the reference workload
   provenance           {kind: "measured" | "fitted to published figures" | ..., ...}
@@ -27,7 +28,7 @@ from importlib import resources
 from pathlib import Path
 
 from .engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
-from .engine.step_time import FORM_MODELS, FORMS, StepTimeModel, step_time_model
+from .engine.step_time import FORM_MODELS, FORMS, ROUTING, StepTimeModel, step_time_model
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_gpu_blocks", "depth", "max_model_len")
 ENGINE_MAX = 2**31 - 1
@@ -97,7 +98,15 @@ def from_dict(d: dict, source: str = "profile") -> Profile:
         if not _number(st[k]) or not 0 <= st[k] < math.inf or not math.isfinite(float(st[k])):
             raise ProfileError(f"{source}: step_time.{k} must be a finite non-negative number (seconds), "
                                f"got {_show(st[k])}")
-    model = step_time_model(st)
+    if form == "moe":
+        for k in ROUTING:
+            if not isinstance(st.get(k), int) or isinstance(st.get(k), bool) or st[k] < 1:
+                raise ProfileError(f"{source}: step_time.{k} must be a whole number of at least 1 (a moe "
+                                   f"step time's routing), got {_show(st.get(k))}")
+    try:
+        model = step_time_model(st)
+    except ValueError as e:
+        raise ProfileError(f"{source}: {e}") from None
     eng = _section(d, "engine", ENGINE_KEYS, source)
     for k in ENGINE_KEYS:
         v, top = eng[k], DEPTH_MAX if k == "depth" else ENGINE_MAX

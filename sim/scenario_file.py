@@ -12,7 +12,7 @@ API:
 - `resolve(doc, source, base_dir, build_prior, trace_speedup, schema) ->
   dict`: the deployment's fields, the document checked against `schema`
   (default `sim.schema.SCHEMA`, read when called). `build_prior(hf_config_path,
-  gpu) -> dict` makes a profile dict for `[model] hf_config` (the roofline
+  gpu, **serving) -> dict` makes a profile dict for `[model] hf_config` (the roofline
   prior lives above sim).
 - `named(name) -> dict`: a named scenario's fields, on its usual profile.
 - `layer_settings(table)`: a `[[layer]]` table's effective settings.
@@ -151,7 +151,11 @@ def _profile(m: _Doc, base_dir: str, build_prior) -> tuple[Profile, dict]:
     return prof, (dict(named, capacity=float(cap)) if cap is not None else named)
 
 
+SERVING_KEYS = ("tensor_parallel_size", "dtype", "quantization", "cpu_offload_gb")     # [model] with hf_config
+
+
 def _named_profile(m: _Doc, prof_name, cfg, gpu, base_dir: str, build_prior) -> tuple[Profile, dict]:
+    serving = {k: m.get(k) for k in SERVING_KEYS if m.get(k) is not None}
     if cfg is not None:
         if prof_name is not None:
             raise m.err("hf_config", "and model.profile both given: give one")
@@ -161,11 +165,13 @@ def _named_profile(m: _Doc, prof_name, cfg, gpu, base_dir: str, build_prior) -> 
             raise m.err("hf_config", "needs the roofline prior, which this caller does not provide")
         path = os.path.join(base_dir, cfg)
         try:
-            raw = build_prior(path, gpu)
+            raw = build_prior(path, gpu, **serving)
             prof = from_dict(raw, path)
         except (OSError, ValueError, KeyError) as e:
             raise m.err("hf_config", f"{path}: {e}") from None
-        return prof, {"hf_config": cfg, "gpu": gpu}
+        return prof, {"hf_config": cfg, "gpu": gpu, **serving}
+    for k in serving:
+        raise m.err(k, "only goes with model.hf_config (a profile states how its engine was served)")
     if gpu is not None:
         raise m.err("gpu", "only goes with model.hf_config")
     name = prof_name or DEFAULT_MODEL

@@ -312,7 +312,16 @@ SCHEMA = Schema([
                                     "profile JSON path", default="qwen2.5-7b"),
     Key("model", "hf_config", STRING, "instead of profile, a model's config.json: a roofline prior from its shape "
                                       "(not a measurement), with gpu"),
-    Key("model", "gpu", STRING, "the GPU of a roofline prior (h100, h200, a100, ...)"),
+    Key("model", "gpu", STRING, "the GPU of a roofline prior (h100, h100-pcie, h200, a100, a100-40gb, a100-pcie, "
+                                "l40s, l4, b200, or the name a server reports)"),
+    Key("model", "tensor_parallel_size", WHOLE, "with hf_config: the GPUs the model is split over (vLLM's flag)",
+        **AT_LEAST_1),
+    Key("model", "dtype", STRING, "with hf_config: vLLM's --dtype (auto: the config's)",
+        choices=("auto", "bfloat16", "float16", "float32")),
+    Key("model", "quantization", STRING, "with hf_config: vLLM's --quantization of a 16-bit checkpoint (an FP8 "
+                                         "checkpoint says so itself)", choices=("fp8",)),
+    Key("model", "cpu_offload_gb", NUMBER, "with hf_config: GiB of weights per GPU kept in CPU memory "
+                                           "(vLLM's flag)", lo=0),
     Key("model", "capacity", NUMBER, "Ĉ of this workload in calls/s, when known", **POSITIVE),
     # -- [engine]: vLLM's flags (sim.profile.with_engine applies them)
     Key("engine", "max_num_seqs", WHOLE, "requests running at once", **AT_LEAST_1),

@@ -10,7 +10,12 @@ Two forms (a profile's `step_time.form`):
                 + max(per_token_s * tokens, weights_s)       matrix products
                 + per_prefill_pair_s * pairs                 prefill attention (compute)
                 + per_decode_ctx_s * decode context          decode attention (memory)
-`step_time_model(d)` builds either from a profile's `step_time` object."""
+  moe       the roofline of a mixture-of-experts model
+            (`MoEStepTimeModel`): the matrix products' memory time is the
+            dense weights' read plus the share of the experts' weights its
+            tokens route to (`expert_weights_s` x the expected share of
+            distinct experts under top-k routing of that many tokens);
+`step_time_model(d)` builds any of them from a profile's `step_time` object."""
 from __future__ import annotations
 
 import math
@@ -18,7 +23,8 @@ from dataclasses import asdict, dataclass, replace
 
 COEFFICIENTS = ("fixed_s", "per_request_s", "per_token_s", "per_prefill_pair_s", "per_decode_ctx_s")
 ROOFLINE_COEFFICIENTS = COEFFICIENTS + ("weights_s",)
-FORMS = ("linear", "roofline")
+MOE_COEFFICIENTS = ROOFLINE_COEFFICIENTS + ("expert_weights_s",)
+FORMS = ("linear", "roofline", "moe")
 
 
 @dataclass(frozen=True)
@@ -118,17 +124,63 @@ class RooflineStepTimeModel(StepTimeModel):
         return {"form": self.form, **asdict(self)}
 
 
+@dataclass(frozen=True)
+class MoEStepTimeModel(RooflineStepTimeModel):
+    """The roofline of a mixture-of-experts model. Each MoE layer routes every
+    token to `experts_per_token` of its `experts` experts; a step reads the
+    weights of the experts its tokens route to, whose expected share under
+    uniform top-k routing of n tokens is 1 - (1 - k/E)^n: a decode step of a
+    few requests reads a few experts, a prefill chunk all of them. The
+    matrix products take max(per_token_s x tokens, weights_s +
+    expert_weights_s x that share): `weights_s` the dense weights' read
+    (attention, shared experts, LM head), `expert_weights_s` all experts'."""
+    expert_weights_s: float
+    experts: int
+    experts_per_token: int
+
+    form = "moe"
+    coefficients = MOE_COEFFICIENTS
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (isinstance(self.experts, int) and isinstance(self.experts_per_token, int)
+                and 1 <= self.experts_per_token <= self.experts):
+            raise ValueError(f"step_time.experts and experts_per_token must be whole numbers with "
+                             f"1 <= experts_per_token <= experts, got {self.experts!r}, {self.experts_per_token!r}")
+
+    def memory_s(self, num_tokens: int) -> float:
+        """The matrix products' memory time of a step of `num_tokens` tokens."""
+        missed = (1.0 - self.experts_per_token / self.experts) ** num_tokens
+        return self.weights_s + self.expert_weights_s * (1.0 - missed)
+
+    def duration(self, num_reqs: int, num_tokens: int, prefill_pairs: float, decode_ctx: float) -> float:
+        matmul = self.per_token_s * num_tokens
+        memory = self.memory_s(num_tokens)
+        return (self.fixed_s + self.per_request_s * num_reqs + (matmul if matmul > memory else memory)
+                + self.per_prefill_pair_s * prefill_pairs + self.per_decode_ctx_s * decode_ctx)
+
+    def _first_step_s(self, n: int, ctx: float) -> float:
+        matmul, memory = self.per_token_s * n, self.memory_s(n)
+        return (self.fixed_s + self.per_request_s * n + (matmul if matmul > memory else memory)
+                + self.per_decode_ctx_s * ctx)
+
+
+ROUTING = ("experts", "experts_per_token")      # a MoE model's routing: whole numbers, not coefficients
+
+
 def step_time_model(d: dict) -> StepTimeModel:
     """The model of a profile's `step_time` object: `form` (default linear)
-    and its coefficients (`StepTimeModel.coefficients`), as floats."""
+    and its coefficients (`StepTimeModel.coefficients`), as floats; a MoE
+    model's routing (`ROUTING`) as whole numbers."""
     form = d.get("form", "linear")
     if form not in FORMS:
         raise ValueError(f"step_time.form must be one of {', '.join(FORMS)}, got {form!r}")
     cls = FORM_MODELS[form]
-    return cls(**{k: float(d[k]) for k in cls.coefficients})
+    routing = {k: d[k] for k in ROUTING} if form == "moe" else {}
+    return cls(**{k: float(d[k]) for k in cls.coefficients}, **routing)
 
 
-FORM_MODELS = {"linear": StepTimeModel, "roofline": RooflineStepTimeModel}
+FORM_MODELS = {"linear": StepTimeModel, "roofline": RooflineStepTimeModel, "moe": MoEStepTimeModel}
 
 
 def _steps_within(first_step_s: float, growth_s: float, room: float) -> int:

@@ -1,0 +1,236 @@
+"""The physical step-time model (calibrate.prior, calibrate.model_shape,
+calibrate.gpus): shapes from published config.json files, tensor
+parallelism, mixtures of experts, FP8, CPU offload, the GPU catalogue, and
+the one-line refusals of what vLLM would refuse."""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from calibrate.gpus import CATALOGUE, gpu, gpu_key
+from calibrate.model_shape import MODELS, name_of_config, shape_from_config
+from calibrate.prior import GiB, Serving, kv_cache, prior_profile, step_time
+from sim.engine.step_time import MoEStepTimeModel, step_time_model
+from sim.profile import ProfileError, from_dict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "calibrate", "data", "peer-h100", "model_configs")
+
+# mistralai/Mixtral-8x7B-Instruct-v0.1 config.json (the keys the shape reads)
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+           "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def config(name: str) -> dict:
+    with open(os.path.join(CONFIGS, name, "config.json")) as f:
+        return json.load(f)
+
+
+def test_the_three_embedded_gpu_keys_keep_their_figures():
+    assert (CATALOGUE["h100"].peak_flops, CATALOGUE["h100"].bandwidth) == (989.4e12, 3.35e12)
+    assert (CATALOGUE["h200"].bandwidth, CATALOGUE["a100"].peak_flops) == (4.8e12, 312e12)
+    assert CATALOGUE["h100"].name == "NVIDIA H100 80GB HBM3 (SXM)"
+
+
+def test_catalogue_figures_are_sane_and_sourced():
+    for key, g in CATALOGUE.items():
+        assert g.source and g.link and g.link_bandwidth > 0 and g.host_bandwidth > 0, key
+        assert g.fp8_flops is None or abs(g.fp8_flops / g.peak_flops - 2) < 0.05, key
+        assert 10 * GiB < g.memory_bytes < 200 * GiB, key
+    assert {k for k, g in CATALOGUE.items() if g.fp8_flops is None} == {"a100", "a100-40gb", "a100-pcie"}
+    for k in ("h100", "h100-pcie", "h200", "a100", "a100-40gb", "l40s", "l4", "b200"):
+        assert k in CATALOGUE
+
+
+def test_reported_gpu_names_map_to_keys_and_unknown_ones_list_the_catalogue():
+    assert gpu_key("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_key("H100 80GB HBM3") == "h100"
+    assert gpu_key("NVIDIA A100-SXM4-40GB") == "a100-40gb"
+    assert gpu("NVIDIA L40S") is CATALOGUE["l40s"]
+    with pytest.raises(ValueError, match="h100, h100-pcie"):
+        gpu("GeForce RTX 4090")
+
+
+@pytest.mark.parametrize("folder,params", [("llama-3.1-8b-instruct", 8_030_261_248),
+                                           ("qwen2.5-7b-instruct", 7_615_616_512),
+                                           ("llama-3.1-70b-instruct", 70_553_706_496)])
+def test_dense_parameter_counts_match_the_published_checkpoints(folder, params):
+    assert shape_from_config(config(folder)).params == params
+
+
+def test_embedded_shapes_agree_with_their_configs():
+    assert shape_from_config(config("llama-3.1-8b-instruct")).groups == MODELS["llama-3.1-8b"].groups
+
+
+def test_mixtral_total_and_active_parameters():
+    s = shape_from_config(MIXTRAL)
+    assert (s.experts, s.experts_per_token, s.moe_layers) == (8, 2, 32)
+    assert abs(s.params / 46.7e9 - 1) < 0.01                   # Mixtral 8x7B: 46.7B parameters
+    assert abs((s.active_params + s.embedding_params) / 12.9e9 - 1) < 0.01     # 12.9B active
+
+
+def test_llama4_scout_nested_multimodal_fp8_config():
+    s = shape_from_config(config("llama-4-scout-17b-16e-instruct-fp8-dynamic"))
+    assert (s.layers, s.hidden, s.experts, s.experts_per_token, s.moe_layers) == (48, 5120, 16, 1, 48)
+    assert s.shared_intermediate == 8192 and s.vision_params > 0
+    assert abs(s.params / 109e9 - 1) < 0.02                     # 109B total
+    assert abs((s.active_params + s.embedding_params) / 17e9 - 1) < 0.03     # 17B active
+    # the ignore list keeps attention, the routers, the LM head and the vision tower in 16 bits
+    assert s.quantization == "fp8"
+    assert set(s.unquantized) >= {"attention", "router", "lm_head", "vision", "embed"}
+    assert s.quantized("experts") and s.quantized("shared")
+    assert 100e9 < s.weight_bytes < 130e9                        # the checkpoint: about 110 GB
+
+
+def test_fp8_of_a_dense_checkpoint_halves_its_matrix_weights():
+    bf16 = shape_from_config(config("llama-3.1-8b-instruct"))
+    fp8 = shape_from_config(config("llama-3.1-8b-instruct"), quantization="fp8")
+    assert fp8.group_bytes("mlp") * 2 == bf16.group_bytes("mlp")
+    assert fp8.group_bytes("lm_head") == bf16.group_bytes("lm_head")
+    on_h100 = step_time(fp8, CATALOGUE["h100"], 0.6, 0.8)
+    on_a100 = step_time(fp8, CATALOGUE["a100"], 0.6, 0.8)
+    base = step_time(bf16, CATALOGUE["h100"], 0.6, 0.8)
+    assert on_h100["per_token_s"] < 0.6 * base["per_token_s"]   # FP8 peak
+    assert on_h100["fixed_s"] < base["fixed_s"]                 # fewer bytes to read
+    assert abs(on_a100["per_token_s"] * 312e12 / (base["per_token_s"] * 989.4e12) - 1) < 1e-9   # weight-only
+
+
+def test_tensor_parallelism_splits_weights_kv_and_flops_and_adds_allreduces():
+    s = shape_from_config(config("llama-3.1-70b-instruct"))
+    h100 = CATALOGUE["h100"]
+    four = step_time(s, h100, 0.6, 0.8, form="roofline", serving=Serving(tensor_parallel_size=4))
+    eight = step_time(s, h100, 0.6, 0.8, form="roofline", serving=Serving(tensor_parallel_size=8))
+    assert abs(four["weights_s"] / eight["weights_s"] - 2) < 1e-9
+    assert abs(four["per_decode_ctx_s"] / eight["per_decode_ctx_s"] - 2) < 1e-9
+    assert eight["fixed_s"] == four["fixed_s"]                  # 2 all-reduces a layer, at any TP
+    assert four["fixed_s"] - 0.002 == pytest.approx(2 * 80 * h100.allreduce_latency_s, rel=1e-9)
+    kv = kv_cache(s, h100, 0.9, 16, serving=Serving(tensor_parallel_size=4))
+    assert kv["kv_bytes_per_token"] == 2 * 80 * 2 * 128 * 2     # 8 KV heads on 4 GPUs: 2 each
+    assert abs(kv["weights_bytes"] / s.weight_bytes - 0.25) < 1e-6
+
+
+def test_kv_heads_are_replicated_beyond_their_count_and_refused_when_vllm_would():
+    s = shape_from_config(config("llama-3.1-8b-instruct"))
+    p = prior_profile(s, "h100", serving=Serving(tensor_parallel_size=16))
+    assert p["kv_cache"]["kv_bytes_per_token"] == 2 * 32 * 1 * 128 * 2
+    assert any("replica" in n for n in p["provenance"]["notes"])
+    with pytest.raises(ValueError, match="does not divide the 32 attention heads"):
+        prior_profile(s, "h100", serving=Serving(tensor_parallel_size=3))
+    odd = copy.deepcopy(config("llama-3.1-8b-instruct")) | {"num_key_value_heads": 6, "num_attention_heads": 24,
+                                                          "head_dim": 128}
+    with pytest.raises(ValueError, match="KV heads"):
+        prior_profile(shape_from_config(odd), "h100", serving=Serving(tensor_parallel_size=4))
+
+
+def test_weights_that_do_not_fit_and_no_memory_for_kv_are_refused():
+    s = shape_from_config(config("llama-3.1-70b-instruct"))
+    with pytest.raises(ValueError, match="does not fit: 131.4 GiB of weights per GPU"):
+        prior_profile(s, "h100")
+    with pytest.raises(ValueError, match="leaves no memory for the KV cache"):
+        prior_profile(s, "h100", serving=Serving(tensor_parallel_size=2, gpu_memory_utilization=0.86))
+
+
+def test_cpu_offload_moves_weights_out_of_memory_onto_every_step():
+    s = shape_from_config(config("llama-3.1-8b-instruct"))
+    base = prior_profile(s, "l4")
+    off = prior_profile(s, "l4", serving=Serving(cpu_offload_gb=4))
+    assert base["kv_cache"]["weights_bytes"] - off["kv_cache"]["weights_bytes"] == 4 * GiB
+    assert off["engine"]["num_gpu_blocks"] > base["engine"]["num_gpu_blocks"]
+    extra = off["step_time"]["fixed_s"] - base["step_time"]["fixed_s"]
+    assert extra == pytest.approx(4 * GiB / (CATALOGUE["l4"].host_bandwidth * 0.8), rel=1e-9)
+    with pytest.raises(ValueError, match="exceeds"):
+        prior_profile(s, "l4", serving=Serving(cpu_offload_gb=100))
+
+
+def test_a_moe_step_reads_the_experts_its_tokens_route_to():
+    p = prior_profile(shape_from_config(MIXTRAL), "h100", serving=Serving(tensor_parallel_size=2))
+    st = from_dict(p).step_time
+    assert isinstance(st, MoEStepTimeModel) and (st.experts, st.experts_per_token) == (8, 2)
+    assert st.memory_s(1) == pytest.approx(st.weights_s + st.expert_weights_s * 2 / 8, rel=1e-12)
+    assert st.memory_s(2048) == pytest.approx(st.weights_s + st.expert_weights_s, rel=1e-9)
+    assert st.duration(1, 1, 0, 100) < st.duration(8, 8, 0, 800) < st.duration(64, 64, 0, 6400)
+
+
+def test_moe_fast_forward_is_the_sum_of_its_steps():
+    st = step_time_model(prior_profile(shape_from_config(MIXTRAL), "h100",
+                                       serving=Serving(tensor_parallel_size=2))["step_time"])
+    n, ctx, m = 12, 12 * 700.0, 40
+    steps = sum(st.duration(n, n, 0, ctx + n * i) for i in range(m))
+    assert st.fast_forward_duration(n, ctx, m) == pytest.approx(steps, rel=1e-9)
+    end = 5.0 + steps
+    assert st.fast_forward_steps_before(n, ctx, 5.0, end) == m - 1
+
+
+def test_a_moe_profile_without_its_routing_is_refused():
+    d = prior_profile(shape_from_config(MIXTRAL), "h100", serving=Serving(tensor_parallel_size=2))
+    del d["step_time"]["experts"]
+    with pytest.raises(ProfileError, match="step_time.experts"):
+        from_dict(d)
+    with pytest.raises(ValueError, match="form moe"):
+        step_time(shape_from_config(MIXTRAL), CATALOGUE["h100"], 0.6, 0.8, form="linear")
+
+
+@pytest.mark.parametrize("cfg,match", [
+    ({"hidden_size": 10}, "lacks num_hidden_layers"),
+    (dict(MIXTRAL, quantization_config={"quant_method": "awq"}), "'awq' is not modelled"),
+    (dict(MIXTRAL, architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=512), "latent attention"),
+    (dict(MIXTRAL, num_experts_per_tok=None), "lacks num_experts_per_tok"),
+])
+def test_configs_that_cannot_be_read_say_why(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        shape_from_config(cfg)
+
+
+def test_name_of_config():
+    assert name_of_config("/m/llama-3.1-70b/config.json") == "llama-3.1-70b"
+    assert name_of_config("/m/70b.json") == "70b"
+
+
+def _llmsim(*argv, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "llmsim", *argv], capture_output=True, text=True, cwd=cwd)
+
+
+def test_cli_prior_with_tp_fp8_and_a_reported_gpu_name(tmp_path):
+    out = tmp_path / "p.json"
+    r = _llmsim("calibrate", "prior", "--config",
+                os.path.join(CONFIGS, "llama-4-scout-17b-16e-instruct-fp8-dynamic", "config.json"),
+                "--gpu", "NVIDIA A100-SXM4-80GB", "--tp", "2", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "x 2" in r.stdout and "form moe" in r.stdout and "no FP8 tensor cores" in r.stdout
+    p = json.loads(out.read_text())
+    assert p["name"] == "llama-4-scout-17b-16e-instruct-fp8-dynamic" and p["serving"]["tensor_parallel_size"] == 2
+    from_dict(p)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--gpu", "h101"], "unknown GPU 'h101': the catalogue has h100"),
+    (["--tp", "3"], "does not divide the 64 attention heads"),
+    (["--tp", "1"], "does not fit"),
+])
+def test_cli_prior_refusals_are_one_line(tmp_path, argv, match):
+    r = _llmsim("calibrate", "prior", "--config", os.path.join(CONFIGS, "llama-3.1-70b-instruct", "config.json"),
+                *argv, "-o", str(tmp_path / "p.json"))
+    assert r.returncode != 0 and match in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_scenario_serves_its_model_on_four_gpus(tmp_path):
+    cfg = tmp_path / "llama-3.1-70b" / "config.json"
+    cfg.parent.mkdir()
+    cfg.write_text(json.dumps(config("llama-3.1-70b-instruct")))
+    (tmp_path / "s.toml").write_text('name = "tp4"\n[model]\nhf_config = "llama-3.1-70b/config.json"\n'
+                                     'gpu = "h100"\ntensor_parallel_size = 4\n')
+    r = _llmsim("scenario", "show", str(tmp_path / "s.toml"))
+    assert r.returncode == 0, r.stderr
+    assert "tensor_parallel_size = 4" in r.stdout
+    (tmp_path / "bad.toml").write_text('[model]\nprofile = "qwen2.5-7b"\ntensor_parallel_size = 4\n')
+    r = _llmsim("scenario", "show", str(tmp_path / "bad.toml"))
+    assert r.returncode != 0 and "model.tensor_parallel_size" in r.stderr and "hf_config" in r.stderr
+    (tmp_path / "one.toml").write_text('[model]\nhf_config = "llama-3.1-70b/config.json"\ngpu = "h100"\n')
+    r = _llmsim("scenario", "show", str(tmp_path / "one.toml"))
+    assert r.returncode != 0 and "does not fit" in r.stderr and len(r.stderr.strip().splitlines()) == 1
