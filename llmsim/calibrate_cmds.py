@@ -13,6 +13,7 @@ from calibrate.capture import capture
 from calibrate.fit import WEIGHTS, build_profile, fit_report, load_sources
 from calibrate.from_log import LogError, profile_from_log
 from calibrate.gpus import GiB, gpu_key
+from calibrate.guidellm_reports import SUPPORTED as GL_VERSION
 from calibrate.inference_perf_reports import SUPPORTED as IP_VERSION
 from calibrate.model_shape import name_of_config
 from calibrate.prior import GPUS, Serving, prior_profile, shape_from_config
@@ -574,16 +575,20 @@ def add_subcommands(sub) -> None:
     _fit_flags(q)
     q.set_defaults(fn=cmd_calibrate_fit_published)
     q = cs.add_parser("from-bench", help=f"refit a profile's step time to a load tester's reports ({TOOL} "
-                                         "--save-result JSON: a report a rate; an inference-perf "
-                                         f"{IP_VERSION} report folder: a stage each of its stages)")
-    q.add_argument("reports", nargs="+", metavar="REPORT", help=f"result files of `{TOOL} --save-result`, or "
-                                                                "report folders of inference-perf")
+                                         "--save-result JSON: a report a rate; a guidellm "
+                                         f"{GL_VERSION} report, JSON or YAML: a stage each of its constant or "
+                                         f"poisson benchmarks; an inference-perf {IP_VERSION} report folder: a "
+                                         "stage each of its stages)")
+    q.add_argument("reports", nargs="+", metavar="REPORT", help=f"result files of `{TOOL} --save-result` or of "
+                                                                "guidellm (JSON or YAML), or report folders of "
+                                                                "inference-perf")
     q.add_argument("--profile", required=True,
                    help="the engine that was load-tested: an embedded profile or a profile file (its step time is "
                         "the prior; its engine flags and KV cache are taken as the server's)")
     q.add_argument("--shared-prefix", type=args.positive(int, allow_zero=True), default=None, metavar="N",
                    help="tokens every prompt shared (the random dataset's --random-prefix-len), where a report "
-                        "does not say (--metadata random_prefix_len=N); an inference-perf config states it")
+                        "does not say (--metadata random_prefix_len=N); an inference-perf config states it, and "
+                        "a guidellm report of synthetic_text data (its prefix_buckets)")
     q.add_argument("-o", "--out", required=True, help="the refitted profile (JSON)")
     _fit_flags(q)
     q.set_defaults(fn=cmd_calibrate_from_bench)
