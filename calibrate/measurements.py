@@ -8,21 +8,44 @@ stated rate) that the profile already satisfies.
 The file format is the one of `calibrate/data/peer-h100/`: a folder (or its
 `experiments.json`) holding
 
-  experiments.json  {"experiments": [{exp_id, model, vllm, max_num_seqs, max_model_len,
-                     max_num_batched_tokens, gpu_memory_utilization, [total_kv_blocks_measured],
-                     system_prompt_len, question_len, output_len, groups_sharing_a_system_prompt,
-                     stages: [{rate, duration}, ...]}, ...]}
+  experiments.json  {"experiments": [{exp_id, model, [vllm], [tp], [gpu], [config], [quantization],
+                     max_num_seqs, max_model_len, max_num_batched_tokens, [gpu_memory_utilization],
+                     [total_kv_blocks_reported | total_kv_blocks_measured], system_prompt_len,
+                     question_len, output_len, [prompts], [arrivals], [prompt_pool],
+                     [groups_sharing_a_system_prompt], [drained], stages: [{rate, duration}, ...]}, ...]}
   measurements.csv  exp_id, stage_index (0, 1, ...; -1 = the whole run, not used), e2e_mean_ms,
                     ttft_mean_ms (other columns kept as they are)
 
-Each stage is simulated on its own (`simulate_stage`): constant arrivals at
-the stage's rate, every prompt the system prompt of one of the groups (a
-shared prefix) and a question, every response exactly `output_len` tokens,
-the server's flags applied to the profile (`sim.profile.with_engine`), the
-KV cache as the server reported it or, without a report, the profile's KV
-derivation at the stated memory utilization. A stage is simulated for
-`duration_s` (a steady state is reached within a few E2E times), not the
-experiment's full length.
+The workload as it was run (`workload_as_run`): `arrivals` one of
+`sim.scenario.ARRIVALS` or the load generator's description of them
+(inference-perf's "int(rate x duration) exponential inter-arrival gaps
+rescaled ..." is `poisson_exact`; "fixed inter-arrival 1/rate" is
+`constant`; absent: `constant`); `prompt_pool` (whole prompts sent in turn)
+or the description in `prompts` ("G system prompts x Q questions = N
+distinct ... prompts ... sent cyclically": a pool of N); `drained` or the
+description "stage k+1 starts only after every stage-k request has
+finished". Every key the readers of this module take beside these is kept
+in `Experiment.raw`.
+
+A stage is simulated with the server's flags applied to the profile
+(`sim.profile.with_engine`), the KV cache as the server reported it or,
+without a report, the profile's KV derivation at the stated memory
+utilization, every response exactly `output_len` tokens, its arrivals at the
+stage's rate. With a pool, call n of a stage sends the pool's prompt n mod N
+(each prompt `system_prompt_len + question_len` tokens, its repeats hit whole
+in the prefix cache); without, every prompt the system prompt of one of the
+groups (a shared prefix) and a question of its own. Stages that start
+drained are simulated as they were run (`simulate_experiment`): one after
+another in one run from an empty engine, each its whole length of arrivals
+and every call counted, the next starting once the one before has finished,
+so that what a stage leaves in the prefix cache serves the next
+(`sim.latency.latency_stages`). Other stages are simulated each on its own for
+`duration_s` (a steady state is reached within a few E2E times), the calls
+after `warmup_s` counted, or as run where `Stage.as_run_s` says so.
+
+Experiments the simulator does not model (tensor parallelism over more than
+one GPU, quantized weights: `Experiment.unmodelled`) are read and kept, and
+left out of a profile's fit (`experiments_for`).
 
 The fit (`fit`): each step-time coefficient is the profile's (the roofline
 prior with efficiency factors fitted to the published figures,
@@ -54,6 +77,7 @@ import datetime
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -64,9 +88,9 @@ from calibrate.prior import GPU, MODELS, ModelShape, Serving, step_time
 from calibrate.published import PUBLISHED
 from sim.capacity import capacity_protocol
 from sim.engine.step_time import FORM_MODELS, step_time_model
-from sim.latency import latency
+from sim.latency import latency, latency_stages
 from sim.profile import Profile, ProfileError, from_dict, with_engine
-from sim.scenario import PAPER, Lengths
+from sim.scenario import ARRIVALS, PAPER, Lengths
 
 STAGE_SCALE = 0.02        # a stage's log residual in units of 2 %
 PRIOR_WEIGHT = 1.0        # residual of a coefficient's multiplier m: PRIOR_WEIGHT * (m - 1)
@@ -78,7 +102,12 @@ FRONTEND_UNIT_S = 0.01    # the frontend time's parameter is in units of 10 ms (
 FRONTEND_MAX_S = 0.02     # at most 20 ms a call outside the engine
 
 EXPERIMENT_KEYS = ("exp_id", "model", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
-                   "system_prompt_len", "question_len", "output_len", "groups_sharing_a_system_prompt", "stages")
+                   "system_prompt_len", "question_len", "output_len", "stages")
+# the load generator's descriptions of its workload (module docstring, `workload_as_run`)
+_POOL_TEXT = re.compile(r"(\d+) system prompts x (\d+) questions = (\d+) distinct")
+_ARRIVALS_TEXT = (("exponential inter-arrival gaps rescaled", "poisson_exact"),
+                  ("fixed inter-arrival", "constant"))
+_DRAINED_TEXT = "starts only after every stage"
 CSV_COLUMNS = ("exp_id", "stage_index", "e2e_mean_ms", "ttft_mean_ms")
 
 
@@ -111,11 +140,31 @@ class Experiment:
     stages: tuple[Stage, ...]
     kv_blocks: int | None     # the KV block count the server reported, if any
     raw: dict = field(default_factory=dict, compare=False)
-    arrivals: str = "constant"      # the stages' arrival process: constant or poisson (sim.workload)
+    arrivals: str = "constant"      # the stages' arrival process, one of sim.scenario.ARRIVALS (sim.workload)
+    pool: int | None = None         # whole prompts sent in turn (call n of a stage: prompt n mod pool); None: none
+    drained: bool = False           # a stage starts once every call of the one before has finished
+    tp: int = 1                     # GPUs per engine (tensor parallelism)
+    gpu: str = ""
+    quantization: str | None = None
 
     @property
     def prompt_len(self) -> int:
         return self.system_prompt_len + self.question_len
+
+    @property
+    def unmodelled(self) -> str | None:
+        """Why the simulator cannot run this experiment's engine, or None."""
+        if self.tp != 1:
+            return f"tp {self.tp}: one GPU per engine is modelled"
+        if self.quantization:
+            return f"{self.quantization}: quantized weights are not modelled"
+        return None
+
+    def workload(self) -> dict:
+        """The workload as it was run, as a provenance records it."""
+        return {"system_prompt_len": self.system_prompt_len, "question_len": self.question_len,
+                "output_len": self.output_len, "groups": self.groups, "arrivals": self.arrivals,
+                **({"prompt_pool": self.pool} if self.pool else {}), **({"drained": True} if self.drained else {})}
 
 
 def _num(v, where: str, whole=False, positive=True):
@@ -168,19 +217,21 @@ def read_experiments(path: str) -> list[Experiment]:
         where = f"{jpath}: experiment {eid}"
         flags = {k: _num(e[k], f"{where}: {k}", whole=True) for k in ("max_num_seqs", "max_model_len",
                                                                      "max_num_batched_tokens")}
-        if e.get("tp", 1) != 1:
-            raise MeasurementsError(f"{where}: tp {e['tp']!r}: only one GPU per engine (tp 1) is modelled")
-        kv = e.get("total_kv_blocks_measured")
-        if kv is not None:
-            kv = _num(kv, f"{where}: total_kv_blocks_measured", whole=True)
+        tp = _num(e.get("tp", 1), f"{where}: tp", whole=True)
+        kv_key = next((k for k in ("total_kv_blocks_reported", "total_kv_blocks_measured") if e.get(k) is not None),
+                      None)
+        kv = None
+        if kv_key is not None:
+            kv = _num(e[kv_key], f"{where}: {kv_key}", whole=True)
             flags["num_gpu_blocks"] = kv
         else:
             flags["gpu_memory_utilization"] = _num(e.get("gpu_memory_utilization", 0.9),
                                                    f"{where}: gpu_memory_utilization")
         lens = {k: _num(e[k], f"{where}: {k}", whole=True, positive=k != "system_prompt_len")
-                for k in ("system_prompt_len", "question_len", "output_len", "groups_sharing_a_system_prompt")}
+                for k in ("system_prompt_len", "question_len", "output_len")}
         if lens["system_prompt_len"] < 0:
             raise MeasurementsError(f"{where}: system_prompt_len must not be negative")
+        run = workload_as_run(e, where)
         st = e["stages"]
         if not isinstance(st, list) or not st:
             raise MeasurementsError(f"{where}: stages must be a non-empty list of {{rate, duration}}")
@@ -191,13 +242,53 @@ def read_experiments(path: str) -> list[Experiment]:
             m = rows.get((eid, k))
             if m is None:
                 raise MeasurementsError(f"{cpath}: no row for experiment {eid} stage_index {k}")
-            stages.append(Stage(k, float(_num(s["rate"], f"{where}: stages[{k}].rate")),
-                                float(_num(s["duration"], f"{where}: stages[{k}].duration")),
-                                m["ttft_mean_ms"] / 1e3, m["e2e_mean_ms"] / 1e3, m["row"]))
+            dur = float(_num(s["duration"], f"{where}: stages[{k}].duration"))
+            stages.append(Stage(k, float(_num(s["rate"], f"{where}: stages[{k}].rate")), dur,
+                                m["ttft_mean_ms"] / 1e3, m["e2e_mean_ms"] / 1e3, m["row"],
+                                as_run_s=dur if run["drained"] else None))
         out.append(Experiment(eid, str(e["model"]), str(e.get("vllm", "unknown")), flags,
                               lens["system_prompt_len"], lens["question_len"], lens["output_len"],
-                              lens["groups_sharing_a_system_prompt"], tuple(stages), kv, e))
+                              run["groups"], tuple(stages), kv, e, arrivals=run["arrivals"], pool=run["pool"],
+                              drained=run["drained"], tp=tp, gpu=str(e.get("gpu", "")),
+                              quantization=e.get("quantization") or None))
     return out
+
+
+def workload_as_run(e: dict, where: str) -> dict:
+    """The workload an experiment's load generator ran (module docstring):
+    {arrivals, pool, groups, drained}, from the keys that say it
+    (`arrivals` one of ARRIVALS, `prompt_pool`, `groups_sharing_a_system_prompt`,
+    `drained`) or the load generator's descriptions (`prompts`, `arrivals`).
+    A description of arrivals it does not know, a pool below 1 prompt, end in
+    one line naming the key and what it takes."""
+    said = e.get("arrivals")
+    if said is None:
+        arrivals = "constant"
+    elif said in ARRIVALS:
+        arrivals = said
+    else:
+        arrivals = next((kind for text, kind in _ARRIVALS_TEXT if isinstance(said, str) and text in said), None)
+        if arrivals is None:
+            raise MeasurementsError(f"{where}: arrivals {said!r}: give one of {', '.join(ARRIVALS)} (or the load "
+                                    "generator's description: 'exponential inter-arrival gaps rescaled ...', "
+                                    "'fixed inter-arrival 1/rate')")
+    prompts = e.get("prompts") if isinstance(e.get("prompts"), str) else ""
+    m = _POOL_TEXT.search(prompts)
+    pool = e.get("prompt_pool")
+    if pool is None and m and "cyclically" in prompts:
+        pool = int(m.group(3))
+    if pool is not None and (isinstance(pool, bool) or not isinstance(pool, int) or pool < 1):
+        raise MeasurementsError(f"{where}: prompt_pool must be a whole number of prompts >= 1, got {pool!r}")
+    groups = e.get("groups_sharing_a_system_prompt")
+    if groups is None:
+        groups = int(m.group(1)) if m else 1
+    groups = _num(groups, f"{where}: groups_sharing_a_system_prompt", whole=True)
+    drained = e.get("drained")
+    if drained is None:
+        drained = isinstance(said, str) and _DRAINED_TEXT in said
+    if not isinstance(drained, bool):
+        raise MeasurementsError(f"{where}: drained must be true or false, got {drained!r}")
+    return {"arrivals": arrivals, "pool": pool, "groups": groups, "drained": drained}
 
 
 def _read_csv(path: str) -> dict:
@@ -257,10 +348,37 @@ def profile_name_for(model: str) -> str | None:
 
 
 def experiments_for(experiments: list[Experiment], profile: Profile) -> list[Experiment]:
-    """The experiments run on the model of `profile` (its `model.name` or its name)."""
+    """The experiments run on the model of `profile` (its `model.name` or its
+    name) that the simulator models (one GPU, weights not quantized:
+    `Experiment.unmodelled`)."""
     shape = (profile.raw.get("model") or {}).get("name", "")
-    return [e for e in experiments if e.model.rsplit("/", 1)[-1].lower() == shape.lower()
-            or profile_name_for(e.model) == profile.name]
+    return [e for e in experiments if (e.model.rsplit("/", 1)[-1].lower() == shape.lower()
+                                       or profile_name_for(e.model) == profile.name) and e.unmodelled is None]
+
+
+def as_recorded(profile: Profile, experiments: list[Experiment]) -> list[Experiment]:
+    """The experiments of `profile`'s fit as its provenance describes them
+    (`provenance.measurements.experiments`: each one's server flags and
+    workload; simulated as run only where `simulation.as_run` says so), with
+    the measured stages of `experiments`: the residuals the profile records
+    (`stages`) come back with these, whatever the fitting set now says of
+    how the workload was run. Raises MeasurementsError for an experiment of
+    the provenance that `experiments` lacks."""
+    pm = profile.provenance.get("measurements") or {}
+    as_run = "as_run" in (pm.get("simulation") or {})
+    by_id = {e.exp_id: e for e in experiments}
+    out = []
+    for rec in pm.get("experiments", []):
+        e = by_id.get(str(rec["exp_id"]))
+        if e is None:
+            raise MeasurementsError(f"{profile.name}: its fit's experiment {rec['exp_id']} is not in the fitting set")
+        w = rec["workload"]
+        out.append(replace(e, flags=dict(rec["flags"]), system_prompt_len=w["system_prompt_len"],
+                           question_len=w["question_len"], output_len=w["output_len"], groups=w["groups"],
+                           arrivals=w.get("arrivals", "constant"), pool=w.get("prompt_pool"),
+                           drained=bool(w.get("drained", False)),
+                           stages=tuple(replace(s, as_run_s=s.as_run_s if as_run else None) for s in e.stages)))
+    return out
 
 
 def profile_flags(profile: Profile) -> dict:
@@ -281,8 +399,13 @@ def check_call_fits(where: str, prompt: int, output: int, flags: dict) -> None:
 
 
 def experiment_scenario(e: Experiment):
-    """The experiment's workload: every prompt one of `groups` system prompts
-    (each a prefix group) and a question, every response `output_len`."""
+    """The experiment's workload as it was run: a pool of `pool` whole prompts
+    sent in turn (`sim.scenario.Scenario.prompt_pool`), or every prompt one
+    of `groups` system prompts (each a prefix group) and a question of its
+    own; every response `output_len`."""
+    if e.pool:
+        return PAPER.with_(prompt=Lengths("fixed", value=e.prompt_len), response=Lengths("fixed", value=e.output_len),
+                           shared_prefix=0, prompt_pool=e.pool, max_call_tokens=e.flags["max_model_len"])
     pre = e.system_prompt_len
     groups = tuple((pre, 1.0) for _ in range(e.groups)) if pre > 0 else None
     return PAPER.with_(prompt=Lengths("fixed", value=e.prompt_len), response=Lengths("fixed", value=e.output_len),
@@ -319,6 +442,20 @@ def simulate_stage(profile: Profile, e: Experiment, stage: Stage, duration_s: fl
             "e2e_p90": r["e2e_p90"], "calls": r["calls"]}
 
 
+def simulate_experiment(profile: Profile, e: Experiment, duration_s: float = 90.0, warmup_s: float = 20.0,
+                        seed: int = 0) -> list[dict]:
+    """`simulate_stage`'s means of every stage of `e`. Stages that start
+    drained and are simulated as run: one after another in one run from an
+    empty engine (`sim.latency.latency_stages`), each stage from its first
+    call to its last, the next once the one before has finished, so what a
+    stage leaves in the prefix cache serves the next."""
+    if not (e.drained and len(e.stages) > 1 and all(s.as_run_s is not None for s in e.stages)):
+        return [simulate_stage(profile, e, s, duration_s, warmup_s, seed) for s in e.stages]
+    rows = latency_stages(experiment_profile(profile, e), [(s.rate, s.as_run_s, e.arrivals, True) for s in e.stages],
+                          scenario=experiment_scenario(e), seed=seed)
+    return [{k: r[k] for k in ("ttft_mean", "e2e_mean", "ttft_p90", "e2e_p90", "calls")} for r in rows]
+
+
 def compare(profile: Profile, experiments: list[Experiment], duration_s: float = 90.0, warmup_s: float = 20.0,
             log=None, frontend_s: float = 0.0) -> list[dict]:
     """One row per stage: measured and simulated TTFT and E2E means (s) and
@@ -327,8 +464,7 @@ def compare(profile: Profile, experiments: list[Experiment], duration_s: float =
     both simulated means."""
     out = []
     for e in experiments:
-        for s in e.stages:
-            got = simulate_stage(profile, e, s, duration_s, warmup_s)
+        for s, got in zip(e.stages, simulate_experiment(profile, e, duration_s, warmup_s)):
             got = dict(got, ttft_mean=got["ttft_mean"] + frontend_s, e2e_mean=got["e2e_mean"] + frontend_s)
             row = {"exp_id": e.exp_id, "model": e.model, "vllm": e.vllm, "stage": s.index, "rate": s.rate,
                    "max_num_batched_tokens": e.flags["max_num_batched_tokens"],
@@ -449,15 +585,14 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
     keys = [k for k in ("capacity",) if k in target] + [k for k in ("ttft_p50", "e2e_p50")
                                                         if k in target.get("latency", {})]
     want = {k: target[k] if k == "capacity" else target["latency"][k] for k in keys}
-    stages = [(e, s) for e in experiments for s in e.stages]
     n = len(names)
     count = [0]
 
     def data(m, f=0.0):
         p = _scaled(profile, prior, m)
         r = []
-        for e, s in stages:
-            got = simulate_stage(p, e, s, duration_s, warmup_s)
+        for e, s, got in [(e, s, got) for e in experiments
+                          for s, got in zip(e.stages, simulate_experiment(p, e, duration_s, warmup_s))]:
             r += [math.log((got["ttft_mean"] + f) / s.ttft_mean_s) / STAGE_SCALE,
                   math.log((got["e2e_mean"] + f) / s.e2e_mean_s) / STAGE_SCALE]
         if keys:
@@ -570,9 +705,7 @@ def refit(profile: Profile, mine: list[Experiment], source: str, tool: str, targ
         "source": source,
         "experiments": [{"exp_id": e.exp_id, "model": e.model, "vllm": e.vllm,
                          "flags": {k: v for k, v in e.flags.items()},
-                         "workload": {"system_prompt_len": e.system_prompt_len, "question_len": e.question_len,
-                                      "output_len": e.output_len, "groups": e.groups,
-                                      "arrivals": e.arrivals}} for e in mine],
+                         "workload": e.workload()} for e in mine],
         "prior_step_time": res["prior"],
         "multipliers": res["multipliers"],
         "physical_floor": res["floor"],
@@ -594,7 +727,9 @@ def refit(profile: Profile, mine: list[Experiment], source: str, tool: str, targ
         "stages": [_brief(r) for r in res["stages"]],
         "simulation": {"duration_s": duration_s, "warmup_s": warmup_s, "seed": 0,
                        **({"as_run": "each stage as it was run: its own length of arrivals from an empty engine, "
-                                     "every call counted"}
+                                     "every call counted"
+                                     + ("; stages that start drained one after another in one run, the prefix "
+                                        "cache carried over" if any(e.drained for e in mine) else "")}
                           if any(st.as_run_s is not None for e in mine for st in e.stages) else {})},
         "method": (f"scipy.optimize.least_squares (trf, bounds: the roofline at full efficiency <= coefficient <= "
                    f"{M_MAX:g} x prior) on log residuals: stages in units of {STAGE_SCALE:.0%}, published figures in "

@@ -11,9 +11,10 @@ from sim.capacity import capacity_protocol
 from sim.conditions import CONDITIONS, DIAGNOSTIC, Condition, compose, get_condition
 from sim.experiments import fleet_figure, reference
 from sim.experiments.margin import margin, margin_cell, parse_axes
-from sim.latency import latency
-from sim.profile import embedded_names
-from sim.scenario import PAPER
+from sim.latency import latency, latency_stages
+from sim.profile import ProfileError, embedded_names
+from sim.scenario import ARRIVALS, PAPER
+from sim.schema import ScenarioError
 
 from . import args
 from .scenario_cmds import capacity_line, deployment, layers_line, scenario_arg
@@ -105,17 +106,51 @@ def cmd_capacity(a) -> int:
 
 
 def cmd_latency(a) -> int:
+    if (a.rate is None) == (not a.stages):
+        raise args.UsageError("latency: give --rate (one steady load) or --stages (the --scenario's phases as a "
+                              "load test's stages)")
     dep = deployment(a, burst=False, capacity=False)
     if dep.trace_source is not None:
         raise args.UsageError("latency: a replayed trace has its own arrivals; latency needs a scenario of "
                               "length distributions (it sends them at --rate)")
     prof = dep.profile
-    res = latency(prof, a.rate, a.duration, scenario=dep.scenario, seed=a.seed, arrivals=a.arrivals)
+    if a.stages:
+        return _latency_stages(a, dep)
+    try:
+        res = latency(prof, a.rate, a.duration, scenario=dep.scenario, seed=a.seed, arrivals=a.arrivals)
+    except RuntimeError as e:
+        raise args.UsageError(f"latency: {e}") from None
     res.update(scenario_name=dep.name, scenario_hash=dep.content_hash)
     print(f"{prof.name} at {a.rate:g} calls/s ({a.arrivals}) for {a.duration:g} s ({res['calls']} calls after "
           f"warm-up): TTFT mean {res['ttft_mean']:.3f} s, p50 {res['ttft_p50']:.3f} s, p90 {res['ttft_p90']:.3f} s; "
           f"E2E mean {res['e2e_mean']:.3f} s, p50 {res['e2e_p50']:.3f} s, p90 {res['e2e_p90']:.3f} s")
     args.write_json(a.json, res)
+    return 0
+
+
+def _latency_stages(a, dep) -> int:
+    """`llmsim latency --stages`: the scenario's phases as a load test's
+    stages (`sim.latency.latency_stages`), one line of means a stage."""
+    sc = dep.scenario
+    if any(p.load is not None for p in sc.phases):
+        try:
+            cap = dep.capacity
+        except (ScenarioError, ProfileError) as e:
+            raise args.UsageError(f"latency: {e}") from None
+    else:
+        cap = 1.0
+    stages = [(r, b - t, p.arrivals, p.drained) for (t, b, r), p in zip(sc.arrival_phases(cap), sc.phases)]
+    try:
+        rows = latency_stages(dep.profile, stages, scenario=sc, seed=a.seed, max_batched_tokens=a.max_batched_tokens)
+    except (ValueError, RuntimeError) as e:
+        raise args.UsageError(f"latency: {e}") from None
+    for p, r in zip(sc.phases, rows):
+        print(f"{p.name or 'stage'}: {r['rate']:g} calls/s ({r['arrivals']}{', drained' if r['drained'] else ''}) "
+              f"for {r['duration_s']:g} s from {r['start_s']:.1f} s, {r['calls']} calls: TTFT mean "
+              f"{r['ttft_mean']:.3f} s, p90 {r['ttft_p90']:.3f} s; E2E mean {r['e2e_mean']:.3f} s, "
+              f"p90 {r['e2e_p90']:.3f} s")
+    args.write_json(a.json, {"model": dep.profile.name, "scenario_name": dep.name,
+                             "scenario_hash": dep.content_hash, "stages": rows})
     return 0
 
 
@@ -309,9 +344,14 @@ def add_subcommands(sub) -> None:
     p = sub.add_parser("latency", help="steady load straight to the engine: TTFT and E2E means and percentiles")
     model_arg(p, None)
     scenario_arg(p, trace_speedup=False)
-    p.add_argument("--rate", type=args.positive(most=args.RATE_MAX), required=True, help="calls/s")
-    p.add_argument("--arrivals", choices=("poisson", "constant"), default="poisson",
-                   help="poisson (default) or constant: one call every 1/rate s, as inference-perf and guidellm send")
+    p.add_argument("--rate", type=args.positive(most=args.RATE_MAX), default=None, help="calls/s")
+    p.add_argument("--stages", action="store_true",
+                   help="instead of --rate: the --scenario's phases as a load test's stages, one after another "
+                        "(a drained phase starting once every call before it has finished), every call counted")
+    p.add_argument("--arrivals", choices=ARRIVALS, default="poisson",
+                   help="poisson (default); constant: one call every 1/rate s (guidellm's constant rate); "
+                        "poisson_exact: int(rate x duration) calls, exponential gaps rescaled to the duration "
+                        "(inference-perf's constant load)")
     p.add_argument("--duration", type=args.positive(most=args.DURATION_MAX), default=600.0,
                    help="seconds of arrivals (default 600)")
     p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)

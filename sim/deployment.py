@@ -204,6 +204,11 @@ class Deployment:
 
     # -- running
     def require_burst(self) -> None:
+        late = next((i for i, p in enumerate(self.scenario.phases) if p.drained), None)
+        if late is not None and self.trace_source is None:
+            raise ScenarioError(f"{self.name}: workload.phases[{late}].drained: a phase that starts once the one "
+                                "before has drained is a load test's stage (llmsim latency --stages); a run with "
+                                "cohorts plans every arrival in advance")
         if self.burst is None:
             if self.trace_source is not None:
                 raise ScenarioError(f"{self.name}: no burst declared, and the cohorts need one: give "

@@ -44,7 +44,9 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 LENGTH_KINDS = ("normal", "lognormal", "fixed", "empirical")
-ARRIVALS = ("poisson", "constant")
+# how a phase's calls arrive (sim.workload.phase_arrivals): a Poisson process; one call every 1/rate s; or
+# int(rate x duration) calls with exponential gaps rescaled to the phase's length (inference-perf's `constant` load)
+ARRIVALS = ("poisson", "constant", "poisson_exact")
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class Phase:
     arrivals: str = "poisson"
     # with traffic classes: ((class name, share), ...) of this phase's calls; None: the classes' own shares
     shares: tuple | None = None
+    drained: bool = False
 
     def __post_init__(self):
         if self.shares is not None:
@@ -85,9 +88,9 @@ class Phase:
         return self.rate if self.rate is not None else self.load * capacity
 
     def to_dict(self) -> dict:
-        """As JSON; Poisson arrivals (the default) are left out."""
+        """As JSON; Poisson arrivals and a start on time (the defaults) are left out."""
         d = {k: v for k, v in asdict(self).items() if v is not None and v != "" and
-             not (k == "arrivals" and v == "poisson")}
+             not (k == "arrivals" and v == "poisson") and not (k == "drained" and not v)}
         if "shares" in d:
             d["shares"] = [list(x) for x in d["shares"]]
         return d
@@ -236,6 +239,10 @@ class Scenario:
     mixed_share: float | None = None    # share of calls given mixed_prompt_len-token prompts
     max_call_tokens: int | None = None  # prompt + response cut to this (the engine's max_model_len)
     prefix_groups: tuple[tuple[int, float], ...] | None = None   # (prefix tokens, share): unset, one shared_prefix
+    # a pool of this many whole prompts (lengths drawn once from the prompt distribution) sent in turn: call n of a
+    # phase sends prompt n mod N, the turn restarting at every phase (a load generator's stage); a repeated prompt
+    # is the same tokens, so the prefix cache can serve all of it. Unset: every call its own prompt after the prefix
+    prompt_pool: int | None = None
     # faults of the engine: stalls (T, S), the engine doing nothing for S seconds from T (a long GC pause, a
     # device hiccup); leak_blocks_on_abort, an aborted request's KV blocks never returned. Unset: none
     stalls: tuple[tuple[float, float], ...] | None = None
@@ -252,6 +259,9 @@ class Scenario:
         object.__setattr__(self, "phases", tuple(self.phases))
         if self.burst is not None and not 0 <= self.burst < len(self.phases):
             raise ValueError(f"the burst phase {self.burst} is not one of the {len(self.phases)} phases")
+        n = self.prompt_pool
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"prompt_pool must be a whole number of prompts >= 1, got {n!r}")
         if flat:
             object.__setattr__(self, "phases", self._set_phases(flat))
 
@@ -361,7 +371,7 @@ class Scenario:
         return out
 
     def arrival_kinds(self) -> list[str]:
-        """How the calls of each phase of `arrival_phases` arrive: poisson or constant."""
+        """How the calls of each phase of `arrival_phases` arrive (`ARRIVALS`)."""
         return [p.arrivals for p in self.phases]
 
     @property
@@ -375,6 +385,7 @@ class Scenario:
                 "shared_prefix": self.shared_prefix,
                 "prefix_groups": [list(g) for g in self.prefix_groups] if self.prefix_groups else None,
                 "mixed": ({"share": self.mixed_share, "len": self.mixed_prompt_len} if self.mixed_share else None),
+                **({"prompt_pool": self.prompt_pool} if self.prompt_pool else {}),
                 **({"classes": [{"share": c.share, "prompt": c.prompt and c.prompt.to_dict(),
                                  "response": c.response and c.response.to_dict()} for c in self.classes]}
                    if self.classes and any(c.prompt or c.response for c in self.classes) else {})}
@@ -413,7 +424,7 @@ class Scenario:
         return d
 
 
-_EXTENDED = ("prompt", "response", "mixed_share", "max_call_tokens", "prefix_groups", "stalls",
+_EXTENDED = ("prompt", "response", "mixed_share", "max_call_tokens", "prefix_groups", "prompt_pool", "stalls",
              "leak_blocks_on_abort", "classes")
 
 

@@ -24,8 +24,8 @@ File sections: the rows of `sim.schema.SCHEMA`, which checks the file
 profile | hf_config + gpu, and capacity; `[engine]` vLLM's flags and
 `max_num_queued_reqs` (the engine cap); `[workload]` phases (absent: the
 reference design's), prompt and response lengths (empirical ones read from
-a CSV column), shared_prefix or prefix_groups, mixed_share,
-mixed_prompt_len, or trace (CSV) with trace_speedup; `[client]` and
+a CSV column), shared_prefix or prefix_groups or prompt_pool,
+mixed_share, mixed_prompt_len, or trace (CSV) with trace_speedup; `[client]` and
 `[measures]` the Scenario's fields of those names (with the burst phase, or
 burst_start_s/burst_end_s with a trace); `[proxy]` condition plus control
 overrides; `[faults]`; `[fleet]` replicas behind a router; `[autoscaler]`;
@@ -303,7 +303,7 @@ def _engine(eng: _Doc, prof: Profile) -> tuple[Profile, int | None]:
 def _replayed(w: _Doc, me: _Doc, base_dir: str, trace_speedup: float | None) -> tuple[dict, TraceSource, str | None]:
     """[workload] trace: Scenario fields (the phases as windows of the trace:
     before the burst, the burst, after it), the trace and the burst's name."""
-    clash = [k for k in ("phases", "prompt", "response", "mixed_share", "prefix_groups") if w.has(k)]
+    clash = [k for k in ("phases", "prompt", "response", "mixed_share", "prefix_groups", "prompt_pool") if w.has(k)]
     if clash:
         raise w.err(clash[0], "and workload.trace both given: a trace fixes arrivals and lengths")
     if me.has("burst"):
@@ -394,6 +394,13 @@ def _generated(w: _Doc, me: _Doc, base_dir: str, schema: Schema) -> tuple[dict, 
     for k, L in (("prompt_mean", sc.get("prompt")), ("response_mean", sc.get("response"))):
         if L is not None:                # the mean the proxy's first throughput estimate uses
             sc[k] = float(L.expected)
+    if w.has("prompt_pool"):
+        for k in ("shared_prefix", "prefix_groups", "classes"):
+            if w.has(k):
+                raise w.err(k, "and workload.prompt_pool both given: a pool's calls send its prompts whole")
+        if w.get("mixed_share"):
+            raise w.err("mixed_share", "and workload.prompt_pool both given: a pool's calls send its prompts whole")
+        sc.update(prompt_pool=int(w.get("prompt_pool")), shared_prefix=0)
     if w.has("mixed_prompt_len"):
         sc["mixed_prompt_len"] = int(w.get("mixed_prompt_len"))
     share = w.get("mixed_share")

@@ -346,6 +346,10 @@ SCHEMA = Schema([
     Key("workload", "shared_prefix", WHOLE, "tokens every prompt starts with", default=PAPER.shared_prefix, lo=0),
     Key("workload", "prefix_groups", TABLES, "instead of shared_prefix: groups of calls, each with its prefix",
         of="prefix_group"),
+    Key("workload", "prompt_pool", WHOLE, "a pool of this many whole prompts (lengths drawn once from prompt), sent "
+                                          "in turn: call n of a phase sends prompt n mod prompt_pool, a repeat hit "
+                                          "whole in the prefix cache (as a load generator's prompt set; instead of "
+                                          "shared_prefix, prefix_groups)", **AT_LEAST_1),
     Key("workload", "mixed_share", NUMBER, "share of calls given mixed_prompt_len-token prompts", default=0.0,
         lo=0.0, hi=1.0),
     Key("workload", "mixed_prompt_len", WHOLE, "the mixed calls' prompt tokens", default=PAPER.mixed_prompt_len,
@@ -373,8 +377,12 @@ SCHEMA = Schema([
     Key("phase", "duration_s", NUMBER, "its length in seconds", **POSITIVE),
     Key("phase", "load", NUMBER, "calls/s in multiples of the workload's Ĉ (or rate)", lo=0.0),
     Key("phase", "rate", NUMBER, "calls/s (or load)", lo=0.0),
-    Key("phase", "arrivals", STRING, "poisson, or constant: one call every 1/rate s (as load generators send)",
-        default="poisson", choices=ARRIVALS),
+    Key("phase", "arrivals", STRING, "poisson; constant: one call every 1/rate s (guidellm's constant); "
+                                     "poisson_exact: int(rate x duration_s) calls, exponential gaps rescaled to "
+                                     "the phase's length (inference-perf's constant)", default="poisson",
+        choices=ARRIVALS),
+    Key("phase", "drained", BOOL, "the phase starts once every call of the phase before has finished (a load "
+                                  "generator's stage; llmsim latency --stages)", default=False),
     Key("phase", "shares", PAIRS, "with classes: [[class, share], ...] of this phase's calls (default: the "
                                   "classes' shares)", of="class_share"),
     Key("class_share", "class", STRING, "a class's name"),

@@ -62,15 +62,41 @@ def constant_arrivals(rate: float, start: float, end: float) -> np.ndarray:
     return t[t < end]
 
 
+def poisson_exact_arrivals(rng: np.random.Generator, rate: float, start: float, end: float) -> np.ndarray:
+    """int(rate x (end - start)) calls on (start, end], their gaps exponential
+    and rescaled to sum to the phase's length, so the last arrives at `end`:
+    Poisson-like arrivals with an exact count. This is inference-perf's
+    `constant` load (`loadgen/load_timer.py: ConstantLoadTimer`, @ e8e0aa9
+    and 0.7.0), not a fixed interval."""
+    n = int(rate * (end - start)) if rate > 0 and end > start else 0
+    if n <= 0:
+        return np.empty(0)
+    gaps = rng.exponential(1.0, n)
+    return np.minimum(start + np.cumsum(gaps) * ((end - start) / gaps.sum()), end)
+
+
 def phase_arrivals(rng: np.random.Generator, start: float, end: float, rate: float,
                    kind: str = "poisson") -> np.ndarray:
-    """The arrival times of one phase: Poisson (drawn from `rng`) or constant
-    (no draw)."""
+    """The arrival times of one phase: Poisson or Poisson with an exact count
+    (drawn from `rng`), or constant (no draw)."""
     if kind == "constant":
         return constant_arrivals(rate, start, end)
+    if kind == "poisson_exact":
+        return poisson_exact_arrivals(rng, rate, start, end)
     if kind != "poisson":
         raise ValueError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {kind!r}")
     return poisson_arrivals(rng, rate, start, end)
+
+
+def pool_turns(counts: list[int], pool: int) -> np.ndarray:
+    """Which prompt of a pool of `pool` each call sends, phase by phase
+    (`counts` calls each): call n of a phase sends prompt n mod pool, the turn
+    restarting at every phase, as inference-perf's data generators do
+    (a stage asks for requests 0, 1, ... afresh: `loadgen/load_generator.py:
+    run_stage`, `datagen/shared_prefix_datagen.py`)."""
+    if not counts:
+        return np.empty(0, dtype=np.int64)
+    return np.concatenate([np.arange(m, dtype=np.int64) % pool for m in counts])
 
 
 def draw_lengths(rng: np.random.Generator, d: Lengths, n: int) -> np.ndarray:
@@ -90,22 +116,32 @@ def draw_lengths(rng: np.random.Generator, d: Lengths, n: int) -> np.ndarray:
 def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bool = False,
                phases: list[tuple] | None = None) -> Trace:
     """The trace for one seed. `phases` is a list of (start, end, rate calls/s)
-    or (start, end, rate, arrivals) with arrivals `poisson` (the default) or
-    `constant`; by default the scenario's phases (`Scenario.arrival_phases`,
+    or (start, end, rate, arrivals) with arrivals one of `ARRIVALS` (default
+    `poisson`); by default the scenario's phases (`Scenario.arrival_phases`,
     arriving as `Scenario.arrival_kinds`) at `capacity`. With `prefix_groups` each call joins a group (drawn by the
     groups' shares after every other draw) and starts with its prefix.
     `mixed_prompts` gives half the calls `mixed_prompt_len`-token
     prompts (as `mixed_share = 0.5` does). With `max_call_tokens` a call's
-    response, then its prompt, is cut so the two fit in it."""
+    response, then its prompt, is cut so the two fit in it. With
+    `prompt_pool` the calls send the pool's whole prompts in turn
+    (`_pool_trace`). A phase that starts `drained` is refused: its start is
+    known only once the phase before has run (`sim.latency.latency_stages`)."""
     if capacity <= 0:
         raise ValueError(f"capacity must be positive, got {capacity}")
     s = scenario
     if phases is None:
+        late = [p.name or f"phase {i + 1}" for i, p in enumerate(s.phases) if p.drained]
+        if late:
+            raise ValueError(f"{late[0]} starts drained (once every call before it has finished): only the stage "
+                             "runs of a load test (llmsim latency --stages) place such a phase; a run plans every "
+                             "arrival in advance")
         phases = [p + (k,) for p, k in zip(s.arrival_phases(capacity), s.arrival_kinds())]
     rng = np.random.default_rng(seed)
     by_phase = [phase_arrivals(rng, *p) for p in phases]
     arrival = np.concatenate(by_phase)
     n = len(arrival)
+    if s.prompt_pool:
+        return _pool_trace(rng, s, arrival, [len(x) for x in by_phase], mixed_prompts)
     klass = _draw_classes(rng, s, [len(x) for x in by_phase]) if s.classes else None
     prompt = _draw_by_class(rng, s.prompt or Lengths("normal", mean=s.prompt_mean, sd=s.prompt_sd), n, klass,
                             s.classes, "prompt")
@@ -132,6 +168,33 @@ def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bo
         prompt = np.maximum(np.minimum(prompt, s.max_call_tokens - resp), pre + 1)
     return Trace(arrival=arrival, prompt_len=prompt, max_tokens=resp, shared_prefix=shared,
                  prefix_len=prefix_len, prefix_group=group, klass=klass)
+
+
+def _pool_trace(rng: np.random.Generator, s: Scenario, arrival: np.ndarray, counts: list[int],
+                mixed_prompts: bool) -> Trace:
+    """The trace of calls sending a pool of `s.prompt_pool` whole prompts in
+    turn (`pool_turns`: call n of a phase sends prompt n mod N). The pool's
+    lengths are drawn once from the prompt distribution, then each call's
+    response. A prompt is its own prefix group, all of it but its last token
+    the group's prefix: its repeats share its KV blocks, so the prefix cache
+    hits the whole prompt block-aligned (its full blocks, at most all but
+    the last token, as vLLM's), and no block with another prompt of the pool
+    (`Trace.shared_prefix` 0). Prefix groups, a mixed-prompt share and
+    traffic classes, which give each call its own prompt, are refused."""
+    for k, on in (("prefix_groups", s.prefix_groups), ("mixed_share", s.mixed_share or mixed_prompts),
+                  ("classes", s.classes)):
+        if on:
+            raise ValueError(f"prompt_pool and {k} both given: a pool's calls send its prompts whole")
+    turn = pool_turns(counts, s.prompt_pool)
+    pool_len = np.maximum(draw_lengths(rng, s.prompt or Lengths("normal", mean=s.prompt_mean, sd=s.prompt_sd),
+                                       s.prompt_pool), 1)
+    prompt = pool_len[turn]
+    resp = np.maximum(1, draw_lengths(rng, s.response or Lengths("lognormal", median=s.response_median,
+                                                                 mean=s.response_mean), len(arrival)))
+    if s.max_call_tokens is not None:            # the response is cut, never the prompt (it is the pool's)
+        resp = np.maximum(1, np.minimum(resp, s.max_call_tokens - prompt))
+    return Trace(arrival=arrival, prompt_len=prompt, max_tokens=resp, shared_prefix=0, prefix_len=prompt - 1,
+                 prefix_group=turn)
 
 
 def _draw_classes(rng: np.random.Generator, s: Scenario, counts: list[int]) -> np.ndarray:

@@ -43,7 +43,7 @@ def stages():
     exps = ms.read_experiments(DATA)
     out = []
     for name in FITTED:
-        for e in ms.experiments_for(exps, load_profile(name)):
+        for e in ms.as_recorded(load_profile(name), exps):
             for s in e.stages:
                 marks = ()
                 if (e.exp_id, s.index) in KNOWN_OUTSIDE:
@@ -56,30 +56,68 @@ def stages():
 # ------------------------------------------------------------------ the fitting set as read
 def test_fitting_set_reads_every_experiment_and_stage(experiments):
     by_id = {e.exp_id: e for e in experiments}
-    assert sorted(by_id) == ["16", "22", "23", "64"]
+    assert len(experiments) == 16 and len({e.model for e in experiments}) == 7
+    assert {"16", "22", "23", "64", "66", "17", "60", "20260217-155451"} <= set(by_id)
     assert [s.rate for s in by_id["16"].stages] == [8.0, 20.0]
     assert by_id["64"].kv_blocks == 65352 and by_id["64"].flags["num_gpu_blocks"] == 65352
     assert "num_gpu_blocks" not in by_id["22"].flags and by_id["22"].flags["max_num_batched_tokens"] == 1024
     s = by_id["16"].stages[1]
     assert s.e2e_mean_s == pytest.approx(2.2780596) and s.ttft_mean_s == pytest.approx(0.0298748)
     assert ms.profile_name_for("meta-llama/Llama-3.1-8B-Instruct") == "llama-3.1-8b"
-    assert [e.exp_id for e in ms.experiments_for(experiments, load_profile("qwen2.5-7b"))] == ["64"]
+    # the workload as inference-perf @ e8e0aa9 ran it, from the experiments' descriptions
+    assert all(e.pool == 100 and e.groups == 10 and e.arrivals == "poisson_exact" and e.drained for e in experiments)
+    assert all(st.as_run_s == st.duration_s for e in experiments for st in e.stages)
+    # experiments the simulator does not model are kept, and left out of a profile's fit
+    assert by_id["17"].tp == 2 and "tp 2" in by_id["17"].unmodelled and by_id["60"].tp == 4
+    assert by_id["17"].quantization.startswith("fp8") and by_id["16"].unmodelled is None
+    assert [e.exp_id for e in ms.experiments_for(experiments, load_profile("qwen2.5-7b"))] == ["64", "66"]
+    assert [e.exp_id for e in ms.experiments_for(experiments, load_profile("llama-3.1-8b"))] == ["16", "22", "23"]
 
 
 def test_experiment_workload_and_engine(experiments):
     e = next(x for x in experiments if x.exp_id == "22")
     sc = ms.experiment_scenario(e)
-    assert sc.prompt.value == 547 and sc.response.value == 248 and len(sc.prefix_groups) == 9
+    assert sc.prompt.value == 547 and sc.response.value == 248 and sc.prompt_pool == 100
+    assert sc.prefix_groups is None and sc.shared_prefix == 0
     p = ms.experiment_profile(load_profile("llama-3.1-8b"), e)
     assert p.engine["max_num_batched_tokens"] == 1024 and p.engine["max_num_seqs"] == 128
     assert p.engine["max_model_len"] == 4096
+    # as the embedded profile's fit described it: a fixed interval, nine groups sharing a system prompt
+    old = next(x for x in ms.as_recorded(load_profile("llama-3.1-8b"), experiments) if x.exp_id == "22")
+    assert old.arrivals == "constant" and old.pool is None and len(ms.experiment_scenario(old).prefix_groups) == 9
+
+
+def test_stages_that_start_drained_run_as_one_with_the_cache_carried_over(experiments):
+    """Experiment 16 as run: its two stages in one run (every call of each
+    counted), the second's first pass of the pool served by the cache the
+    first left, so it does no worse than the same stage from a cold engine."""
+    e = next(x for x in experiments if x.exp_id == "16")
+    short = replace(e, stages=tuple(replace(s, as_run_s=30.0) for s in e.stages))
+    prof = load_profile("llama-3.1-8b")
+    both = ms.simulate_experiment(prof, short)
+    assert [r["calls"] for r in both] == [240, 600]
+    alone = ms.simulate_stage(prof, short, short.stages[1])
+    assert alone["calls"] == 600 and both[1]["ttft_mean"] < alone["ttft_mean"]
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("arrivals", "every second", "arrivals 'every second': give one of poisson, constant, poisson_exact"),
+    ("prompt_pool", 0, "prompt_pool must be a whole number of prompts >= 1, got 0"),
+])
+def test_a_workload_as_run_it_cannot_read_is_one_line(tmp_path, key, value, says):
+    d = _copy(tmp_path)
+    _edit_json(d, lambda e: e[0].update({key: value}))
+    with pytest.raises(ms.MeasurementsError) as err:
+        ms.read_experiments(str(d))
+    assert says in str(err.value) and "\n" not in str(err.value)
 
 
 def _copy(tmp_path):
     d = tmp_path / "set"
     shutil.copytree(DATA, d)
-    for f in d.iterdir():
-        os.chmod(f, 0o644)
+    for root, dirs, files in os.walk(d):
+        for f in dirs + files:
+            os.chmod(os.path.join(root, f), 0o755 if f in dirs else 0o644)
     return d
 
 
@@ -89,11 +127,11 @@ def _copy(tmp_path):
     (lambda d: (d / "experiments.json").write_text('{"experiments": []}'), "non-empty list"),
     (lambda d: _edit_json(d, lambda e: e[0].pop("output_len")), "lacks output_len"),
     (lambda d: _edit_json(d, lambda e: e[0]["stages"][0].update(rate=-8)), "stages[0].rate must be a positive"),
-    (lambda d: _edit_json(d, lambda e: e[1].update(exp_id=16)), "exp_id 16 appears twice"),
+    (lambda d: _edit_json(d, lambda e: e[1].update(exp_id=e[0]["exp_id"])), "exp_id 17 appears twice"),
     (lambda d: (d / "measurements.csv").write_text("exp_id,stage_index,e2e_mean_ms\n"), "lacks ttft_mean_ms"),
     (lambda d: _edit_csv(d, "2278.0596", "fast"), "e2e_mean_ms must be a positive number"),
-    (lambda d: _edit_csv(d, "\n16,meta-llama/Llama-3.1-8B-Instruct,general,H100,1,2048,1,",
-                         "\n16,x,general,H100,1,2048,7,"),
+    (lambda d: _edit_csv(d, "\n16,16-llama-3-1-8b-tp1-general-1,meta-llama/Llama-3.1-8B-Instruct,1,2048,1,",
+                         "\n16,16-llama-3-1-8b-tp1-general-1,x,1,2048,7,"),
      "no row for experiment 16 stage_index 1"),
 ])
 def test_malformed_fitting_set_is_one_line(tmp_path, capsys, edit, says):
@@ -129,7 +167,7 @@ def test_fit_published_refuses_a_model_without_experiments(tmp_path, capsys):
 @pytest.mark.parametrize("name,exp_id,stage", stages())
 def test_fitting_set_stage_within_tolerance(experiments, name, exp_id, stage):
     prof = load_profile(name)
-    e = next(x for x in experiments if x.exp_id == exp_id)
+    e = next(x for x in ms.as_recorded(prof, experiments) if x.exp_id == exp_id)
     s = e.stages[stage]
     got = ms.simulate_stage(prof, e, s)
     # the time a call spends in the server outside the engine, fitted with the profile (not simulated)
@@ -143,7 +181,7 @@ def test_fitting_set_stage_within_tolerance(experiments, name, exp_id, stage):
 def test_refit_profile_records_its_residuals_and_they_reproduce(experiments, name):
     prof = load_profile(name)
     pm = prof.provenance["measurements"]
-    mine = ms.experiments_for(experiments, prof)
+    mine = ms.as_recorded(prof, experiments)        # as the fit described the workload
     assert [x["exp_id"] for x in pm["experiments"]] == [e.exp_id for e in mine]
     assert all(x["vllm"] for x in pm["experiments"])
     rows = ms.compare(prof, mine, pm["simulation"]["duration_s"], pm["simulation"]["warmup_s"],
@@ -249,7 +287,12 @@ def test_fit_refuses_an_unknown_coefficient_to_free(experiments):
 
 def test_fit_published_cli_writes_a_profile_with_its_provenance(tmp_path, capsys):
     out = tmp_path / "q.json"
-    assert main(["calibrate", "fit-published", "qwen2.5-7b", "--measurements", DATA, "--duration", "40",
+    d = _copy(tmp_path)               # experiment 64 alone, its stage as run cut to 40 s (a fast test)
+    doc = json.loads((d / "experiments.json").read_text())
+    doc["experiments"] = [dict(e, stages=[dict(e["stages"][0], duration=40)]) for e in doc["experiments"]
+                          if e["exp_id"] == "64"]
+    (d / "experiments.json").write_text(json.dumps(doc))
+    assert main(["calibrate", "fit-published", "qwen2.5-7b", "--measurements", str(d), "--duration", "40",
                  "--warmup", "10", "--max-evals", "3", "-o", str(out)]) == 0
     cap = capsys.readouterr()
     assert "evaluation 1:" in cap.err and "identified by the data" in cap.err
@@ -257,5 +300,7 @@ def test_fit_published_cli_writes_a_profile_with_its_provenance(tmp_path, capsys
     prof = load_profile(str(out))
     pm = prof.provenance["measurements"]
     assert [x["exp_id"] for x in pm["experiments"]] == ["64"] and pm["simulation"]["duration_s"] == 40.0
+    assert pm["experiments"][0]["workload"]["prompt_pool"] == 100 and "as_run" in pm["simulation"]
+    assert pm["experiments"][0]["workload"]["arrivals"] == "poisson_exact"
     assert "frontend_s" in cap.out and 0 <= pm["frontend_s"] <= ms.FRONTEND_MAX_S
     assert abs(prof.capacity / PUBLISHED["qwen2.5-7b"]["capacity"] - 1) < 0.03

@@ -205,7 +205,7 @@ def test_a_phase_key_added_as_a_row_is_checked_and_documented():
     with pytest.raises(ScenarioError, match=r"workload.phases\[0\].shape must be one of flat, ramp"):
         schema.check(doc, "p.toml")
     text = from_document({}, "p.toml", schema=schema).to_toml()
-    assert "{name, duration_s, load, rate, arrivals, shares, shape}" in text
+    assert "{name, duration_s, load, rate, arrivals, drained, shares, shape}" in text
 
 
 def test_the_phase_arrivals_row_is_checked():

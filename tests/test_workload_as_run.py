@@ -1,0 +1,128 @@
+"""The workload as a load generator runs it (sim.workload, sim.latency,
+docs/scenarios.md): a pool of whole prompts sent in turn, Poisson arrivals
+with an exact count (inference-perf's `constant` load), and stages that
+start once the one before has drained."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmsim.cli import main
+from sim.latency import STRAIGHT, latency_stages
+from sim.model import Run
+from sim.profile import load_profile
+from sim.scenario import PAPER, Lengths, Phase
+from sim.workload import make_trace, poisson_exact_arrivals, pool_turns
+
+POOL = PAPER.with_(prompt=Lengths("fixed", value=547), response=Lengths("fixed", value=8), shared_prefix=0,
+                   prompt_pool=10, deadline_s=1e9, delivery_horizon_s=1e9)
+
+
+def test_call_n_of_a_phase_sends_prompt_n_mod_the_pool():
+    assert pool_turns([12, 3], 5).tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 0, 1, 2]
+    tr = make_trace(1.0, POOL, 0, phases=[(0, 10, 3.0, "poisson_exact"), (10, 20, 2.0, "poisson_exact")])
+    assert len(tr) == 50
+    assert tr.prefix_group.tolist() == [n % 10 for n in range(30)] + [n % 10 for n in range(20)]
+    assert (tr.prompt_len == 547).all() and (tr.prefix_len == 546).all() and tr.shared_prefix == 0
+
+
+def test_the_pool_lengths_are_drawn_once_and_repeat_with_their_prompt():
+    sc = POOL.with_(prompt=Lengths("normal", mean=800, sd=200))
+    tr = make_trace(1.0, sc, 3, phases=[(0, 20, 3.0)])
+    for g in range(10):
+        assert len(set(tr.prompt_len[tr.prefix_group == g].tolist())) == 1
+    assert len(set(tr.prompt_len.tolist())) > 1
+
+
+def test_repeated_prompts_hit_the_whole_prompt_in_the_prefix_cache():
+    prof = load_profile("llama-3.1-8b")
+    tr = make_trace(1.0, POOL, 0, phases=[(0, 10, 4.0, "poisson_exact")])
+    log = Run(prof, tr, STRAIGHT, POOL, 0).run(until=1000.0)
+    c = log.counters
+    bs = prof.engine["block_size"]
+    # 30 repeats of the 10 prompts, each hitting all its full blocks short of its last token
+    assert c["prefix_cache_hits_total"] == 30 * ((547 - 1) // bs * bs)
+    assert c["prefix_cache_queries_total"] == 40 * 547
+
+
+def test_poisson_exact_arrivals_count_span_and_gaps():
+    rng = np.random.default_rng(1)
+    t = poisson_exact_arrivals(rng, 8.0, 100.0, 700.0)
+    assert len(t) == 4800 and np.all(np.diff(t) >= 0)
+    assert t[0] > 100.0 and t[-1] == pytest.approx(700.0, abs=1e-9) and t[-1] <= 700.0
+    gaps = np.diff(np.concatenate([[100.0], t]))
+    assert gaps.sum() == pytest.approx(600.0, rel=1e-12)
+    # exponential-ish: the coefficient of variation near 1 and about e^-1 of the gaps beyond the mean
+    assert abs(gaps.std() / gaps.mean() - 1) < 0.1
+    assert abs((gaps > gaps.mean()).mean() - np.exp(-1)) < 0.03
+    assert len(poisson_exact_arrivals(rng, 0.5, 0.0, 5.0)) == 2 and len(poisson_exact_arrivals(rng, 0.1, 0, 5)) == 0
+
+
+def test_constant_keeps_its_fixed_interval():
+    tr = make_trace(1.0, PAPER, 0, phases=[(0, 2, 2.0, "constant")])
+    assert tr.arrival.tolist() == [0.0, 0.5, 1.0, 1.5]
+
+
+def test_drained_stages_start_once_the_one_before_has_finished():
+    prof = load_profile("llama-3.1-8b")
+    stages = [(4.0, 10.0, "poisson_exact"), (200.0, 10.0, "poisson_exact"), (4.0, 10.0, "poisson_exact")]
+    rows = latency_stages(prof, stages, POOL)
+    assert [r["calls"] for r in rows] == [40, 2000, 40]
+    # the overloaded stage takes long to drain: the stage after it starts only once it has
+    assert rows[2]["start_s"] > rows[1]["start_s"] + 10.0 + rows[1]["e2e_p90"]
+    # any gap past the drain gives the same run (an idle engine keeps no clock)
+    again = latency_stages(prof, stages, POOL, gap_s=5000.0)
+    assert [r["calls"] for r in again] == [40, 2000, 40] and again[2]["start_s"] > rows[2]["start_s"]
+    assert [r["e2e_mean"] for r in again] == pytest.approx([r["e2e_mean"] for r in rows], rel=1e-8)
+
+
+def test_a_drained_phase_refused_where_arrivals_are_planned():
+    sc = POOL.with_(phases=(Phase(10.0, rate=1.0, name="a"), Phase(10.0, rate=1.0, name="b", drained=True)),
+                    burst=None)
+    with pytest.raises(ValueError, match="b starts drained"):
+        make_trace(1.0, sc, 0)
+    assert sc.phases[1].to_dict()["drained"] is True and "drained" not in sc.phases[0].to_dict()
+
+
+def test_pool_and_per_call_prompts_refused_together():
+    with pytest.raises(ValueError, match="prompt_pool and prefix_groups"):
+        make_trace(1.0, POOL.with_(prefix_groups=((100, 1.0),)), 0, phases=[(0, 5, 1.0)])
+    with pytest.raises(ValueError, match="prompt_pool must be a whole number"):
+        POOL.with_(prompt_pool=0)
+
+
+SCENARIO = """
+[model]
+profile = "llama-3.1-8b"
+[workload]
+prompt = {{ dist = "fixed", value = 547 }}
+response = {{ dist = "fixed", value = 8 }}
+{extra}
+phases = [ {{ name = "s0", rate = 4.0, duration_s = 10, arrivals = "{arrivals}" }},
+           {{ name = "s1", rate = 8.0, duration_s = 10, arrivals = "poisson_exact", drained = true }} ]
+"""
+
+
+def test_latency_stages_from_a_scenario_file(tmp_path, capsys):
+    f = tmp_path / "load.toml"
+    f.write_text(SCENARIO.format(extra="prompt_pool = 100", arrivals="poisson_exact"))
+    assert main(["latency", "--scenario", str(f), "--stages"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("s0: 4 calls/s (poisson_exact) for 10 s from 0.0 s, 40 calls")
+    assert out[1].startswith("s1: 8 calls/s (poisson_exact, drained)") and "80 calls" in out[1]
+    assert main(["run", "--scenario", str(f), "--condition", "cancel"]) == 2
+    assert "phases[1].drained" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,arrivals,says", [
+    ("prompt_pool = 0", "poisson", "workload.prompt_pool must be >= 1, got 0"),
+    ("prompt_pool = 10", "exact", "workload.phases[0].arrivals must be one of poisson, constant, poisson_exact, "
+                                  "got 'exact'"),
+    ("prompt_pool = 10\nshared_prefix = 100", "poisson", "workload.shared_prefix and workload.prompt_pool both given"),
+])
+def test_bad_workload_as_run_is_one_line(tmp_path, capsys, extra, arrivals, says):
+    f = tmp_path / "bad.toml"
+    f.write_text(SCENARIO.format(extra=extra, arrivals=arrivals))
+    assert main(["latency", "--scenario", str(f), "--stages"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
