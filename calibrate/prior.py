@@ -18,7 +18,8 @@ ways, the vocabulary too) and the efficiencies (`mfu`, `bw_eff`, `attn_eff`,
                   of weights per GPU cross PCIe every step)
   per_request_s   2 * hidden * vocab / TP / (peak * mfu)   (LM head, sampled token) + request_overhead_s
   per_prefill_pair_s = 4 * layers * heads/TP * head_dim / (peak * attn_eff)   (QK^T and PV per query-key pair)
-  per_decode_ctx_s   = KV bytes per token per GPU / (bandwidth * bw_eff)
+  per_decode_ctx_s   = KV bytes per token per GPU / (bandwidth * kv_bw_eff)   (paged KV reads: kv_bw_eff,
+                       bw_eff unless given)
 The linear form (form="linear", dense models) adds the weights' read to
 fixed_s; the roofline form (form="roofline") keeps it apart (`weights_s`) and
 a step takes the larger of its compute and its memory time; a mixture of
@@ -124,7 +125,7 @@ def kv_cache(shape: ModelShape, gpu: GPU, utilization: float = 0.9, block_size: 
 
 def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: float | None = None,
               step_overhead_s: float = 0.002, request_overhead_s: float = 2e-5, form: str = "linear",
-              serving: Serving | None = None, allreduce_eff: float = 0.7) -> dict:
+              serving: Serving | None = None, allreduce_eff: float = 0.7, kv_bw_eff: float | None = None) -> dict:
     """The step-time coefficients of the module docstring, as a profile's
     `step_time` object."""
     serving = serving or Serving()
@@ -135,6 +136,7 @@ def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: 
     if form == "moe" and not shape.experts:
         raise ValueError(f"form moe needs a mixture of experts; {shape.name} is dense")
     attn_eff = mfu if attn_eff is None else attn_eff
+    kv_bw_eff = bw_eff if kv_bw_eff is None else kv_bw_eff
     tp, per = serving.tensor_parallel_size, _per_gpu(shape, serving)
     fp8 = gpu.fp8_flops or gpu.peak_flops         # without FP8 tensor cores FP8 weights run at the 16-bit peak
     share = shape.active_quantized_share()
@@ -152,7 +154,7 @@ def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: 
         "per_request_s": 2 * shape.hidden * shape.vocab / tp / (gpu.peak_flops * mfu) + request_overhead_s,
         "per_token_s": flops_s + allreduce_s,
         "per_prefill_pair_s": 4 * shape.layers * shape.heads / tp * shape.head_dim / (gpu.peak_flops * attn_eff),
-        "per_decode_ctx_s": per["kv_per_token"] / (gpu.bandwidth * bw_eff),
+        "per_decode_ctx_s": per["kv_per_token"] / (gpu.bandwidth * kv_bw_eff),
     }
     if form == "linear":
         return out

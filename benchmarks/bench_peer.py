@@ -1,0 +1,72 @@
+"""Predicted against measured for every experiment of a measurements folder
+(the format of calibrate/data/peer-h100/), each engine derived from its
+model's config.json, its GPU and its tensor parallelism with one set of
+hardware efficiencies (calibrate.efficiencies): no profile of any of them.
+
+    python benchmarks/bench_peer.py                        # the fitted efficiencies on the handed folder
+    python benchmarks/bench_peer.py --measurements DIR     # any folder in that format
+    python benchmarks/bench_peer.py --fit -o eff.json      # fit the efficiencies first (progress shown)
+
+Prints one row per stage (E2E and TTFT means, measured and predicted, and
+the error predicted / measured - 1) and the medians of |error|."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from calibrate import efficiencies as ef  # noqa: E402
+from calibrate import measurements as ms  # noqa: E402
+
+
+def table(rows: list[dict], experiments: list) -> str:
+    by_id = {e.exp_id: e for e in experiments}
+    out = [f"{'exp':>16} {'model':<30} {'tp':>2} {'rate':>5}  {'E2E ms':>8} {'pred':>8} {'err':>6}  "
+           f"{'TTFT ms':>8} {'pred':>8} {'err':>6}"]
+    for r in rows:
+        e = by_id[r["exp_id"]]
+        out.append(f"{r['exp_id']:>16} {e.model.rsplit('/', 1)[-1][:30]:<30} {e.tp:>2} {r['rate']:>5g}  "
+                   f"{r['e2e_mean_measured'] * 1e3:>8.0f} {r['e2e_mean_simulated'] * 1e3:>8.0f} "
+                   f"{r['e2e_residual']:>+6.1%}  {r['ttft_mean_measured'] * 1e3:>8.1f} "
+                   f"{r['ttft_mean_simulated'] * 1e3:>8.1f} {r['ttft_residual']:>+6.1%}")
+    e2e, ttft = [abs(r["e2e_residual"]) for r in rows], [abs(r["ttft_residual"]) for r in rows]
+    out.append(f"median |E2E error| {statistics.median(e2e):.1%} (max {max(e2e):.1%}), "
+               f"median |TTFT error| {statistics.median(ttft):.1%} (max {max(ttft):.1%}) over {len(rows)} stages")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--measurements", default=ef.PEER_FOLDER, help="a measurements folder (default: the handed one)")
+    ap.add_argument("--efficiencies", default=ef.FITTED, help="a file of fitted efficiencies (default: the embedded)")
+    ap.add_argument("--fit", action="store_true", help="fit the efficiencies on the folder first")
+    ap.add_argument("-o", "--out", default=None, help="with --fit: write the fitted efficiencies here")
+    a = ap.parse_args(argv)
+    experiments = ms.read_experiments(a.measurements)
+    t = time.perf_counter()
+    if a.fit:
+        doc = ef.fitted_document(experiments, a.measurements, log=lambda s: print(s, file=sys.stderr, flush=True))
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(doc, f, indent=1)
+                f.write("\n")
+        eff = ef.Efficiencies(**doc["efficiencies"])
+        print(f"fitted in {time.perf_counter() - t:.0f} s: {doc['efficiencies']}; not identified: "
+              f"{', '.join(doc['not_identified']) or 'none'}")
+    else:
+        eff = ef.load(a.efficiencies)
+    print(f"efficiencies: {ef.describe(eff)}")
+    rows = ef.predict(experiments, a.measurements, eff)
+    print(table(rows, experiments))
+    print(f"({time.perf_counter() - t:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

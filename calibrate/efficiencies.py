@@ -1,0 +1,190 @@
+"""The hardware efficiencies of the physical step-time model
+(`calibrate.prior`), fitted once on public measurements of real vLLM: a
+folder in the format of `calibrate/data/peer-h100/` (`calibrate.measurements`),
+every experiment's engine derived from its model's config.json, its GPU and
+its tensor parallelism (`derived_profile`), simulated with its workload as
+it was run, its KV cache as the server reported it.
+
+The efficiencies (`Efficiencies`, one set for every model and GPU): the
+achieved fraction of peak FLOP/s of the matrix products (`mfu`) and of the
+attention (`attn_eff`), of the memory bandwidth in reading the weights
+(`bw_eff`) and the paged KV cache (`kv_bw_eff`), and of the
+link's bandwidth in all-reduces (`allreduce_eff`), the per-step and
+per-request overheads, and the time a call spends in the server outside the
+engine (`frontend_s`: HTTP, tokenization, the hand-over to the engine),
+added to every simulated mean. The fit (`fit`) minimises the log ratios simulated /
+measured of every stage's E2E and TTFT means (TTFT weighted `TTFT_WEIGHT`),
+over the efficiencies in log space within `BOUNDS` (scipy's least_squares,
+trf); it says which of them the data cannot identify (the Jacobian's
+standard errors, as `calibrate.measurements.identified_terms` reads them).
+
+For speed a stage of the fit is simulated over its first `FIT_STAGE_S`
+seconds of arrivals (the steady state is reached within a few E2E times);
+`predict` simulates every stage whole."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields, replace
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from sim.profile import Profile, from_dict
+
+from . import measurements as ms
+from .model_shape import shape_from_config
+from .prior import Serving, prior_profile
+
+TTFT_WEIGHT = 0.5         # a TTFT residual counts half an E2E one (TTFT is the noisier, smaller mean)
+FIT_STAGE_S = 150.0
+
+
+@dataclass(frozen=True)
+class Efficiencies:
+    mfu: float = 0.6
+    bw_eff: float = 0.8
+    kv_bw_eff: float = 0.8
+    attn_eff: float = 0.6
+    allreduce_eff: float = 0.7
+    step_overhead_s: float = 0.002
+    request_overhead_s: float = 2e-5
+    frontend_s: float = 0.005     # HTTP, tokenization and hand-over: added to every TTFT and E2E
+
+    def as_kwargs(self) -> dict:
+        """prior_profile's keyword arguments."""
+        return {k: v for k, v in asdict(self).items() if k != "frontend_s"}
+
+
+BOUNDS = {"mfu": (0.05, 1.0), "bw_eff": (0.2, 1.0), "kv_bw_eff": (0.2, 1.0), "attn_eff": (0.02, 1.0), "allreduce_eff": (0.05, 1.0),
+          "step_overhead_s": (1e-4, 0.05), "request_overhead_s": (1e-7, 1e-3), "frontend_s": (1e-4, 0.1)}
+NAMES = tuple(f.name for f in fields(Efficiencies))
+
+
+def config_path(e: ms.Experiment, folder: str) -> str:
+    """The experiment's config.json, relative to its measurements folder."""
+    rel = e.raw.get("config")
+    if not rel:
+        raise ms.MeasurementsError(f"experiment {e.exp_id}: no config (the model's config.json) to derive it from")
+    return os.path.join(folder, rel)
+
+
+def derived_profile(e: ms.Experiment, folder: str, eff: Efficiencies) -> Profile:
+    """The engine of experiment `e` derived from its model's config.json,
+    GPU and TP with efficiencies `eff`; its server flags and reported KV
+    blocks are applied by the simulation (`calibrate.measurements`)."""
+    with open(config_path(e, folder)) as f:
+        shape = shape_from_config(json.load(f), name=e.model.rsplit("/", 1)[-1])
+    k = eff.as_kwargs()
+    form = {} if shape.experts else {"form": "roofline"}
+    d = prior_profile(shape, e.gpu or "h100", mfu=k.pop("mfu"), bw_eff=k.pop("bw_eff"),
+                      serving=Serving(tensor_parallel_size=e.tp), max_num_seqs=e.flags["max_num_seqs"],
+                      max_num_batched_tokens=e.flags["max_num_batched_tokens"],
+                      max_model_len=e.flags["max_model_len"], **form, **k)
+    d["provenance"] = {"kind": "derived", "efficiencies": asdict(eff)}
+    return from_dict(d, f"experiment {e.exp_id}")
+
+
+def _shortened(e: ms.Experiment, stage_s: float | None) -> ms.Experiment:
+    if stage_s is None:
+        return e
+    return replace(e, stages=tuple(replace(s, as_run_s=min(s.as_run_s, stage_s)) if s.as_run_s else s
+                                   for s in e.stages))
+
+
+def predict(experiments: list[ms.Experiment], folder: str, eff: Efficiencies, stage_s: float | None = None,
+            log=None) -> list[dict]:
+    """One row per stage: measured and simulated means and their errors
+    (`calibrate.measurements.compare`'s rows), each experiment's engine derived."""
+    rows = []
+    for e in experiments:
+        rows += ms.compare(derived_profile(e, folder, eff), [_shortened(e, stage_s)], log=log,
+                           frontend_s=eff.frontend_s)
+    return rows
+
+
+def _residuals(rows: list[dict]) -> np.ndarray:
+    return np.array([math.log(1 + r["e2e_residual"]) for r in rows]
+                    + [TTFT_WEIGHT * math.log(1 + r["ttft_residual"]) for r in rows])
+
+
+def fit(experiments: list[ms.Experiment], folder: str, start: Efficiencies = Efficiencies(),
+        stage_s: float | None = FIT_STAGE_S, log=print) -> dict:
+    """The efficiencies that bring the derived engines closest to the
+    measurements (module docstring), with the stages' errors and which
+    efficiencies the data identify."""
+    # each efficiency as 1 + the log of its ratio to `start`: finite differences of one size (diff_step,
+    # relative to x, about 1) for all
+    x_start = np.array([getattr(start, n) for n in NAMES])
+    lo = 1 + np.log([BOUNDS[n][0] for n in NAMES] / x_start)
+    hi = 1 + np.log([BOUNDS[n][1] for n in NAMES] / x_start)
+    evals = [0]
+
+    def eff_of(x) -> Efficiencies:
+        return Efficiencies(**{n: float(v0 * math.exp(v - 1)) for n, v0, v in zip(NAMES, x_start, x)})
+
+    def resid(x):
+        evals[0] += 1
+        eff = eff_of(x)
+        r = _residuals(predict(experiments, folder, eff, stage_s))
+        log(f"  evaluation {evals[0]}: " + ", ".join(f"{n} {getattr(eff, n):.3g}" for n in NAMES)
+            + f" -> rms log error {math.sqrt(float(np.mean(r ** 2))):.4f}")
+        return r
+
+    sol = least_squares(resid, np.ones(len(NAMES)), bounds=(lo, hi), diff_step=0.05, xtol=1e-3, ftol=1e-3,
+                        max_nfev=60)
+    eff = eff_of(sol.x)
+    se = _standard_errors(sol.jac, sol.fun)
+    return {"efficiencies": asdict(eff),
+            "log_standard_error": {n: s for n, s in zip(NAMES, se)},
+            "not_identified": [n for n, s in zip(NAMES, se) if not s < 0.5],
+            "evaluations": evals[0], "stage_s": stage_s}
+
+
+def _standard_errors(jac: np.ndarray, r: np.ndarray) -> list[float]:
+    """Each parameter's standard error (log space) from the Jacobian; inf
+    where the data do not constrain it."""
+    dof = max(1, len(r) - jac.shape[1])
+    s2 = float(r @ r) / dof
+    try:
+        cov = np.linalg.pinv(jac.T @ jac) * s2
+    except np.linalg.LinAlgError:
+        return [math.inf] * jac.shape[1]
+    return [math.sqrt(v) if v > 0 and math.isfinite(v) else math.inf for v in np.diag(cov)]
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEER_FOLDER = os.path.join(HERE, "data", "peer-h100")
+FITTED = os.path.join(HERE, "data", "efficiencies.json")
+
+
+def describe(eff: Efficiencies) -> str:
+    return ", ".join(f"{n} {getattr(eff, n):.3g}" for n in NAMES)
+
+
+def load(path: str = FITTED) -> Efficiencies:
+    """The efficiencies of a file `fitted_document` wrote (default: the
+    embedded fit). ValueError naming the file and key when it is not one."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return Efficiencies(**{n: float(doc["efficiencies"][n]) for n in NAMES})
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a file of fitted efficiencies ({e!r}); write one with "
+                         f"benchmarks/bench_peer.py --fit -o FILE") from None
+
+
+def fitted_document(experiments: list[ms.Experiment], folder: str, log=print) -> dict:
+    """The fit (`fit`) and every stage simulated whole with its result: what
+    `calibrate/data/efficiencies.json` holds."""
+    import datetime
+
+    res = fit(experiments, folder, log=log)
+    eff = Efficiencies(**res["efficiencies"])
+    rows = predict(experiments, folder, eff)
+    keep = ("exp_id", "stage", "rate", "e2e_mean_measured", "e2e_mean_simulated", "e2e_residual",
+            "ttft_mean_measured", "ttft_mean_simulated", "ttft_residual")
+    return {**res, "stages": [{k: r[k] for k in keep} for r in rows],
+            "source": os.path.relpath(folder, os.path.dirname(HERE)), "date": datetime.date.today().isoformat(),
+            "tool": "python benchmarks/bench_peer.py --fit -o calibrate/data/efficiencies.json"}
