@@ -318,7 +318,7 @@ class GroupGateway(Gateway):
         gw = self.policy
         self.group = UpstreamGroup(gw, gw.upstream_servers, random)
         self.counts.update(dict.fromkeys(GROUP_COUNTS, 0))
-        self._listed = self.retrier.policy.retry_statuses     # nginx: a status counts where proxy_next_upstream lists it
+        self._listed = self.retrier.policy.retry_statuses     # nginx: a status counts where proxy_next_upstream has it
         self._pending: dict = {}        # upstream attempt -> its server, until its result is told to the group
         self.alone_calls: set = set()   # calls with an attempt the gateway answered by itself
         self.burst_end = None

@@ -158,7 +158,6 @@ class Haproxy(_Rule):
         if self.errors[s] < self.gw.fails_to_mark_down:
             return None
         self.errors[s] = 0
-        was_up = self.health[s] >= self.gw.rise
         mode, rise = self.gw.on_error, self.gw.rise
         if mode == "sudden-death":
             self.health[s] = min(self.health[s], rise + 1)
@@ -167,9 +166,9 @@ class Haproxy(_Rule):
             self._failed_check(s)
         elif mode == "mark-down":
             self.health[s] = 0
-        if was_up and self.health[s] < rise:
-            # back after `rise` good checks: the checks at the next multiples of the interval
-            return (math.floor(t / self.gw.check_interval_s) + rise) * self.gw.check_interval_s
+        if self.health[s] < rise:
+            # back after good checks up to `rise`: the checks at the next multiples of the interval
+            return (math.floor(t / self.gw.check_interval_s) + rise - self.health[s]) * self.gw.check_interval_s
         return None
 
 
