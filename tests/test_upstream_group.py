@@ -7,6 +7,8 @@ refused in one line. The scenario is the tiny one of test_preset_client on
 two or three replicas."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -144,3 +146,35 @@ def test_what_a_group_cannot_stand_before_is_refused_in_one_line(change, why):
     with pytest.raises(ScenarioError, match=why) as e:
         dep.run(0)
     assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------ margin and advise along the group's keys
+@pytest.mark.parametrize("axis", ["layer.gateway.fails_to_mark_down", "layer.gateway.down_for_s",
+                                  "layer.gateway.timeout_s"])
+def test_margin_moves_a_groups_passive_health_and_timeout(axis):
+    from sim.experiments import margin as M
+    dep = _dep([SDK, dict(NGINX, upstream_servers=2)], "replica", 2, "cancel")
+    prof = replace(dep.profile, capacity=dep.capacity)
+    res = M.margin(prof, dep.scenario, dep.condition_for(), [0, 1], [axis], workers=1, fleet=dep.fleet,
+                   layers=dep.run_layers())
+    ax = res["axes"][0]
+    key = axis.split(".")[-1]
+    assert ax["baseline"] == dep.run_layers()[1][key] and ax["probes"]
+    if key == "fails_to_mark_down":
+        assert all(float(x["x"]).is_integer() for x in ax["probes"])
+
+
+def test_a_group_axis_on_a_gateway_of_one_server_is_refused():
+    from sim.experiments import margin as M
+    layers = _dep([SDK, NGINX], "replica", 2).run_layers()
+    with pytest.raises(ValueError, match="one upstream server"):
+        M.parse_axes(["layer.gateway.down_for_s"], layers)
+
+
+def test_advise_tries_a_groups_passive_health():
+    from sim.experiments.advise import gateway_settings
+    dep = _dep([SDK, dict(NGINX, upstream_servers=2)], "replica", 2)
+    gw = dep.run_layers()[1]
+    tried = gateway_settings(gw, dep.scenario)
+    pairs = {(g["fails_to_mark_down"], g["down_for_s"]) for g in tried}
+    assert {(1, 10.0), (0, 10.0), (3, 10.0), (1, 10.0 / 3), (1, 30.0)} <= pairs
