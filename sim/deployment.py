@@ -53,7 +53,7 @@ from .conditions import Condition, get_condition
 from .fleet import FleetSpec, run_fleet
 from .policy.layers import layer_kind
 from .policy.proxy import ProxyConfig
-from .policy.stack import Stack
+from .policy.stack import Stack, check_group
 from .profile import Profile
 from .run import run_one, workload_capacity
 from .scenario import Scenario
@@ -148,7 +148,27 @@ class Deployment:
             return None
         self.require_simulated(layers=True)
         router = self.fleet.router if self.fleet is not None else None
-        return Stack.under_layers(condition, self.run_layers(), self.scenario, router)
+        stack = Stack.under_layers(condition, self.run_layers(), self.scenario, router)
+        if stack.upstream_group:
+            self.require_group(stack)
+        return stack
+
+    def require_group(self, stack: Stack) -> None:
+        """Raises (one line) unless a gateway's upstream group can balance
+        the fleet's replicas (`sim.policy.stack.check_group`): a [fleet] of
+        as many replicas, a sidecar proxy before each, and no autoscaler
+        (open-source nginx does not discover servers: a replica that comes
+        and goes is not in its upstream block)."""
+        if self.fleet is None:
+            raise ScenarioError(f"{self.name}: upstream_servers = {stack.upstream_group}: a gateway's upstream "
+                                "group balances a [fleet]'s replicas; give [fleet] replicas (and proxy = \"replica\")")
+        if self.fleet.autoscaler is not None:
+            raise ScenarioError(f"{self.name}: upstream_servers: a gateway's upstream group over an [autoscaler]'s "
+                                "replicas is not simulated (its upstream block lists fixed servers)")
+        try:
+            check_group(stack, self.fleet.replicas)
+        except ValueError as e:
+            raise ScenarioError(f"{self.name}: {e}") from None
 
     def run_layers(self) -> tuple | None:
         """The [[layer]] tables' effective settings as a run takes them

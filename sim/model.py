@@ -130,8 +130,12 @@ class Run(Interpreter):
             return []
         draws = uniform_draws(np.random.default_rng([seed, 2]))
         objective = call_objectives(self.trace, self.scenario)
-        return [layer_kind(kind).make(settings, LayerContext(draws, self.replicas.pods, objective.__getitem__, i + 1))
-                for i, (kind, settings) in enumerate(self.stack.chain)]
+        layers = [layer_kind(kind).make(settings, LayerContext(draws, self.replicas.pods, objective.__getitem__, i + 1))
+                  for i, (kind, settings) in enumerate(self.stack.chain)]
+        for layer in layers:
+            if hasattr(layer, "burst_end"):     # a gateway's upstream group dates its verdict by the burst's end
+                layer.burst_end = self.scenario.pulse_end
+        return layers
 
     def _timers(self, condition: Condition) -> Timers:
         """The run's timers; where every input a timer brings reaches the

@@ -79,6 +79,9 @@ class Records:
         if layers:             # what each layer between the client and the proxy did, from the top
             extra["layers"] = [{"kind": kind, "preset": settings.get("preset"), **dict(layer.counts)}
                                for (kind, settings), layer in zip(chain, layers)]
+            for d, layer in zip(extra["layers"], layers):
+                if hasattr(layer, "record"):        # a gateway's upstream group (sim.policy.upstream)
+                    d["upstream_group"] = layer.record(end)
         proxy_queue = sample_log(proxy_queue_log, ts, 1).astype(np.int64)
         series = Series(t=ts, waiting=sum(waiting[1:], waiting[0]), running=sum(running[1:], running[0]),
                         proxy_queue=proxy_queue)

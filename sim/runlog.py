@@ -64,8 +64,9 @@ def refusal_outcome(reason: str) -> str:
 # attempt
 _REFUSALS = {"budget": "refused_budget", "engine": "refused_engine", "class_shed": "refused_shed",
              "class_budget": "refused_shed", "class_cap": "refused_shed"}
-# a gateway's own refusals (sim.policy.gateway): its upstream timeout (504), its queue full or timed out (503), shed
-GATEWAY_REASONS = ("upstream_timeout", "queue_full", "queue_timeout", "shed")
+# a gateway's own refusals (sim.policy.gateway): its upstream timeout (504), its queue full or timed out (503), shed,
+# no server of its upstream group left (nginx's 502 "no live upstreams")
+GATEWAY_REASONS = ("upstream_timeout", "queue_full", "queue_timeout", "shed", "no_live_upstream")
 ATTEMPT_OUTCOMES = ("", "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy", "refused_gateway",
                     "refused_shed")
 CALL_OUTCOMES = ("", "delivered", "failed_attempts", "failed_retry_after")

@@ -65,7 +65,10 @@ setting whose layers differ from the scenario's is named
 `CONDITION;client=KEY=VALUE,...` (a layer's kind, then its changed keys).
 A gateway layer's keys likewise (`gateway_settings`): its upstream timeout
 (its own, and half, one, two and five deadlines), its retries (its own, none,
-one) and whether it passes a client's disconnect on. `only = "client"`
+one) and whether it passes a client's disconnect on; with an upstream group
+(`upstream_servers` over the fleet's replicas) its passive health: off, three
+times the failures before a server goes out, a third and three times the
+time out. `only = "client"`
 crosses the client conditions (retries on, off) with every client setting;
 `only = "gateway"` keeps the scenario's controls and tries every gateway
 setting; the full search runs the control grid under the scenario's layers
@@ -221,6 +224,13 @@ def gateway_settings(gateway: dict, scenario: Scenario) -> list[dict]:
                     g["passes_disconnect"] = p
                 if g not in out:
                     out.append(g)
+    if gateway.get("upstream_servers", 1) > 1:      # an upstream group: its passive health too
+        fails = gateway.get("fails_to_mark_down") or 0
+        down = gateway.get("down_for_s") or 0.0
+        for f, d in ((0, down), (max(1, fails) * 3, down), (fails, down / 3), (fails, down * 3)):
+            g = dict(gateway, fails_to_mark_down=f, down_for_s=d)
+            if g not in out:
+                out.append(g)
     return out
 
 

@@ -196,6 +196,9 @@ class LayerAxis:
         return i
 
     def baseline(self, scenario: Scenario, fleet: FleetSpec | None = None, layers: tuple | None = None) -> float:
+        if self.key in GROUP_KEYS and layers[self.index(layers)].get("upstream_servers", 1) <= 1:
+            raise ValueError(f"{self.name}: the {self.kind} layer has one upstream server and marks none down; "
+                             "give it upstream_servers over a [fleet]'s replicas (an upstream group)")
         v = layers[self.index(layers)].get(self.key)
         if v is None:
             raise ValueError(f"{self.name}: the {self.kind} layer sets no {self.key} (no limit): give it one in the "
@@ -237,7 +240,14 @@ LAYER_AXES = {(a.kind, a.key): a for a in [
     LayerAxis("client", "backoff_base_s", False, 0.01, 600.0, False, "the client layer's first backoff wait in s"),
     LayerAxis("gateway", "timeout_s", False, 0.5, 7200.0, False, "the gateway layer's upstream timeout in s"),
     LayerAxis("gateway", "max_retries", True, 0, 32, True, "the gateway layer's retries per attempt from above"),
+    # an upstream group's passive health (sim.policy.upstream): more failures before a server goes out is safer,
+    # a longer time out is worse
+    LayerAxis("gateway", "fails_to_mark_down", False, 1, 1000, True,
+              "the gateway's failures that take a server of its upstream group out of rotation"),
+    LayerAxis("gateway", "down_for_s", True, 0.5, 3600.0, False,
+              "how long a server of the gateway's upstream group stays out of rotation, in s"),
 ]}
+GROUP_KEYS = ("fails_to_mark_down", "down_for_s")     # axes of a gateway's upstream group only
 SIMULATED_KINDS = ("client", "gateway")          # the kinds of layer whose keys are axes
 
 

@@ -31,9 +31,15 @@ For each attempt from the layer above (a `Relay`):
   else it is sent when its turn comes with nobody waiting; a retry waiting
   its backoff is not sent.
 
-Not simulated: passive health (`fails_to_mark_down`, `down_for_s`) and
-several upstream servers behind one gateway (the cluster's router places
-requests). `counts` keeps what the gateway did (`COUNTS`)."""
+A gateway of one upstream server leaves the placement to the cluster's
+router and marks no server down. A gateway whose `upstream_servers` is
+more than one (`GroupGateway`) balances a fleet's replicas itself, its
+upstream group (`sim.policy.upstream.UpstreamGroup`): each upstream
+attempt goes to the server the group picks (`Upstream.server`), each
+answer, timeout and disconnect is told to the group's passive-health rule,
+and when no server is left the gateway answers by itself with
+`no_live_status` (reason `no_live_upstream`). `counts` keeps what the
+gateway did (`COUNTS`, and for a group `GROUP_COUNTS`)."""
 from __future__ import annotations
 
 import math
@@ -43,6 +49,7 @@ from .layers import LayerKind, Leave, RunOn, Send, Timer, Upstream, register
 from .presets import PRESETS, policies, preset
 from .proxy import Attempt, Complete, Refuse
 from .retry import STATUS, TIMEOUT, Admit, Failure, Retrier, RetryAt
+from .upstream import CLOSED, FAIL, OK, UpstreamGroup
 
 INF = math.inf
 # what a gateway counts: upstream attempts sent, retries, its own refusals by reason, disconnects passed on,
@@ -72,6 +79,7 @@ class Gateway:
     draws in [0, 1) for the backoff's jitter; `pods(t)` and `priority(call)`
     feed the shedding (None: nothing is shed)."""
     kind = "gateway"
+    relay_class = Relay
 
     def __init__(self, settings: dict, random, pods=None, priority=None):
         retry, gw = policies(settings)
@@ -102,7 +110,7 @@ class Gateway:
                 self.counts["shed"] += 1
                 attempt.open = False
                 return [Refuse(attempt, shed.status, None, shed.reason)]
-        r = Relay(attempt, self.retrier.start(t))
+        r = self.relay_class(attempt, self.retrier.start(t))
         self.relays[attempt] = r
         out: list = []
         self._admit(t, r, out)
@@ -286,6 +294,99 @@ class Gateway:
                 self._forward(t, r, out)
 
 
+GROUP_COUNTS = ("no_live_upstream", "marked_down")
+
+
+class GroupRelay(Relay):
+    """A relay of a gateway with an upstream group: `tried`, the servers of its upstream attempts."""
+    __slots__ = ("tried",)
+
+    def __init__(self, above: Attempt, retries):
+        super().__init__(above, retries)
+        self.tried: list = []
+
+
+class GroupGateway(Gateway):
+    """A gateway in front of `upstream_servers` engines, balancing them
+    itself (see the module docstring); `group` is its `UpstreamGroup`.
+    `burst_end`, where set, dates the record's verdict on the servers out
+    of rotation after the burst (`record`)."""
+    relay_class = GroupRelay
+
+    def __init__(self, settings: dict, random, pods=None, priority=None):
+        super().__init__(settings, random, pods, priority)
+        gw = self.policy
+        self.group = UpstreamGroup(gw, gw.upstream_servers, random)
+        self.counts.update(dict.fromkeys(GROUP_COUNTS, 0))
+        self._listed = self.retrier.policy.retry_statuses     # nginx: a status counts where proxy_next_upstream has it
+        self._pending: dict = {}        # upstream attempt -> its server, until its result is told to the group
+        self.alone_calls: set = set()   # calls with an attempt the gateway answered by itself
+        self.burst_end = None
+
+    def _forward(self, t: float, r: Relay, out: list) -> None:
+        s = self.group.pick(t, r.above.call_id, r.tried)
+        if s is None:                   # no server left: the gateway answers by itself
+            self.counts["no_live_upstream"] += 1
+            self.alone_calls.add(r.above.call_id)
+            r.state = "upstream"        # as one sent and answered at once
+            self._answer(r, Refuse(r.above, self.policy.no_live_status, None, "no_live_upstream"), out)
+            return
+        r.tried.append(s)
+        super()._forward(t, r, out)
+        up = r.upstream
+        up.server = s
+        self.group.sent(s)
+        self._pending[up] = s
+
+    def _tell(self, t: float, up: Upstream, outcome: str, status: int | None = None) -> None:
+        s = self._pending.pop(up, None)
+        if s is not None and self.group.result(t, s, outcome, status):
+            self.counts["marked_down"] += 1
+
+    def _counts_as_failure(self, status: int) -> bool:
+        h = self.policy.health
+        if h == "nginx":
+            return status in self._listed
+        if h == "haproxy":
+            return 500 <= status <= 504 and status != 501
+        if h == "envoy":
+            return status >= 500
+        return status >= 400
+
+    def on_complete(self, t: float, up: Upstream) -> list:
+        self._tell(t, up, OK)
+        return super().on_complete(t, up)
+
+    def on_refused(self, t: float, up: Upstream, status: int, retry_after: float | None = None,
+                   reason: str = "") -> list:
+        self._tell(t, up, FAIL if self._counts_as_failure(status) else OK, status)
+        return super().on_refused(t, up, status, retry_after, reason)
+
+    def on_timer(self, t: float, token) -> list:
+        if type(token) is Upstream and token.open and self.relays.get(token.above) is not None \
+                and self.relays[token.above].upstream is token:
+            self._tell(t, token, FAIL)          # the gateway's upstream timeout
+        return super().on_timer(t, token)
+
+    def on_attempt_left(self, t: float, attempt: Attempt) -> list:
+        r = self.relays.get(attempt)
+        up = r.upstream if r is not None and r.state == "upstream" else None
+        out = super().on_attempt_left(t, attempt)
+        if up is not None and self.policy.passes_disconnect:
+            self._tell(t, up, CLOSED)           # nginx frees the peer as a success (state 0)
+        return out
+
+    def _release(self, t: float, up: Upstream, out: list) -> None:
+        if not up.closed and up.server >= 0:
+            self.group.closed(up.server)
+        super()._release(t, up, out)
+
+    def record(self, end: float) -> dict:
+        """The group's part of the run's record (`UpstreamGroup.record`)."""
+        return {**self.group.record(end, self.burst_end), "answered_alone": self.counts["no_live_upstream"],
+                "calls_answered_alone": len(self.alone_calls)}
+
+
 def settings(preset_name: str | None, overrides: dict) -> dict:
     """A gateway [[layer]]'s effective settings (`sim.policy.presets.preset`)."""
     if preset_name is None:
@@ -295,9 +396,10 @@ def settings(preset_name: str | None, overrides: dict) -> dict:
 
 def make(settings: dict, context) -> Gateway:
     uniform = context.uniform
-    return Gateway(settings, lambda: uniform(0.0, 1.0), pods=context.pods, priority=context.priority)
+    kind = GroupGateway if settings.get("upstream_servers", 1) > 1 else Gateway
+    return kind(settings, lambda: uniform(0.0, 1.0), pods=context.pods, priority=context.priority)
 
 
 GATEWAY = register(LayerKind("gateway", settings, make))
 
-__all__ = ["Gateway", "Relay", "COUNTS", "GATEWAY"]
+__all__ = ["Gateway", "GroupGateway", "Relay", "COUNTS", "GROUP_COUNTS", "GATEWAY"]

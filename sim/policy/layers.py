@@ -112,8 +112,10 @@ class Upstream(Attempt):
     above (`above`); `layer` is the layer that sent it and hears its answer.
     `row` is the driver's (the attempt-log row of the client's attempt it
     serves); `ran_on` marks one nobody waits for any more, `closed` one
-    whose connection the layer has closed or seen answered."""
-    __slots__ = ("layer", "above", "row", "ran_on", "closed")
+    whose connection the layer has closed or seen answered; `server`, the
+    server of a gateway's upstream group it goes to (-1: none chosen, the
+    cluster places it)."""
+    __slots__ = ("layer", "above", "row", "ran_on", "closed", "server")
 
     def __init__(self, call_id: int, number: int, deadline: float, layer, above: Attempt):
         super().__init__(call_id, number, deadline, above.klass)     # the call's class, for shedding by class
@@ -122,6 +124,7 @@ class Upstream(Attempt):
         self.row = -1
         self.ran_on = False
         self.closed = False
+        self.server = -1
 
 
 # actions of a layer between the client and the proxy (answers to the layer above: proxy.Complete / proxy.Refuse)

@@ -136,6 +136,7 @@ WITH_RETRY = Preset("client", "langchain-core Runnable.with_retry()", "langchain
 ))
 
 # ---- LiteLLM 1.110.2: the proxy, whose Router retries -------------------------
+_LITELLM_CD = "router_utils/cooldown_handlers.py (the Python router; its version not pinned)"
 LITELLM = Preset("gateway", "litellm (proxy, Router)", "1.110.2", {
     "timeout_s": _c(600.0, "router_rust/invoke/endpoints.py default_litellm_params: \"timeout\" is the Router's "
                            "explicit timeout (None by default); litellm_core_utils/completion_timeout.py "
@@ -175,19 +176,29 @@ LITELLM = Preset("gateway", "litellm (proxy, Router)", "1.110.2", {
     "queue_timeout_s": _c(None, "no queue"),
     "upstream_servers": _c(1, "one deployment in the model group"),
     "next_server_only": _c(False, "retries may go to the same deployment"),
-    "fails_to_mark_down": _c(4, "litellm/__init__.py allowed_fails = 3 (constants.py DEFAULT_ALLOWED_FAILS); "
-                                "router.py docstring: \"Number of times a deployment can fail before being added "
-                                "to cooldown\" (the count is kept in the compiled core: not verified)"),
+    "fails_to_mark_down": _c(5, f"{_LITELLM_CD} _should_cooldown_deployment, v2 logic while allowed_fails keeps "
+                                "its default: percent_fails > DEFAULT_FAILURE_THRESHOLD_PERCENT once the minute has "
+                                "DEFAULT_FAILURE_THRESHOLD_MINIMUM_REQUESTS (5) requests, not for a group of one; "
+                                "1.110.2's compiled core: not verified"),
     "down_for_s": _c(5.0, "router_rust/core.py: cooldown_time or DEFAULT_COOLDOWN_TIME_SECONDS "
                           "(constants.py: 5); router.py's docstring says 1: the code's value is used"),
+    "balance": _c("random", "router.py Router(routing_strategy=\"simple-shuffle\"): a random deployment, weighted "
+                            "only where rpm/tpm/weight are set (least-busy: least-conn)"),
+    "health": _c("litellm", f"{_LITELLM_CD} _should_cooldown_deployment: a 429 in a group of more than one, or the "
+                            "minute's failure share; _is_cooldown_required: 429, 401, 408, 404 and 5xx"),
+    "retry_server": _c("any", "router.py: each retry picks a deployment again among those not cooling down"),
+    "no_live_status": _c(429, "router.py RouterRateLimitError \"No deployments available\" (status 429): not "
+                              "verified in 1.110.2"),
+    "failure_rate": _c(0.5, "constants.py DEFAULT_FAILURE_THRESHOLD_PERCENT = 0.5"),
 }, notes=(
     "The Router's own openai client makes no retries (default_litellm_params: \"max_retries\": 0).",
     "A retry waits 0 s instead of the backoff while another deployment is healthy "
     "(router_rust/core.py _sleep_seconds, after _time_to_sleep_before_retry); the preset keeps the backoff, as "
     "for a model group with no other healthy deployment. Which deployments count is decided in the compiled "
     "core: not verified; set backoff = \"none\" for the immediate retry.",
-    "A deployment is also cooled down when half its requests in a minute fail "
-    "(constants.py DEFAULT_FAILURE_THRESHOLD_PERCENT = 0.5): not modelled.",
+    "The cooldown of a group of several deployments (upstream_servers > 1): the minute's failure share, as the "
+    "Python router's cooldown_handlers.py decides it (the 100%-failure rule at 1000 requests a minute is left "
+    "out).",
     "Set passes_disconnect = true for general_settings.cancel_on_disconnect: true.",
 ))
 
@@ -234,6 +245,18 @@ NGINX = Preset("gateway", "nginx", "1.22.1", {
                                  "ngx_http_upstream_tries counts one try per server"),
     "fails_to_mark_down": _c(1, "ngx_http_upstream.c ngx_http_upstream_server: max_fails = 1"),
     "down_for_s": _c(10.0, "ngx_http_upstream.c ngx_http_upstream_server: fail_timeout = 10"),
+    "balance": _c("round-robin", "ngx_http_upstream_round_robin.c ngx_http_upstream_get_peer: smooth weighted "
+                                 "round robin, the default method (least_conn, hash: their modules)"),
+    "health": _c("nginx", "ngx_http_upstream_round_robin.c 1.22.1 ngx_http_upstream_get_peer (skips a peer with "
+                          "fails >= max_fails while now - checked <= fail_timeout; sets checked = now on the first "
+                          "pick after it) and ngx_http_upstream_free_round_robin_peer (NGX_PEER_FAILED: fails++, "
+                          "accessed = checked = now; else fails = 0 if accessed < checked; peers->single: nothing "
+                          "counted); ngx_http_upstream.c ngx_http_upstream_next: every ft_type but 403 and 404 is "
+                          "NGX_PEER_FAILED, a status only where proxy_next_upstream lists it"),
+    "retry_server": _c("other", "ngx_http_upstream_get_peer skips the peers in rrp->tried"),
+    "no_live_status": _c(502, "ngx_http_upstream.c ngx_http_upstream_connect: NGX_BUSY logs \"no live upstreams\" "
+                              "and calls ngx_http_upstream_next(NGX_HTTP_UPSTREAM_FT_NOLIVE), answered "
+                              "NGX_HTTP_BAD_GATEWAY"),
 }, notes=(
     "A read timeout on a POST already sent is answered 504 and never passed to another server; only a "
     "connection error (the request not sent) moves on, to another server.",
@@ -279,8 +302,21 @@ HAPROXY = Preset("gateway", "haproxy", "2.6.0", {
     "queue_status": _c(503, "doc/configuration.txt \"timeout queue\": dropped and a 503 error is returned"),
     "upstream_servers": _c(1, "one server in the backend"),
     "next_server_only": _c(False, "retries stay on the same server unless \"option redispatch\""),
-    "fails_to_mark_down": _c(None, "passive health (\"observe\") is off by default"),
-    "down_for_s": _c(0.0, "no passive health"),
+    "fails_to_mark_down": _c(None, "passive health (\"observe\") is off by default; with \"check observe "
+                                   "layer7\", doc/configuration.txt \"error-limit\": 10 consecutive errors by default"),
+    "down_for_s": _c(0.0, "unused: a server marked down comes back after \"rise\" good checks (check_interval_s)"),
+    "balance": _c("round-robin", "doc/configuration.txt \"balance\": roundrobin (leastconn: least-conn)"),
+    "health": _c("haproxy", "doc/configuration.txt \"observe\": layer7 errors are statuses other than 100-499, "
+                            "501 and 505, and timeouts; it \"requires to enable health checks\""),
+    "retry_server": _c("same", "doc/configuration.txt \"option redispatch\" is off by default: a retry stays on "
+                               "its server"),
+    "no_live_status": _c(503, "doc/configuration.txt \"timeout queue\": a request that no server takes is "
+                              "answered 503 (\"no server available\"): not verified in source"),
+    "check_interval_s": _c(2.0, "doc/configuration.txt \"inter\": the delay defaults to 2000 ms (fastinter, "
+                                "downinter: inter when unset)"),
+    "rise": _c(2, "doc/configuration.txt \"rise\": defaults to 2"),
+    "fall": _c(3, "doc/configuration.txt \"fall\": defaults to 3"),
+    "on_error": _c("fail-check", "doc/configuration.txt \"on-error\": fail-check (default)"),
 }, notes=(
     "`retries` counts connection attempts: once a connection is established nothing is retried unless "
     "retry-on names more than conn-failure.",
@@ -290,6 +326,8 @@ HAPROXY = Preset("gateway", "haproxy", "2.6.0", {
 # ---- Envoy (API v3) -------------------------------------------------------------
 _ENVOY_ROUTE = "api/envoy/config/route/v3/route_components.proto (envoy main, commit 0035e40)"
 _ENVOY_CB = "api/envoy/config/cluster/v3/circuit_breaker.proto (envoy main, commit 01c2c1f)"
+_ENVOY_OD = ("api/envoy/config/cluster/v3/outlier_detection.proto as its comments read (read in APIs copied from "
+              "it; the envoy repository itself not read)")
 ENVOY = Preset("gateway", "envoy", "API v3 (main at commit 0035e40; these defaults unchanged since v1.x)", {
     "timeout_s": _c(None, f"{_ENVOY_ROUTE} RetryPolicy.per_try_timeout: unset, the route timeout applies"),
     "deadline_s": _c(15.0, f"{_ENVOY_ROUTE} RouteAction.timeout: \"If not specified, the default is 15s\"; "
@@ -338,8 +376,24 @@ ENVOY = Preset("gateway", "envoy", "API v3 (main at commit 0035e40; these defaul
     "queue_status": _c(503, "circuit breaker overflow is answered 503: not verified in source"),
     "upstream_servers": _c(1, "one host in the cluster"),
     "next_server_only": _c(False, "a retry may pick the same host (retry_host_predicate unset)"),
-    "fails_to_mark_down": _c(None, "outlier detection is off by default"),
-    "down_for_s": _c(0.0, "no outlier detection"),
+    "fails_to_mark_down": _c(None, f"outlier detection is off by default (Cluster.outlier_detection unset); "
+                                   f"{_ENVOY_OD} consecutive_5xx: \"Defaults to 5\" once configured"),
+    "down_for_s": _c(30.0, f"{_ENVOY_OD} base_ejection_time: \"Defaults to 30000ms or 30s\", times the host's "
+                           "ejections"),
+    "balance": _c("round-robin", "api/envoy/config/cluster/v3/cluster.proto Cluster.lb_policy: ROUND_ROBIN by "
+                                 "default (LEAST_REQUEST: least-request); not verified in source"),
+    "health": _c("envoy", f"{_ENVOY_OD}; arch overview outlier detection: locally originated errors (a timeout) "
+                          "count as 5xx unless split_external_local_origin_errors: not verified in source"),
+    "retry_server": _c("any", f"{_ENVOY_ROUTE} RetryPolicy.retry_host_predicate unset: a retry is a new pick of "
+                              "the load balancer"),
+    "no_live_status": _c(503, "router filter: \"no healthy upstream\" is answered 503: not verified in source"),
+    "check_interval_s": _c(10.0, f"{_ENVOY_OD} interval: \"Defaults to 10000ms or 10s\" (the ejection sweep)"),
+    "max_ejection_percent": _c(10.0, f"{_ENVOY_OD} max_ejection_percent: \"Defaults to 10% but will eject at "
+                                     "least one host regardless of the value\""),
+    "panic_threshold_percent": _c(50.0, "api/envoy/config/cluster/v3/cluster.proto "
+                                        "CommonLbConfig.healthy_panic_threshold: 50% by default; not verified in "
+                                        "source"),
+    "max_down_for_s": _c(300.0, f"{_ENVOY_OD} max_ejection_time: 300s by default"),
 }, notes=(
     "A retry policy is opt-in: `max_retries = 1` with `retry_on = envoy_retry_on(\"5xx\")` is a policy with "
     "num_retries' default. Without a per-try timeout a timed-out request is not retried: the 15 s covers all "

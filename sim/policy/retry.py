@@ -542,6 +542,11 @@ GIVE_UPS = {r: GiveUp(r) for r in ("not_retryable", "should_retry_false", "retry
 # ---- a gateway's own pieces ------------------------------------------------
 
 SHED_MODES = ("off", "sheddable")
+# an upstream group's balancing, passive-health rule, retry server and HAProxy's on-error (sim.policy.upstream)
+BALANCES = ("round-robin", "least-conn", "hash", "random", "least-request")
+HEALTH_RULES = ("nginx", "haproxy", "envoy", "litellm")
+RETRY_SERVERS = ("other", "same", "any")
+ON_ERRORS = ("fastinter", "fail-check", "sudden-death", "mark-down")
 
 
 @dataclass(frozen=True)
@@ -602,6 +607,19 @@ class GatewayPolicy:
     next_server_only: bool = False          # a retry goes to another server (nginx), so at most one per server
     fails_to_mark_down: int | None = None   # failures that take a server out (passive health), None: never
     down_for_s: float = 0.0                 # for this long
+    # an upstream group (upstream_servers > 1 over a fleet's replicas: sim.policy.upstream)
+    balance: str = "round-robin"            # how the gateway spreads requests over its servers
+    health: str = "nginx"                   # whose passive-health rule (fails_to_mark_down None: off)
+    retry_server: str = "other"             # a retry's server: another one, the same, or a fresh pick
+    no_live_status: int = 502               # the gateway's own answer when no server is left
+    check_interval_s: float = 2.0           # HAProxy: inter (its active checks); Envoy: the outlier sweep
+    rise: int = 2                           # HAProxy: good checks that bring a server back
+    fall: int = 3                           # HAProxy: failed checks that take it out
+    on_error: str = "fail-check"            # HAProxy: what error_limit consecutive errors do
+    max_ejection_percent: float = 10.0      # Envoy: at most this share of the hosts ejected
+    panic_threshold_percent: float = 50.0   # Envoy: below this share healthy, route to every host
+    max_down_for_s: float | None = None     # Envoy: the longest ejection (base x ejections, capped)
+    failure_rate: float = 0.5               # LiteLLM: a minute's failure share that cools a deployment
     shed: str = "off"
     shed_status: int = 429
     queue_depth_threshold: int = 5
@@ -620,8 +638,27 @@ class GatewayPolicy:
         if isinstance(self.upstream_servers, bool) or not isinstance(self.upstream_servers, int) \
                 or self.upstream_servers < 1:
             _bad("upstream_servers", f"must be a whole number >= 1, got {self.upstream_servers!r}")
+        _choice("balance", self.balance, BALANCES)
+        _choice("health", self.health, HEALTH_RULES)
+        _choice("retry_server", self.retry_server, RETRY_SERVERS)
+        _choice("on_error", self.on_error, ON_ERRORS)
+        _nonneg("check_interval_s", self.check_interval_s, allow_none=False)
+        if not self.check_interval_s > 0:
+            _bad("check_interval_s", f"must be positive, got {self.check_interval_s}")
+        _nonneg("max_down_for_s", self.max_down_for_s)
+        for k in ("rise", "fall"):
+            _count(k, getattr(self, k))
+            if getattr(self, k) < 1:
+                _bad(k, f"must be at least 1, got {getattr(self, k)}")
+        for k in ("max_ejection_percent", "panic_threshold_percent"):
+            v = getattr(self, k)
+            _nonneg(k, v, allow_none=False)
+            if v > 100:
+                _bad(k, f"must be in [0, 100], got {v}")
+        if not 0 <= self.failure_rate <= 1:
+            _bad("failure_rate", f"must be in [0, 1], got {self.failure_rate}")
         _choice("shed", self.shed, SHED_MODES)
-        for k in ("timeout_status", "queue_status", "shed_status"):
+        for k in ("timeout_status", "queue_status", "shed_status", "no_live_status"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or not 100 <= v <= 599:
                 _bad(k, f"must be an HTTP status, got {v!r}")

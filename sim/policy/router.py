@@ -28,6 +28,9 @@ replicas already tried for this request (the router's own retry on 503:
 `retries` more replicas at most); a hashing policy then walks on from its
 choice in index order.
 
+`GroupSidecars`: the same, behind a gateway that balances the replicas
+itself (its upstream group): each attempt goes where the gateway sent it.
+
 `ReplicaProxies` is the proxy side of `proxy = "replica"`: one
 `sim.policy.proxy.Proxy` per replica behind the router, presented to a
 driver as one proxy (same methods and actions). A 503 a sidecar answers to
@@ -264,7 +267,10 @@ class ReplicaProxies:
         return self._forward(t, attempt, st)
 
     def _forward(self, t: float, attempt: Attempt, st: _Routed) -> list:
-        r = self.router.pick(attempt.call_id, st.tried)
+        return self._send_to(t, attempt, st, self.router.pick(attempt.call_id, st.tried))
+
+    def _send_to(self, t: float, attempt: Attempt, st: _Routed, r: int) -> list:
+        """The attempt goes to replica r's sidecar."""
         st.tried.append(r)
         self.landed[st.index] = r
         p = self.proxies[r]
@@ -316,3 +322,12 @@ class ReplicaProxies:
 
     def on_finished(self, t: float, ex: Execution) -> list:
         return self._after(t, self.proxies[self.execution_replica[ex.id]].on_finished(t, ex))
+
+
+class GroupSidecars(ReplicaProxies):
+    """The sidecars behind a gateway's upstream group (`sim.policy.upstream`):
+    each attempt goes to the server its gateway picked (`attempt.server`),
+    never elsewhere (the router is the gateway's group; it retries itself)."""
+
+    def _forward(self, t: float, attempt: Attempt, st: _Routed) -> list:
+        return self._send_to(t, attempt, st, attempt.server)

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 from .client import ClientConfig
 from .layers import Leave, RunOn, Send, Timer, Upstream, layer_kind
 from .proxy import Cancel, Complete, Dispatch, Drop, EngineView, Execution, Proxy, ProxyConfig, Refuse, Subscribe, Wake
-from .router import ReplicaProxies, Router, RouterConfig
+from .router import GroupSidecars, ReplicaProxies, Router, RouterConfig
 
 LAYERS = ("client", "proxy", "router")
 
@@ -105,6 +105,17 @@ class Stack:
         return next(c for k, c in self.layers if k == kind)
 
     @property
+    def upstream_group(self) -> int:
+        """The servers of the upstream group of the lowest layer between the
+        client and the proxy (a gateway whose `upstream_servers` is more than
+        one balances the replicas itself); 0: none."""
+        chain = self.chain
+        if not chain or not isinstance(chain[-1][1], dict):
+            return 0
+        n = chain[-1][1].get("upstream_servers", 1)
+        return n if chain[-1][0] == "gateway" and n > 1 else 0
+
+    @property
     def proxy_before_router(self) -> bool:
         kinds = [k for k, _ in self.layers]
         return kinds.index("proxy") < kinds.index("router")
@@ -120,6 +131,10 @@ class Stack:
         router = Router(self.config("router"), n, view=replica_view, outstanding=outstanding, kv_usage=kv_usage)
         cfg: ProxyConfig = self.config("proxy")
         kind = ProxyBeforeRouter if self.proxy_before_router else SidecarPerReplica
+        group = self.upstream_group
+        if group:
+            check_group(self, n)
+            kind = GroupSidecarPerReplica
         groups = kind.groups(n)
         proxies = [Proxy(cfg, engine_view=partial(engine_view, grp, g), prompt_throughput=prompt_throughput(grp))
                    for g, grp in enumerate(groups)]
@@ -265,6 +280,38 @@ class SidecarPerReplica(Cluster):
         moves = self.router.config.retries > 0 and (engine_cap is not None
                                                     or self.proxies[0].config.queue == "deadline")
         return self.router.home(0) is not None and not moves
+
+
+def check_group(stack: Stack, n: int) -> None:
+    """Raises (one line) unless the stack's upstream group can stand before
+    a cluster of n replicas: as many servers as replicas, the condition's
+    proxy a sidecar before each engine, no router retries of its own, and
+    no other gateway with a group above it."""
+    group = stack.upstream_group
+    if group != n:
+        raise ValueError(f"upstream_servers: the gateway's upstream group has {group} servers and the fleet {n} "
+                         "replicas; give [fleet] replicas the same number")
+    router = stack.config("router")
+    if router.proxy != "replica":
+        raise ValueError("upstream_servers: a gateway's upstream group stands before a sidecar proxy per engine "
+                         "([fleet] proxy = \"replica\"); one proxy before the gateway (\"deployment\") is not "
+                         "simulated: gateways stand between the client and the proxy")
+    if router.retries:
+        raise ValueError("upstream_servers: a gateway's upstream group is the router and retries itself; "
+                         "set [fleet] router_retries = 0")
+    above = [s for k, s in stack.chain[:-1] if isinstance(s, dict) and s.get("upstream_servers", 1) > 1]
+    if above:
+        raise ValueError("upstream_servers: only the lowest gateway may balance the replicas (an upstream group)")
+
+
+class GroupSidecarPerReplica(SidecarPerReplica):
+    """A sidecar proxy before each engine, behind a gateway's upstream
+    group: the gateway places attempts (`GroupSidecars`)."""
+
+    def __init__(self, router, proxies, groups):
+        Cluster.__init__(self, router, proxies, groups)
+        self.proxy = GroupSidecars(self.proxies, router)
+        self.execution_replica = self.proxy.execution_replica
 
 
 class Interpreter:
@@ -427,4 +474,5 @@ class Interpreter:
                     self.proxy_queue_log.append((at, q))
 
 
-__all__ = ["LAYERS", "Stack", "Cluster", "ProxyBeforeRouter", "SidecarPerReplica", "Interpreter"]
+__all__ = ["LAYERS", "Stack", "Cluster", "ProxyBeforeRouter", "SidecarPerReplica", "GroupSidecarPerReplica",
+           "check_group", "Interpreter"]

@@ -1,0 +1,372 @@
+"""An upstream group: a gateway (nginx, HAProxy, Envoy, LiteLLM) in front
+of N engines, balancing them itself, as a clock-free state machine.
+
+`UpstreamGroup(policy, n, random)` is the group of a gateway's
+`GatewayPolicy` (`upstream_servers = n`): `pick(t, call_id, tried)` names
+the server of an upstream attempt (None: no server is left, and the
+gateway answers by itself with `no_live_status`), `sent(s)` / `closed(s)`
+count its connections, `result(t, s, outcome)` tells it how an attempt
+ended (`OK`, `FAIL`, `CLOSED`: the client's disconnect passed on) and
+returns whether that took the server out of rotation. Every input carries
+its time; the rules that depend on periodic checks (HAProxy's active
+checks, Envoy's ejection sweep) are evaluated lazily at the next input, on
+checks at whole multiples of `check_interval_s` from time 0, so the group
+asks for no timer.
+
+Balancing (`balance`, docs/presets.md cites each preset's):
+
+- `round-robin`: the servers in turn, skipping those out of rotation and,
+  for a retry to another server, those tried (nginx's smooth weighted round
+  robin with equal weights, its tried bitmap; HAProxy's roundrobin; Envoy's
+  ROUND_ROBIN). nginx lowers a failed server's effective weight for a while
+  (`effective_weight -= weight / max_fails`): not modelled.
+- `least-conn`: the fewest open connections, ties in round-robin order
+  (nginx least_conn, HAProxy leastconn, LiteLLM least-busy).
+- `least-request`: Envoy's LEAST_REQUEST with equal weights: the fewer
+  active requests of two hosts drawn at random (choice_count 2).
+- `random`: a uniform draw (LiteLLM's simple-shuffle without weights).
+- `hash`: a hash of the call id (`mix64`, as the router's call affinity),
+  passing on to the next server when it is out (nginx's `hash` re-hashes
+  up to 20 times, then falls back to round robin: not modelled).
+
+A retry's server (`retry_server`): `other` (nginx: a server not tried yet
+for this request), `same` (HAProxy without `option redispatch`: the server
+of the previous try while it is in rotation), `any` (Envoy without a retry
+host predicate, LiteLLM: a fresh pick).
+
+Passive health (`health`; off where `fails_to_mark_down` is None), one
+rule per software:
+
+- `nginx` (ngx_http_upstream_round_robin.c, 1.22.1): a failure counts
+  `fails` and sets `checked = accessed = now`; a server with
+  `fails >= max_fails` (`fails_to_mark_down`) is skipped while
+  `now - checked <= fail_timeout` (`down_for_s`: the window in which
+  failures are counted and the time out at once); the first pick after
+  that sets `checked = now` (the one request that probes it); a success
+  whose server was picked since its last failure (`accessed < checked`)
+  resets `fails`. A failure is a timeout, a connection error or a status
+  that `proxy_next_upstream` lists (the gateway's `retry_on`): another
+  status, and a client's disconnect, end as a success. Counts are those of
+  one worker process (or a `zone` shared by the workers).
+- `haproxy` (configuration.txt 2.6 `observe layer7`, `error-limit`,
+  `on-error`, `rise`, `fall`, `inter`): `fails_to_mark_down` consecutive
+  errors (500, 502, 503, 504 or a timeout) trigger `on_error`: `fail-check`
+  a failed check (down after `fall` of them in a row), `sudden-death` a
+  pre-fatal one, `mark-down` down at once; a server down comes back after
+  `rise` good active checks every `check_interval_s`, every check assumed
+  good (vLLM answers /health while it is overloaded), each good check also
+  undoing one failed check of a server up.
+- `envoy` (outlier_detection.proto): `fails_to_mark_down` consecutive 5xx
+  (a timeout counts as one: local-origin errors are not split by default)
+  eject a host for `down_for_s` x its ejections (capped at
+  `max_down_for_s`), back at the first sweep (`check_interval_s`) after
+  that; no ejection beyond `max_ejection_percent` of the hosts, except the
+  first; while fewer than `panic_threshold_percent` of the hosts are
+  healthy, every host is picked from, ejected or not (panic routing).
+- `litellm` (router_utils/cooldown_handlers.py): within each minute, a
+  deployment whose failures exceed `failure_rate` of its requests, once it
+  has `fails_to_mark_down` requests, is cooled for `down_for_s`; a 429
+  cools it at once; a group of one is never cooled.
+"""
+from __future__ import annotations
+
+import math
+
+from .router import call_key, mix64
+
+OK, FAIL, CLOSED = "ok", "fail", "closed"
+INF = math.inf
+
+
+class _Rule:
+    """A passive-health rule over n servers: `available(s, t)`, `picked(s,
+    t)`, `result(t, s, outcome, status)` -> the time the server comes back
+    when this result took it out (None otherwise)."""
+
+    def __init__(self, gw, n: int):
+        self.gw = gw
+        self.n = n
+
+    def available(self, s: int, t: float) -> bool:
+        return True
+
+    def picked(self, s: int, t: float) -> None:
+        pass
+
+    def panic(self, t: float) -> bool:
+        return False
+
+
+class Nginx(_Rule):
+    def __init__(self, gw, n):
+        super().__init__(gw, n)
+        self.fails = [0] * n
+        self.checked = [-INF] * n
+        self.accessed = [-INF] * n
+
+    def available(self, s, t):
+        return not (self.fails[s] >= self.gw.fails_to_mark_down and t - self.checked[s] <= self.gw.down_for_s)
+
+    def picked(self, s, t):
+        if t - self.checked[s] > self.gw.down_for_s:
+            self.checked[s] = t
+
+    def result(self, t, s, outcome, status=None):
+        if outcome == FAIL:
+            self.fails[s] += 1
+            self.accessed[s] = self.checked[s] = t
+            if self.fails[s] >= self.gw.fails_to_mark_down:
+                return t + self.gw.down_for_s
+        elif self.accessed[s] < self.checked[s]:
+            self.fails[s] = 0
+        return None
+
+
+class Haproxy(_Rule):
+    def __init__(self, gw, n):
+        super().__init__(gw, n)
+        self.top = gw.rise + gw.fall - 1
+        self.health = [self.top] * n        # up while >= rise
+        self.errors = [0] * n               # consecutive errors observed
+        self.tick = [0] * n                 # checks applied up to this one
+
+    def _catch_up(self, s, t):
+        k = math.floor(t / self.gw.check_interval_s)
+        m = k - self.tick[s]
+        if m > 0:
+            self.tick[s] = k
+            self.health[s] = min(self.top, self.health[s] + m)    # each good check: one step up
+
+    def available(self, s, t):
+        self._catch_up(s, t)
+        return self.health[s] >= self.gw.rise
+
+    def _failed_check(self, s):
+        if self.health[s] > self.gw.rise:
+            self.health[s] -= 1
+        else:
+            self.health[s] = 0
+
+    def result(self, t, s, outcome, status=None):
+        if outcome == CLOSED:
+            return None
+        self._catch_up(s, t)
+        if outcome == OK:
+            self.errors[s] = 0
+            return None
+        self.errors[s] += 1
+        if self.errors[s] < self.gw.fails_to_mark_down:
+            return None
+        self.errors[s] = 0
+        mode, rise = self.gw.on_error, self.gw.rise
+        if mode == "sudden-death":
+            self.health[s] = min(self.health[s], rise + 1)
+            self._failed_check(s)
+        elif mode == "fail-check":
+            self._failed_check(s)
+        elif mode == "mark-down":
+            self.health[s] = 0
+        if self.health[s] < rise:
+            # back after good checks up to `rise`: the checks at the next multiples of the interval
+            return (math.floor(t / self.gw.check_interval_s) + rise - self.health[s]) * self.gw.check_interval_s
+        return None
+
+
+class Envoy(_Rule):
+    def __init__(self, gw, n):
+        super().__init__(gw, n)
+        self.consecutive = [0] * n
+        self.until = [-INF] * n             # ejected until this sweep
+        self.ejections = [0] * n            # the ejection time's multiplier
+        self.back_at = [0.0] * n            # when it last came back
+
+    def available(self, s, t):
+        return t >= self.until[s]
+
+    def ejected(self, t):
+        return sum(1 for u in self.until if t < u)
+
+    def panic(self, t):
+        healthy = self.n - self.ejected(t)
+        return 100.0 * healthy / self.n < self.gw.panic_threshold_percent
+
+    def result(self, t, s, outcome, status=None):
+        if outcome == CLOSED:
+            return None
+        if outcome == OK:
+            self.consecutive[s] = 0
+            return None
+        self.consecutive[s] += 1
+        if self.consecutive[s] < self.gw.fails_to_mark_down or t < self.until[s]:
+            return None
+        ejected = self.ejected(t)
+        if ejected and 100.0 * (ejected + 1) / self.n > self.gw.max_ejection_percent:
+            return None                     # max_ejection_percent: "but will eject at least one host"
+        self.consecutive[s] = 0
+        iv = self.gw.check_interval_s
+        sweeps = math.floor(t / iv) - math.floor(self.back_at[s] / iv)     # healthy sweeps: one step down each
+        self.ejections[s] = max(0, self.ejections[s] - max(0, sweeps)) + 1
+        cap = max(self.gw.down_for_s, self.gw.max_down_for_s if self.gw.max_down_for_s is not None else INF)
+        end = t + min(self.gw.down_for_s * self.ejections[s], cap)
+        self.until[s] = self.back_at[s] = math.ceil(end / iv) * iv      # the first sweep after it
+        return self.until[s]
+
+
+class Litellm(_Rule):
+    COOLS = frozenset((429, 408, 401, 404))     # and every 5xx: cooldown_handlers._is_cooldown_required
+
+    def __init__(self, gw, n):
+        super().__init__(gw, n)
+        self.minute = [-1] * n
+        self.fails = [0] * n
+        self.ok = [0] * n
+        self.until = [-INF] * n
+
+    def available(self, s, t):
+        return t >= self.until[s]
+
+    def _bucket(self, s, t):
+        m = math.floor(t / 60.0)
+        if m != self.minute[s]:
+            self.minute[s], self.fails[s], self.ok[s] = m, 0, 0
+
+    def result(self, t, s, outcome, status=None):
+        if outcome == CLOSED:
+            return None
+        self._bucket(s, t)
+        if outcome == OK:
+            self.ok[s] += 1
+            return None
+        self.fails[s] += 1
+        status = 408 if status is None else status          # a timeout: litellm.Timeout, 408
+        if not (status in self.COOLS or status >= 500) or self.n == 1 or t < self.until[s]:
+            return None
+        total = self.fails[s] + self.ok[s]
+        if status == 429 or (self.fails[s] / total > self.gw.failure_rate and total >= self.gw.fails_to_mark_down):
+            self.until[s] = t + self.gw.down_for_s
+            return self.until[s]
+        return None
+
+
+RULES = {"nginx": Nginx, "haproxy": Haproxy, "envoy": Envoy, "litellm": Litellm}
+
+
+class UpstreamGroup:
+    """The servers of one gateway (see the module docstring). `random()`
+    draws in [0, 1) (the balancers that draw). `out` logs each spell out of
+    rotation as [server, start, end] (end: when it is back, given no later
+    failure); `panic_routed` counts picks made in Envoy's panic mode."""
+
+    def __init__(self, gw, n: int, random):
+        self.gw = gw
+        self.n = n
+        self.random = random
+        self.conns = [0] * n
+        self.next = 0
+        self.rule = RULES[gw.health](gw, n) if gw.fails_to_mark_down else None     # 0 or None: off (nginx max_fails=0)
+        self.out: list = []
+        self._open_spell = [None] * n       # the server's last spell in `out`
+        self.panic_routed = 0
+        self._pick = {"round-robin": self._round_robin, "least-conn": self._least_conn, "hash": self._hash,
+                      "random": self._random, "least-request": self._least_request}[gw.balance]
+
+    # ------------------------------------------------------------ picking
+    def pick(self, t: float, call_id, tried: list) -> int | None:
+        """The server of an upstream attempt of `call_id` whose earlier
+        tries went to `tried` (None: no server is left)."""
+        rule = self.rule
+        rs = self.gw.retry_server
+        if tried and rs == "same":
+            s = tried[-1]
+            if rule is None or rule.available(s, t):
+                if rule is not None:
+                    rule.picked(s, t)
+                return s
+        exclude = tried if tried and rs == "other" else ()
+        if rule is None:
+            cands = [s for s in range(self.n) if s not in exclude] if exclude else range(self.n)
+        else:
+            cands = [s for s in range(self.n) if s not in exclude and rule.available(s, t)]
+            if rule.panic(t):
+                self.panic_routed += 1
+                cands = [s for s in range(self.n) if s not in exclude]
+        if not cands:
+            return None
+        s = self._pick(call_id, cands)
+        if rule is not None:
+            rule.picked(s, t)
+        return s
+
+    def _round_robin(self, call_id, cands) -> int:
+        n, nxt = self.n, self.next
+        s = min(cands, key=lambda r: (r - nxt) % n)
+        self.next = (s + 1) % n
+        return s
+
+    def _least_conn(self, call_id, cands) -> int:
+        n, nxt, conns = self.n, self.next, self.conns
+        s = min(cands, key=lambda r: (conns[r], (r - nxt) % n))
+        self.next = (s + 1) % n
+        return s
+
+    def _hash(self, call_id, cands) -> int:
+        home = mix64(call_key(call_id)) % self.n
+        n = self.n
+        return min(cands, key=lambda r: (r - home) % n)
+
+    def _random(self, call_id, cands) -> int:
+        cands = list(cands)
+        return cands[min(int(self.random() * len(cands)), len(cands) - 1)]
+
+    def _least_request(self, call_id, cands) -> int:
+        a, b = self._random(call_id, cands), self._random(call_id, cands)
+        return b if self.conns[b] < self.conns[a] else a
+
+    # ------------------------------------------------------------ connections and results
+    def sent(self, s: int) -> None:
+        self.conns[s] += 1
+
+    def closed(self, s: int) -> None:
+        self.conns[s] -= 1
+
+    def result(self, t: float, s: int, outcome: str, status: int | None = None) -> bool:
+        """An attempt on server s ended (`OK`, `FAIL` with its status or
+        None for a timeout, `CLOSED`); True when it took s out of rotation
+        (a spell out begins: `out`)."""
+        if self.rule is None:
+            return False
+        back = self.rule.result(t, s, outcome, status)
+        if back is None:
+            return False
+        spell = self._open_spell[s]
+        if spell is not None and spell[2] >= t:
+            spell[2] = max(spell[2], back)      # out already (a late answer): the spell goes on
+            return False
+        spell = [s, t, back]
+        self.out.append(spell)
+        self._open_spell[s] = spell
+        return True
+
+    def spells(self, end: float) -> list:
+        """The spells out of rotation, each [server, start, end] cut at `end`."""
+        return [[s, a, min(b, end)] for s, a, b in self.out if a <= end]
+
+    def record(self, end: float, burst_end: float | None = None) -> dict:
+        """What the group did over a run ending at `end`: spells out of
+        rotation, server-seconds out, servers out at the end, and with the
+        burst's end the servers out then and when the last came back."""
+        spells = self.spells(end)
+        out = {"servers": self.n, "balance": self.gw.balance,
+               "health": self.gw.health if self.rule is not None else "off",
+               "marked_down": len(self.out), "out_s": sum(b - a for _, a, b in spells),
+               "out_at_end": sorted({s for s, _, b in self.out if b > end}),
+               "panic_routed": self.panic_routed}
+        if burst_end is not None:
+            at = sorted({s for s, a, b in self.out if a <= burst_end < b})
+            later = [b for _, a, b in self.out if b > burst_end]
+            out["out_at_burst_end"] = at
+            out["back_after_burst_s"] = (min(max(later), end) - burst_end) if later else 0.0
+        return out
+
+
+__all__ = ["UpstreamGroup", "RULES", "OK", "FAIL", "CLOSED"]

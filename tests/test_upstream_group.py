@@ -1,0 +1,180 @@
+"""A gateway in front of N engines (`upstream_servers` over a [fleet]'s
+replicas, sim.policy.upstream): with passive health off it places every
+call where the fleet's router of the same policy would; no server is picked
+while out of rotation unless Envoy's panic routing says so; every attempt
+the gateway answers by itself is counted once; what cannot be simulated is
+refused in one line. The scenario is the tiny one of test_preset_client on
+two or three replicas."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from sim.deployment import ScenarioError, from_document
+from sim.policy.presets import policies, preset
+from sim.policy.upstream import CLOSED, FAIL, OK, UpstreamGroup
+from test_gateway_fleet import _dep
+from test_gateway_run import NGINX, SDK
+
+PER_REPLICA = ("cohorts", "attempts", "executions")
+
+
+@pytest.mark.parametrize("balance, router", [("round-robin", "round-robin"), ("hash", "call-affinity")])
+@pytest.mark.parametrize("condition", ["no-control", "cancel"])
+def test_a_group_with_health_off_is_the_fleet_under_the_same_router(balance, router, condition):
+    """nginx in front of three engines, max_fails = 0, gives each replica the
+    calls, attempts and executions a [fleet] of three under the router of
+    the same policy gives it behind nginx of one server."""
+    gw = dict(NGINX, fails_to_mark_down=0, balance=balance)
+    doc = _dep([SDK, gw], "replica", 3, condition).document()
+    doc["fleet"]["router"] = router
+    fleet = from_document(doc, "tiny.toml")
+    group = _dep([SDK, dict(gw, upstream_servers=3)], "replica", 3, condition)
+    a, b = fleet.run(0), group.run(0)
+    assert a["fleet"]["calls"] == b["fleet"]["calls"] and a["fleet"]["attempts_landed"] == b["fleet"]["attempts_landed"]
+    for ra, rb in zip(a["replicas"], b["replicas"]):
+        for k in PER_REPLICA:
+            assert ra[k] == rb[k], k
+    (g,) = [x for x in b["extra"]["layers"] if "upstream_group" in x]
+    assert g["upstream_group"]["marked_down"] == 0 and g["no_live_upstream"] == 0
+
+
+def test_nginx_takes_servers_out_under_overload_and_answers_502_alone():
+    dep = _dep([SDK, dict(NGINX, upstream_servers=2)], "replica", 2)
+    rec = dep.run(0)
+    (nginx,) = [x for x in rec["extra"]["layers"] if x["preset"] == "nginx"]
+    grp = nginx["upstream_group"]
+    assert nginx["marked_down"] == grp["marked_down"] > 0
+    assert nginx["no_live_upstream"] == grp["answered_alone"] > 0
+    assert 0 < grp["calls_answered_alone"] <= grp["answered_alone"]
+    assert grp["out_s"] > 0 and set(grp["out_at_burst_end"]) <= {0, 1}
+    # the SDK sees nginx's own answers: its 504s and its 502s, each attempt once
+    assert rec["attempts"]["refused_gateway"] == nginx["upstream_timeout"] + nginx["no_live_upstream"]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 3), st.integers(1, 4), st.sampled_from([2.0, 5.0, 10.0]),
+       st.sampled_from(["nginx", "haproxy", "envoy", "litellm"]))
+def test_every_attempt_the_gateway_answers_alone_is_counted_once(seed, fails, down, software):
+    """Directly below the SDK, each of the gateway's own answers (its
+    upstream timeouts not retried, its no-live-upstream refusals) is one
+    attempt the SDK saw refused by the gateway."""
+    gw = {"preset": software, "timeout_s": 3.0, "fails_to_mark_down": fails, "down_for_s": down,
+          "max_retries": 0, "passes_disconnect": True}
+    dep = _dep([SDK, dict(gw, upstream_servers=2)], "replica", 2)
+    rec = dep.run(seed)
+    (g,) = [x for x in rec["extra"]["layers"] if x["preset"] == software]
+    assert rec["attempts"].get("refused_gateway", 0) == g["upstream_timeout"] + g["no_live_upstream"]
+    assert g["upstream_group"]["answered_alone"] == g["no_live_upstream"]
+
+
+# ------------------------------------------------------------ the group alone, every rule
+_EVENTS = st.lists(st.tuples(st.floats(0.0, 3.0), st.sampled_from(["pick", "ok", "fail", "closed", "503", "429"])),
+                   min_size=1, max_size=120)
+
+
+@settings(max_examples=120, deadline=None)
+@given(_EVENTS, st.sampled_from(["nginx", "haproxy", "envoy", "litellm"]), st.integers(2, 5), st.integers(1, 4),
+       st.sampled_from(["round-robin", "least-conn", "least-request", "random", "hash"]),
+       st.sampled_from(["other", "same", "any"]), st.integers(0, 100))
+def test_no_server_is_picked_while_out_of_rotation_but_by_panic_routing(events, software, n, fails, balance,
+                                                                        retry_server, panic):
+    gw = policies(preset("gateway", software, fails_to_mark_down=fails, down_for_s=4.0, balance=balance,
+                         retry_server=retry_server, upstream_servers=n, panic_threshold_percent=float(panic),
+                         max_ejection_percent=50.0, check_interval_s=1.0, on_error="fail-check", fall=2))[1]
+    draws = iter([(k * 0.618) % 1.0 for k in range(10_000)])
+    g = UpstreamGroup(gw, n, lambda: next(draws))
+    t, open_on, tried, picks = 0.0, [], [], []
+    for dt, what in events:
+        t += dt
+        if what == "pick":
+            panicking = g.rule.panic(t)
+            s = g.pick(t, len(picks), tried[-2:])
+            if s is not None:
+                picks.append((t, s, panicking))
+                open_on.append(s)
+                g.sent(s)
+                tried.append(s)
+        elif open_on:
+            s = open_on.pop(0)
+            g.closed(s)
+            outcome = {"ok": OK, "closed": CLOSED}.get(what, FAIL)
+            g.result(t, s, outcome, int(what) if what.isdigit() else None)
+    spells = g.spells(t + 1000.0)
+    for at, s, panicking in picks:
+        inside = [(a, b) for r, a, b in spells if r == s and a < at < b]
+        assert not inside or (software == "envoy" and panicking), (at, s, inside)
+    assert g.panic_routed == 0 or software == "envoy"
+
+
+def test_a_group_of_one_litellm_deployment_is_never_cooled():
+    gw = policies(preset("gateway", "litellm", upstream_servers=2))[1]
+    one = UpstreamGroup(gw, 1, lambda: 0.0)
+    for k in range(50):
+        one.result(float(k), 0, FAIL, 500)
+    assert one.out == [] and one.pick(51.0, 0, []) == 0
+
+
+def test_nginx_probes_a_server_once_after_fail_timeout():
+    gw = policies(preset("gateway", "nginx", upstream_servers=2))[1]      # max_fails 1, fail_timeout 10
+    g = UpstreamGroup(gw, 2, lambda: 0.0)
+    assert g.result(0.0, 0, FAIL) is True
+    assert [g.pick(5.0, k, []) for k in range(3)] == [1, 1, 1]
+    assert g.pick(10.5, 9, []) == 0                 # the probe
+    assert g.pick(10.6, 10, []) == 1                # while it is out, the others
+    g.result(11.0, 0, OK)                           # the probe answered: back in rotation
+    assert {g.pick(11.5, k, []) for k in range(4)} == {0, 1}
+
+
+def test_envoy_panics_below_the_threshold_and_routes_to_ejected_hosts():
+    gw = policies(preset("gateway", "envoy", upstream_servers=2, fails_to_mark_down=1, max_ejection_percent=100.0,
+                         panic_threshold_percent=60.0))[1]
+    g = UpstreamGroup(gw, 2, lambda: 0.0)
+    assert g.result(0.0, 0, FAIL, 503)              # one of two ejected: 50% healthy, below 60%
+    assert {g.pick(1.0, k, []) for k in range(4)} == {0, 1} and g.panic_routed == 4
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(placement="deployment"), "proxy = \"replica\""),
+    (dict(replicas=3), "3 replicas"),
+])
+def test_what_a_group_cannot_stand_before_is_refused_in_one_line(change, why):
+    placement, replicas = change.get("placement", "replica"), change.get("replicas", 2)
+    dep = _dep([SDK, dict(NGINX, upstream_servers=2)], placement, replicas)
+    with pytest.raises(ScenarioError, match=why) as e:
+        dep.run(0)
+    assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------ margin and advise along the group's keys
+@pytest.mark.parametrize("axis", ["layer.gateway.fails_to_mark_down", "layer.gateway.down_for_s",
+                                  "layer.gateway.timeout_s"])
+def test_margin_moves_a_groups_passive_health_and_timeout(axis):
+    from sim.experiments import margin as M
+    dep = _dep([SDK, dict(NGINX, upstream_servers=2)], "replica", 2, "cancel")
+    prof = replace(dep.profile, capacity=dep.capacity)
+    res = M.margin(prof, dep.scenario, dep.condition_for(), [0, 1], [axis], workers=1, fleet=dep.fleet,
+                   layers=dep.run_layers())
+    ax = res["axes"][0]
+    key = axis.split(".")[-1]
+    assert ax["baseline"] == dep.run_layers()[1][key] and ax["probes"]
+    if key == "fails_to_mark_down":
+        assert all(float(x["x"]).is_integer() for x in ax["probes"])
+
+
+def test_a_group_axis_on_a_gateway_of_one_server_is_refused():
+    from sim.experiments import margin as M
+    layers = _dep([SDK, NGINX], "replica", 2).run_layers()
+    with pytest.raises(ValueError, match="one upstream server"):
+        M.parse_axes(["layer.gateway.down_for_s"], layers)
+
+
+def test_advise_tries_a_groups_passive_health():
+    from sim.experiments.advise import gateway_settings
+    dep = _dep([SDK, dict(NGINX, upstream_servers=2)], "replica", 2)
+    gw = dep.run_layers()[1]
+    tried = gateway_settings(gw, dep.scenario)
+    pairs = {(g["fails_to_mark_down"], g["down_for_s"]) for g in tried}
+    assert {(1, 10.0), (0, 10.0), (3, 10.0), (1, 10.0 / 3), (1, 30.0)} <= pairs
