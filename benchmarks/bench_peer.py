@@ -21,8 +21,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from calibrate import efficiencies as ef  # noqa: E402
-from calibrate import measurements as ms  # noqa: E402
+from calibrate import efficiencies as ef, measurements as ms  # noqa: E402
 
 
 def table(rows: list[dict], experiments: list) -> str:

@@ -57,7 +57,8 @@ class Efficiencies:
         return {k: v for k, v in asdict(self).items() if k != "frontend_s"}
 
 
-BOUNDS = {"mfu": (0.05, 1.0), "bw_eff": (0.2, 1.0), "kv_bw_eff": (0.2, 1.0), "attn_eff": (0.02, 1.0), "allreduce_eff": (0.05, 1.0),
+BOUNDS = {"mfu": (0.05, 1.0), "bw_eff": (0.2, 1.0), "kv_bw_eff": (0.2, 1.0), "attn_eff": (0.02, 1.0),
+          "allreduce_eff": (0.05, 1.0),
           "step_overhead_s": (1e-4, 0.05), "request_overhead_s": (1e-7, 1e-3), "frontend_s": (1e-4, 0.1)}
 NAMES = tuple(f.name for f in fields(Efficiencies))
 
