@@ -8,7 +8,8 @@ hardware efficiencies (calibrate.efficiencies): no profile of any of them.
     python benchmarks/bench_peer.py --fit -o eff.json      # fit the efficiencies first (progress shown)
 
 Prints one row per stage (E2E and TTFT means, measured and predicted, and
-the error predicted / measured - 1) and the medians of |error|."""
+the error predicted / measured - 1), the medians of |error|, and the
+reference design's published figures against the derived engines'."""
 from __future__ import annotations
 
 import argparse
@@ -63,6 +64,10 @@ def main(argv=None) -> int:
     print(f"efficiencies: {ef.describe(eff)}")
     rows = ef.predict(experiments, a.measurements, eff)
     print(table(rows, experiments))
+    print("the reference design's published figures (one H100, 12,000-token prompts; SPEC):")
+    for r in ef.reference(eff):
+        print(f"  {r['model']:<14} {r['figure']:<9} published {r['published']:>7.3f}  derived "
+              f"{r['simulated']:>7.3f}  {r['residual']:+.1%}")
     print(f"({time.perf_counter() - t:.1f} s)")
     return 0
 

@@ -153,11 +153,13 @@ class Experiment:
 
     @property
     def unmodelled(self) -> str | None:
-        """Why the simulator cannot run this experiment's engine, or None."""
+        """Why an embedded profile (one GPU, 16-bit weights) cannot stand
+        for this experiment's engine, or None; a derived engine
+        (`calibrate.efficiencies.derived_profile`) stands for any of them."""
         if self.tp != 1:
-            return f"tp {self.tp}: one GPU per engine is modelled"
+            return f"tp {self.tp}: an embedded profile is one GPU's engine"
         if self.quantization:
-            return f"{self.quantization}: quantized weights are not modelled"
+            return f"{self.quantization}: an embedded profile's weights are 16-bit"
         return None
 
     def workload(self) -> dict:

@@ -7,16 +7,17 @@ import os
 import sys
 import time
 
-from calibrate import bench_reports, live_capacity, measurements as ms, metrics_reports
+from calibrate import bench_reports, efficiencies, live_capacity, measurements as ms, metrics_reports
 from calibrate.bench_reports import TOOL
 from calibrate.capture import capture
+from calibrate.efficiencies import derive
 from calibrate.fit import WEIGHTS, build_profile, fit_report, load_sources
 from calibrate.from_log import LogError, profile_from_log
 from calibrate.gpus import GiB, gpu_key
 from calibrate.guidellm_reports import SUPPORTED as GL_VERSION
 from calibrate.inference_perf_reports import SUPPORTED as IP_VERSION
 from calibrate.model_shape import name_of_config
-from calibrate.prior import GPUS, Serving, prior_profile, shape_from_config
+from calibrate.prior import GPUS, Serving, shape_from_config
 from sim.capacity import capacity_protocol
 from sim.profile import ProfileError, from_dict, load_profile, with_engine
 from validate import engine, gateway, loadtest, scrape
@@ -376,9 +377,8 @@ def cmd_calibrate_prior(a) -> int:
                                   quantization=a.quantization)
         serving = Serving(tensor_parallel_size=a.tp, cpu_offload_gb=a.cpu_offload_gb,
                           gpu_memory_utilization=a.gpu_memory_utilization)
-        prof = prior_profile(shape, a.gpu, max_num_seqs=a.max_num_seqs,
-                             max_num_batched_tokens=a.max_batched_tokens, max_model_len=a.max_model_len,
-                             capacity=1.0, serving=serving)
+        prof = derive(shape, a.gpu, serving, source=a.efficiencies, max_num_seqs=a.max_num_seqs,
+                      max_num_batched_tokens=a.max_batched_tokens, max_model_len=a.max_model_len, capacity=1.0)
     except (KeyError, ValueError) as e:
         raise _err(f"calibrate prior: {e}") from None
     if a.capacity:
@@ -664,6 +664,9 @@ def add_subcommands(sub) -> None:
     q.add_argument("--cpu-offload-gb", type=args.positive(allow_zero=True), default=0.0,
                    help="vLLM's --cpu-offload-gb: GiB of weights per GPU kept in CPU memory")
     q.add_argument("--gpu-memory-utilization", type=args.positive(most=1.0), default=0.9)
+    q.add_argument("--efficiencies", default=efficiencies.FITTED,
+                   help="the hardware efficiencies (default: those fitted on public measurements, "
+                        "docs/any-model.md; benchmarks/bench_peer.py --fit writes such a file)")
     q.add_argument("--name", default=None)
     q.add_argument("--max-num-seqs", type=int, default=256)
     q.add_argument("--max-batched-tokens", type=int, default=8192)

@@ -9,8 +9,9 @@ import sys
 
 import numpy as np
 
+from calibrate.efficiencies import derive
 from calibrate.model_shape import name_of_config
-from calibrate.prior import Serving, prior_profile, shape_from_config
+from calibrate.prior import Serving, shape_from_config
 from sim.deployment import Deployment, ScenarioError, load
 from sim.profile import ProfileError
 from sim.scenario import SCENARIOS
@@ -20,13 +21,14 @@ from . import args
 
 def build_prior(path: str, gpu: str, tensor_parallel_size: int = 1, dtype: str | None = None,
                 quantization: str | None = None, cpu_offload_gb: float = 0.0) -> dict:
-    """A prior profile from the physical step-time model (`llmsim calibrate
-    prior`) for `[model] hf_config`, `gpu` and how the model is served."""
+    """A profile derived by the physical step-time model with the fitted
+    efficiencies (`llmsim calibrate prior`) for `[model] hf_config`, `gpu`
+    and how the model is served."""
     with open(path) as f:
         cfg = json.load(f)
     shape = shape_from_config(cfg, name=name_of_config(path), dtype=dtype, quantization=quantization)
-    prof = prior_profile(shape, gpu, capacity=1.0,
-                         serving=Serving(tensor_parallel_size=tensor_parallel_size, cpu_offload_gb=cpu_offload_gb))
+    prof = derive(shape, gpu, Serving(tensor_parallel_size=tensor_parallel_size, cpu_offload_gb=cpu_offload_gb),
+                  capacity=1.0)
     prof["provenance"]["capacity"] = "placeholder: the capacity protocol runs on the scenario's workload"
     return prof
 
@@ -161,7 +163,8 @@ def cmd_check(a) -> int:
     print(f"model {dep.profile.name} ({dep.profile.provenance.get('kind')})"
           + (f"; engine flags changed: {', '.join(f'{k}={v}' for k, v in over.items())}" if over else ""))
     if dep.profile.provenance.get("kind") == "roofline prior":
-        print("  a roofline prior from the model's shape and the GPU's published figures: not a measurement")
+        print("  derived from the model's shape and the GPU's datasheet, with hardware efficiencies fitted on public "
+              "measurements of real vLLM (docs/any-model.md): not a measurement")
         for note in dep.profile.provenance.get("notes", ()):
             print(f"  {note}")
     print(capacity_line(dep))

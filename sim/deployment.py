@@ -215,7 +215,7 @@ class Deployment:
         except RuntimeError as e:
             raise ScenarioError(f"{self.name}: the capacity protocol found no Ĉ for this workload: {e}") from None
         if self.profile.provenance.get("kind") == "roofline prior":
-            info = dict(info, source=info["source"] + " (on a roofline prior: not a measurement)")
+            info = dict(info, source=info["source"] + " (on a derived profile: not a measurement)")
         return info
 
     @property

@@ -1,0 +1,83 @@
+"""The hardware efficiencies fitted on public measurements of real vLLM
+(calibrate.efficiencies): every handed experiment's engine derived from its
+config.json, GPU and TP, the recorded fit reproduced, and the fit itself."""
+import json
+import math
+import statistics
+
+import pytest
+
+from calibrate import efficiencies as ef, measurements as ms
+from sim.engine.step_time import MoEStepTimeModel, RooflineStepTimeModel
+
+EXPERIMENTS = ms.read_experiments(ef.PEER_FOLDER)
+BY_ID = {e.exp_id: e for e in EXPERIMENTS}
+RECORD = json.load(open(ef.FITTED))
+
+
+def test_every_handed_experiment_derives_an_engine():
+    eff = ef.load()
+    for e in EXPERIMENTS:
+        p = ef.derived_profile(e, ef.PEER_FOLDER, eff)
+        moe = "scout" in e.model.lower()
+        assert isinstance(p.step_time, MoEStepTimeModel if moe else RooflineStepTimeModel), e.exp_id
+        assert p.raw["serving"]["tensor_parallel_size"] == e.tp
+
+
+def test_the_record_holds_every_stage_and_says_what_is_not_identified():
+    assert set(RECORD["efficiencies"]) == set(ef.NAMES)
+    assert len(RECORD["stages"]) == sum(len(e.stages) for e in EXPERIMENTS)
+    for n in ef.NAMES:
+        lo, hi = ef.BOUNDS[n]
+        assert lo <= RECORD["efficiencies"][n] <= hi, n
+    assert set(RECORD["not_identified"]) <= set(ef.NAMES)
+
+
+@pytest.mark.parametrize("exp_id", ["16", "60", "17"])
+def test_the_recorded_errors_come_back(exp_id):
+    """The simulation of the recorded efficiencies reproduces the record
+    (dense TP1, dense TP4, MoE FP8 TP2)."""
+    rows = ef.predict([BY_ID[exp_id]], ef.PEER_FOLDER, ef.load())
+    rec = [r for r in RECORD["stages"] if r["exp_id"] == exp_id]
+    assert len(rows) == len(rec)
+    for got, want in zip(rows, rec):
+        assert got["e2e_residual"] == pytest.approx(want["e2e_residual"], abs=0.005)
+        assert got["ttft_residual"] == pytest.approx(want["ttft_residual"], abs=0.005)
+
+
+def test_the_fit_is_within_its_stated_residuals():
+    """docs/any-model.md states these figures: the median |E2E error| over
+    the handed stages, and no stage's E2E off by more than a quarter."""
+    e2e = [abs(r["e2e_residual"]) for r in RECORD["stages"]]
+    assert statistics.median(e2e) < 0.06           # BLIS's best: about 7 %
+    assert max(e2e) < 0.25
+    assert RECORD["with_reference"]
+    for r in RECORD["reference"]:                  # the reference design's published figures
+        assert abs(r["residual"]) < 0.07, r
+
+
+def test_the_reference_figures_come_back():
+    rows = ef.reference(ef.load())
+    for got, want in zip(rows, RECORD["reference"]):
+        assert (got["model"], got["figure"]) == (want["model"], want["figure"])
+        assert got["simulated"] == pytest.approx(want["simulated"], rel=0.01)
+
+
+def test_a_fit_lowers_the_error_it_starts_from():
+    logs = []
+    e = BY_ID["63"]
+    start = ef.Efficiencies(bw_eff=0.5)
+    before = ef._residuals(ef.predict([e], ef.PEER_FOLDER, start, stage_s=40.0))
+    res = ef.fit([e], ef.PEER_FOLDER, start=start, stage_s=40.0, log=logs.append, with_reference=False)
+    after = ef._residuals(ef.predict([e], ef.PEER_FOLDER, ef.Efficiencies(**res["efficiencies"]), stage_s=40.0))
+    assert math.fsum(after ** 2) < 0.5 * math.fsum(before ** 2)
+    assert logs and "rms log error" in logs[0]
+    assert res["not_identified"]                    # one experiment cannot identify eight efficiencies
+
+
+def test_a_file_that_is_not_a_fit_is_refused_in_one_line(tmp_path):
+    bad = tmp_path / "e.json"
+    bad.write_text('{"efficiencies": {"mfu": 0.5}}')
+    with pytest.raises(ValueError, match="not a file of fitted efficiencies") as err:
+        ef.load(str(bad))
+    assert "\n" not in str(err.value)
