@@ -227,7 +227,7 @@ def cmd_calibrate_from_bench(a) -> int:
     """Fit a profile's step time to a load tester's reports (`calibrate.bench_reports`)."""
     _check_dir(a.out)
     try:
-        prof = load_profile(a.profile)
+        prof = _base_profile(a, "from-bench")
         stages = bench_reports.read_reports(a.reports, a.shared_prefix)
         exps = bench_reports.experiments(stages, prof)
     except (ProfileError, ms.MeasurementsError) as e:
@@ -245,7 +245,7 @@ def cmd_calibrate_from_bench(a) -> int:
     for e in exps:
         if "prefix_reuse" in e.raw:
             _say(f"  {e.exp_id}: prefix reuse {e.raw['prefix_reuse']}")
-    tool = (f"python -m llmsim calibrate from-bench {' '.join(a.reports)} --profile {a.profile}"
+    tool = (f"python -m llmsim calibrate from-bench {' '.join(a.reports)} {_engine_flags(a)}"
             + ("" if a.shared_prefix is None else f" --shared-prefix {a.shared_prefix}"))
     d = _refit("from-bench", a, prof, exps, ", ".join(a.reports), tool)
     d["provenance"]["kind"] = f"fitted to {tools} reports"
@@ -366,21 +366,75 @@ def _gpu_arg(name: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def cmd_calibrate_prior(a) -> int:
+def _derived_args(q, required: bool) -> None:
+    """The flags of an engine derived from a model's config.json and a GPU
+    (`llmsim calibrate prior`; the refitting commands' alternative to --profile)."""
+    q.add_argument("--config", required=required, default=None,
+                   help="the model's Hugging Face config.json, as published" + ("" if required else
+                        ": derive the engine (docs/any-model.md) instead of --profile"))
+    q.add_argument("--gpu", type=_gpu_arg, default="h100",
+                   help=f"a GPU of the catalogue ({', '.join(GPUS)}) or the name a server reports")
+    q.add_argument("--tp", type=args.positive(int), default=1, help="vLLM's --tensor-parallel-size")
+    q.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="vLLM's --dtype (auto: the config's)")
+    q.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="vLLM's --quantization of a 16-bit checkpoint (an FP8 checkpoint says so itself)")
+    q.add_argument("--cpu-offload-gb", type=args.positive(allow_zero=True), default=0.0,
+                   help="vLLM's --cpu-offload-gb: GiB of weights per GPU kept in CPU memory")
+    q.add_argument("--gpu-memory-utilization", type=args.positive(most=1.0), default=0.9)
+    q.add_argument("--efficiencies", default=efficiencies.FITTED,
+                   help="the hardware efficiencies (default: those fitted on public measurements, "
+                        "docs/any-model.md; benchmarks/bench_peer.py --fit writes such a file)")
+    q.add_argument("--max-num-seqs", type=args.positive(int), default=256)
+    q.add_argument("--max-batched-tokens", type=args.positive(int), default=8192)
+    q.add_argument("--max-model-len", type=args.positive(int), default=32768)
+
+
+def _derived(a, command: str) -> dict:
+    """The engine `_derived_args` describes, as a profile dict; bad input ends in one line."""
     try:
         with open(a.config) as f:
             cfg = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise _err(f"calibrate prior: cannot read {a.config}: {e}") from None
+        raise _err(f"calibrate {command}: cannot read {a.config}: {e}") from None
     try:
-        shape = shape_from_config(cfg, name=a.name or name_of_config(a.config), dtype=a.dtype,
+        shape = shape_from_config(cfg, name=getattr(a, "name", None) or name_of_config(a.config), dtype=a.dtype,
                                   quantization=a.quantization)
         serving = Serving(tensor_parallel_size=a.tp, cpu_offload_gb=a.cpu_offload_gb,
                           gpu_memory_utilization=a.gpu_memory_utilization)
-        prof = derive(shape, a.gpu, serving, source=a.efficiencies, max_num_seqs=a.max_num_seqs,
+        return derive(shape, a.gpu, serving, source=a.efficiencies, max_num_seqs=a.max_num_seqs,
                       max_num_batched_tokens=a.max_batched_tokens, max_model_len=a.max_model_len, capacity=1.0)
     except (KeyError, ValueError) as e:
-        raise _err(f"calibrate prior: {e}") from None
+        raise _err(f"calibrate {command}: {e}") from None
+
+
+def _base_profile(a, command: str):
+    """The engine a refit starts from: --profile, or one derived from --config."""
+    if (a.profile is None) == (a.config is None):
+        raise _err(f"calibrate {command}: give the engine that was measured as --profile NAME|FILE, or derive it "
+                   "with --config config.json --gpu GPU [--tp N ...] (not both)")
+    if a.profile is not None:
+        return load_profile(a.profile)
+    d = _derived(a, command)
+    # Ĉ of the refitted engine: on the reference workload where its calls fit (the reference flags' context),
+    # else on the reference workload at a tenth of its lengths
+    d["capacity_protocol"] = {"scenario_name": "paper" if a.max_model_len >= 32768 else "scaled"}
+    return from_dict(d, a.config)
+
+
+def _engine_flags(a) -> str:
+    """The command line's flags naming the base engine (for a provenance's `tool`)."""
+    if a.profile is not None:
+        return f"--profile {a.profile}"
+    flags = [f"--config {a.config} --gpu {a.gpu}"] + [f"--{k.replace('_', '-')} {getattr(a, k)}" for k in
+             ("tp", "dtype", "quantization", "cpu_offload_gb", "gpu_memory_utilization", "max_num_seqs",
+              "max_batched_tokens", "max_model_len") if getattr(a, k) is not None]
+    return " ".join(flags + ([f"--efficiencies {a.efficiencies}"] if a.efficiencies != efficiencies.FITTED else []))
+
+
+def cmd_calibrate_prior(a) -> int:
+    prof = _derived(a, "prior")
+    shape_name = prof["name"]
     if a.capacity:
         res = capacity_protocol(from_dict(prof, a.out))
         prof["capacity"] = res["capacity"]
@@ -390,7 +444,7 @@ def cmd_calibrate_prior(a) -> int:
     _write(a.out, prof)
     kv = prof["kv_cache"]
     tp = f" x {a.tp}" if a.tp > 1 else ""
-    print(f"{shape.name} on {prof['hardware']['name']}{tp}: {kv['weights_bytes'] / GiB:.1f} GiB of weights and "
+    print(f"{shape_name} on {prof['hardware']['name']}{tp}: {kv['weights_bytes'] / GiB:.1f} GiB of weights and "
           f"{kv['kv_bytes_per_token']} B/token of KV per GPU, {kv['num_gpu_blocks']} blocks of {kv['block_size']} "
           f"({kv['kv_tokens']} tokens); step time form {prof['step_time'].get('form', 'linear')}; "
           f"capacity {prof['capacity']:.3f} -> {a.out}")
@@ -582,9 +636,10 @@ def add_subcommands(sub) -> None:
     q.add_argument("reports", nargs="+", metavar="REPORT", help=f"result files of `{TOOL} --save-result` or of "
                                                                 "guidellm (JSON or YAML), or report folders of "
                                                                 "inference-perf")
-    q.add_argument("--profile", required=True,
+    q.add_argument("--profile", default=None,
                    help="the engine that was load-tested: an embedded profile or a profile file (its step time is "
-                        "the prior; its engine flags and KV cache are taken as the server's)")
+                        "the prior; its engine flags and KV cache are taken as the server's); or --config")
+    _derived_args(q, required=False)
     q.add_argument("--shared-prefix", type=args.positive(int, allow_zero=True), default=None, metavar="N",
                    help="tokens every prompt shared (the random dataset's --random-prefix-len), where a report "
                         "does not say (--metadata random_prefix_len=N); an inference-perf config states it, and "
@@ -653,24 +708,8 @@ def add_subcommands(sub) -> None:
     q.set_defaults(fn=cmd_calibrate_from_log)
     q = cs.add_parser("prior", help="a prior profile from a model's config.json and a GPU's datasheet "
                                     "(the physical step-time model: tensor parallelism, experts, FP8, offload)")
-    q.add_argument("--config", required=True, help="the model's Hugging Face config.json, as published")
-    q.add_argument("--gpu", type=_gpu_arg, default="h100",
-                   help=f"a GPU of the catalogue ({', '.join(GPUS)}) or the name a server reports")
-    q.add_argument("--tp", type=args.positive(int), default=1, help="vLLM's --tensor-parallel-size")
-    q.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
-                   help="vLLM's --dtype (auto: the config's)")
-    q.add_argument("--quantization", choices=("fp8",), default=None,
-                   help="vLLM's --quantization of a 16-bit checkpoint (an FP8 checkpoint says so itself)")
-    q.add_argument("--cpu-offload-gb", type=args.positive(allow_zero=True), default=0.0,
-                   help="vLLM's --cpu-offload-gb: GiB of weights per GPU kept in CPU memory")
-    q.add_argument("--gpu-memory-utilization", type=args.positive(most=1.0), default=0.9)
-    q.add_argument("--efficiencies", default=efficiencies.FITTED,
-                   help="the hardware efficiencies (default: those fitted on public measurements, "
-                        "docs/any-model.md; benchmarks/bench_peer.py --fit writes such a file)")
+    _derived_args(q, required=True)
     q.add_argument("--name", default=None)
-    q.add_argument("--max-num-seqs", type=int, default=256)
-    q.add_argument("--max-batched-tokens", type=int, default=8192)
-    q.add_argument("--max-model-len", type=int, default=32768)
     q.add_argument("--capacity", action="store_true", help="run the capacity protocol for Ĉ (minutes)")
     q.add_argument("-o", "--out", required=True)
     q.set_defaults(fn=cmd_calibrate_prior)

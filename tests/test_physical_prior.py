@@ -234,3 +234,28 @@ def test_a_scenario_serves_its_model_on_four_gpus(tmp_path):
     (tmp_path / "one.toml").write_text('[model]\nhf_config = "llama-3.1-70b/config.json"\ngpu = "h100"\n')
     r = _llmsim("scenario", "show", str(tmp_path / "one.toml"))
     assert r.returncode != 0 and "does not fit" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def _parsed(*argv):
+    from llmsim.cli import build_parser
+    return build_parser().parse_args(list(argv))
+
+
+def test_from_bench_derives_the_engine_it_refits_from_a_config(tmp_path):
+    from llmsim.calibrate_cmds import _base_profile, _engine_flags
+    cfg = os.path.join(CONFIGS, "llama-3.1-8b-instruct", "config.json")
+    a = _parsed("calibrate", "from-bench", "r.json", "--config", cfg, "--gpu", "NVIDIA L40S", "--max-model-len",
+                "4096", "-o", str(tmp_path / "p.json"))
+    p = _base_profile(a, "from-bench")
+    assert p.raw["hardware"]["name"] == "NVIDIA L40S" and p.engine["max_model_len"] == 4096
+    assert p.step_time.form == "roofline" and p.provenance["efficiencies"]["mfu"] > 0
+    assert p.raw["capacity_protocol"]["scenario_name"] == "scaled"      # the reference calls do not fit 4096
+    assert "--config" in _engine_flags(a) and "--gpu l40s" in _engine_flags(a)
+
+
+@pytest.mark.parametrize("engine", [[], ["--profile", "qwen2.5-7b", "--config", "c.json"]])
+def test_from_bench_takes_one_engine(tmp_path, engine):
+    r = _llmsim("calibrate", "from-bench", os.path.join(ROOT, "tests", "data", "vllm-bench-serve", "r3.json"),
+                *engine, "-o", str(tmp_path / "p.json"))
+    assert r.returncode != 0 and "--profile NAME|FILE, or derive it with --config" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
