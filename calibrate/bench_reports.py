@@ -68,6 +68,9 @@ class BenchStage:
     arrivals: str = "poisson"    # the stage's arrival process (Experiment.arrivals)
     tool: str = TOOL
     data: str = "random"         # the tool's dataset
+    pool: int | None = None      # whole prompts sent in turn (Experiment.pool)
+    drained: bool = False        # the stage started once every call of the one before had finished (Experiment.drained)
+    run: str | None = None       # the run it was a stage of, where its stages ran in one (an inference-perf folder)
 
 
 def read_reports(paths: list[str], shared_prefix: int | None = None) -> list[BenchStage]:
@@ -218,18 +221,23 @@ def experiments(stages: list[BenchStage], profile: Profile) -> list[Experiment]:
     flags = profile_flags(profile)
     groups: dict[tuple, list[BenchStage]] = {}
     for s in stages:
-        groups.setdefault((s.prompt_len, s.output_len, s.shared_prefix, s.groups, s.arrivals, s.tool, s.data),
-                          []).append(s)
+        groups.setdefault((s.prompt_len, s.output_len, s.shared_prefix, s.groups, s.arrivals, s.tool, s.data,
+                           s.pool, s.drained, s.run), []).append(s)
+    ids = [f"{k[0]}+{k[1]}" + (f"/{k[2]}" if k[2] else "") + (f"x{k[3]}" if k[3] > 1 else "") for k in groups]
     out = []
-    for (prompt, output, prefix, n_groups, arrivals, tool, data), mine in groups.items():
-        mine.sort(key=lambda s: s.stage.rate)
-        eid = f"{prompt}+{output}" + (f"/{prefix}" if prefix else "") + (f"x{n_groups}" if n_groups > 1 else "")
+    for eid, ((prompt, output, prefix, n_groups, arrivals, tool, data, pool, drained, run), mine) in zip(
+            ids, groups.items()):
+        # the stages of one run in the order they ran (a drained stage follows the one before), others by rate
+        mine.sort(key=lambda s: s.stage.index if run is not None else s.stage.rate)
+        if run is not None and ids.count(eid) > 1:     # several runs of one workload: an experiment each
+            names = [os.path.basename(k[-1] or "") for k, i in zip(groups, ids) if i == eid]
+            eid += f"@{os.path.basename(run) if names.count(os.path.basename(run)) == 1 else run}"
         st = tuple(Stage(k, s.stage.rate, s.stage.duration_s, s.stage.ttft_mean_s, s.stage.e2e_mean_s,
                          s.stage.measured, as_run_s=s.stage.as_run_s) for k, s in enumerate(mine))
         check_call_fits(mine[0].path, prompt, output, flags)
         raw = {"reports": [os.fspath(s.path) for s in mine], "tool": tool, "lengths": sorted({s.lengths for s in mine})}
         if tool == IP.TOOL:
-            raw["prefix_reuse"] = IP.prefix_note(prompt, prefix, n_groups, profile.engine["block_size"], data)
+            raw["prefix_reuse"] = IP.prefix_note(prompt, prefix, n_groups, pool, profile.engine["block_size"], data)
         out.append(Experiment(eid, mine[0].model, mine[0].vllm, dict(flags), prefix, prompt - prefix, output,
-                              n_groups, st, None, raw, arrivals=arrivals))
+                              n_groups, st, None, raw, arrivals=arrivals, pool=pool, drained=drained))
     return out

@@ -20,29 +20,63 @@ The reports do not name the tool's version: the layout is checked against
 0.7.0's (`CONFIG_KEYS`, `LOAD_KEYS`, `STAGE_KEYS`), and another is refused
 in one line.
 
-How a stage is simulated:
-- arrivals: "poisson". At 0.7.0 `constant` is not a fixed interval:
-  `inference_perf/loadgen/load_timer.py` `ConstantLoadTimer` draws
+How the run is simulated: as inference-perf 0.7.0 ran it
+(`calibrate.measurements.Experiment`: `arrivals`, `pool`, `drained`).
+- arrivals: "poisson_exact", for both load types. A stage sends
+  int(rate x duration) calls, no more, no fewer
+  (`loadgen/load_generator.py: LoadGenerator.run_stage` takes that many
+  times from the stage's timer). `load.type` constant is not a fixed
+  interval: `loadgen/load_timer.py: ConstantLoadTimer.start_timer` draws
   int(rate x duration) exponential gaps and rescales them to sum to the
-  stage's duration (Poisson-like arrivals with an exact count);
-  `PoissonLoadTimer` draws a Poisson count a second and spreads each second's
-  calls the same way. Either stage sends int(rate x duration) calls
-  (`loadgen/load_generator.py: run_stage`) and ends when all have finished;
-  it is simulated as run, `as_run_s` = its duration from an empty engine,
-  every call counted.
-- prefix reuse: a shared_prefix run's prompts are a pool of G x U whole
-  prompts (G system prompts, U questions each), shuffled once and sent in
-  turn, the turn restarting at the first prompt in every stage
-  (`datagen/synthetic/shared_prefix_datagen.py: get_data`). The simulator
-  cannot repeat whole prompts: the experiment is G prefix groups of
-  `system_prompt_len` tokens, each call a fresh question (the closest form
-  it expresses). Exact where vLLM's prefix cache would serve a repeated
-  prompt no more than its group's prefix: both hit whole KV blocks only, so
-  where floor((prompt - 1) / block) == floor(system_prompt_len / block);
-  otherwise the simulator prefills the repeats' questions again
-  (`experiments` records which, with the profile's block size).
-  Random data: no prefix shared (each worker reseeds its generator,
-  `load_generator.py`, so no two prompts repeat)."""
+  stage's duration, the last call at its end, which is the simulator's
+  `poisson_exact`. `load.type` poisson: `PoissonLoadTimer.start_timer` draws
+  a Poisson(rate) count for each second and spreads that second's calls as
+  `ConstantLoadTimer(count, 1.0)` does (all but the last uniform in the
+  second, the last at its end), endlessly; run_stage takes the first
+  int(rate x duration). That is close to a Poisson process (the gaps'
+  coefficient of variation 0.94 for 40 calls at 4 calls/s, 0.97 for 48 at 8,
+  where `poisson_exact`'s are 0.96 and 0.97; 1.0 for 4,800 at 8), and the
+  stage is the process stopped at its int(rate x duration)-th call:
+  the count is exact and the span random (its mean the duration, its
+  standard deviation about sqrt(count) / rate). `poisson_exact` is that
+  process with the span held at the duration; the simulator's `poisson`
+  would instead draw the count (its standard deviation sqrt(count)), where
+  the tool's is exact (`load_summary.count` is checked to be it) and
+  decides the prompt pool's turn below.
+- drained stages: run_stage waits until every call of the stage has
+  finished (`finished_requests_counter` reaches the count) and tears the
+  stage down before the next stage starts (after `load.interval` seconds,
+  and a second for the timer's start: idle time, which changes nothing in
+  the engine). The stages of a folder, one experiment, are simulated as
+  they were run, one after another in one run from an empty engine
+  (`calibrate.measurements.simulate_experiment`, `Stage.as_run_s` = the
+  stage's duration, every call counted), in the order they ran, so the
+  prefix cache one stage leaves serves the next.
+- prompts: a shared_prefix run's prompts are a pool of G x U whole prompts
+  (G = `num_unique_system_prompts` system prompts of `system_prompt_len`
+  tokens, U = `num_users_per_system_prompt` questions of `question_len`
+  each), made once (`datagen/synthetic/shared_prefix_datagen.py:
+  SharedPrefixDataGenerator._generate_prompts`) and shuffled once by a
+  permutation of the config's `seed`; every stage asks `get_data` afresh,
+  whose data indices start at 0, and `load_lazy_data` sends prompt
+  index mod (G x U). So call n of a stage sends prompt n mod G x U, the
+  turn restarting every stage: the simulator's `prompt_pool` (its prompt n
+  is the tool's n-th after the shuffle; the shuffle only permutes which
+  prompt is which, every prompt being `system_prompt_len + question_len`
+  tokens). A repeat hits its whole prompt in the prefix cache, block-aligned
+  as vLLM's (all its full KV blocks short of its last token). What the pool
+  does not carry: two prompts of one group share their system prompt's KV
+  blocks in vLLM's cache, and not in the simulator's pool, so the first
+  send of up to G x (U - 1) prompts prefills its system prompt's full
+  blocks again (`prefix_note` says which, with the profile's block size).
+  Random data: no prompt repeats (`datagen/synthetic/random_datagen.py:
+  RandomDataGenerator.load_lazy_data` draws each prompt's text afresh from
+  the worker's generator, which each worker reseeds with base_seed + its
+  id, `loadgen/load_generator.py: Worker._run`), no pool, no prefix
+  shared.
+- responses: `output_len` with `server.ignore_eos`, else the measured mean
+  over the run's completed calls (one length for its stages, which ran in
+  one)."""
 from __future__ import annotations
 
 import json
@@ -61,8 +95,8 @@ LOAD_KEYS = ("type", "interval", "stages", "sweep", "num_workers", "worker_max_c
              "worker_max_tcp_connections", "trace", "circuit_breakers", "request_timeout", "request_retries",
              "request_retry_backoff_sec", "stage_teardown_grace_seconds", "lora_traffic_split", "base_seed")
 STAGE_KEYS = ("benchmark_time_seconds", "load_summary", "successes", "failures")
-# load types simulated, and the arrival process each is (module docstring)
-ARRIVALS = {"constant": "poisson", "poisson": "poisson"}
+# load types simulated, and the simulator's arrival process each is (module docstring)
+ARRIVALS = {"constant": "poisson_exact", "poisson": "poisson_exact"}
 
 
 def is_folder(path: str) -> bool:
@@ -181,7 +215,7 @@ def read_folder(folder: str, shared_prefix: int | None = None) -> list[dict]:
     if not load["stages"]:
         raise _refuse(cwhere, "load.stages is empty")
     model = (cfg["server"] or {}).get("model_name") or "unnamed"
-    out, sent = [], []
+    read = []
     for k, st in enumerate(load["stages"]):
         rate, dur = st.get("rate"), st.get("duration")
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (rate, dur)):
@@ -198,11 +232,15 @@ def read_folder(folder: str, shared_prefix: int | None = None) -> list[dict]:
                                   "cut short is not a stage as configured")
         if not ok.get("count"):
             raise _refuse(swhere, "no call completed")
+        read.append((k, rate, dur, n, swhere, doc, ok, bad, _mean(ok, ("output_tokens", "mean"), swhere)))
+    # the responses' length, one for the run (its stages ran in one): stated, or the mean of every completed call
+    output = w["output"] if w["ignore_eos"] else round(sum(r[6]["count"] * r[8] for r in read)
+                                                       / sum(r[6]["count"] for r in read))
+    out, sent = [], []
+    for k, rate, dur, n, swhere, doc, ok, bad, output_mean in read:
         ttft = _mean(ok, ("latency", "time_to_first_token", "mean"), swhere)
         e2e = _mean(ok, ("latency", "request_latency", "mean"), swhere)
         prompt_mean = _mean(ok, ("prompt_tokens", "mean"), swhere)
-        output_mean = _mean(ok, ("output_tokens", "mean"), swhere)
-        output = w["output"] if w["ignore_eos"] else round(output_mean)
         # calls whose whole prompt the server had been sent before (the pool in turn, restarting each stage)
         repeats = 0 if w["pool"] is None else sum(1 for i in range(n) if i >= w["pool"] or any(i < m for m in sent))
         sent.append(min(n, w["pool"] or 0))
@@ -212,18 +250,27 @@ def read_folder(folder: str, shared_prefix: int | None = None) -> list[dict]:
         stage = Stage(k, float(rate), float(doc["benchmark_time_seconds"]), ttft, e2e, measured, as_run_s=float(dur))
         out.append({"path": f"{where} stage {k}", "model": str(model), "vllm": "not stated",
                     "prompt_len": w["prefix"] + w["question"], "output_len": output, "shared_prefix": w["prefix"],
-                    "stage": stage, "lengths": "stated" if w["ignore_eos"] else "stated prompts, realised responses",
-                    "groups": w["groups"], "arrivals": ARRIVALS[load["type"]], "tool": TOOL, "data": w["data"]})
+                    "stage": stage,
+                    "lengths": "stated" if w["ignore_eos"] else "stated prompts, realised responses (the run's mean)",
+                    "groups": w["groups"], "arrivals": ARRIVALS[load["type"]], "tool": TOOL, "data": w["data"],
+                    "pool": w["pool"], "drained": True, "run": where})
     return out
 
 
-def prefix_note(prompt: int, prefix: int, groups: int, block: int, data: str) -> str:
-    """Whether the experiment's prefix groups say exactly what the server's prefix cache served."""
-    if data != "shared_prefix":
-        return "random prompts: no prefix shared"
-    whole, group = (prompt - 1) // block * block, prefix // block * block
-    if whole == group:
-        return (f"exact at the KV block size {block}: a repeated whole prompt hits the same {group} tokens as its "
-                f"group's prefix ({groups} groups of {prefix} tokens)")
-    return (f"approximate: a repeated whole prompt hits {whole} tokens in the server's prefix cache, its group's "
-            f"prefix {group}; the simulator prefills the {whole - group} tokens between again on every repeat")
+def prefix_note(prompt: int, prefix: int, groups: int, pool: int | None, block: int, data: str) -> str:
+    """What the simulated pool serves from the prefix cache against what the
+    server's did (module docstring): a repeat exactly; a first send, the
+    system prompt's full KV blocks it shares with an earlier prompt of its
+    group, which the server served and the simulator prefills again."""
+    if data != "shared_prefix" or not pool:
+        return "random prompts: no prompt repeated, no prefix shared"
+    whole, shared = (prompt - 1) // block * block, prefix // block * block
+    users = pool // max(groups, 1)
+    said = (f"a pool of {pool} whole prompts"
+            + (f" ({groups} system prompts of {prefix} tokens x {users} questions)" if prefix else "")
+            + f" sent in turn, restarting every stage: a repeat hits {whole} of its {prompt} tokens, as the "
+            f"server's prefix cache did (KV blocks of {block})")
+    if not shared or users < 2:
+        return f"exact: {said}; no two prompts share a KV block"
+    return (f"approximate: {said}; the first send of up to {groups * (users - 1)} prompts prefills the {shared} "
+            "tokens of its system prompt that the server served from another prompt of its group")

@@ -241,7 +241,9 @@ def cmd_calibrate_from_bench(a) -> int:
              f"E2E {st.e2e_mean_s * 1e3:.0f} ms")
     tools = " and ".join(sorted({s.tool for s in stages}))
     _say(f"{prof.name}: {len(stages)} stages of {tools} as {len(exps)} experiments, each stage simulated as it "
-         "was run (its own arrivals from an empty engine, on the profile's engine flags and KV cache)")
+         "was run (its own arrivals, on the profile's engine flags and KV cache, from an empty engine"
+         + ("; a run's stages, each started once the one before had drained, one after another in one run, the "
+            "prefix cache carried over" if any(e.drained for e in exps) else "") + ")")
     for e in exps:
         if "prefix_reuse" in e.raw:
             _say(f"  {e.exp_id}: prefix reuse {e.raw['prefix_reuse']}")

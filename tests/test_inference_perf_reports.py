@@ -42,16 +42,71 @@ def test_a_folder_is_a_stage_each_of_its_stages_as_the_tool_measured_them():
     assert [s.stage.measured["whole_prompt_repeats"] for s in stages] == [0, 48, 48]
     s = stages[0]
     assert (s.model, s.tool, s.prompt_len, s.output_len, s.shared_prefix, s.groups, s.arrivals) == (
-        "tiny-qwen2", "inference-perf", 352, 32, 256, 4, "poisson")
+        "tiny-qwen2", "inference-perf", 352, 32, 256, 4, "poisson_exact")
+    # the workload as the tool ran it: 4 x 10 whole prompts in turn, each stage started drained
+    assert all((s.pool, s.drained, s.run) == (40, True, str(DATA)) for s in stages)
 
 
-def test_the_stages_are_one_experiment_of_prefix_groups_exact_at_the_block_size():
+def test_the_stages_are_one_run_of_a_pool_of_whole_prompts_started_drained():
     (e,) = B.experiments(B.read_reports([str(DATA)]), load_profile("vllm-cpu-tiny"))
-    assert (e.system_prompt_len, e.question_len, e.output_len, e.groups, e.arrivals) == (256, 96, 32, 4, "poisson")
+    assert (e.system_prompt_len, e.question_len, e.output_len, e.groups, e.arrivals) == (
+        256, 96, 32, 4, "poisson_exact")
+    assert (e.pool, e.drained) == (40, True)
+    assert e.workload() == {"system_prompt_len": 256, "question_len": 96, "output_len": 32, "groups": 4,
+                            "arrivals": "poisson_exact", "prompt_pool": 40, "drained": True}
     assert [s.index for s in e.stages] == [0, 1, 2] and e.raw["tool"] == "inference-perf"
-    assert e.raw["prefix_reuse"].startswith("exact at the KV block size 128")
-    assert IP.prefix_note(352 + 128, 256, 4, 128, "shared_prefix").startswith("approximate: a repeated whole prompt "
-                                                                               "hits 384 tokens")
+    sc = ms.experiment_scenario(e)
+    assert (sc.prompt_pool, sc.shared_prefix, sc.prefix_groups) == (40, 0, None)
+    # simulated in one run, int(rate x duration) calls a stage
+    assert [r["calls"] for r in ms.simulate_experiment(load_profile("vllm-cpu-tiny"), e)] == [40, 48, 48]
+    # a repeat is exact; the system prompt two prompts of a group share is not shared by the simulated pool
+    assert e.raw["prefix_reuse"].startswith("approximate: a pool of 40 whole prompts (4 system prompts of 256 "
+                                            "tokens x 10 questions)")
+    assert "a repeat hits 256 of its 352 tokens" in e.raw["prefix_reuse"]
+    assert "the first send of up to 36 prompts prefills the 256 tokens" in e.raw["prefix_reuse"]
+    assert IP.prefix_note(352, 100, 4, 40, 128, "shared_prefix").startswith("exact: a pool of 40")
+    assert IP.prefix_note(352, 256, 4, 4, 128, "shared_prefix").startswith("exact: a pool of 4 ")
+    assert IP.prefix_note(352, 0, 1, None, 128, "random").startswith("random prompts")
+
+
+def _reversed(tmp_path):
+    """The folder as if its stages had run from the fastest rate down."""
+    d = Path(_copy(tmp_path, lambda c: c["load"].update(stages=c["load"]["stages"][::-1])))
+    for k in range(3):
+        (d / f"stage_{k}_lifecycle_metrics.json").write_text((DATA / f"stage_{2 - k}_lifecycle_metrics.json")
+                                                            .read_text())
+    return str(d)
+
+
+def test_a_poisson_load_and_stages_in_the_order_they_ran(tmp_path):
+    # load.type poisson: int(rate x duration) calls a stage as well (run_stage), poisson_exact
+    path = _copy(tmp_path, lambda c: c["load"].update(type="poisson"))
+    assert {s.arrivals for s in B.read_reports([path])} == {"poisson_exact"}
+    # a drained run's stages stay in the order they ran, whatever their rates
+    (e,) = B.experiments(B.read_reports([_reversed(tmp_path / "r")]), load_profile("vllm-cpu-tiny"))
+    assert [s.rate for s in e.stages] == [12.0, 8.0, 4.0] and e.drained
+
+
+def test_each_run_is_an_experiment_and_random_data_has_no_pool(tmp_path):
+    a, b = _copy(tmp_path / "a"), _copy(tmp_path / "b")
+    exps = B.experiments(B.read_reports([a, b]), load_profile("vllm-cpu-tiny"))
+    assert [len(e.stages) for e in exps] == [3, 3] and len({e.exp_id for e in exps}) == 2
+    rnd = _copy(tmp_path / "c", lambda c: c["data"].update(
+        type="random", shared_prefix=None, input_distribution={"min": 352, "max": 352, "total_count": 48},
+        output_distribution={"min": 32, "max": 32, "total_count": 48}))
+    (e,) = B.experiments(B.read_reports([rnd]), load_profile("vllm-cpu-tiny"))
+    assert (e.pool, e.drained, e.system_prompt_len, e.arrivals) == (None, True, 0, "poisson_exact")
+    assert e.raw["prefix_reuse"].startswith("random prompts: no prompt repeated")
+
+
+def test_without_ignore_eos_the_responses_are_the_runs_mean(tmp_path):
+    path = _copy(tmp_path, lambda c: c["server"].update(ignore_eos=False))
+    doc = json.loads((Path(path) / "stage_1_lifecycle_metrics.json").read_text())
+    doc["successes"]["output_tokens"]["mean"] = 40.0
+    (Path(path) / "stage_1_lifecycle_metrics.json").write_text(json.dumps(doc))
+    stages = B.read_reports([path])
+    assert {s.output_len for s in stages} == {round((40 * 32 + 48 * 40 + 48 * 32) / 136)}
+    assert len(B.experiments(stages, load_profile("vllm-cpu-tiny"))) == 1
 
 
 def _copy(tmp_path, change=None, stage=None):
@@ -113,12 +168,15 @@ def test_from_bench_fits_the_folder_closer_than_the_prior_and_leaves_it_as_it_wa
     pm = d["provenance"]["measurements"]
     assert d["provenance"]["kind"] == "fitted to inference-perf reports"
     assert pm["experiments"][0]["workload"] == {"system_prompt_len": 256, "question_len": 96, "output_len": 32,
-                                                "groups": 4, "arrivals": "poisson"}
-    assert pm["experiments"][0]["prefix_reuse"].startswith("exact at the KV block size 128")
+                                                "groups": 4, "arrivals": "poisson_exact", "prompt_pool": 40,
+                                                "drained": True}
+    assert pm["experiments"][0]["prefix_reuse"].startswith("approximate: a pool of 40 whole prompts")
+    assert "stages that start drained one after another in one run" in pm["simulation"]["as_run"]
     assert [r["rate"] for r in pm["stages"]] == [4.0, 8.0, 12.0]
     assert _rms(pm["stages"], "e2e_residual") < _rms(pm["stages_before"], "e2e_residual")
     assert _rms(pm["stages"], "ttft_residual") < _rms(pm["stages_before"], "ttft_residual")
-    assert "prefix reuse exact" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "prefix reuse approximate: a pool of 40" in err and "one after another in one run" in err
 
 
 def test_the_config_written_for_the_tool_states_the_run(tmp_path):

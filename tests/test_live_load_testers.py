@@ -81,6 +81,7 @@ def test_inference_perf_report_folder_is_read_and_fitted(tmp_path, text_engine, 
     assert [(s.stage.rate, s.stage.measured["completed"], s.stage.measured["failed"]) for s in stages] == [
         (4.0, 20, 0), (8.0, 32, 0)]
     assert {(s.prompt_len, s.output_len, s.shared_prefix, s.groups) for s in stages} == {(192, 16, 128, 2)}
+    assert {(s.pool, s.drained, s.arrivals) for s in stages} == {(16, True, "poisson_exact")}
     assert all(s.stage.measured["prompt_tokens_mean"] == 192 for s in stages)
     fitted = tmp_path / "fitted.json"
     assert main(["calibrate", "from-bench", str(out), "--profile", "vllm-cpu-tiny", "-o", str(fitted),
