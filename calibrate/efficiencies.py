@@ -28,6 +28,7 @@ seconds of arrivals (the steady state is reached within a few E2E times);
 `predict` simulates every stage whole."""
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -225,8 +226,6 @@ def load(path: str = FITTED) -> Efficiencies:
 def fitted_document(experiments: list[ms.Experiment], folder: str, log=print) -> dict:
     """The fit (`fit`) and every stage simulated whole with its result: what
     `calibrate/data/efficiencies.json` holds."""
-    import datetime
-
     res = fit(experiments, folder, log=log)
     eff = Efficiencies(**res["efficiencies"])
     rows = predict(experiments, folder, eff)
