@@ -259,3 +259,20 @@ def test_from_bench_takes_one_engine(tmp_path, engine):
                 *engine, "-o", str(tmp_path / "p.json"))
     assert r.returncode != 0 and "--profile NAME|FILE, or derive it with --config" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_the_worked_example_gets_its_verdict_on_a_derived_engine(tmp_path):
+    """docs/any-model.md: Llama-3.1-70B on four H100s behind the OpenAI SDK;
+    diagnose and a fleet of two such engines run on the derived profile."""
+    ex = os.path.join(ROOT, "examples", "llama70b-tp4-openai.toml")
+    r = _llmsim("diagnose", "--scenario", ex, "--seeds", "2", "--json", str(tmp_path / "d.json"))
+    assert r.returncode == 0, r.stderr
+    assert "derived profile" in r.stdout and "no-retry+cancel" in r.stdout
+    fleet = tmp_path / "fleet.toml"
+    cfg = os.path.join(CONFIGS, "llama-3.1-70b-instruct", "config.json")
+    fleet.write_text(f'name = "tp4-fleet"\n[model]\nhf_config = "{cfg}"\ngpu = "h100"\ntensor_parallel_size = 4\n'
+                     '[fleet]\nreplicas = 2\nrouter = "least-outstanding"\n')
+    r = _llmsim("run", "--scenario", str(fleet), "--condition", "cancel", "--json", str(tmp_path / "r.json"))
+    assert r.returncode == 0, r.stderr
+    rec = json.loads((tmp_path / "r.json").read_text())
+    assert len(rec["replicas"]) == 2 and rec["profile_provenance"] == "roofline prior"
