@@ -12,6 +12,7 @@ import tomllib
 import pytest
 
 from llmsim.cli import main
+from llmsim.scenario_cmds import build_prior
 from sim.deployment import from_document, load
 from sim.scenario import PAPER, REFERENCE_PHASES, SCENARIOS, Phase, Scenario, reference_phases
 from sim.schema import BOOL, NUMBER, PAIRS, SCHEMA, STRING, STRINGS, TABLE, TABLES, WHOLE, Key, ScenarioError, Schema
@@ -131,7 +132,7 @@ def test_a_cap_below_its_base_names_both():
 # ------------------------------------------------------------------ round trip
 def _round_trip(dep, base_dir):
     text = dep.to_toml()
-    back = from_document(tomllib.loads(text), dep.name, base_dir)
+    back = from_document(tomllib.loads(text), dep.name, base_dir, build_prior=build_prior)
     assert back.scenario == dep.scenario and back.content_hash == dep.content_hash
     assert back.document() == dep.document() and back.to_toml() == text
     assert back.profile.engine == dep.profile.engine and back.fleet == dep.fleet
@@ -154,7 +155,7 @@ def test_every_named_scenario_shown_loads_back_to_itself(name, tmp_path, capsys)
 
 @pytest.mark.parametrize("name", EXAMPLE_FILES)
 def test_every_example_shown_loads_back_to_itself(name):
-    dep = load(os.path.join(EXAMPLES, name))
+    dep = load(os.path.join(EXAMPLES, name), build_prior=build_prior)
     text = _round_trip(dep, EXAMPLES)
     for sec in SCHEMA.sections():            # every section and key is in the file, given or commented out
         assert f"[{sec}]" in text
