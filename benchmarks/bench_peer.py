@@ -8,8 +8,9 @@ hardware efficiencies (calibrate.efficiencies): no profile of any of them.
     python benchmarks/bench_peer.py --fit -o eff.json      # fit the efficiencies first (progress shown)
 
 Prints one row per stage (E2E and TTFT means, measured and predicted, and
-the error predicted / measured - 1), the medians of |error|, and the
-reference design's published figures against the derived engines'."""
+the error predicted / measured - 1), the medians of |error|, the KV blocks
+the model derives against those the servers reported, and the reference
+design's published figures against the derived engines'."""
 from __future__ import annotations
 
 import argparse
@@ -64,6 +65,10 @@ def main(argv=None) -> int:
     print(f"efficiencies: {ef.describe(eff)}")
     rows = ef.predict(experiments, a.measurements, eff)
     print(table(rows, experiments))
+    print("KV blocks derived against those the servers reported (the simulation uses the reported):")
+    for r in ef.kv_check(experiments, a.measurements, eff):
+        print(f"  {r['exp_id']:>16} {r['model'].rsplit('/', 1)[-1][:30]:<30} tp {r['tp']}  derived {r['derived']:>6}  "
+              f"reported {r['reported']:>6}  {r['ratio'] - 1:+.1%}")
     print("the reference design's published figures (one H100, 12,000-token prompts; SPEC):")
     for r in ef.reference(eff):
         print(f"  {r['model']:<14} {r['figure']:<9} published {r['published']:>7.3f}  derived "

@@ -116,6 +116,18 @@ def derived_profile(e: ms.Experiment, folder: str, eff: Efficiencies) -> Profile
     return from_dict(d, f"experiment {e.exp_id}")
 
 
+def kv_check(experiments: list[ms.Experiment], folder: str, eff: Efficiencies) -> list[dict]:
+    """Per experiment whose server reported its KV blocks: the blocks the
+    physical model derives for its engine against the reported ones."""
+    out = []
+    for e in experiments:
+        if e.kv_blocks is not None:
+            derived = derived_profile(e, folder, eff).engine["num_gpu_blocks"]
+            out.append({"exp_id": e.exp_id, "model": e.model, "tp": e.tp, "derived": derived,
+                        "reported": e.kv_blocks, "ratio": derived / e.kv_blocks})
+    return out
+
+
 def _shortened(e: ms.Experiment, stage_s: float | None) -> ms.Experiment:
     if stage_s is None:
         return e

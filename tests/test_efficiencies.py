@@ -81,3 +81,10 @@ def test_a_file_that_is_not_a_fit_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="not a file of fitted efficiencies") as err:
         ef.load(str(bad))
     assert "\n" not in str(err.value)
+
+
+def test_derived_kv_blocks_are_checked_against_the_reported_ones():
+    rows = ef.kv_check(EXPERIMENTS, ef.PEER_FOLDER, ef.load())
+    assert len(rows) == sum(e.kv_blocks is not None for e in EXPERIMENTS) > 10
+    dense = [r["ratio"] for r in rows if "scout" not in r["model"].lower()]
+    assert all(0.9 < x < 1.0 for x in dense)         # docs/any-model.md: 2-4 % below the servers' counts
