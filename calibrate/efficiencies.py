@@ -20,8 +20,8 @@ and Qwen2.5-7B's median TTFT and E2E at 1.52 calls/s, a prefill-heavy
 workload of 12,000-token prompts that pins the compute efficiencies the
 prefix-cached chat workload of the measurements leaves free),
 over the efficiencies in log space within `BOUNDS` (scipy's least_squares,
-trf); it says which of them the data cannot identify (the Jacobian's
-standard errors, as `calibrate.measurements.identified_terms` reads them).
+trf); it says which of them the data cannot identify (their standard
+errors from the Jacobian, `_standard_errors`).
 
 For speed a stage of the fit is simulated over its first `FIT_STAGE_S`
 seconds of arrivals (the steady state is reached within a few E2E times);
@@ -42,7 +42,7 @@ from sim.latency import latency
 from sim.profile import Profile, from_dict
 
 from . import measurements as ms
-from .model_shape import MODELS, ModelShape, shape_from_config
+from .model_shape import MODELS, ModelShape, name_of_config, shape_from_config
 from .prior import Serving, prior_profile
 from .published import PUBLISHED
 
@@ -102,6 +102,20 @@ def derive(shape: ModelShape, gpu, serving: Serving | None = None, eff: Efficien
               "with hardware efficiencies fitted on public measurements of real vLLM (docs/any-model.md); "
               f"frontend_s {eff.frontend_s * 1e3:.1f} ms a call outside the engine is fitted, not simulated"))
     return d
+
+
+def derive_from_config(path: str, gpu, tensor_parallel_size: int = 1, dtype: str | None = None,
+                       quantization: str | None = None, cpu_offload_gb: float = 0.0,
+                       gpu_memory_utilization: float = 0.9, name: str | None = None, **engine) -> dict:
+    """`derive` for the model whose config.json lies at `path` (named after
+    its folder unless `name` is given), served with vLLM's flags of the same
+    names. OSError or ValueError (a JSON one too) when it cannot be."""
+    with open(path) as f:
+        cfg = json.load(f)
+    shape = shape_from_config(cfg, name=name or name_of_config(path), dtype=dtype, quantization=quantization)
+    serving = Serving(tensor_parallel_size=tensor_parallel_size, cpu_offload_gb=cpu_offload_gb,
+                      gpu_memory_utilization=gpu_memory_utilization)
+    return derive(shape, gpu, serving, **engine)
 
 
 def derived_profile(e: ms.Experiment, folder: str, eff: Efficiencies) -> Profile:
@@ -192,8 +206,7 @@ def fit(experiments: list[ms.Experiment], folder: str, start: Efficiencies = Eff
         evals[0] += 1
         eff = eff_of(x)
         r = _residuals(predict(experiments, folder, eff, stage_s), reference(eff) if with_reference else ())
-        log(f"  evaluation {evals[0]}: " + ", ".join(f"{n} {getattr(eff, n):.3g}" for n in NAMES)
-            + f" -> rms log error {math.sqrt(float(np.mean(r ** 2))):.4f}")
+        log(f"  evaluation {evals[0]}: {describe(eff)} -> rms log error {math.sqrt(float(np.mean(r ** 2))):.4f}")
         return r
 
     sol = least_squares(resid, np.ones(len(NAMES)), bounds=(lo, hi), diff_step=0.05, xtol=1e-3, ftol=1e-3,
@@ -207,16 +220,12 @@ def fit(experiments: list[ms.Experiment], folder: str, start: Efficiencies = Eff
 
 
 def _standard_errors(jac: np.ndarray, r: np.ndarray) -> list[float]:
-    """Each parameter's standard error (log space) from the Jacobian; inf
-    where the data do not constrain it."""
-    dof = max(1, len(r) - jac.shape[1])
-    s2 = float(r @ r) / dof
-    try:
-        cov = np.linalg.pinv(jac.T @ jac) * s2
-    except np.linalg.LinAlgError:
-        return [math.inf] * jac.shape[1]
-    return [math.sqrt(v) if v > 0 and math.isfinite(v) else math.inf for v in np.diag(cov)]
-
+    """Each efficiency's standard error (log space) at the fit: the data's
+    identifiability (`calibrate.measurements.identifiability`, residuals in
+    units of 1) scaled by the residuals' own spread; inf where the data do
+    not constrain it."""
+    scale = math.sqrt(float(r @ r) / max(1, len(r) - jac.shape[1]))
+    return [scale * v for v in ms.identifiability(jac)]
 
 
 def describe(eff: Efficiencies) -> str:

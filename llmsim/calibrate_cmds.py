@@ -10,14 +10,13 @@ import time
 from calibrate import bench_reports, efficiencies, live_capacity, measurements as ms, metrics_reports
 from calibrate.bench_reports import TOOL
 from calibrate.capture import capture
-from calibrate.efficiencies import derive
+from calibrate.efficiencies import derive_from_config
 from calibrate.fit import WEIGHTS, build_profile, fit_report, load_sources
 from calibrate.from_log import LogError, profile_from_log
 from calibrate.gpus import GiB, gpu_key
 from calibrate.guidellm_reports import SUPPORTED as GL_VERSION
 from calibrate.inference_perf_reports import SUPPORTED as IP_VERSION
-from calibrate.model_shape import name_of_config
-from calibrate.prior import GPUS, Serving, shape_from_config
+from calibrate.prior import GPUS, shape_from_config
 from sim.capacity import capacity_protocol
 from sim.profile import ProfileError, from_dict, load_profile, with_engine
 from validate import engine, gateway, loadtest, scrape
@@ -395,17 +394,12 @@ def _derived_args(q, required: bool) -> None:
 def _derived(a, command: str) -> dict:
     """The engine `_derived_args` describes, as a profile dict; bad input ends in one line."""
     try:
-        with open(a.config) as f:
-            cfg = json.load(f)
+        return derive_from_config(a.config, a.gpu, a.tp, a.dtype, a.quantization, a.cpu_offload_gb,
+                                  a.gpu_memory_utilization, name=getattr(a, "name", None), source=a.efficiencies,
+                                  max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_batched_tokens,
+                                  max_model_len=a.max_model_len, capacity=1.0)
     except (OSError, json.JSONDecodeError) as e:
         raise _err(f"calibrate {command}: cannot read {a.config}: {e}") from None
-    try:
-        shape = shape_from_config(cfg, name=getattr(a, "name", None) or name_of_config(a.config), dtype=a.dtype,
-                                  quantization=a.quantization)
-        serving = Serving(tensor_parallel_size=a.tp, cpu_offload_gb=a.cpu_offload_gb,
-                          gpu_memory_utilization=a.gpu_memory_utilization)
-        return derive(shape, a.gpu, serving, source=a.efficiencies, max_num_seqs=a.max_num_seqs,
-                      max_num_batched_tokens=a.max_batched_tokens, max_model_len=a.max_model_len, capacity=1.0)
     except (KeyError, ValueError) as e:
         raise _err(f"calibrate {command}: {e}") from None
 

@@ -3,15 +3,12 @@ deployment implies), and the `--scenario FILE|NAME` option the model's
 commands share (`scenario_arg`, `deployment`)."""
 from __future__ import annotations
 
-import json
 import math
 import sys
 
 import numpy as np
 
-from calibrate.efficiencies import derive
-from calibrate.model_shape import name_of_config
-from calibrate.prior import Serving, shape_from_config
+from calibrate.efficiencies import derive_from_config
 from sim.deployment import Deployment, ScenarioError, load
 from sim.profile import ProfileError
 from sim.scenario import SCENARIOS
@@ -19,16 +16,11 @@ from sim.scenario import SCENARIOS
 from . import args
 
 
-def build_prior(path: str, gpu: str, tensor_parallel_size: int = 1, dtype: str | None = None,
-                quantization: str | None = None, cpu_offload_gb: float = 0.0) -> dict:
+def build_prior(path: str, gpu: str, **serving) -> dict:
     """A profile derived by the physical step-time model with the fitted
     efficiencies (`llmsim calibrate prior`) for `[model] hf_config`, `gpu`
-    and how the model is served."""
-    with open(path) as f:
-        cfg = json.load(f)
-    shape = shape_from_config(cfg, name=name_of_config(path), dtype=dtype, quantization=quantization)
-    prof = derive(shape, gpu, Serving(tensor_parallel_size=tensor_parallel_size, cpu_offload_gb=cpu_offload_gb),
-                  capacity=1.0)
+    and how the model is served (`[model]`'s keys of vLLM's flags)."""
+    prof = derive_from_config(path, gpu, capacity=1.0, **serving)
     prof["provenance"]["capacity"] = "placeholder: the capacity protocol runs on the scenario's workload"
     return prof
 
