@@ -8,10 +8,11 @@ import os
 import sys
 
 from calibrate import live_capacity
-from sim.conditions import CONDITIONS
+from sim.conditions import CONDITIONS, get_condition
 from sim.deployment import ScenarioError, load
 from sim.policy.layers import layer_kind
 from sim.policy.router import PROXY_PLACEMENTS, ROUTERS, RouterConfig
+from sim.policy.stack import Stack, check_group
 from sim.profile import ProfileError, from_dict
 from sim.scenario import SCENARIOS, NamedScenario, get_scenario
 from validate import autoscale as live_autoscale, engine, fleet as live_fleet, gateway
@@ -276,9 +277,7 @@ def cmd_validate_fleet(a, from_file=None) -> int:
     fleet = dep.fleet if dep is not None else None
     if fleet is not None and a.points is None:
         a.points = [_file_condition(a, dep, "named conditions")]
-    if dep is not None and dep.stack_layers:
-        raise _err(f"validate: {a.scenario}: a live fleet runs the reference design's client; [[layer]] tables run "
-                   "live on one engine")
+    layers, _ = _live_stack(a, from_file)
     if fleet is not None and len({p.name for p in fleet.profiles}) > 1:
         raise _err(f"validate: {a.scenario}: [fleet] gives the replicas different profiles "
                    f"({', '.join(fleet.profile_names or ())}); a live fleet is N identical engines: give one profile")
@@ -299,6 +298,16 @@ def cmd_validate_fleet(a, from_file=None) -> int:
     unknown = [p for p in points if p not in CONDITIONS]
     if unknown:
         raise _err(f"validate: unknown condition {unknown[0]!r}; valid: {', '.join(CONDITIONS)}")
+    if layers:                  # the stack each point runs, as the simulator takes it (one line where it cannot)
+        for r in routers:
+            for p in points:
+                try:
+                    stack = Stack.under_layers(get_condition(p), layers, dep.scenario,
+                                               RouterConfig(r, a.router_retries, a.fleet_proxy))
+                    if stack.upstream_group:
+                        check_group(stack, n)
+                except ValueError as e:
+                    raise _err(f"validate: {a.scenario}: {e}") from None
     eng, urls = a.engine, None
     if eng == "cpu":
         kind = "cpu"
@@ -335,7 +344,7 @@ def cmd_validate_fleet(a, from_file=None) -> int:
     try:
         doc = live_fleet.validate_fleet(spec, prof, vs, n, routers, points, a.json, a.capacity,
                                         retries=a.router_retries, proxy=a.fleet_proxy, urls=urls,
-                                        retry_slow=a.retry_slow)
+                                        retry_slow=a.retry_slow, layers=layers)
     except (ValidationError, engine.EngineError) as e:
         raise _err(f"validate: {e}") from None
     print(f"{vs.name} on {n} x {doc['engine']['kind']} vLLM {doc['engine']['version']} ({doc['engine']['model']}), "

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from aiohttp.test_utils import TestServer
 
 from sim.conditions import get_condition
 from sim.policy.presets import preset
+from sim.policy.router import RouterConfig
 from sim.workload import Trace
 from test_live_run_unit import SlotStub, _scenario
 from validate import gateway as G
@@ -47,7 +49,7 @@ def test_haproxy_config_carries_the_layers_directives():
     conf = G.haproxy_config(s, 8080, "http://127.0.0.1:9000", RUN)
     for line in ("timeout server 20000ms", "retries 2", "retry-on conn-failure response-timeout 503",
                  "timeout queue 1500ms", "option abortonclose", "http-request disable-l7-retry if METH_POST",
-                 "server upstream 127.0.0.1:9000 maxconn 4 maxqueue 16", "bind 127.0.0.1:8080"):
+                 "server s0 127.0.0.1:9000 maxconn 4 maxqueue 16", "bind 127.0.0.1:8080"):
         assert line in conf, line
     assert set(G.retry_on_of("haproxy", conf)) == set(s["retry_on"])
     plain = G.haproxy_config(preset("gateway", "haproxy"), 1, "http://h:1", RUN)
@@ -58,7 +60,10 @@ def test_haproxy_config_carries_the_layers_directives():
     ("nginx", "backoff_base_s", 1.0, r"^backoff_base_s: nginx has no directive for it"),
     ("nginx", "retry_on", ["408"], r"^retry_on: nginx's proxy_next_upstream has no condition for '408'"),
     ("nginx", "timeout_s", None, r"^timeout_s: nginx always has a read timeout"),
-    ("nginx", "upstream_servers", 2, r"^upstream_servers: a live run's gateway has one upstream"),
+    ("nginx", "upstream_servers", 2, r"^upstream_servers: 2 servers, and a live run has 1 upstream for the gateway"),
+    ("nginx", "balance", "hash", r"^balance: a live nginx balances round-robin or least-conn, not 'hash'"),
+    ("nginx", "down_for_s", 2.5, r"^down_for_s: nginx's fail_timeout is given here in whole seconds"),
+    ("haproxy", "retry_server", "any", r"^retry_server: a live HAProxy retries on the same server or"),
     ("haproxy", "retry_on", ["5xx"], r"^retry_on: HAProxy's retry-on has no condition for '5xx'"),
     ("haproxy", "passes_disconnect", True, r"^passes_disconnect_queued: HAProxy's option abortonclose sets both"),
     ("haproxy", "timeout_status", 502, r"^timeout_status: HAProxy has no directive for it"),
@@ -67,6 +72,68 @@ def test_a_setting_the_software_cannot_take_is_refused_in_one_line(name, key, va
     s = preset("gateway", name, **{key: value})
     with pytest.raises(ValueError, match=msg):
         G.gateway_config(s, 1, "http://h:1", RUN)
+
+
+UPS = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+
+
+def test_nginx_group_config_lists_every_server_with_its_passive_health():
+    s = preset("gateway", "nginx", timeout_s=5, upstream_servers=2, balance="least-conn", fails_to_mark_down=2,
+               down_for_s=4.0)
+    conf = G.nginx_config(s, 8080, UPS, RUN)
+    block = conf[conf.index("upstream llmsim_upstream {"):]
+    block = block[:block.index("}")]
+    assert "least_conn;" in block
+    assert [line.strip() for line in block.splitlines() if line.strip().startswith("server")] == \
+        ["server 127.0.0.1:9001 max_fails=2 fail_timeout=4s;", "server 127.0.0.1:9002 max_fails=2 fail_timeout=4s;"]
+    assert "proxy_pass http://llmsim_upstream;" in conf and "access_log " + str(RUN) + "/access.log llmsim;" in conf
+    assert "least_conn" not in G.nginx_config(preset("gateway", "nginx", timeout_s=5, upstream_servers=2), 1, UPS, RUN)
+
+
+def test_haproxy_group_config_observes_layer7_with_active_checks():
+    s = preset("gateway", "haproxy", timeout_s=5, upstream_servers=2, fails_to_mark_down=3, balance="least-conn",
+               retry_server="other", check_interval_s=1.0)
+    conf = G.haproxy_config(s, 8080, UPS, RUN)
+    opts = "check inter 1000ms rise 2 fall 3 observe layer7 error-limit 3 on-error fail-check"
+    for line in (f"server s0 127.0.0.1:9001 {opts}", f"server s1 127.0.0.1:9002 {opts}", "balance leastconn",
+                 "option httpchk GET /health", "option redispatch 1", "log stdout format rfc5424 local0 info"):
+        assert line in conf, line
+    off = G.haproxy_config(preset("gateway", "haproxy", timeout_s=5, upstream_servers=2), 1, UPS, RUN)
+    assert " check" not in off and "httpchk" not in off and "redispatch" not in off and "balance" not in off
+
+
+def test_group_spells_count_as_the_simulator_counts():
+    ng = preset("gateway", "nginx", upstream_servers=2, down_for_s=10.0)
+    # server 0 out at 1 s; a late failure at 5 s lengthens that spell (to 15 s); at 20 s a new one
+    out = G.group_spells([0, 1, 0, 0], [1.0, 2.0, 5.0, 20.0], ng)
+    assert out["marked_down"] == 3 and out["first_marked_down_s"] == 1.0
+    assert out["spells"] == [[0, 1.0, 15.0], [1, 2.0, 12.0], [0, 20.0, 30.0]]
+    ha = preset("gateway", "haproxy", upstream_servers=2, fails_to_mark_down=3)
+    out = G.group_spells([1, 1], [3.0, 9.0], ha, back=[1], back_times=[6.0])
+    assert out["spells"] == [[1, 3.0, 6.0], [1, 9.0, float("inf")]]
+    assert G.group_spells([], [], ng) == {"marked_down": 0, "first_marked_down_s": None, "spells": []}
+
+
+def test_group_events_read_the_gateways_own_lines(tmp_path):
+    hosts = ["127.0.0.1:9001", "127.0.0.1:9002"]
+    (tmp_path / "error.log").write_text(
+        '2026/12/04 13:10:01 [warn] 12#12: *56 upstream server temporarily disabled while reading response header '
+        'from upstream, client: 127.0.0.1, server: , request: "POST /v1/completions HTTP/1.1", upstream: '
+        '"http://127.0.0.1:9002/v1/completions", host: "127.0.0.1:8080"\n'
+        '2026/12/04 13:10:02 [error] 12#12: *60 no live upstreams while connecting to upstream\n')
+    (tmp_path / "access.log").write_text('1764853802.100 7 502 "llmsim_upstream" "-"\n'
+                                         '1764853802.300 8 200 "127.0.0.1:9001" "200"\n'
+                                         '1764853802.500 7 502 "llmsim_upstream" "-"\n')
+    ev = G.group_events("nginx", tmp_path, hosts)
+    assert ev["marked"] == [1] and ev["alone_calls"] == ["7", "7"]
+    (tmp_path / "haproxy.log").write_text(
+        "[WARNING]  (1650) : Server llmsim_upstream/s0 is DOWN, reason: Health analyze\n"
+        "<129>1 2026-12-04T12:43:49.179926+00:00 - haproxy 1650 - - Server llmsim_upstream/s0 is DOWN, reason: x\n"
+        "<134>1 2026-12-04T12:43:51.671256+00:00 - haproxy 1650 - - 17 503 <NOSRV>\n"
+        "<133>1 2026-12-04T12:43:53.000000+00:00 - haproxy 1650 - - Server llmsim_upstream/s0 is UP, reason: y\n")
+    ev = G.group_events("haproxy", tmp_path, hosts)
+    assert ev["marked"] == [0] and ev["back"] == [0] and ev["alone_calls"] == ["17"]
+    assert abs(ev["back_at"][0] - ev["marked_at"][0] - 3.820074) < 1e-6
 
 
 def test_a_gateway_preset_without_live_software_is_refused():
@@ -119,8 +186,6 @@ _needs = pytest.mark.usefixtures("gateways_installed")
 
 
 async def _through(gateway_settings, client_settings, cond, trace, sc, slots):
-    from aiohttp.test_utils import TestServer
-
     from validate.live_run import LiveRun
     stub = SlotStub(slots)
     server = TestServer(stub.app())
@@ -129,15 +194,39 @@ async def _through(gateway_settings, client_settings, cond, trace, sc, slots):
         url = str(server.make_url("")).rstrip("/")
         run = LiveRun(url, "stub", trace, get_condition(cond), sc, seed=0, client_layer=client_settings,
                       gateway=lambda up: G.start(gateway_settings, up))
-        port = G.E.free_port()
-        run.gateway = run.gateway_factory(f"http://127.0.0.1:{port}")
         try:
-            end = await run._run(until=float(trace.arrival[-1]) + sc.delivery_horizon_s, port=port)
+            end = await run._run(until=float(trace.arrival[-1]) + sc.delivery_horizon_s, port=G.E.free_port())
         finally:
-            run.gateway.stop()
+            if run.gateway is not None:
+                run.gateway.stop()
         return run, run._log(end, 0.0), stub
     finally:
         await server.close()
+
+
+async def _through_group(gateway_settings, cond, trace, sc, slots):
+    """`_through` with a stub engine per server of the gateway's upstream
+    group, the reference client in front of the gateway."""
+    from validate.live_run import LiveRun
+    n = gateway_settings["upstream_servers"]
+    stubs = [SlotStub(slots) for _ in range(n)]
+    servers = [TestServer(s.app()) for s in stubs]
+    for server in servers:
+        await server.start_server()
+    try:
+        urls = [str(server.make_url("")).rstrip("/") for server in servers]
+        run = LiveRun(urls, "stub", trace, get_condition(cond), sc, seed=0, router=RouterConfig("round-robin", 0,
+                                                                                               "replica"),
+                      gateway=lambda ups: G.start(gateway_settings, ups), group=gateway_settings)
+        try:
+            end = await run._run(until=float(trace.arrival[-1]) + sc.delivery_horizon_s, port=G.E.free_port())
+        finally:
+            if run.gateway is not None:
+                run.gateway.stop()
+        return run, run._log(end, 0.0), stubs
+    finally:
+        for server in servers:
+            await server.close()
 
 
 def _long_calls(n, tokens=200):
@@ -184,3 +273,44 @@ def test_a_started_gateway_is_owned_until_stopped_and_leaves_nothing_behind():
         g.stop()
     assert g.process not in G.E.owned() and not g.alive()
     assert g.process.proc.poll() is not None                 # reaped
+
+
+def _out_while_placed(spells: list, placed: list, slack: float = 0.75) -> list:
+    """Attempts placed on a server while the gateway's log said it was out:
+    (server, placed at) for each; nginx's log times are within 0.5 s."""
+    return [(s, t) for s, a, b in spells for r, t in placed if r == s and a + slack < t < b - slack]
+
+
+@_needs
+@pytest.mark.parametrize("software", ["nginx", "haproxy"])
+def test_an_upstream_group_takes_servers_out_and_answers_alone(software):
+    """Two stub engines of one slot each behind a real gateway's group: the
+    calls beyond the slots outlast the read timeout, each server is taken
+    out of rotation, and with none left the gateway answers by itself; the
+    gateway's own logs say so, and no attempt reached a server it had out."""
+    sc = _scenario(deadline=6.0)
+    if software == "nginx":
+        gw = preset("gateway", "nginx", timeout_s=0.5, upstream_servers=2, down_for_s=3.0)
+    else:
+        gw = preset("gateway", "haproxy", timeout_s=0.5, upstream_servers=2, fails_to_mark_down=1, fall=1,
+                    rise=2, check_interval_s=1.0, max_retries=0)
+    run, log, stubs = asyncio.run(_through_group(gw, "no-control", _long_calls(12, tokens=100), sc, slots=1))
+    layer = log.extra["layers"][0]
+    g = layer["upstream_group"]
+    assert layer["kind"] == "gateway" and layer["preset"] == software and g["servers"] == 2
+    assert g["marked_down"] >= 2 and layer["marked_down"] == g["marked_down"]       # both servers went out
+    assert -0.5 <= g["first_marked_down_s"] < 3.0          # nginx dates its lines to the second
+    statuses = {a.outcome for a in log.attempts}
+    assert g["answered_alone"] > 0 and "refused_gateway" in statuses
+    assert 0 < g["calls_answered_alone"] <= min(g["answered_alone"], len(log.calls))
+    # the attempts that reached the proxy came in on both servers' ports
+    lp = run.proxy
+    assert set(lp.exec_replica.values()) == {0, 1}
+    assert sum(s.completed + s.aborted for s in stubs) <= len(lp.executions)
+    ev = G.group_events(software, run.gateway.run_dir, [u.split("://")[1] for u in run.gateway.upstream])
+    spells = G.group_spells(ev["marked"], [t - run.t0_wall for t in ev["marked_at"]], gw, ev["back"],
+                            [t - run.t0_wall for t in ev["back_at"]])["spells"]
+    placed = [(lp.exec_replica[i], lp.exec_placed[i]) for i in lp.exec_replica]
+    assert _out_while_placed(spells, placed) == []
+    if software == "haproxy":
+        assert ev["back"]                                     # servers came back after rise good checks

@@ -116,7 +116,7 @@ def test_validate_takes_a_scenario_files_fleet_unless_flags_say_otherwise(tmp_pa
         pass
 
     def fake_validate_fleet(spec, prof, vs, n, routers, points, json_path, capacity, retries, proxy, urls,
-                            retry_slow):
+                            retry_slow, layers=None):
         seen.append((n, routers, points, retries, proxy))
         raise Stop
     monkeypatch.setattr(V.live_fleet, "validate_fleet", fake_validate_fleet)

@@ -37,12 +37,13 @@ from sim.conditions import get_condition
 from sim.fleet import FleetLog, first_landing, fleet_measures, fleet_record, replica_log, simulate_fleet
 from sim.model import prompt_throughput
 from sim.policy.router import ROUTERS, RouterConfig
+from sim.policy.stack import Stack
 from sim.profile import Profile
 from sim.runlog import Series
 from sim.scenario import NamedScenario
 from sim.workload import make_trace
 
-from . import engine as E, machine, step_log
+from . import engine as E, gateway, machine, step_log
 from .harness import how_measured
 from .live_run import EngineLost, LiveRun, live_record
 from .validation import (
@@ -51,6 +52,7 @@ from .validation import (
     capacity_for,
     engine_gone,
     engine_steps,
+    live_layers,
     load_points,
     point_inputs,
     run_point,
@@ -176,9 +178,11 @@ class FleetLiveRun(LiveRun):
 
     def __init__(self, urls: list[str], model: str, trace, condition, scenario, router: RouterConfig,
                  profiles: list[str], seed: int = 0, prompt_throughput: float | None = None, progress=None,
-                 step_counts=None, engine_lost=None, scaling=None):
+                 step_counts=None, engine_lost=None, scaling=None, client_layer: dict | None = None,
+                 gateway=None, group: dict | None = None):
         super().__init__(urls, model, trace, condition, scenario, seed, prompt_throughput, progress,
-                         step_count=None, engine_lost=engine_lost, router=router)
+                         step_count=None, engine_lost=engine_lost, router=router, client_layer=client_layer,
+                         gateway=gateway, group=group)
         self.router_config = router
         self.profile_names = list(profiles)
         self.step_counts = step_counts
@@ -266,23 +270,31 @@ def point_name(router: str, condition: str) -> str:
 
 
 def predict_fleet(profile: Profile, n: int, router: RouterConfig, name: str, vs: NamedScenario,
-                  capacity: float) -> dict:
+                  capacity: float, layers: list[dict] | None = None) -> dict:
     """The simulator's record of the point: N replicas of `profile` behind
-    `router`, the trace drawn at the fleet's Ĉ (`capacity` per replica)."""
+    `router` (under a scenario's [[layer]]s' effective settings, `layers`),
+    the trace drawn at the fleet's Ĉ (`capacity` per replica)."""
     cond = vs.condition(get_condition(name))
     sc = vs.scenario
     trace = make_trace(capacity * n, sc, vs.seed)
-    log = simulate_fleet([profile] * n, trace, cond, sc, router, vs.seed)
+    stack = Stack.under_layers(cond, layers, sc, router) if layers else None
+    log = simulate_fleet([profile] * n, trace, cond, sc, router, vs.seed, stack=stack)
     return fleet_record(log, sc, [capacity] * n, point_inputs(profile, cond, vs))
 
 
 def run_live_fleet(engines: list[E.Engine], started: bool, profile: Profile, router: RouterConfig, name: str,
-                   vs: NamedScenario, capacity: float, log=E.say, steps_path: str | None = None) -> tuple[dict, dict]:
+                   vs: NamedScenario, capacity: float, log=E.say, steps_path: str | None = None,
+                   layers: list[dict] | None = None) -> tuple[dict, dict]:
     """One point on the live fleet: its record and the engines' description
     (the engines are left running). With `steps_path`, the steps replica r
     recorded during the run are kept in `steps_path` with `.rR` before its
     `.steps.jsonl` (a steps file each, `validate.step_log`), named by the
-    replica's record (`steps_file`)."""
+    replica's record (`steps_file`). `layers` (a scenario's [[layer]]
+    effective settings, `validation.live_layers`): the OpenAI SDK as the
+    client, and nginx or HAProxy before the live proxy, or with an upstream
+    group (`upstream_servers` = N) before each engine's sidecar."""
+    client, gw = live_layers(layers)
+    group = gw if gw is not None and gw.get("upstream_servers", 1) > 1 else None
     n = len(engines)
     cond = vs.condition(get_condition(name))
     sc = vs.scenario
@@ -312,12 +324,16 @@ def run_live_fleet(engines: list[E.Engine], started: bool, profile: Profile, rou
             f"failed {st['failed']}; attempts {st['attempts']}, executions {st['executions']}")
     run = FleetLiveRun([e.url for e in engines], model, trace, cond, sc, router, [profile.name] * n, vs.seed,
                        prompt_throughput=prompt_throughput(profile, sc),
-                       progress=progress, step_counts=step_counts, engine_lost=lost if started else None)
+                       progress=progress, step_counts=step_counts, engine_lost=lost if started else None,
+                       client_layer=client, gateway=(lambda up: gateway.start(gw, up)) if gw is not None else None,
+                       group=group)
     try:
         flog = run.run()
     except EngineLost as e:
         raise PointFailed(str(e), [line for x in engines for line in x.log_tail(5)],
                           [line for x in engines for line in x.log_errors()]) from None
+    except gateway.GatewayError as e:
+        raise PointFailed(str(e), [], []) from None
     desc = {"kind": engines[0].kind, "version": version, "model": model,
             "urls": [e.url for e in engines], "fresh": started}
     rec = live_fleet_record(flog, sc, [capacity] * n, point_inputs(profile, cond, vs) | {"engine": desc})
@@ -369,15 +385,59 @@ def fleet_table(points: list[dict]) -> str:
             parts.append(f"{side}: " + "; ".join(reps) + f"; moved {f['attempts_moved']}, rerouted "
                          f"{f['router_rerouted']}, split calls {f['split_calls']}")
         lines.append(f"{point_name(p['router'], p['condition'])} per replica\n  " + "\n  ".join(parts))
+        if (g := group_agreement(p)) is not None:
+            lines.append(f"{point_name(p['router'], p['condition'])} the gateway's upstream group\n  " + g["says"])
     return "\n".join(lines)
+
+
+def upstream_group(rec: dict) -> dict | None:
+    """A record's gateway upstream group (`extra.layers[..].upstream_group`), or None."""
+    for layer in (rec.get("extra") or {}).get("layers") or ():
+        if layer.get("upstream_group") is not None:
+            return layer["upstream_group"]
+    return None
+
+
+def group_agreement(p: dict, down_for_s: float | None = None, points_bound: float = 10.0) -> dict | None:
+    """A point's live upstream group against its prediction: the spells out
+    of rotation within one, the first within one `down_for_s` (default: the
+    live group's, nginx's fail_timeout or HAProxy's rise x inter), the share of the calls the gateway answered alone
+    within `points_bound` points; None where the point has no group."""
+    sim, live = upstream_group(p["sim"]), upstream_group(p["live"])
+    if sim is None or live is None:
+        return None
+    shares = []
+    for rec, g in ((p["sim"], sim), (p["live"], live)):
+        calls = rec["attempts"]["first"]            # every call's first attempt
+        shares.append(100.0 * g["calls_answered_alone"] / calls if calls else 0.0)
+    first = [sim["first_marked_down_s"], live["first_marked_down_s"]]
+    within = down_for_s if down_for_s is not None else live.get("down_for_s") or 10.0
+    out = {"marked_down": [sim["marked_down"], live["marked_down"]], "first_marked_down_s": first,
+           "calls_answered_alone_pct": shares,
+           "marked_down_within_one": abs(sim["marked_down"] - live["marked_down"]) <= 1,
+           "first_within": (first[0] is None) == (first[1] is None) and (first[0] is None
+                                                                        or abs(first[0] - first[1]) <= within),
+           "alone_within": abs(shares[0] - shares[1]) <= points_bound}
+
+    def f(x):
+        return "—" if x is None else f"{x:.1f} s"
+    out["says"] = (f"spells out of rotation sim {sim['marked_down']} | live {live['marked_down']}; first at sim "
+                   f"{f(first[0])} | live {f(first[1])}; calls answered alone sim {shares[0]:.1f}% | live "
+                   f"{shares[1]:.1f}% (answered alone: {sim['answered_alone']} | {live['answered_alone']} "
+                   f"attempts); agree: spells {'yes' if out['marked_down_within_one'] else 'no'}, first "
+                   f"{'yes' if out['first_within'] else 'no'}, answered alone "
+                   f"{'yes' if out['alone_within'] else 'no'}")
+    return out
 
 
 def validate_fleet(spec, profile: Profile, vs: NamedScenario, n: int, routers: list[str], conditions: list[str],
                    json_path: str | None = None, capacity: float | None = None, retries: int = 1,
-                   proxy: str = "replica", urls: list[str] | None = None, log=E.say, retry_slow: int = 0) -> dict:
+                   proxy: str = "replica", urls: list[str] | None = None, log=E.say, retry_slow: int = 0,
+                   layers: list[dict] | None = None) -> dict:
     """Predict and run each (router, condition) point on a fleet of N engines:
     N CPU engines started here for all the points (spec.kind `cpu`), or the
-    engines at `urls`. `capacity` is one engine's Ĉ."""
+    engines at `urls`. `capacity` is one engine's Ĉ. `layers`: a scenario's
+    [[layer]] effective settings, live and in the prediction (`run_live_fleet`)."""
     configs = {r: RouterConfig(r, retries, proxy) for r in routers}      # bad names fail before any work
     for name in conditions:
         get_condition(name)
@@ -415,11 +475,12 @@ def validate_fleet(spec, profile: Profile, vs: NamedScenario, n: int, routers: l
             def live():
                 settle(engines, reset=started)
                 return run_live_fleet(engines, started, profile, rc, name, vs, cap, log,
-                                      steps_path=steps_path(json_path, f"{router}.{name}"))
+                                      steps_path=steps_path(json_path, f"{router}.{name}"), layers=layers)
             ran = run_point(doc, {"router": router, "condition": name}, point_name(router, name),
-                            f"{k + 1}/{len(todo)}", lambda: predict_fleet(profile, n, rc, name, vs, cap),
+                            f"{k + 1}/{len(todo)}", lambda: predict_fleet(profile, n, rc, name, vs, cap, layers),
                             f"{n} engines", live,
-                            lambda ratio: predict_fleet(scaled_profile(profile, ratio), n, rc, name, vs, cap),
+                            lambda ratio: predict_fleet(scaled_profile(profile, ratio), n, rc, name, vs, cap,
+                                                        layers),
                             json_path, log, retry_slow=retry_slow)
             if not ran and started and any(engine_gone(x) for x in engines):
                 break                  # a lost engine ends the fleet's points

@@ -31,12 +31,14 @@ reaped with it, owned (stopped at exit, on a signal, by the guard if this
 process dies; the test suite's engine guard covers it too)."""
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
 import subprocess
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from sim.policy.presets import changed_keys
@@ -212,7 +214,7 @@ def _secs(x: float) -> str:
 
 NGINX_KEYS = ("timeout_s", "max_tries", "tries_timeout_s", "retry_on", "retry_sent_non_idempotent",
               "passes_disconnect", "passes_disconnect_queued", "max_connections", "fails_to_mark_down",
-              "down_for_s", "upstream_servers")
+              "down_for_s", "upstream_servers", "balance")
 _NGINX_WORDS = {CONNECT_ERROR: "error", TIMEOUT: "timeout",
                 **{str(c): f"http_{c}" for c in (500, 502, 503, 504, 403, 404, 429)}}
 
@@ -225,24 +227,45 @@ def nginx_next_upstream_line(retry_on, non_idempotent: bool) -> str:
     return " ".join(words + (["non_idempotent"] if non_idempotent else []))
 
 
-def _one_server(s: dict) -> None:
-    if s.get("upstream_servers", 1) != 1:
-        raise ValueError("upstream_servers: a live run's gateway has one upstream, the live proxy")
+def _hosts(s: dict, upstream: str | list[str]) -> list[str]:
+    """The upstream servers' host:port: one (the live proxy), or the group
+    of `upstream_servers` (a sidecar of the live proxy before each engine)."""
+    ups = [upstream] if isinstance(upstream, str) else list(upstream)
+    n = s.get("upstream_servers", 1)
+    if n != len(ups):
+        raise ValueError(f"upstream_servers: {n} servers, and a live run has {len(ups)} upstream"
+                         f"{'s' if len(ups) != 1 else ''} for the gateway (one engine, or a fleet of as many)")
+    return [u.split("://", 1)[-1].rstrip("/") for u in ups]
+
+
+def _balance(s: dict, words: dict, software: str) -> str | None:
+    """The balancing directive's word for `balance` (None: the default one)."""
+    if s["balance"] not in words:
+        raise ValueError(f"balance: a live {software} balances {' or '.join(words)}, not {s['balance']!r}")
+    return words[s["balance"]]
+
+
+GROUP_NAME = "llmsim_upstream"      # the upstream block's (backend's) name: nginx logs it as $upstream_addr
+                                    # when no server is left
 
 
 def nginx_config(s: dict, port: int, upstream: str, run_dir: Path) -> str:
     """nginx.conf for a gateway layer's effective settings `s`."""
     _unchanged(s, NGINX_KEYS, "nginx")
-    _one_server(s)
+    hosts = _hosts(s, upstream)
     if s.get("timeout_s") is None:
         raise ValueError("timeout_s: nginx always has a read timeout (proxy_read_timeout); give one")
     if s["passes_disconnect_queued"] != s["passes_disconnect"]:
         raise ValueError("passes_disconnect_queued: nginx has no queue; it must equal passes_disconnect")
     nu = nginx_next_upstream_line(s["retry_on"], s["retry_sent_non_idempotent"])
-    host = upstream.split("://", 1)[-1].rstrip("/")
-    server = f"server {host} max_fails={s['fails_to_mark_down'] or 0} fail_timeout={round(s['down_for_s'] or 0)}s"
+    balance = _balance(s, {"round-robin": None, "least-conn": "least_conn"}, "nginx")
+    down = s["down_for_s"] or 0
+    if down != round(down):
+        raise ValueError(f"down_for_s: nginx's fail_timeout is given here in whole seconds, got {down:g}")
+    opts = f" max_fails={s['fails_to_mark_down'] or 0} fail_timeout={round(down)}s"
     if s.get("max_connections"):
-        server += f" max_conns={int(s['max_connections'])}"
+        opts += f" max_conns={int(s['max_connections'])}"
+    servers = "\n        ".join([f"{balance};"] * (balance is not None) + [f"server {h}{opts};" for h in hosts])
     r = str(run_dir)
     user = "user root root;\n" if os.geteuid() == 0 else ""
     return f"""# nginx for llmsim: layer {s['preset']} ({s.get('version')})
@@ -252,22 +275,24 @@ pid {r}/nginx.pid;
 error_log {r}/error.log notice;
 events {{ worker_connections 4096; }}
 http {{
-    access_log {r}/access.log;
+    # each request: when it ended, its call, its status and the servers tried ({GROUP_NAME}: none was left)
+    log_format llmsim '$msec $http_x_call_id $status "$upstream_addr" "$upstream_status"';
+    access_log {r}/access.log llmsim;
     client_body_temp_path {r}/client_body;
     proxy_temp_path {r}/proxy;
     fastcgi_temp_path {r}/fastcgi;
     uwsgi_temp_path {r}/uwsgi;
     scgi_temp_path {r}/scgi;
     client_max_body_size 16m;
-    upstream llmsim_upstream {{
-        {server};
+    upstream {GROUP_NAME} {{
+        {servers}
         # no keepalive: nginx's default (HTTP/1.0 upstream, one connection a request)
     }}
     server {{
         listen 127.0.0.1:{port};
         location = /health {{ return 200 "ok\\n"; }}
         location / {{
-            proxy_pass http://llmsim_upstream;
+            proxy_pass http://{GROUP_NAME};
             proxy_read_timeout {_secs(s['timeout_s'])};
             proxy_next_upstream {nu};
             proxy_next_upstream_tries {int(s['max_tries'])};
@@ -280,7 +305,8 @@ http {{
 
 
 HAPROXY_KEYS = ("timeout_s", "max_retries", "retry_on", "retry_sent_non_idempotent", "passes_disconnect",
-                "passes_disconnect_queued", "max_connections", "max_queue", "queue_timeout_s", "upstream_servers")
+                "passes_disconnect_queued", "max_connections", "max_queue", "queue_timeout_s", "upstream_servers",
+                "balance", "retry_server", "fails_to_mark_down", "check_interval_s", "rise", "fall", "on_error")
 _HAPROXY_WORDS = {CONNECT_ERROR: "conn-failure", TIMEOUT: "response-timeout", **{c: c for c in HAPROXY_STATUSES}}
 
 
@@ -292,23 +318,33 @@ def haproxy_retry_on_line(retry_on) -> str:
 def haproxy_config(s: dict, port: int, upstream: str, run_dir: Path) -> str:
     """haproxy.cfg for a gateway layer's effective settings `s`."""
     _unchanged(s, HAPROXY_KEYS, "HAProxy")
-    _one_server(s)
+    hosts = _hosts(s, upstream)
     if s["passes_disconnect_queued"] != s["passes_disconnect"]:
         raise ValueError("passes_disconnect_queued: HAProxy's option abortonclose sets both; it must equal "
                          "passes_disconnect")
     ro = haproxy_retry_on_line(s["retry_on"])
     l7 = any(str(x) != CONNECT_ERROR for x in s["retry_on"])
-    host = upstream.split("://", 1)[-1].rstrip("/")
-    server = f"server upstream {host}"
+    balance = _balance(s, {"round-robin": "roundrobin", "least-conn": "leastconn"}, "HAProxy")
+    if s["retry_server"] not in ("same", "other"):
+        raise ValueError(f"retry_server: a live HAProxy retries on the same server or (option redispatch) "
+                         f"another, not {s['retry_server']!r}")
+    opts = ""
     if s.get("max_connections"):
-        server += f" maxconn {int(s['max_connections'])}"
+        opts += f" maxconn {int(s['max_connections'])}"
         if s.get("max_queue"):
-            server += f" maxqueue {int(s['max_queue'])}"
+            opts += f" maxqueue {int(s['max_queue'])}"
+    if s["fails_to_mark_down"]:          # passive health: observe needs active checks on
+        opts += (f" check inter {_secs(s['check_interval_s'])} rise {int(s['rise'])} fall {int(s['fall'])} "
+                 f"observe layer7 error-limit {int(s['fails_to_mark_down'])} on-error {s['on_error']}")
     lines = [f"# HAProxy for llmsim: layer {s['preset']} ({s.get('version')})",
              "global", f"    pidfile {run_dir}/haproxy.pid", "    maxconn 4096",
              "    # a request is replayed (L7 retries) only if it fits one buffer: room for a long prompt",
-             "    tune.bufsize 262144", "",
-             "defaults", "    mode http", "    timeout connect 5s", "    timeout client 1h",
+             "    tune.bufsize 262144",
+             "    # each request and each server's state change, on stdout (the gateway's log)",
+             "    log stdout format rfc5424 local0 info", "",
+             "defaults", "    mode http", "    log global", "    timeout connect 5s", "    timeout client 1h",
+             # each request: its call, its status and its server (<NOSRV>: none was left)
+             "    log-format \"%[capture.req.hdr(0)] %ST %s\"",
              f"    retries {int(s['max_retries'] or 0)}", f"    retry-on {ro}"]
     if s.get("timeout_s") is not None:
         lines.append(f"    timeout server {_secs(s['timeout_s'])}")
@@ -316,12 +352,19 @@ def haproxy_config(s: dict, port: int, upstream: str, run_dir: Path) -> str:
         lines.append(f"    timeout queue {_secs(s['queue_timeout_s'])}")
     if s["passes_disconnect"]:
         lines.append("    option abortonclose")
+    if s["retry_server"] == "other":
+        lines.append("    option redispatch 1")
     lines += ["", "frontend llmsim_front", f"    bind 127.0.0.1:{port}",
+              "    http-request capture req.hdr(X-Call-Id) len 64",
               "    http-request return status 200 content-type text/plain string ok if { path /health }",
-              "    default_backend llmsim_upstream", "", "backend llmsim_upstream"]
+              f"    default_backend {GROUP_NAME}", "", f"backend {GROUP_NAME}"]
+    if balance != "roundrobin":
+        lines.append(f"    balance {balance}")
+    if s["fails_to_mark_down"]:
+        lines.append("    option httpchk GET /health")
     if l7 and not s["retry_sent_non_idempotent"]:
         lines.append("    http-request disable-l7-retry if METH_POST")
-    lines += [f"    {server}", ""]
+    lines += [f"    server s{i} {h}{opts}" for i, h in enumerate(hosts)] + [""]
     return "\n".join(lines)
 
 
@@ -369,8 +412,105 @@ class Gateway:
         return {"software": self.name, "version": self.version, "url": self.url, "upstream": self.upstream,
                 "config": str(self.config_path)}
 
+    def group_record(self, settings: dict, t0: float, burst_end: float | None = None) -> dict:
+        """What the gateway's upstream group did, read from its own logs
+        (`group_events`), as the simulator's `UpstreamGroup.record` gives
+        it: its spells out of rotation (`marked_down`), when the first
+        began, the attempts and calls it answered alone. `t0`: the run's
+        start, wall-clock seconds (times are s from it)."""
+        servers = self.upstream if isinstance(self.upstream, list) else [self.upstream]
+        ev = group_events(self.name, self.run_dir, [u.split("://", 1)[-1].rstrip("/") for u in servers])
+        out = group_spells(ev["marked"], [t - t0 for t in ev["marked_at"]], settings, ev["back"],
+                           [t - t0 for t in ev["back_at"]])
+        out |= {"servers": len(servers), "balance": settings["balance"],
+                "health": settings["health"] if settings["fails_to_mark_down"] else "off",
+                "answered_alone": len(ev["alone_calls"]), "calls_answered_alone": len(set(ev["alone_calls"])),
+                # how long a spell lasts at least: nginx's fail_timeout, HAProxy's rise good checks
+                "down_for_s": float(settings["down_for_s"]) if settings["health"] == "nginx"
+                else settings["rise"] * settings["check_interval_s"]}
+        if burst_end is not None:
+            out["out_at_burst_end"] = sorted({s for s, a, b in out.pop("spells") if a <= burst_end < b})
+        else:
+            out.pop("spells")
+        return out
 
-def start(settings: dict, upstream: str, port: int | None = None, timeout: float = 30.0) -> Gateway:
+
+# nginx: "2026/12/04 13:10:01 [warn] 12#12: *56 upstream server temporarily disabled while reading response
+# header from upstream, ..., upstream: "http://127.0.0.1:9001/v1/completions", ..." (ngx_http_upstream_round_robin.c
+# ngx_http_upstream_free_round_robin_peer logs it at each failure that leaves fails >= max_fails)
+_NGINX_DOWN = re.compile(r'^(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d) \[warn\].*upstream server temporarily disabled.*'
+                         r'upstream: "https?://([^/"]+)')
+# HAProxy (log format rfc5424): "<129>1 2026-12-04T12:43:49.179926+00:00 - haproxy 1650 - - Server
+# llmsim_upstream/s0 is DOWN, ..." and a request's line "<134>1 ... - - CALL STATUS SERVER"
+_HAPROXY_LINE = re.compile(r"^<\d+>1 (\S+) \S+ haproxy \d+ - - (.*)$")
+_HAPROXY_STATE = re.compile(rf"^Server {GROUP_NAME}/s(\d+) is (DOWN|UP)")
+
+
+def group_events(name: str, run_dir: Path, hosts: list[str]) -> dict:
+    """A gateway's upstream-group events from its logs in `run_dir`:
+    `marked` / `marked_at` (the server, by its index in `hosts`, and the
+    wall-clock time of each line saying a server was taken out: nginx's
+    "upstream server temporarily disabled", HAProxy's "is DOWN"), `back` /
+    `back_at` (HAProxy's "is UP"; nginx logs no return) and
+    `alone_calls` (the call of each request the gateway answered with no
+    server left: nginx's `$upstream_addr` the group's name, HAProxy's
+    `<NOSRV>`)."""
+    index = {h: i for i, h in enumerate(hosts)}
+    marked, at, alone, back, back_at = [], [], [], [], []
+    if name == "nginx":
+        for line in E.log_lines(run_dir / "error.log"):
+            m = _NGINX_DOWN.match(line)
+            if m and m.group(2) in index:
+                marked.append(index[m.group(2)])
+                # nginx dates a line to the second: taken at the second's middle, within 0.5 s
+                at.append(time.mktime(time.strptime(m.group(1), "%Y/%m/%d %H:%M:%S")) + 0.5)
+        for line in E.log_lines(run_dir / "access.log"):
+            parts = line.split(" ", 4)
+            if len(parts) == 5 and parts[3] == f'"{GROUP_NAME}"':
+                alone.append(parts[1])
+        return {"marked": marked, "marked_at": at, "alone_calls": alone, "back": [], "back_at": []}
+    for line in E.log_lines(run_dir / f"{name}.log"):
+        m = _HAPROXY_LINE.match(line)
+        if m is None:
+            continue
+        msg = m.group(2)
+        if (d := _HAPROXY_STATE.match(msg)) is not None:
+            (marked if d.group(2) == "DOWN" else back).append(int(d.group(1)))
+            (at if d.group(2) == "DOWN" else back_at).append(datetime.fromisoformat(m.group(1)).timestamp())
+        elif (parts := msg.split()) and len(parts) == 3 and parts[2] == "<NOSRV>":
+            alone.append(parts[0])
+    return {"marked": marked, "marked_at": at, "alone_calls": alone, "back": back, "back_at": back_at}
+
+
+def group_spells(servers: list[int], times: list[float], settings: dict, back: list[int] = (),
+                 back_times: list[float] = ()) -> dict:
+    """Spells out of rotation, [server, start, end], from the lines that took
+    a server out, as the simulator counts them
+    (`sim.policy.upstream.UpstreamGroup.result`): nginx's line while its
+    server is out lengthens the spell (each failure sets `checked`, and the
+    server is out `fail_timeout` from it); HAProxy logs "is DOWN" as a
+    server goes down and "is UP" as it comes back (`back` / `back_times`; a
+    spell with no return ends at infinity)."""
+    nginx = settings["health"] == "nginx"
+    hold = float(settings["down_for_s"] or 0.0) if nginx else math.inf
+    events = sorted([(t, 0, s) for t, s in zip(times, servers)] + [(t, 1, s) for t, s in zip(back_times, back)])
+    spells, open_ = [], {}
+    for t, up, s in events:
+        sp = open_.get(s)
+        if up:
+            if sp is not None and sp[2] > t:
+                sp[2] = t
+            continue
+        if sp is not None and sp[2] >= t:
+            sp[2] = max(sp[2], t + hold)
+            continue
+        open_[s] = sp = [s, t, t + hold]
+        spells.append(sp)
+    return {"marked_down": len(spells), "first_marked_down_s": spells[0][1] if spells else None,
+            "spells": spells}
+
+
+def start(settings: dict, upstream: str | list[str], port: int | None = None, timeout: float = 30.0) -> Gateway:
     """Start the gateway layer's software in front of `upstream` and return
     when its /health answers. GatewayError when it is not installed or does
     not start; ValueError for a setting it cannot take."""

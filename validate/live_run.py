@@ -64,7 +64,7 @@ from sim.workload import Trace
 from .engine import free_port, parse_metrics
 from .loadgen import TracePrompts, request_body
 from .proxy import LiveProxy
-from .sdk_client import AttemptLog, client as sdk_client, give_up_outcome, sdk_options, sdk_version
+from .sdk_client import AttemptLog, attempt_outcome, client as sdk_client, give_up_outcome, sdk_options, sdk_version
 
 # engine counter -> record key (`counters`); preemptions for `engine`
 COUNTERS = {"vllm:prompt_tokens_total": "prompt_tokens_total",
@@ -101,7 +101,7 @@ class LiveRun:
     def __init__(self, url: str | list[str], model: str, trace: Trace, condition: Condition, scenario: Scenario,
                  seed: int = 0, prompt_throughput: float | None = None, progress=None,
                  progress_every_s: float = 10.0, step_count=None, engine_lost=None, router=None,
-                 client_layer: dict | None = None, gateway=None):
+                 client_layer: dict | None = None, gateway=None, group: dict | None = None):
         self.urls = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
         self.url = self.urls[0]
         self.model = model
@@ -117,7 +117,7 @@ class LiveRun:
                               lambda a, b: float(rng.uniform(a, b)))
         self.priority = call_priorities(trace, scenario) if scenario.classes else None
         self.klass = call_classes(trace, scenario)
-        self.proxy = LiveProxy(self.urls, condition, prompt_throughput, router=router)
+        self.proxy = LiveProxy(self.urls, condition, prompt_throughput, router=router, group=group)
         self.progress = progress
         self.progress_every_s = progress_every_s
         self.step_count = step_count                      # callable -> engine steps so far, or None
@@ -127,6 +127,7 @@ class LiveRun:
         self.attempts: list[AttemptRecord] = []
         self.samples: list[Sample] = []
         self.t0 = 0.0
+        self.t0_wall = 0.0
         self.proxy_url = ""
         self.errors: dict[str, int] = {}        # requests that broke, by kind
         self.metrics_missed = 0                  # /metrics scrapes that did not answer (the series has a gap)
@@ -134,7 +135,9 @@ class LiveRun:
         self.lost: str | None = None
         # the OpenAI SDK as the client (a client layer's settings), and a
         # gateway between the clients and the proxy: gateway(proxy_url) -> a
-        # started gateway (`.url`, `.stop()`, `.describe()`)
+        # started gateway (`.url`, `.stop()`, `.describe()`); with `group` (the
+        # gateway's settings, its upstream group over the engines)
+        # gateway([a sidecar's URL per engine])
         self.client_layer = client_layer
         self.sdk_log: AttemptLog | None = None
         if client_layer is not None:
@@ -180,6 +183,12 @@ class LiveRun:
                         ra = resp.headers.get("Retry-After")
                         return self.client.on_refused(cs, rec.ended_at, resp.status,
                                                       float(ra) if ra is not None else None)
+                    if resp.status != 200 and attempt_outcome(resp.status, resp.headers, self.gateway is not None) \
+                            == "refused_gateway":         # the gateway's own answer, as the simulator records it
+                        await resp.read()
+                        rec.ended_at = self.now()
+                        rec.outcome = "refused_gateway"
+                        return self.client.on_refused(cs, rec.ended_at, resp.status)
                     if resp.status != 200:
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
                                                           message=(await resp.text())[:200])
@@ -300,6 +309,17 @@ class LiveRun:
         await runner.setup()
         port = port or free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
+        if self.proxy.group is not None:          # behind a gateway's upstream group: a port per engine
+            self.proxy.server_ports = {free_port(): r for r in range(len(self.urls))}
+            for p in self.proxy.server_ports:
+                await web.TCPSite(runner, "127.0.0.1", p).start()
+        # the gateway starts once the proxy listens (its first health checks find it), in a thread: the
+        # proxy answers them meanwhile
+        try:
+            await asyncio.to_thread(self.start_gateway, port)
+        except BaseException:
+            await runner.cleanup()
+            raise
         self.proxy_url = f"http://127.0.0.1:{port}"
         self.front_url = self.gateway.url if self.gateway is not None else self.proxy_url
         sdk = None
@@ -313,6 +333,7 @@ class LiveRun:
         try:
             async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
                 self.t0 = time.monotonic()
+                self.t0_wall = time.time()                # the gateway's logs are dated by the wall clock
                 self.proxy._t0 = self.t0                  # one clock for client, proxy and samples
                 sampler = asyncio.create_task(self._sample(session))
                 beside = [asyncio.create_task(fn(self)) for fn in self.beside]
@@ -353,8 +374,6 @@ class LiveRun:
             until = last + self.scenario.delivery_horizon_s
         w0 = time.monotonic()
         port = free_port()
-        if self.gateway_factory is not None:
-            self.gateway = self.gateway_factory(f"http://127.0.0.1:{port}")
         try:
             end = asyncio.run(self._run(until, port))
         finally:
@@ -363,6 +382,17 @@ class LiveRun:
         if self.lost is not None:
             raise EngineLost(self.lost)
         return self._log(end, time.monotonic() - w0)
+
+    def start_gateway(self, port: int) -> None:
+        """Start the gateway (where there is one) in front of the proxy at
+        `port`, or with an upstream group in front of the proxy's port per
+        engine (`LiveProxy.server_ports`)."""
+        if self.gateway_factory is None:
+            return
+        if self.proxy.group is not None:
+            self.gateway = self.gateway_factory([f"http://127.0.0.1:{p}" for p in self.proxy.server_ports])
+        else:
+            self.gateway = self.gateway_factory(f"http://127.0.0.1:{port}")
 
     # ---------------------------------------------------------------- log
     def _counters_at(self, t: float) -> dict | None:
@@ -420,6 +450,11 @@ class LiveRun:
                              "attempts_observed_at": "the SDK's httpx2 transport, in the client's process"}
         if self.gateway is not None:
             out["gateway"] = self.gateway.describe()
+        if self.gateway is not None and self.proxy.group is not None:     # as the simulator's extra.layers
+            g = self.gateway.group_record(self.proxy.group, self.t0_wall, self.scenario.pulse_end)
+            out["layers"] = [{"kind": "gateway", "preset": self.proxy.group.get("preset"),
+                              "no_live_upstream": g["answered_alone"], "marked_down": g["marked_down"],
+                              "upstream_group": g}]
         return out
 
 

@@ -54,6 +54,16 @@ one as its number, so a live call goes where the simulated call does.
 `attempt_index` (call and attempt -> its entry in `ReplicaProxies.landed`)
 record where things went, with `keep_records`.
 
+A real gateway's upstream group before the engines (`group`: the
+settings of a gateway layer whose `upstream_servers` is the number of
+engines, nginx's upstream block or HAProxy's backend): the gateway is the
+router, so the cluster is bound as the simulator binds it behind a group
+(`GroupSidecarPerReplica`: a sidecar policy core before each engine,
+router retries 0), and each sidecar is reached at a port of its own
+(`server_ports`: local port -> replica, filled by whoever opens the sites);
+an attempt goes to the engine whose port it came in on. `/health` is
+answered by the proxy itself (HAProxy's active checks).
+
 Gateway layers: given `layers` (the effective settings of `[[layer]]`s of a
 kind that stands between the client and the proxy, `sim.policy.gateway`),
 the proxy hosts them above its policy core, each made through the layer
@@ -112,6 +122,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from sim.conditions import Condition
+from sim.policy import gateway as _gateway  # noqa: F401  (registers the gateway kind a group is made of)
 from sim.policy.layers import LayerContext, Timer, Upstream, layer_kind
 from sim.policy.proxy import Attempt, Cancel, Complete, Drop, EngineView, PromptRate, Refuse, Subscribe, Wake
 from sim.policy.router import ReplicaView, RouterConfig
@@ -220,8 +231,10 @@ class Metrics:
 
 class RequestAttempt(Attempt):
     """A client's attempt (an HTTP request) with its `Waiter` as its `row`
-    (the row an upstream attempt serving it carries: `Interpreter._send_below`)."""
-    __slots__ = ("row",)
+    (the row an upstream attempt serving it carries: `Interpreter._send_below`)
+    and, behind a gateway's upstream group, the replica its gateway picked
+    (`server`)."""
+    __slots__ = ("row", "server")
 
 
 class LiveProxy(Interpreter):
@@ -233,7 +246,8 @@ class LiveProxy(Interpreter):
 
     def __init__(self, upstream: str | Sequence[str], condition: Condition, prompt_throughput: float | None = None,
                  scrape_every_s: float = 1.0, max_body_bytes: int = MAX_BODY_BYTES, keep_records: bool = True,
-                 router: RouterConfig | None = None, layers: Sequence[dict] = (), seed: int = 0):
+                 router: RouterConfig | None = None, layers: Sequence[dict] = (), seed: int = 0,
+                 group: dict | None = None):
         Interpreter.__init__(self)
         ups = [upstream] if isinstance(upstream, str) else list(upstream)
         if not ups:
@@ -256,7 +270,14 @@ class LiveProxy(Interpreter):
         self.router_config = router
         # the stack's proxy and router over the engines (`sim.policy.stack`), as the simulator binds them
         pt = prompt_throughput
-        self.cluster = cl = Stack.from_config(condition, router).bind(
+        stack = Stack.from_config(condition, router)
+        self.group = group
+        self.server_ports: dict[int, int] = {}      # behind a gateway's group: local port -> replica
+        if group is not None:
+            if layers:
+                raise ValueError("the live proxy behind a gateway's upstream group hosts no layer")
+            stack = stack.with_layers([group])
+        self.cluster = cl = stack.bind(
             n, self._engine_view_of, lambda grp: pt * len(grp) if pt else pt, replica_view=self._replica_view)
         self.router, self.proxy = cl.router, cl.proxy
         # the layers between the client and the policy core, from the top, made as the simulator makes them
@@ -297,6 +318,7 @@ class LiveProxy(Interpreter):
         app.router.add_post("/v1/completions", self.handle_completion)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_get("/stats", self.handle_stats)
+        app.router.add_get("/health", self.handle_health)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -643,6 +665,9 @@ class LiveProxy(Interpreter):
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
     async def handle_stats(self, request: web.Request) -> web.Response:
         return web.json_response({"added_latency_s": {k: _quantiles(v) for k, v in self.added_s.items()},
                                   "live": {"streams": len(self.streams), "waiters": len(self.waiters),
@@ -671,7 +696,12 @@ class LiveProxy(Interpreter):
         klass = request.headers.get("X-Class")
         if klass is not None and not CALL_ID.fullmatch(klass):
             raise web.HTTPBadRequest(text="X-Class must be 1-128 characters of A-Za-z0-9._:-")
-        return RequestAttempt(call, number, klass=klass)
+        att = RequestAttempt(call, number, klass=klass)
+        att.server = self.server_ports.get(request.transport.get_extra_info("sockname")[1]) \
+            if self.group is not None else None
+        if self.group is not None and att.server is None:
+            raise web.HTTPNotFound(text="behind a gateway's upstream group a request comes in on a replica's port")
+        return att
 
     async def handle_completion(self, request: web.Request) -> web.StreamResponse:
         received = time.monotonic()

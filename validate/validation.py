@@ -185,7 +185,8 @@ def live_layers(layers: list[dict] | None) -> tuple[dict | None, dict | None]:
             else:
                 if gw is not None:
                     raise ValueError("kind: a live run has one gateway layer")
-                gateway.gateway_config(t, 1, "http://127.0.0.1:1", Path("/nonexistent"))
+                servers = [f"http://127.0.0.1:{i + 1}" for i in range(t.get("upstream_servers", 1))]
+                gateway.gateway_config(t, 1, servers if len(servers) > 1 else servers[0], Path("/nonexistent"))
                 gw = t
         except ValueError as e:
             raise ValueError(f"layer[{i}].{e}") from None

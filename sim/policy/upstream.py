@@ -353,12 +353,14 @@ class UpstreamGroup:
 
     def record(self, end: float, burst_end: float | None = None) -> dict:
         """What the group did over a run ending at `end`: spells out of
-        rotation, server-seconds out, servers out at the end, and with the
+        rotation, when the first began (s from the run's start; None: no
+        spell), server-seconds out, servers out at the end, and with the
         burst's end the servers out then and when the last came back."""
         spells = self.spells(end)
         out = {"servers": self.n, "balance": self.gw.balance,
                "health": self.gw.health if self.rule is not None else "off",
                "marked_down": len(self.out), "out_s": sum(b - a for _, a, b in spells),
+               "first_marked_down_s": min((a for _, a, _ in spells), default=None),
                "out_at_end": sorted({s for s, _, b in self.out if b > end}),
                "panic_routed": self.panic_routed}
         if burst_end is not None:
