@@ -136,6 +136,26 @@ def test_envoy_panics_below_the_threshold_and_routes_to_ejected_hosts():
     assert {g.pick(1.0, k, []) for k in range(4)} == {0, 1} and g.panic_routed == 4
 
 
+def test_haproxy_back_up_is_all_the_way_up_and_a_good_check_clears_the_errors():
+    """HAProxy 2.6 src/check.c set_server_check_status: a passed check at
+    `rise` sets health to rise + fall - 1 ("OK now"), and clears the
+    consecutive errors; a failed check below `rise` sets it to 0."""
+    gw = policies(preset("gateway", "haproxy", upstream_servers=2, fails_to_mark_down=2, fall=3, rise=2,
+                         check_interval_s=2.0))[1]
+    g = UpstreamGroup(gw, 2, lambda: 0.0)
+    down = [g.result(0.1 * k, 0, FAIL, 503) for k in range(6)]     # 3 failed checks (2 errors each) in 0.6 s
+    assert down == [False] * 5 + [True] and not g.rule.available(0, 1.9)
+    assert g.rule.available(0, 4.0)                  # two good checks (2 s, 4 s): back, health full
+    # one failed check after coming back no longer takes it out: fall of them do
+    assert [g.result(4.0 + 0.1 * k, 0, FAIL, 503) for k in range(4)] == [False] * 4
+    assert g.rule.available(0, 4.5)
+    # errors a good check separates do not add up
+    g2 = UpstreamGroup(gw, 2, lambda: 0.0)
+    for t in (0.5, 2.5, 4.5, 6.5, 8.5, 10.5):
+        g2.result(t, 1, FAIL, 503)
+    assert g2.rule.health[1] == g2.rule.top
+
+
 @pytest.mark.parametrize("change, why", [
     (dict(placement="deployment"), "proxy = \"replica\""),
     (dict(replicas=3), "3 replicas"),

@@ -49,13 +49,15 @@ rule per software:
   status, and a client's disconnect, end as a success. Counts are those of
   one worker process (or a `zone` shared by the workers).
 - `haproxy` (configuration.txt 2.6 `observe layer7`, `error-limit`,
-  `on-error`, `rise`, `fall`, `inter`): `fails_to_mark_down` consecutive
-  errors (500, 502, 503, 504 or a timeout) trigger `on_error`: `fail-check`
-  a failed check (down after `fall` of them in a row), `sudden-death` a
-  pre-fatal one, `mark-down` down at once; a server down comes back after
-  `rise` good active checks every `check_interval_s`, every check assumed
-  good (vLLM answers /health while it is overloaded), each good check also
-  undoing one failed check of a server up.
+  `on-error`, `rise`, `fall`, `inter`; src/check.c `__health_adjust`,
+  `set_server_check_status`): `fails_to_mark_down` consecutive errors (500,
+  502, 503, 504 or a timeout) trigger `on_error`: `fail-check` a failed
+  check (health one step down, to 0 below `rise`: down after `fall` of
+  them in a row), `sudden-death` a pre-fatal one, `mark-down` down at once;
+  active checks every `check_interval_s`, every one assumed good (vLLM
+  answers /health while it is overloaded), each one step up, the whole way
+  up (`rise + fall - 1`) once at `rise` (a server down comes back after
+  `rise` of them), and each clearing the consecutive errors.
 - `envoy` (outlier_detection.proto): `fails_to_mark_down` consecutive 5xx
   (a timeout counts as one: local-origin errors are not split by default)
   eject a host for `down_for_s` x its ejections (capped at
@@ -134,8 +136,12 @@ class Haproxy(_Rule):
         k = math.floor(t / self.gw.check_interval_s)
         m = k - self.tick[s]
         if m > 0:
+            # each good check: one step up, and at `rise` the whole way up ("OK now"); it also clears the
+            # consecutive errors (src/check.c set_server_check_status, CHK_RES_PASSED)
             self.tick[s] = k
-            self.health[s] = min(self.top, self.health[s] + m)    # each good check: one step up
+            h = self.health[s] + m
+            self.health[s] = self.top if h >= self.gw.rise else h
+            self.errors[s] = 0
 
     def available(self, s, t):
         self._catch_up(s, t)
