@@ -198,13 +198,25 @@ def test_a_point_is_predicted_for_its_engine_as_probed_just_before_it(tmp_path):
     p = doc["points"][0]
     probe = p["live"]["speed_probe"]
     assert probe["calls"] == V.PROBE_CALLS and probe["steps"] >= V.PROBE_CALLS and probe["k"] > 0
-    assert p["sim"]["model"] == f"{prof.name} x{probe['k']:.3f}"
-    assert p["sim_profile"]["model"] == prof.name
+    assert probe["applied_k"] == V.applied_k(probe["k"])
+    if probe["applied_k"] != 1.0:           # the drill's engine strayed beyond the probe's noise
+        assert p["sim"]["model"] == f"{prof.name} x{probe['applied_k']:.3f}"
+        assert p["sim_profile"]["model"] == prof.name
+    else:
+        assert p["sim"]["model"] == prof.name and "sim_profile" not in p
     assert p["engine_speed"]["k"] > 0 and "probed before the point" in V.table(doc["points"])
     plain = V.validate(FakeSpec(tmp_path / "b", ["serve"]), prof, DRILL, ["no-retry"], None, capacity=CAPACITY,
                        log=lambda m: None, probe=False)["points"][0]
     assert plain["live"]["speed_probe"] is None and "sim_profile" not in plain
     assert p["live"]["counters"]["prompt_tokens_total"] == plain["live"]["counters"]["prompt_tokens_total"] > 0
+
+
+def test_a_probe_within_its_noise_leaves_the_profile_as_it_is():
+    n = V.PROBE_NOISE
+    assert [V.applied_k(k) for k in (1.0, 0.8, 1.3, 1 / n, n)] == [1.0] * 5
+    assert V.applied_k(2.0) == 2.0 and V.applied_k(0.7) == 0.7
+    assert V.probe_k(None) is None and V.probe_k({"k": 1.2}) == 1.2      # a record from before applied_k
+    assert V.probe_k({"k": 1.2, "applied_k": 1.0}) == 1.0
 
 
 def test_the_speed_probe_is_read_against_the_same_probe_when_the_profile_was_fitted(tmp_path):
