@@ -2,16 +2,20 @@
 replicas, sim.policy.upstream): with passive health off it places every
 call where the fleet's router of the same policy would; no server is picked
 while out of rotation unless Envoy's panic routing says so; every attempt
-the gateway answers by itself is counted once; what cannot be simulated is
-refused in one line. The scenario is the tiny one of test_preset_client on
-two or three replicas."""
+the gateway answers by itself is counted once; over an autoscaler's
+replicas no attempt reaches a replica that is not up (the gateway's attempt
+to its server is a connection error the passive-health rule counts); what
+cannot be simulated is refused in one line. The scenario is the tiny one of
+test_preset_client on two or three replicas."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from llmsim.cli import main
 from sim.deployment import ScenarioError, from_document
 from sim.model import Run
 from sim.policy.gateway import GroupGateway
@@ -140,7 +144,7 @@ def test_envoy_panics_below_the_threshold_and_routes_to_ejected_hosts():
 
 
 @pytest.mark.parametrize("change, why", [
-    (dict(placement="deployment"), "proxy = \"replica\""),
+    (dict(placement="deployment"), "one proxy in front of a gateway's upstream group .*proxy = \"replica\""),
     (dict(replicas=3), "3 replicas"),
 ])
 def test_what_a_group_cannot_stand_before_is_refused_in_one_line(change, why):
@@ -283,3 +287,16 @@ def test_a_group_over_an_autoscaler_lists_max_replicas_servers():
     with pytest.raises(ScenarioError, match="max_replicas") as e:
         from_document(doc, "tiny.toml").run(0)
     assert "\n" not in str(e.value)
+
+
+def test_llmsim_run_and_diagnose_take_a_group_over_an_autoscaler(tmp_path, capsys):
+    f = tmp_path / "scaled-group.toml"
+    f.write_text(_scaled({"preset": "nginx", "timeout_s": 3.0}).to_toml())
+    out = tmp_path / "run.json"
+    assert main(["run", "--scenario", str(f), "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    (g,) = [x for x in rec["extra"]["layers"] if "upstream_group" in x]
+    assert g["upstream_group"]["servers"] == 3 and g["connect_error"] > 0 and rec["autoscaler"]["scale_ups"]
+    diag = tmp_path / "diag.json"
+    assert main(["diagnose", "--scenario", str(f), "--seed", "0", "--json", str(diag)]) == 0
+    assert diag.exists()
