@@ -156,15 +156,16 @@ class Deployment:
     def require_group(self, stack: Stack) -> None:
         """Raises (one line) unless a gateway's upstream group can balance
         the fleet's replicas (`sim.policy.stack.check_group`): a [fleet] of
-        as many replicas, a sidecar proxy before each, and no autoscaler
-        (open-source nginx does not discover servers: a replica that comes
-        and goes is not in its upstream block)."""
+        as many replicas (with an [autoscaler], its max_replicas: the group
+        lists every replica it may bring up, as open-source nginx's upstream
+        block lists fixed servers)."""
         if self.fleet is None:
             raise ScenarioError(f"{self.name}: upstream_servers = {stack.upstream_group}: a gateway's upstream "
                                 "group balances a [fleet]'s replicas; give [fleet] replicas (and proxy = \"replica\")")
-        if self.fleet.autoscaler is not None:
-            raise ScenarioError(f"{self.name}: upstream_servers: a gateway's upstream group over an [autoscaler]'s "
-                                "replicas is not simulated (its upstream block lists fixed servers)")
+        if self.fleet.autoscaler is not None and stack.upstream_group != self.fleet.replicas:
+            raise ScenarioError(f"{self.name}: upstream_servers: the gateway's upstream group lists every replica "
+                                f"the [autoscaler] may bring up: give upstream_servers = max_replicas "
+                                f"({self.fleet.replicas}), not {stack.upstream_group}")
         try:
             check_group(stack, self.fleet.replicas)
         except ValueError as e:

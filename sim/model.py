@@ -130,7 +130,10 @@ class Run(Interpreter):
             return []
         draws = uniform_draws(np.random.default_rng([seed, 2]))
         objective = call_objectives(self.trace, self.scenario)
-        layers = [layer_kind(kind).make(settings, LayerContext(draws, self.replicas.pods, objective.__getitem__, i + 1))
+        scales = self.autoscaler is not None and not self.autoscaler.fixed
+        up = self.replicas.up if scales else None       # replicas that come and go (an upstream group reads it)
+        layers = [layer_kind(kind).make(settings, LayerContext(draws, self.replicas.pods, objective.__getitem__, i + 1,
+                                                               up))
                   for i, (kind, settings) in enumerate(self.stack.chain)]
         for layer in layers:
             if hasattr(layer, "burst_end"):     # a gateway's upstream group dates its verdict by the burst's end

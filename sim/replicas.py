@@ -113,6 +113,12 @@ class Replicas:
     def kv_usage_of(self, r: int) -> float:
         return self.engines[r].scheduler.block_pool.usage()
 
+    def up(self, r: int) -> bool:
+        """Replica r takes requests now (the router's mask: an autoscaled
+        fleet's replica ready, not off, starting or draining)."""
+        ready = self.router.ready
+        return ready is None or ready[r]
+
     def empty(self, r: int) -> bool:
         """Replica r holds no request (in its engine or its own proxy queue)."""
         return self.engines[r].num_in_engine() == 0 and self.cluster.queued_at(r) == 0

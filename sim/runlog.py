@@ -65,8 +65,9 @@ def refusal_outcome(reason: str) -> str:
 _REFUSALS = {"budget": "refused_budget", "engine": "refused_engine", "class_shed": "refused_shed",
              "class_budget": "refused_shed", "class_cap": "refused_shed"}
 # a gateway's own refusals (sim.policy.gateway): its upstream timeout (504), its queue full or timed out (503), shed,
-# no server of its upstream group left (nginx's 502 "no live upstreams")
-GATEWAY_REASONS = ("upstream_timeout", "queue_full", "queue_timeout", "shed", "no_live_upstream")
+# no server of its upstream group left (nginx's 502 "no live upstreams"), a connection refused by a server whose replica
+# was not up and not retried
+GATEWAY_REASONS = ("upstream_timeout", "queue_full", "queue_timeout", "shed", "no_live_upstream", "connect_error")
 ATTEMPT_OUTCOMES = ("", "complete", "timeout", "refused_budget", "refused_engine", "refused_proxy", "refused_gateway",
                     "refused_shed")
 CALL_OUTCOMES = ("", "delivered", "failed_attempts", "failed_retry_after")

@@ -2,21 +2,28 @@
 replicas, sim.policy.upstream): with passive health off it places every
 call where the fleet's router of the same policy would; no server is picked
 while out of rotation unless Envoy's panic routing says so; every attempt
-the gateway answers by itself is counted once; what cannot be simulated is
-refused in one line. The scenario is the tiny one of test_preset_client on
-two or three replicas."""
+the gateway answers by itself is counted once; over an autoscaler's
+replicas no attempt reaches a replica that is not up (the gateway's attempt
+to its server is a connection error the passive-health rule counts); what
+cannot be simulated is refused in one line. The scenario is the tiny one of
+test_preset_client on two or three replicas."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from llmsim.cli import main
 from sim.deployment import ScenarioError, from_document
+from sim.model import Run
+from sim.policy.gateway import GroupGateway
 from sim.policy.presets import policies, preset
 from sim.policy.upstream import CLOSED, FAIL, OK, UpstreamGroup
 from test_gateway_fleet import _dep
 from test_gateway_run import NGINX, SDK
+from test_preset_client import TINY
 
 PER_REPLICA = ("cohorts", "attempts", "executions")
 
@@ -157,7 +164,7 @@ def test_haproxy_back_up_is_all_the_way_up_and_a_good_check_clears_the_errors():
 
 
 @pytest.mark.parametrize("change, why", [
-    (dict(placement="deployment"), "proxy = \"replica\""),
+    (dict(placement="deployment"), "one proxy in front of a gateway's upstream group .*proxy = \"replica\""),
     (dict(replicas=3), "3 replicas"),
 ])
 def test_what_a_group_cannot_stand_before_is_refused_in_one_line(change, why):
@@ -198,3 +205,118 @@ def test_advise_tries_a_groups_passive_health():
     tried = gateway_settings(gw, dep.scenario)
     pairs = {(g["fails_to_mark_down"], g["down_for_s"]) for g in tried}
     assert {(1, 10.0), (0, 10.0), (3, 10.0), (1, 10.0 / 3), (1, 30.0)} <= pairs
+
+
+# ------------------------------------------------------------ a group over an autoscaler's replicas
+SCALER = {"max_replicas": 3, "target": 2.0, "provisioning_s": 5.0, "sync_period_s": 5.0}
+
+
+def _scaled(gw, condition="no-control", scaler=None):
+    """The SDK above `gw` (a group of max_replicas servers) above an autoscaled fleet of sidecars."""
+    doc = {**TINY, "proxy": {"condition": condition}, "fleet": {"proxy": "replica"},
+           "autoscaler": dict(SCALER, **(scaler or {})), "layer": [SDK, dict(gw, upstream_servers=3)]}
+    return from_document(doc, "tiny.toml")
+
+
+def _watched_run(dep, seed):
+    """A run of `dep` that notes each pick of the group (t, server, panic
+    routing) and each attempt a sidecar takes (t, replica, its replica up)."""
+    cond = dep.condition_for()
+    run = Run(list(dep.fleet.profiles), dep.trace(seed), cond, dep.scenario, seed, stack=dep.stack_for(cond),
+              autoscaler=dep.fleet.autoscaler)
+    (gw,) = [x for x in run.layers if isinstance(x, GroupGateway)]
+    picks, landed = [], []
+    pick, send_to = gw.group.pick, run.cluster.proxy._send_to
+
+    def noted_pick(t, call_id, tried):
+        panicking = gw.group.rule is not None and gw.group.rule.panic(t)
+        s = pick(t, call_id, tried)
+        if s is not None:
+            picks.append((t, s, panicking))
+        return s
+
+    def noted_send(t, attempt, st, r):
+        landed.append((t, r, run.replicas.up(r)))
+        return send_to(t, attempt, st, r)
+    gw.group.pick, run.cluster.proxy._send_to = noted_pick, noted_send
+    log = run.run()
+    return run, gw, log, picks, landed
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 3), st.sampled_from(["nginx", "haproxy", "envoy", "litellm"]), st.integers(1, 3))
+def test_no_attempt_reaches_a_replica_that_is_not_up_nor_a_server_out_of_rotation(seed, software, fails):
+    """Over an autoscaled fleet: every attempt a sidecar takes is on a
+    replica up then; an attempt to a server whose replica is not up is a
+    connection error the passive-health rule counts; no server is picked
+    while out of rotation but by Envoy's panic routing."""
+    gw = {"preset": software, "timeout_s": 3.0, "fails_to_mark_down": fails, "down_for_s": 4.0}
+    dep = _scaled(gw)
+    run, g, log, picks, landed = _watched_run(dep, seed)
+    assert landed and all(up for _, _, up in landed)
+    assert g.counts["connect_error"] > 0                     # servers 1, 2 are not up at first
+    assert g.counts["upstream_attempts"] == len(landed) + g.counts["connect_error"]
+    spells = g.group.spells(log.end_time + 1000.0)
+    for at, s, panicking in picks:
+        inside = [(a, b) for r, a, b in spells if r == s and a < at < b]
+        assert not inside or (software == "envoy" and panicking), (at, s, inside)
+    assert g.group.not_up and all(any(sp is x for x in g.group.out) for sp in g.group.not_up)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 3), st.integers(1, 3), st.sampled_from(["nginx", "haproxy", "envoy", "litellm"]))
+def test_over_an_autoscaler_every_attempt_the_gateway_answers_alone_is_counted_once(seed, fails, software):
+    """Directly below the SDK, with no retries of the gateway's own: each
+    upstream timeout, no-live-upstream refusal and connection error the
+    gateway answers is one attempt the SDK saw refused by the gateway."""
+    gw = {"preset": software, "timeout_s": 3.0, "fails_to_mark_down": fails, "down_for_s": 4.0, "max_retries": 0,
+          "passes_disconnect": True}
+    rec = _scaled(gw).run(seed)
+    (g,) = [x for x in rec["extra"]["layers"] if x["preset"] == software]
+    grp = g["upstream_group"]
+    answered = g["upstream_timeout"] + g["no_live_upstream"] + g["connect_error_answered"]
+    assert rec["attempts"].get("refused_gateway", 0) == answered
+    assert grp["answered_alone"] == g["no_live_upstream"] + g["connect_error_answered"]
+    assert grp["not_up"]["connect_errors"] == g["connect_error"] > 0
+    assert grp["not_up"]["answered"] == g["connect_error_answered"]
+    assert g["marked_down"] == grp["marked_down"] >= grp["not_up"]["marked_down"]
+
+
+@pytest.mark.parametrize("software", ["nginx", "haproxy", "envoy", "litellm"])
+def test_a_group_over_an_autoscaler_runs_and_its_replicas_join_when_up(software):
+    """Deployment.run: the group lists max_replicas servers; those whose
+    replica is not up refuse connections, counted by the preset's rule
+    (nginx's error retried on the next server); a replica that comes up
+    takes the group's attempts."""
+    gw = {"preset": software, "timeout_s": 3.0}
+    if software in ("haproxy", "envoy"):
+        gw["fails_to_mark_down"] = 3        # their passive health is off by default
+    rec = _scaled(gw).run(0)
+    (g,) = [x for x in rec["extra"]["layers"] if x["preset"] == software]
+    a, not_up = rec["autoscaler"], g["upstream_group"]["not_up"]
+    assert a["scale_ups"] and all(s["first_call_since_burst_s"] is not None for s in a["started"]
+                                  if s["ready_at"] is not None)
+    assert not_up["connect_errors"] == g["connect_error"] > 0 and not_up["marked_down"] > 0
+    if software == "nginx":                 # proxy_next_upstream error: each one tried on the next server
+        assert g["connect_error_answered"] == 0
+
+
+def test_a_group_over_an_autoscaler_lists_max_replicas_servers():
+    doc = {**TINY, "fleet": {"proxy": "replica"}, "autoscaler": SCALER,
+           "layer": [SDK, dict(NGINX, upstream_servers=2)]}
+    with pytest.raises(ScenarioError, match="max_replicas") as e:
+        from_document(doc, "tiny.toml").run(0)
+    assert "\n" not in str(e.value)
+
+
+def test_llmsim_run_and_diagnose_take_a_group_over_an_autoscaler(tmp_path, capsys):
+    f = tmp_path / "scaled-group.toml"
+    f.write_text(_scaled({"preset": "nginx", "timeout_s": 3.0}).to_toml())
+    out = tmp_path / "run.json"
+    assert main(["run", "--scenario", str(f), "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    (g,) = [x for x in rec["extra"]["layers"] if "upstream_group" in x]
+    assert g["upstream_group"]["servers"] == 3 and g["connect_error"] > 0 and rec["autoscaler"]["scale_ups"]
+    diag = tmp_path / "diag.json"
+    assert main(["diagnose", "--scenario", str(f), "--seed", "0", "--json", str(diag)]) == 0
+    assert diag.exists()

@@ -38,8 +38,14 @@ upstream group (`sim.policy.upstream.UpstreamGroup`): each upstream
 attempt goes to the server the group picks (`Upstream.server`), each
 answer, timeout and disconnect is told to the group's passive-health rule,
 and when no server is left the gateway answers by itself with
-`no_live_status` (reason `no_live_upstream`). `counts` keeps what the
-gateway did (`COUNTS`, and for a group `GROUP_COUNTS`)."""
+`no_live_status` (reason `no_live_upstream`). Over an autoscaled fleet
+(`LayerContext.up`) the group lists every replica the autoscaler may
+bring up: an upstream attempt to a server whose replica is not up reaches
+nothing; it is a connection error (`CONNECT_ERROR`, told to the
+passive-health rule), retried where `retry_on` has `connect_error`, else
+answered with `connect_error_status` (reason `connect_error`). `counts`
+keeps what the gateway did (`COUNTS`, for a group `GROUP_COUNTS`, over an
+autoscaled fleet `NOT_UP_COUNTS` too)."""
 from __future__ import annotations
 
 import math
@@ -48,8 +54,8 @@ from collections import deque
 from .layers import LayerKind, Leave, RunOn, Send, Timer, Upstream, register
 from .presets import PRESETS, policies, preset
 from .proxy import Attempt, Complete, Refuse
-from .retry import STATUS, TIMEOUT, Admit, Failure, Retrier, RetryAt
-from .upstream import CLOSED, FAIL, OK, UpstreamGroup
+from .retry import CONNECT_ERROR, STATUS, TIMEOUT, Admit, Failure, Retrier, RetryAt
+from .upstream import CLOSED, CONNECT, FAIL, OK, UpstreamGroup
 
 INF = math.inf
 # what a gateway counts: upstream attempts sent, retries, its own refusals by reason, disconnects passed on,
@@ -295,6 +301,8 @@ class Gateway:
 
 
 GROUP_COUNTS = ("no_live_upstream", "marked_down")
+# over an autoscaled fleet: upstream attempts to a server whose replica was not up, and those answered above
+NOT_UP_COUNTS = ("connect_error", "connect_error_answered")
 
 
 class GroupRelay(Relay):
@@ -310,14 +318,17 @@ class GroupGateway(Gateway):
     """A gateway in front of `upstream_servers` engines, balancing them
     itself (see the module docstring); `group` is its `UpstreamGroup`.
     `burst_end`, where set, dates the record's verdict on the servers out
-    of rotation after the burst (`record`)."""
+    of rotation after the burst (`record`); `up(s)`, where given, says
+    whether server s's replica is up (else every server always is)."""
     relay_class = GroupRelay
 
-    def __init__(self, settings: dict, random, pods=None, priority=None):
+    def __init__(self, settings: dict, random, pods=None, priority=None, up=None):
         super().__init__(settings, random, pods, priority)
         gw = self.policy
-        self.group = UpstreamGroup(gw, gw.upstream_servers, random)
-        self.counts.update(dict.fromkeys(GROUP_COUNTS, 0))
+        self.up = up
+        self.group = UpstreamGroup(gw, gw.upstream_servers, random, up)
+        self.group.on_out = self._marked_down
+        self.counts.update(dict.fromkeys(GROUP_COUNTS + (NOT_UP_COUNTS if up is not None else ()), 0))
         self._listed = self.retrier.policy.retry_statuses     # nginx: a status counts where proxy_next_upstream has it
         self._pending: dict = {}        # upstream attempt -> its server, until its result is told to the group
         self.alone_calls: set = set()   # calls with an attempt the gateway answered by itself
@@ -332,16 +343,38 @@ class GroupGateway(Gateway):
             self._answer(r, Refuse(r.above, self.policy.no_live_status, None, "no_live_upstream"), out)
             return
         r.tried.append(s)
+        if self.up is not None and not self.up(s):
+            self._connect_error(t, r, s, out)
+            return
         super()._forward(t, r, out)
         up = r.upstream
         up.server = s
         self.group.sent(s)
         self._pending[up] = s
 
+    def _connect_error(self, t: float, r: Relay, s: int, out: list) -> None:
+        """An upstream attempt to server s, whose replica is not up: the
+        connection is refused at once and nothing goes below."""
+        call = r.above.call_id
+        self.tries[call] = self.tries.get(call, 0) + 1
+        self.retrier.send(r.retries, t)
+        self.counts["upstream_attempts"] += 1
+        self.counts["connect_error"] += 1
+        self.group.result(t, s, CONNECT)
+        r.state = "upstream"
+        answer = Refuse(r.above, self.policy.connect_error_status, None, "connect_error")
+        self._failed(t, r, Failure(CONNECT_ERROR, t), answer, out)
+        if out and out[-1] is answer:
+            self.counts["connect_error_answered"] += 1
+            self.alone_calls.add(call)
+
+    def _marked_down(self) -> None:
+        self.counts["marked_down"] += 1
+
     def _tell(self, t: float, up: Upstream, outcome: str, status: int | None = None) -> None:
         s = self._pending.pop(up, None)
-        if s is not None and self.group.result(t, s, outcome, status):
-            self.counts["marked_down"] += 1
+        if s is not None:
+            self.group.result(t, s, outcome, status)
 
     def _counts_as_failure(self, status: int) -> bool:
         h = self.policy.health
@@ -383,8 +416,13 @@ class GroupGateway(Gateway):
 
     def record(self, end: float) -> dict:
         """The group's part of the run's record (`UpstreamGroup.record`)."""
-        return {**self.group.record(end, self.burst_end), "answered_alone": self.counts["no_live_upstream"],
-                "calls_answered_alone": len(self.alone_calls)}
+        c = self.counts
+        rec = {**self.group.record(end, self.burst_end),
+               "answered_alone": c["no_live_upstream"] + c.get("connect_error_answered", 0),
+               "calls_answered_alone": len(self.alone_calls)}
+        if self.up is not None:
+            rec["not_up"].update(connect_errors=c["connect_error"], answered=c["connect_error_answered"])
+        return rec
 
 
 def settings(preset_name: str | None, overrides: dict) -> dict:
@@ -396,10 +434,12 @@ def settings(preset_name: str | None, overrides: dict) -> dict:
 
 def make(settings: dict, context) -> Gateway:
     uniform = context.uniform
-    kind = GroupGateway if settings.get("upstream_servers", 1) > 1 else Gateway
-    return kind(settings, lambda: uniform(0.0, 1.0), pods=context.pods, priority=context.priority)
+    if settings.get("upstream_servers", 1) > 1:
+        return GroupGateway(settings, lambda: uniform(0.0, 1.0), pods=context.pods, priority=context.priority,
+                            up=context.up)
+    return Gateway(settings, lambda: uniform(0.0, 1.0), pods=context.pods, priority=context.priority)
 
 
 GATEWAY = register(LayerKind("gateway", settings, make))
 
-__all__ = ["Gateway", "GroupGateway", "Relay", "COUNTS", "GROUP_COUNTS", "GATEWAY"]
+__all__ = ["Gateway", "GroupGateway", "Relay", "COUNTS", "GROUP_COUNTS", "NOT_UP_COUNTS", "GATEWAY"]

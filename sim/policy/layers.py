@@ -78,11 +78,14 @@ class LayerContext:
     seeded draws; `pods(t)`: (waiting, KV cache usage, metrics age in s) of
     each engine at t; `priority(call_id)`: a call's priority as a gateway
     sheds by it (below 0: sheddable; `sim.classes.call_objectives`);
-    `index`: the layer's place in the stack (0: the top)."""
+    `index`: the layer's place in the stack (0: the top); `up(r)`: whether
+    replica r is up now (None: every replica always is; an autoscaled
+    fleet's replicas come and go)."""
     uniform: Callable
     pods: Callable | None = None
     priority: Callable | None = None
     index: int = 0
+    up: Callable | None = None
 
 
 _KINDS: dict[str, LayerKind] = {}

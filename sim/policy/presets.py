@@ -189,6 +189,8 @@ LITELLM = Preset("gateway", "litellm (proxy, Router)", "1.110.2", {
     "retry_server": _c("any", "router.py: each retry picks a deployment again among those not cooling down"),
     "no_live_status": _c(429, "router.py RouterRateLimitError \"No deployments available\" (status 429): not "
                               "verified in 1.110.2"),
+    "connect_error_status": _c(500, "docs/my-website/docs/exception_mapping.md: APIConnectionError, status 500 (a "
+                                    "deployment that refuses the connection); not verified in 1.110.2"),
     "failure_rate": _c(0.5, "constants.py DEFAULT_FAILURE_THRESHOLD_PERCENT = 0.5"),
 }, notes=(
     "The Router's own openai client makes no retries (default_litellm_params: \"max_retries\": 0).",
@@ -257,6 +259,8 @@ NGINX = Preset("gateway", "nginx", "1.22.1", {
     "no_live_status": _c(502, "ngx_http_upstream.c ngx_http_upstream_connect: NGX_BUSY logs \"no live upstreams\" "
                               "and calls ngx_http_upstream_next(NGX_HTTP_UPSTREAM_FT_NOLIVE), answered "
                               "NGX_HTTP_BAD_GATEWAY"),
+    "connect_error_status": _c(502, "ngx_http_upstream.c ngx_http_upstream_next: NGX_HTTP_UPSTREAM_FT_ERROR (the "
+                                    "connection refused) is answered NGX_HTTP_BAD_GATEWAY once no try is left"),
 }, notes=(
     "A read timeout on a POST already sent is answered 504 and never passed to another server; only a "
     "connection error (the request not sent) moves on, to another server.",
@@ -307,11 +311,16 @@ HAPROXY = Preset("gateway", "haproxy", "2.6.0", {
     "down_for_s": _c(0.0, "unused: a server marked down comes back after \"rise\" good checks (check_interval_s)"),
     "balance": _c("round-robin", "doc/configuration.txt \"balance\": roundrobin (leastconn: least-conn)"),
     "health": _c("haproxy", "doc/configuration.txt \"observe\": layer7 errors are statuses other than 100-499, "
-                            "501 and 505, and timeouts; it \"requires to enable health checks\""),
+                            "501 and 505, and timeouts; it \"requires to enable health checks\"; src/check.c "
+                            "analyze_statuses: HANA_STATUS_L4_ERR \"L4 unsuccessful connection\" is an error in both "
+                            "observe modes (the file's version not pinned)"),
     "retry_server": _c("same", "doc/configuration.txt \"option redispatch\" is off by default: a retry stays on "
                                "its server"),
     "no_live_status": _c(503, "doc/configuration.txt \"timeout queue\": a request that no server takes is "
                               "answered 503 (\"no server available\"): not verified in source"),
+    "connect_error_status": _c(503, "doc/configuration.txt termination state \"SC\": the server refused the "
+                                    "connection and HAProxy answered 503 once \"retries\" were spent; not verified "
+                                    "in source"),
     "check_interval_s": _c(2.0, "doc/configuration.txt \"inter\": the delay defaults to 2000 ms (fastinter, "
                                 "downinter: inter when unset)"),
     "rise": _c(2, "doc/configuration.txt \"rise\": defaults to 2"),
@@ -382,11 +391,14 @@ ENVOY = Preset("gateway", "envoy", "API v3 (main at commit 0035e40; these defaul
                            "ejections"),
     "balance": _c("round-robin", "api/envoy/config/cluster/v3/cluster.proto Cluster.lb_policy: ROUND_ROBIN by "
                                  "default (LEAST_REQUEST: least-request); not verified in source"),
-    "health": _c("envoy", f"{_ENVOY_OD}; arch overview outlier detection: locally originated errors (a timeout) "
-                          "count as 5xx unless split_external_local_origin_errors: not verified in source"),
+    "health": _c("envoy", f"{_ENVOY_OD}; arch overview outlier detection: locally originated errors (a timeout, "
+                          "a connect failure) count as 5xx unless split_external_local_origin_errors: not verified "
+                          "in source"),
     "retry_server": _c("any", f"{_ENVOY_ROUTE} RetryPolicy.retry_host_predicate unset: a retry is a new pick of "
                               "the load balancer"),
     "no_live_status": _c(503, "router filter: \"no healthy upstream\" is answered 503: not verified in source"),
+    "connect_error_status": _c(503, "router filter: \"upstream connect error or disconnect/reset before "
+                                    "headers\" (response flag UF) is answered 503: not verified in source"),
     "check_interval_s": _c(10.0, f"{_ENVOY_OD} interval: \"Defaults to 10000ms or 10s\" (the ejection sweep)"),
     "max_ejection_percent": _c(10.0, f"{_ENVOY_OD} max_ejection_percent: \"Defaults to 10% but will eject at "
                                      "least one host regardless of the value\""),

@@ -612,6 +612,7 @@ class GatewayPolicy:
     health: str = "nginx"                   # whose passive-health rule (fails_to_mark_down None: off)
     retry_server: str = "other"             # a retry's server: another one, the same, or a fresh pick
     no_live_status: int = 502               # the gateway's own answer when no server is left
+    connect_error_status: int = 502         # its answer to a connection error it does not retry
     check_interval_s: float = 2.0           # HAProxy: inter (its active checks); Envoy: the outlier sweep
     rise: int = 2                           # HAProxy: good checks that bring a server back
     fall: int = 3                           # HAProxy: failed checks that take it out
@@ -658,7 +659,7 @@ class GatewayPolicy:
         if not 0 <= self.failure_rate <= 1:
             _bad("failure_rate", f"must be in [0, 1], got {self.failure_rate}")
         _choice("shed", self.shed, SHED_MODES)
-        for k in ("timeout_status", "queue_status", "shed_status", "no_live_status"):
+        for k in ("timeout_status", "queue_status", "shed_status", "no_live_status", "connect_error_status"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or not 100 <= v <= 599:
                 _bad(k, f"must be an HTTP status, got {v!r}")

@@ -284,18 +284,21 @@ class SidecarPerReplica(Cluster):
 
 def check_group(stack: Stack, n: int) -> None:
     """Raises (one line) unless the stack's upstream group can stand before
-    a cluster of n replicas: as many servers as replicas, the condition's
-    proxy a sidecar before each engine, no router retries of its own, and
-    no other gateway with a group above it."""
+    a cluster of n replicas: as many servers as replicas (the group is the
+    cluster's router), the condition's proxy a sidecar before each engine
+    (the one proxy of `deployment` takes no gateway below it), no router
+    retries of its own (the group retries itself), and no other gateway
+    with a group above it (one balancer of the replicas)."""
     group = stack.upstream_group
     if group != n:
         raise ValueError(f"upstream_servers: the gateway's upstream group has {group} servers and the fleet {n} "
                          "replicas; give [fleet] replicas the same number")
     router = stack.config("router")
     if router.proxy != "replica":
-        raise ValueError("upstream_servers: a gateway's upstream group stands before a sidecar proxy per engine "
-                         "([fleet] proxy = \"replica\"); one proxy before the gateway (\"deployment\") is not "
-                         "simulated: gateways stand between the client and the proxy")
+        raise ValueError("upstream_servers: the condition's one proxy in front of a gateway's upstream group "
+                         "([fleet] proxy = \"deployment\") is not simulated: that proxy dispatches executions to the "
+                         "engines itself and hears only their answers, not a gateway's timeouts, retries and refusals "
+                         "below it; give [fleet] proxy = \"replica\" (a sidecar before each engine)")
     if router.retries:
         raise ValueError("upstream_servers: a gateway's upstream group is the router and retries itself; "
                          "set [fleet] router_retries = 0")

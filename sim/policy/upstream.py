@@ -6,8 +6,12 @@ of N engines, balancing them itself, as a clock-free state machine.
 the server of an upstream attempt (None: no server is left, and the
 gateway answers by itself with `no_live_status`), `sent(s)` / `closed(s)`
 count its connections, `result(t, s, outcome)` tells it how an attempt
-ended (`OK`, `FAIL`, `CLOSED`: the client's disconnect passed on) and
-returns whether that took the server out of rotation. Every input carries
+ended (`OK`, `FAIL`, `CLOSED`: the client's disconnect passed on,
+`CONNECT`: the connection was refused, the server's replica not up) and
+returns whether that took the server out of rotation. `up(s)`, where
+given (an autoscaled fleet's replicas), says whether server s's replica is
+up now: the gateway's attempt to one that is not is a connection error
+(`CONNECT`); HAProxy's active checks of it fail. Every input carries
 its time; the rules that depend on periodic checks (HAProxy's active
 checks, Envoy's ejection sweep) are evaluated lazily at the next input, on
 checks at whole multiples of `check_interval_s` from time 0, so the group
@@ -46,7 +50,8 @@ rule per software:
   whose server was picked since its last failure (`accessed < checked`)
   resets `fails`. A failure is a timeout, a connection error or a status
   that `proxy_next_upstream` lists (the gateway's `retry_on`): another
-  status, and a client's disconnect, end as a success. Counts are those of
+  status, and a client's disconnect, end as a success (a refused
+  connection is an `error`: a failure). Counts are those of
   one worker process (or a `zone` shared by the workers).
 - `haproxy` (configuration.txt 2.6 `observe layer7`, `error-limit`,
   `on-error`, `rise`, `fall`, `inter`; src/check.c `__health_adjust`,
@@ -57,9 +62,14 @@ rule per software:
   active checks every `check_interval_s`, every one assumed good (vLLM
   answers /health while it is overloaded), each one step up, the whole way
   up (`rise + fall - 1`) once at `rise` (a server down comes back after
-  `rise` of them), and each clearing the consecutive errors.
+  `rise` of them), and each clearing the consecutive errors. A connection refused is an
+  error in either observe mode (src/check.c analyze_statuses:
+  HANA_STATUS_L4_ERR); a check of a server whose replica is not up
+  fails (`up`), so such a server goes down after `fall` checks and comes
+  back `rise` checks after its replica is up.
 - `envoy` (outlier_detection.proto): `fails_to_mark_down` consecutive 5xx
-  (a timeout counts as one: local-origin errors are not split by default)
+  (a timeout or a connect failure counts as one: local-origin errors are
+  not split by default)
   eject a host for `down_for_s` x its ejections (capped at
   `max_down_for_s`), back at the first sweep (`check_interval_s`) after
   that; no ejection beyond `max_ejection_percent` of the hosts, except the
@@ -68,7 +78,8 @@ rule per software:
 - `litellm` (router_utils/cooldown_handlers.py): within each minute, a
   deployment whose failures exceed `failure_rate` of its requests, once it
   has `fails_to_mark_down` requests, is cooled for `down_for_s`; a 429
-  cools it at once; a group of one is never cooled.
+  cools it at once; a group of one is never cooled. A refused connection
+  is an APIConnectionError, status 500.
 """
 from __future__ import annotations
 
@@ -76,18 +87,23 @@ import math
 
 from .router import call_key, mix64
 
-OK, FAIL, CLOSED = "ok", "fail", "closed"
+OK, FAIL, CLOSED, CONNECT = "ok", "fail", "closed", "connect"
 INF = math.inf
 
 
 class _Rule:
     """A passive-health rule over n servers: `available(s, t)`, `picked(s,
     t)`, `result(t, s, outcome, status)` -> the time the server comes back
-    when this result took it out (None otherwise)."""
+    when this result took it out (None otherwise). `up(s)`: whether server
+    s's replica is up (None: always); a rule whose own checks take a server
+    out or bring it back tells `spell(s, start, end)` (end None: back at
+    `start`)."""
 
-    def __init__(self, gw, n: int):
+    def __init__(self, gw, n: int, up=None, spell=None):
         self.gw = gw
         self.n = n
+        self.up = up
+        self.spell = spell
 
     def available(self, s: int, t: float) -> bool:
         return True
@@ -100,8 +116,8 @@ class _Rule:
 
 
 class Nginx(_Rule):
-    def __init__(self, gw, n):
-        super().__init__(gw, n)
+    def __init__(self, gw, n, up=None, spell=None):
+        super().__init__(gw, n, up, spell)
         self.fails = [0] * n
         self.checked = [-INF] * n
         self.accessed = [-INF] * n
@@ -114,7 +130,7 @@ class Nginx(_Rule):
             self.checked[s] = t
 
     def result(self, t, s, outcome, status=None):
-        if outcome == FAIL:
+        if outcome == FAIL or outcome == CONNECT:
             self.fails[s] += 1
             self.accessed[s] = self.checked[s] = t
             if self.fails[s] >= self.gw.fails_to_mark_down:
@@ -125,8 +141,8 @@ class Nginx(_Rule):
 
 
 class Haproxy(_Rule):
-    def __init__(self, gw, n):
-        super().__init__(gw, n)
+    def __init__(self, gw, n, up=None, spell=None):
+        super().__init__(gw, n, up, spell)
         self.top = gw.rise + gw.fall - 1
         self.health = [self.top] * n        # up while >= rise
         self.errors = [0] * n               # consecutive errors observed
@@ -139,9 +155,31 @@ class Haproxy(_Rule):
             # each good check: one step up, and at `rise` the whole way up ("OK now"); it also clears the
             # consecutive errors (src/check.c set_server_check_status, CHK_RES_PASSED)
             self.tick[s] = k
-            h = self.health[s] + m
-            self.health[s] = self.top if h >= self.gw.rise else h
+            if self.up is None:
+                h = self.health[s] + m
+                self.health[s] = self.top if h >= self.gw.rise else h
+                self.errors[s] = 0
+            else:
+                self._checks(s, k, m, self.up(s))
+
+    def _checks(self, s, k, m, good):
+        """The checks k-m+1..k of server s, all good or all failed (its
+        replica up or not), with the spells out they begin or end."""
+        rise, iv = self.gw.rise, self.gw.check_interval_s
+        h = self.health[s]
+        if good:
+            self.health[s] = self.top if h + m >= rise else h + m
             self.errors[s] = 0
+            if h < rise <= self.health[s]:
+                self.spell(s, (k - m + rise - h) * iv, None)      # the check that brought it back
+            return
+        for j in range(1, min(m, self.top + 1) + 1):
+            was = self.health[s]
+            self._failed_check(s)
+            if was >= rise > self.health[s]:
+                self.spell(s, (k - m + j) * iv, INF)             # down until its replica is up
+        if self.health[s] < rise:
+            self.spell(s, k * iv, INF)                          # still out: its spell goes on
 
     def available(self, s, t):
         self._catch_up(s, t)
@@ -179,8 +217,8 @@ class Haproxy(_Rule):
 
 
 class Envoy(_Rule):
-    def __init__(self, gw, n):
-        super().__init__(gw, n)
+    def __init__(self, gw, n, up=None, spell=None):
+        super().__init__(gw, n, up, spell)
         self.consecutive = [0] * n
         self.until = [-INF] * n             # ejected until this sweep
         self.ejections = [0] * n            # the ejection time's multiplier
@@ -221,8 +259,8 @@ class Envoy(_Rule):
 class Litellm(_Rule):
     COOLS = frozenset((429, 408, 401, 404))     # and every 5xx: cooldown_handlers._is_cooldown_required
 
-    def __init__(self, gw, n):
-        super().__init__(gw, n)
+    def __init__(self, gw, n, up=None, spell=None):
+        super().__init__(gw, n, up, spell)
         self.minute = [-1] * n
         self.fails = [0] * n
         self.ok = [0] * n
@@ -244,7 +282,8 @@ class Litellm(_Rule):
             self.ok[s] += 1
             return None
         self.fails[s] += 1
-        status = 408 if status is None else status          # a timeout: litellm.Timeout, 408
+        if status is None:              # a timeout: litellm.Timeout, 408; a refused connection: APIConnectionError, 500
+            status = 500 if outcome == CONNECT else 408
         if not (status in self.COOLS or status >= 500) or self.n == 1 or t < self.until[s]:
             return None
         total = self.fails[s] + self.ok[s]
@@ -259,18 +298,25 @@ RULES = {"nginx": Nginx, "haproxy": Haproxy, "envoy": Envoy, "litellm": Litellm}
 
 class UpstreamGroup:
     """The servers of one gateway (see the module docstring). `random()`
-    draws in [0, 1) (the balancers that draw). `out` logs each spell out of
+    draws in [0, 1) (the balancers that draw); `up(s)`, where given,
+    whether server s's replica is up now. `out` logs each spell out of
     rotation as [server, start, end] (end: when it is back, given no later
-    failure); `panic_routed` counts picks made in Envoy's panic mode."""
+    failure), `not_up` those that began while the server's replica was not
+    up; `on_out()` is called as each begins; `panic_routed` counts picks
+    made in Envoy's panic mode."""
 
-    def __init__(self, gw, n: int, random):
+    def __init__(self, gw, n: int, random, up=None):
         self.gw = gw
         self.n = n
         self.random = random
+        self.up = up
         self.conns = [0] * n
         self.next = 0
-        self.rule = RULES[gw.health](gw, n) if gw.fails_to_mark_down else None     # 0 or None: off (nginx max_fails=0)
+        self.rule = (RULES[gw.health](gw, n, up, self._check_spell) if gw.fails_to_mark_down    # 0 or None: off
+                     else None)                                                                 # (nginx max_fails=0)
         self.out: list = []
+        self.not_up: list = []
+        self.on_out = None
         self._open_spell = [None] * n       # the server's last spell in `out`
         self.panic_routed = 0
         self._pick = {"round-robin": self._round_robin, "least-conn": self._least_conn, "hash": self._hash,
@@ -337,21 +383,38 @@ class UpstreamGroup:
 
     def result(self, t: float, s: int, outcome: str, status: int | None = None) -> bool:
         """An attempt on server s ended (`OK`, `FAIL` with its status or
-        None for a timeout, `CLOSED`); True when it took s out of rotation
-        (a spell out begins: `out`)."""
+        None for a timeout, `CLOSED`, `CONNECT`); True when it took s out of
+        rotation (a spell out begins: `out`)."""
         if self.rule is None:
             return False
         back = self.rule.result(t, s, outcome, status)
-        if back is None:
-            return False
+        return back is not None and self._spell(s, t, back, outcome == CONNECT)
+
+    def _spell(self, s: int, t: float, back: float, not_up: bool) -> bool:
+        """Server s is out from t until `back`: a new spell (True), or the
+        one it is in goes on (a late answer)."""
         spell = self._open_spell[s]
         if spell is not None and spell[2] >= t:
-            spell[2] = max(spell[2], back)      # out already (a late answer): the spell goes on
+            spell[2] = max(spell[2], back)
             return False
         spell = [s, t, back]
         self.out.append(spell)
         self._open_spell[s] = spell
+        if not_up:
+            self.not_up.append(spell)
+        if self.on_out is not None:
+            self.on_out()
         return True
+
+    def _check_spell(self, s: int, t: float, end: float | None) -> None:
+        """The rule's own checks took s out at t until `end` (its replica
+        not up), or (`end` None) brought it back at t."""
+        if end is not None:
+            self._spell(s, t, end, True)
+            return
+        spell = self._open_spell[s]
+        if spell is not None and spell[2] > t:
+            spell[2] = max(t, spell[1])
 
     def spells(self, end: float) -> list:
         """The spells out of rotation, each [server, start, end] cut at `end`."""
@@ -374,7 +437,10 @@ class UpstreamGroup:
             later = [b for _, a, b in self.out if b > burst_end]
             out["out_at_burst_end"] = at
             out["back_after_burst_s"] = (min(max(later), end) - burst_end) if later else 0.0
+        if self.up is not None:
+            cut = [(a, min(b, end)) for _, a, b in self.not_up if a <= end]
+            out["not_up"] = {"marked_down": len(self.not_up), "out_s": sum(b - a for a, b in cut)}
         return out
 
 
-__all__ = ["UpstreamGroup", "RULES", "OK", "FAIL", "CLOSED"]
+__all__ = ["UpstreamGroup", "RULES", "OK", "FAIL", "CLOSED", "CONNECT"]
