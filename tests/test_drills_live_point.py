@@ -198,7 +198,7 @@ def test_a_point_is_predicted_for_its_engine_as_probed_just_before_it(tmp_path):
     p = doc["points"][0]
     probe = p["live"]["speed_probe"]
     assert probe["calls"] == V.PROBE_CALLS and probe["steps"] >= V.PROBE_CALLS and probe["k"] > 0
-    assert probe["applied_k"] == V.applied_k(probe["k"])
+    assert probe["applied_k"] == V.applied_k(probe["k"]) and probe["expected"] == 1.0     # the first point
     if probe["applied_k"] != 1.0:           # the drill's engine strayed beyond the probe's noise
         assert p["sim"]["model"] == f"{prof.name} x{probe['applied_k']:.3f}"
         assert p["sim_profile"]["model"] == prof.name
@@ -211,12 +211,29 @@ def test_a_point_is_predicted_for_its_engine_as_probed_just_before_it(tmp_path):
     assert p["live"]["counters"]["prompt_tokens_total"] == plain["live"]["counters"]["prompt_tokens_total"] > 0
 
 
+def test_each_point_expects_its_engine_at_the_speed_the_last_one_ran(tmp_path):
+    prof = load_profile("vllm-cpu-tiny")
+    doc = V.validate(FakeSpec(tmp_path, ["serve", "serve"]), prof, DRILL, ["no-retry", "no-control"], None,
+                     capacity=CAPACITY, log=lambda m: None)
+    first, second = doc["points"]
+    assert first["live"]["speed_probe"]["expected"] == 1.0
+    assert second["live"]["speed_probe"]["expected"] == V.realized_speed(first)
+    assert second["live"]["speed_probe"]["applied_k"] == V.applied_k(second["live"]["speed_probe"]["k"],
+                                                                     V.realized_speed(first))
+
+
 def test_a_probe_within_its_noise_leaves_the_profile_as_it_is():
     n = V.PROBE_NOISE
     assert [V.applied_k(k) for k in (1.0, 0.8, 1.3, 1 / n, n)] == [1.0] * 5
     assert V.applied_k(2.0) == 2.0 and V.applied_k(0.7) == 0.7
     assert V.probe_k(None) is None and V.probe_k({"k": 1.2}) == 1.2      # a record from before applied_k
     assert V.probe_k({"k": 1.2, "applied_k": 1.0}) == 1.0
+    # against the speed the last point's engine ran at: the probe only where it strays beyond its noise of it
+    assert V.applied_k(0.785, expected=0.74) == 0.74 and V.applied_k(0.639, expected=0.727) == 0.727
+    assert V.applied_k(1.6, expected=0.74) == 1.6
+    assert V.realized_speed({"live": {"step_time_vs_profile": {"ratio": 1.1},
+                                      "speed_probe": {"k": 0.8, "applied_k": 0.7}}}) == 1.1 * 0.7
+    assert V.realized_speed({"live": {"step_time_vs_profile": None}}) is None
 
 
 def test_the_speed_probe_is_read_against_the_same_probe_when_the_profile_was_fitted(tmp_path):

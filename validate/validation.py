@@ -194,13 +194,14 @@ def live_layers(layers: list[dict] | None) -> tuple[dict | None, dict | None]:
 
 
 PROBE_CALLS = 6      # calls sent at once to a point's engine before the point, to measure its speed (seconds)
-# how far the probe's k strays on an engine that then runs at its calibrated speed: on this project's quiet
-# 2-core x86 VM (2026-12-03, docs/validation.md "C1") probes read 0.79-1.19 where the points ran at 1.03-1.06;
-# within that the probe says nothing of the engine and the point is predicted with the profile as it is
+# how far the probe's k strays from the speed its point then runs at: on this project's 2-core x86 VM probes
+# read 0.79-1.19 where their points ran at 1.03-1.06 (2026-12-03, docs/validation.md "C1"), 0.64-0.79 where
+# they ran at 0.73-0.74 (2026-12-04); within that the probe says nothing the speed expected does not
 PROBE_NOISE = 1.33
 
 
-def speed_probe(eng: E.Engine, profile: Profile, vs: NamedScenario, log=E.say) -> dict | None:
+def speed_probe(eng: E.Engine, profile: Profile, vs: NamedScenario, log=E.say,
+                expected: float = 1.0) -> dict | None:
     """How fast a point's fresh engine runs just before the point, against
     the profile: `PROBE_CALLS` calls of the scenario's mean prompt and
     median response lengths sent at once straight to the engine (prompts of
@@ -209,8 +210,10 @@ def speed_probe(eng: E.Engine, profile: Profile, vs: NamedScenario, log=E.say) -
     over what the profile predicts for them (`step_time_ratio`). The
     machine's speed drifts by tens of percent over minutes, alike for every
     kind of step, so the point is predicted with the profile's steps scaled
-    by this k (measured before the point, on calls that are not its own).
-    None where the engine records no steps."""
+    by this k (measured before the point, on calls that are not its own)
+    where it strays beyond the probe's noise from the speed `expected`
+    (`applied_k`), else by the expected. None where the engine records no
+    steps."""
     if engine_steps(eng) is None:
         return None
     model = eng.served_model()
@@ -238,20 +241,34 @@ def speed_probe(eng: E.Engine, profile: Profile, vs: NamedScenario, log=E.say) -
     ref = (profile.raw.get("speed_probe") or {})
     out["reference"] = ref.get("ratio") if ref.get("lengths") == out["lengths"] else None
     out["k"] = out["ratio"] / out["reference"] if out["reference"] else out["ratio"]
-    out["applied_k"] = applied_k(out["k"])
+    out["expected"] = expected
+    out["applied_k"] = applied_k(out["k"], expected)
     log(f"  speed probe: {PROBE_CALLS} calls, {st['steps']} steps in {out['wall_s']:.1f} s took {st['ratio']:.3f} x "
         f"the profile's" + (f" ({out['reference']:.3f} when it was fitted): k {out['k']:.3f}" if out["reference"]
                             else "")
-        + ("" if out["applied_k"] != 1.0 else f"; within the probe's noise ({1 / PROBE_NOISE:.2f}-{PROBE_NOISE:.2f}): "
-           "the point is predicted with the profile as it is"))
+        + ("" if out["applied_k"] == out["k"] else f"; within the probe's noise ({1 / PROBE_NOISE:.2f}-"
+           f"{PROBE_NOISE:.2f}x) of the speed expected: the point is predicted at {expected:.3f}"))
     return out
 
 
-def applied_k(k: float) -> float:
-    """The k a point is predicted with from its probe's `k`: k where it
-    strays beyond the probe's own noise (`PROBE_NOISE`, either way: the
-    machine has changed speed), else 1 (the profile as it is)."""
-    return k if not 1.0 / PROBE_NOISE <= k <= PROBE_NOISE else 1.0
+def applied_k(k: float, expected: float = 1.0) -> float:
+    """The k a point is predicted with from its probe's `k` and the speed
+    `expected` of its engine (the last point's engine's over its whole run,
+    else 1: the profile's): the probe's k where it strays from the expected
+    beyond the probe's own noise (`PROBE_NOISE`, either way: the machine
+    has changed speed), else the expected."""
+    return k if not 1.0 / PROBE_NOISE <= k / expected <= PROBE_NOISE else expected
+
+
+def realized_speed(point: dict) -> float | None:
+    """How fast a point's engine ran over the whole point against the
+    profile as it is (its steps against the prediction's profile, times the
+    k that profile was scaled by); None where no steps were recorded."""
+    live = point.get("live") or {}
+    st = live.get("step_time_vs_profile")
+    if st is None:
+        return None
+    return st["ratio"] * (probe_k(live.get("speed_probe")) or 1.0)
 
 
 def probe_k(probed: dict | None) -> float | None:
@@ -283,7 +300,7 @@ def _counters(eng: E.Engine) -> dict:
 
 def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, capacity: float,
              log=E.say, steps_path: str | None = None, layers: list[dict] | None = None,
-             probe: bool = True) -> tuple[dict, dict]:
+             probe: bool = True, expected: float = 1.0) -> tuple[dict, dict]:
     """One point on a live engine: (result record, engine description). With
     `steps_path`, the steps the engine recorded during the run are kept there
     (a steps file, `validate.step_log`) and the record names it (`steps_file`).
@@ -304,7 +321,7 @@ def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, c
                 "model": eng.served_model(), "url": eng.url, "fresh": started, "flags": eng.flags or None}
         trace = make_trace(capacity, sc, vs.seed)
         try:
-            probed = speed_probe(eng, profile, vs, log) if probe and started else None
+            probed = speed_probe(eng, profile, vs, log, expected) if probe and started else None
         except E.EngineError as e:
             raise PointFailed(engine_gone(eng) or f"the speed probe failed: {e}", eng.log_tail(20),
                               eng.log_errors()) from None
@@ -438,11 +455,10 @@ def speed_note(p: dict) -> str:
         return ""
     probe = live.get("speed_probe")
     applied = probe_k(probe)
-    said = (f"  (probed before the point at {probe['k']:.3f} x the profile's; its steps took {sp['k']:.3f} x that"
-            if probe and applied != 1.0 else
-            f"  (probed before the point at {probe['k']:.3f} x the profile's, within the probe's noise "
-            f"({1 / PROBE_NOISE:.2f}-{PROBE_NOISE:.2f}): predicted with the profile as it is; its steps took "
-            f"{sp['k']:.3f} x the profile's" if probe else f"  (engine steps took {sp['k']:.3f} x the profile's")
+    said = ("" if not probe else f"  (probed before the point at {probe['k']:.3f} x the profile's; predicted at "
+            f"{applied:.3f}" + (" (the speed expected: the probe was within its noise of it)"
+                                if applied != probe["k"] else "")
+            + f"; its steps took {sp['k']:.3f} x that") or f"  (engine steps took {sp['k']:.3f} x the profile's"
     return said + ("" if sp["tests_model"] else ": outside the band, not a test of the model") + ")"
 
 
@@ -599,11 +615,15 @@ def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list
     for k, name in enumerate(points):
         if name in have:
             continue
+        # the speed the next engine is expected at: the last point's engine's over its run (the machine's
+        # speed drifts over tens of minutes; a probe of six calls is noisier than that), else the profile's
+        speeds = [v for p in doc["points"] if (v := realized_speed(p)) is not None]
+        expected = speeds[-1] if speeds else 1.0
         run_point(doc, {"condition": name}, name, f"{k + 1}/{len(points)}",
                   lambda: predict(profile, name, vs, cap, stack_for),
                   f"a {'fresh ' if spec.kind != 'url' else ''}{spec.kind} engine",
                   lambda: run_live(spec, profile, name, vs, cap, log, steps_path=steps_path(json_path, name),
-                                   layers=layers, probe=probe),
+                                   layers=layers, probe=probe, expected=expected),
                   lambda ratio: predict(scaled_profile(profile, ratio), name, vs, cap, stack_for), json_path, log,
                   retry_slow=retry_slow)
     doc["points"].sort(key=lambda p: points.index(p["condition"]) if p["condition"] in points else len(points))
