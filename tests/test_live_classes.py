@@ -97,7 +97,12 @@ def test_live_point_agrees_with_its_prediction_on_each_class_recovery(cpu_engine
     assert not live["extra"]["errors"], live["extra"]["errors"]
     for name, c in live["classes"].items():
         assert c["cohorts"]["hold"]["delivered"] > 0, name
-    # each class's recovery as predicted on the engine's own step times
+    # each class's recovery as predicted on the engine's own step times; an engine that ran outside the
+    # speed band does not test the model, and the point says so (docs/validation.md, k)
+    speed = p["engine_speed"]
+    if speed is not None and not speed["tests_model"]:
+        assert "not a test of the model" in table(p)
+        return
     for name, row in p["classes"].items():
         assert row["agrees_engine_steps"], (name, row)
 
