@@ -398,11 +398,12 @@ def upstream_group(rec: dict) -> dict | None:
     return None
 
 
-def group_agreement(p: dict, down_for_s: float | None = None, points_bound: float = 10.0) -> dict | None:
+def group_agreement(p: dict, points_bound: float = 10.0) -> dict | None:
     """A point's live upstream group against its prediction: the spells out
-    of rotation within one, the first within one `down_for_s` (default: the
-    live group's, nginx's fail_timeout or HAProxy's rise x inter), the share of the calls the gateway answered alone
-    within `points_bound` points; None where the point has no group."""
+    of rotation within one, the first within the live group's `down_for_s`
+    (nginx's fail_timeout, HAProxy's rise x inter), the share of the calls
+    the gateway answered alone within `points_bound` points; None where the
+    point has no group."""
     sim, live = upstream_group(p["sim"]), upstream_group(p["live"])
     if sim is None or live is None:
         return None
@@ -411,7 +412,7 @@ def group_agreement(p: dict, down_for_s: float | None = None, points_bound: floa
         calls = rec["attempts"]["first"]            # every call's first attempt
         shares.append(100.0 * g["calls_answered_alone"] / calls if calls else 0.0)
     first = [sim["first_marked_down_s"], live["first_marked_down_s"]]
-    within = down_for_s if down_for_s is not None else live.get("down_for_s") or 10.0
+    within = live["down_for_s"]
     out = {"marked_down": [sim["marked_down"], live["marked_down"]], "first_marked_down_s": first,
            "calls_answered_alone_pct": shares,
            "marked_down_within_one": abs(sim["marked_down"] - live["marked_down"]) <= 1,
