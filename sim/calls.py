@@ -1,39 +1,32 @@
-"""The workload side of a run (`sim.model.Run`): each call's arrival, its
-client's attempts with their deadlines, and the client's decisions on them
-(a retry timer, the call delivered or given up), logged in the run's call
-and attempt tables. The attempts go down the run's chain of layers
-(`enter`, `enter_left`, `do`, `disconnect`: the run's `Interpreter`, set by
-the run once it is wired)."""
+"""The workload side of a run (`sim.model.Run`): each call's arrival, handed
+to the run's client layer (`sim.policy.client.ClientLayer`), its attempts
+logged and held to their deadlines, and the call's end (delivered, given
+up), in the run's call and attempt tables. The client's actions go through
+the run's chain of layers (`do`, `enter`, `enter_left`, `disconnect`: the
+run's `Interpreter`, set by the run once it is wired), which hands the
+workload side the client's attempts (`sent`) and answers (`refused`,
+`completed`) and the call's end (`delivered`, `given_up`)."""
 from __future__ import annotations
 
 import numpy as np
 
 from .classes import call_classes, call_priorities
-from .policy.client import CallState, Delivered, Retry
-from .policy.proxy import Attempt, Complete, Refuse
+from .policy.client import CallAttempt, CallState, Delivered, GivenUp
+from .policy.proxy import Complete, Refuse
 from .runlog import ATTEMPT_OUTCOMES, CALL_OUTCOMES, AttemptTable, CallTable, refusal_outcome
 from .scenario import Scenario
 from .workload import Trace
 
 _ATTEMPT_CODE = {o: i for i, o in enumerate(ATTEMPT_OUTCOMES)}
 _CALL_CODE = {o: i for i, o in enumerate(CALL_OUTCOMES)}
-_TIMEOUT, _COMPLETE, _DELIVERED = _ATTEMPT_CODE["timeout"], _ATTEMPT_CODE["complete"], _CALL_CODE["delivered"]
-
-
-class CallAttempt(Attempt):
-    """An attempt with the driver's bookkeeping: its row in the attempt log
-    and its deadline timer (set by `Calls.send`; None once the timer fired
-    or was cancelled, so that the two make no reference cycle that would
-    outlive the attempt)."""
-    __slots__ = ("row", "timer")
+_TIMEOUT, _COMPLETE = _ATTEMPT_CODE["timeout"], _ATTEMPT_CODE["complete"]
 
 
 class Calls:
-    """The calls of `trace` on the timers of a run, each driven by `client`
-    (`send`, `on_deadline`, `on_refused`, `on_complete`: its decisions).
-    `done` succeeds once every call is over, and `over` (a list) is then
-    [True] (its length: the timers' stop). `thin()` is called at every 256th arrival
-    (the run's gauge logs)."""
+    """The calls of `trace` on the timers of a run, each handed to `client`
+    (a `ClientLayer`). `done` succeeds once every call is over, and `over`
+    (a list) is then [True] (its length: the timers' stop). `thin()` is
+    called at every 256th arrival (the run's gauge logs)."""
 
     def __init__(self, trace: Trace, scenario: Scenario, timers, client, done, over: list, thin=None):
         n = len(trace)
@@ -52,15 +45,16 @@ class Calls:
         self.outstanding = n
         self.next_call = 0                  # first call whose arrival has not fired
         self.in_order = bool(n < 2 or (np.diff(trace.arrival) >= 0).all())
-        self.enter = self.enter_left = self.do = self.disconnect = None     # the chain's (`wire`)
+        self.enter = self.enter_left = self.do = self.do_last = self.disconnect = None     # the chain's (`wire`)
         # the timers' functions, bound once: a timer keeps its function, and
         # binding one at each timer set would make a new object every time
-        self.arrive, self.send, self.deadline = self.arrive, self.send, self.deadline
+        self.arrive, self.deadline = self.arrive, self.deadline
 
     def wire(self, chain) -> None:
         """Send the attempts down `chain` (an `Interpreter` once wired: `_chain`)."""
         self.enter, self.enter_left, self.do, self.disconnect = (chain._enter, chain._enter_left, chain._do,
                                                                  chain._disconnect)
+        self.do_last = chain._do_last       # a hook's actions as its last step
 
     def plan(self) -> None:
         """Set the arrivals: in order, each one, when it fires, sets the
@@ -78,17 +72,16 @@ class Calls:
         nxt = self.next_call = call_id + 1
         if self.in_order and nxt < len(self.arrival):
             self.timers.at(self.arrival[nxt], self.arrive, nxt, self.arrival_seq + nxt)
-        self.calls[call_id] = CallState(call_id, self.arrival[call_id])
-        self.send(t, call_id)
+        call = self.calls[call_id] = CallState(call_id, self.arrival[call_id], self.call_class[call_id])
+        self.do(t, self.client.on_call(t, call))
 
-    def send(self, t: float, call_id: int) -> None:
-        cs = self.calls[call_id]
-        number = self.client.send(cs, t)
-        att = CallAttempt(call_id, number, cs.deadline, self.call_class[call_id])
-        att.row = self.attempt_log.add(call_id, number, t)
-        self.call_log.attempts[call_id] = cs.attempts
-        att.timer = self.timers.at(cs.deadline, self.deadline, att, None, True)    # in order
-        self.do(t, self.enter(t, att, (self.max_tokens[call_id],), self.prompt_len[call_id]))
+    def sent(self, t: float, att: CallAttempt) -> None:
+        """The client's attempt goes out: logged, held to its deadline, and into the chain."""
+        call_id = att.call_id
+        att.row = self.attempt_log.add(call_id, att.number, t)
+        self.call_log.attempts[call_id] = att.call.attempts
+        att.timer = self.timers.at(att.deadline, self.deadline, att, None, True)    # in order
+        self.do_last(t, self.enter(t, att, (self.max_tokens[call_id],), self.prompt_len[call_id]))
 
     def deadline(self, t: float, att: CallAttempt) -> None:
         att.timer = None                    # fired: the attempt and its timer no longer hold each other
@@ -98,29 +91,28 @@ class Calls:
         log.ended_at[att.row] = t
         log.outcome[att.row] = _TIMEOUT
         self.disconnect(t, att, self.enter_left)
-        self.decide(t, att.call_id, self.client.on_deadline(self.calls[att.call_id], t))
+        self.do(t, self.client.on_deadline(t, att))
 
     def refused(self, t: float, a: Refuse) -> None:
         """The chain refused a call's attempt."""
-        self.close_attempt(a.attempt, t, _ATTEMPT_CODE[refusal_outcome(a.reason)])
-        self.decide(t, a.attempt.call_id,
-                    self.client.on_refused(self.calls[a.attempt.call_id], t, a.status, a.retry_after))
+        att = a.attempt
+        self.close_attempt(att, t, _ATTEMPT_CODE[refusal_outcome(a.reason)])
+        self.do_last(t, self.client.on_refused(t, att, a.status, a.retry_after, a.reason))
 
     def completed(self, t: float, a: Complete) -> None:
         """A call's attempt got the complete response."""
         self.close_attempt(a.attempt, t, _COMPLETE)
-        self.decide(t, a.attempt.call_id, self.client.on_complete(self.calls[a.attempt.call_id], t))
+        self.do_last(t, self.client.on_complete(t, a.attempt))
 
-    def decide(self, t: float, call_id: int, decision) -> None:
-        if type(decision) is Retry:
-            self.timers.at(decision.at, self.send, call_id)
-            return
-        calls = self.call_log
-        if type(decision) is Delivered:
-            calls.delivered_at[call_id] = decision.at
-            calls.outcome[call_id] = _DELIVERED
-        else:
-            calls.outcome[call_id] = _CALL_CODE["failed_" + decision.reason]
+    def delivered(self, t: float, a: Delivered) -> None:
+        """The client delivered the call."""
+        self.call_log.delivered_at[a.call.call_id] = t
+        self.given_up(t, a)
+
+    def given_up(self, t: float, a: GivenUp | Delivered) -> None:
+        """The client gave the call up, or delivered it: the call is over (`call.outcome` says how)."""
+        call_id = a.call.call_id
+        self.call_log.outcome[call_id] = _CALL_CODE[a.call.outcome]
         self.calls[call_id] = None          # the call is over: its client state goes
         self.outstanding -= 1
         if self.outstanding == 0 and not self.done.triggered:

@@ -26,34 +26,31 @@ trace's `klass` column).
 from __future__ import annotations
 
 from .conditions import Condition
-from .policy.client import CallState, ClientConfig, NestedClients, RetryingClient
+from .policy.client import CallState, ClientConfig, ClientLayer, NestedClients, RetryingClient
 from .policy.layers import LayerContext, layer_kind
 from .scenario import Scenario, TrafficClass
 from .workload import Trace
 
 
-class ClassClients:
-    """The client layer of a run with traffic classes: each call is handled
-    by its class's `RetryingClient`. Same methods as one client."""
+class ClassClients(ClientLayer):
+    """The client layer of a run with traffic classes: each call is decided
+    for by its class's `RetryingClient` (`sim.policy.client.ClientLayer`)."""
 
     def __init__(self, by_class: list[RetryingClient], klass):
         self.by_class = by_class
         self.klass = klass                  # class index of each call
 
-    def _of(self, call: CallState) -> RetryingClient:
-        return self.by_class[self.klass[call.call_id]]
-
     def send(self, call: CallState, t: float) -> int:
-        return self._of(call).send(call, t)
+        return self.by_class[self.klass[call.call_id]].send(call, t)
 
-    def on_deadline(self, call: CallState, t: float):
-        return self._of(call).on_deadline(call, t)
+    def timed_out(self, call: CallState, t: float):
+        return self.by_class[self.klass[call.call_id]].timed_out(call, t)
 
-    def on_refused(self, call: CallState, t: float, status: int, retry_after: float | None = None):
-        return self._of(call).on_refused(call, t, status, retry_after)
+    def refused(self, call: CallState, t: float, status: int, retry_after: float | None = None):
+        return self.by_class[self.klass[call.call_id]].refused(call, t, status, retry_after)
 
-    def on_complete(self, call: CallState, t: float):
-        return self._of(call).on_complete(call, t)
+    def completed(self, call: CallState, t: float) -> None:
+        self.by_class[self.klass[call.call_id]].completed(call, t)
 
 
 # a class's client keys as a client layer's policy keys

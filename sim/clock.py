@@ -322,7 +322,8 @@ class RoutedTimers(Timers):
     reach, so that a replica's next input skips the timers of the others. A
     timer whose function is in `by_call` reaches its call's replica
     (`home[call id]`), the call id being its argument (`by_call[fn]`
-    False) or the argument's `call_id` (True); one whose function maps to
+    False), the argument's `call_id` (True) or its token's (`"token"`: a
+    layer's `Timer` whose token is a call); one whose function maps to
     None is filed under no replica (the caller bounds its firing otherwise);
     any other timer (a counter snapshot) may reach every replica."""
 
@@ -341,7 +342,7 @@ class RoutedTimers(Timers):
         if attr is _ANY:
             heappush(self.due_any, key)
         elif attr is not None:
-            r = self.home[arg.call_id if attr else arg]
+            r = self.home[arg if attr is False else arg.call_id if attr is True else arg.token.call_id]
             lane = self.due_lanes[r]
             if in_order and (not lane or lane[-1] < key):
                 lane.append(key)

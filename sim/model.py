@@ -151,13 +151,13 @@ class Run(Interpreter):
         if not (n > 1 and not scales and not self.stack.chain and cl.calls_stay_home(condition.engine_cap)):
             return Timers(self.env, horizon=horizon, stop=self._over.__len__)
         self.home = [self.router.home(c) for c in range(len(self.trace))]
-        # a call's retry (the timer's argument: its id), an attempt's
-        # deadline and an execution's wake (its call_id); a call's arrival
+        # a call's retry (the client's timer: its token is the call), an
+        # attempt's deadline and an execution's wake (their call_id); a call's arrival
         # likewise where the trace's arrivals are out of order, else under
         # no replica (`NextInput` stands for arrivals)
         arrival = self.trace.arrival
         in_order = len(arrival) < 2 or bool((np.diff(arrival) >= 0).all())
-        by_call = {Calls.arrive: None if in_order else False, Calls.send: False, Calls.deadline: True,
+        by_call = {Calls.arrive: None if in_order else False, Run._layer_timer: "token", Calls.deadline: True,
                    Run._wake: True}
         return RoutedTimers(self.env, horizon, self._over.__len__, n, self.home, by_call)
 
@@ -168,6 +168,7 @@ class Run(Interpreter):
         self._subscribe, self._drop, self._orphaned = records.subscribe, records.drop, records.orphaned
         self._dispatch, self._cancel = rp.dispatch, rp.cancel
         self._refused, self._completed = calls.refused, calls.completed
+        self._sent, self._delivered, self._given_up = calls.sent, calls.delivered, calls.given_up
         Interpreter.__init__(self)
         rp.proxy_queue_log = self.proxy_queue_log
         if layers:          # the lowest layer's attempts reach the proxy through `_proxy_attempt`

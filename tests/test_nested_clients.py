@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from sim.deployment import from_document
-from sim.policy.client import CallState, Delivered, GiveUp, NestedClients, RetryingClient
+from sim.policy.client import CallState, NestedClients, RetryingClient
 from sim.policy.retry import RetryPolicy
 from sim.schema import ScenarioError
 from test_preset_client import TINY
@@ -27,7 +27,7 @@ def test_inner_retries_run_inside_one_outer_attempt_and_a_give_up_fails_it():
     t = 0.0
     for n in range(3):                              # the inner layer's three attempts
         assert c.send(call, t) == n and call.deadline == t + 100.0
-        d = c.on_deadline(call, t + 100.0)
+        d = c.timed_out(call, t + 100.0)
         t = t + 100.0
         if n < 2:
             assert d.at == t + 1.0
@@ -36,12 +36,12 @@ def test_inner_retries_run_inside_one_outer_attempt_and_a_give_up_fails_it():
     t += 10.0
     assert c.send(call, t) == 3 and call.deadline == t + 100.0     # a new inner call
     for n in range(3):
-        d = c.on_refused(call, t, 503)
+        d = c.refused(call, t, 503)
         if n < 2:
             t += 1.0
             assert d.at == t
             c.send(call, t)
-    assert d == GiveUp("attempts") and call.done and call.outcome == "failed_attempts"
+    assert d is None and call.done and call.outcome == "failed_attempts"
     assert call.attempts == 6 and not c.states
 
 
@@ -52,19 +52,19 @@ def test_an_outer_timeout_gives_up_the_inner_attempt_and_its_retries():
     c.send(call, 0.0)
     assert call.deadline == 100.0                   # the inner attempt's timeout comes first
     # the inner retry would be due at 160, after the outer attempt's 150: the outer times out at 150
-    assert c.on_deadline(call, 100.0).at == 155.0
+    assert c.timed_out(call, 100.0).at == 155.0
     assert c.send(call, 155.0) == 1 and call.deadline == 255.0     # the outer's second attempt, a fresh inner call
-    d = c.on_refused(call, 200.0, 429, 30.0)        # inner: Retry-After 30 s -> 230, before the outer's 305
+    d = c.refused(call, 200.0, 429, 30.0)        # inner: Retry-After 30 s -> 230, before the outer's 305
     assert d.at == 230.0
     assert c.send(call, 230.0) == 2 and call.deadline == 155.0 + 150.0   # the outer's deadline is now the earliest
-    d = c.on_deadline(call, 305.0)                  # the outer's: no retry left there
-    assert d == GiveUp("attempts") and call.done and call.attempts == 3
+    d = c.timed_out(call, 305.0)                  # the outer's: no retry left there
+    assert d is None and call.done and call.outcome == "failed_attempts" and call.attempts == 3
 
 
 def test_a_delivered_response_ends_every_layer():
     c, call = NestedClients([layer(timeout_s=50.0), layer(timeout_s=10.0)]), CallState(0, 0.0)
     c.send(call, 0.0)
-    assert c.on_complete(call, 3.0) == Delivered(3.0) and call.outcome == "delivered" and not c.states
+    assert c.completed(call, 3.0) is None and call.outcome == "delivered" and not c.states
 
 
 def test_one_layer_is_not_nested():

@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-from sim.policy import CallState, ClientConfig, Delivered, GiveUp, RetryingClient
+from sim.policy import CallState, ClientConfig, Delivered, GivenUp, RetryingClient
+from sim.policy.layers import Send, Timer
 from sim.policy.proxy import Attempt, Cancel, Complete, Dispatch, Proxy, ProxyConfig, Refuse, Subscribe
 
 
@@ -24,10 +25,18 @@ def test_policy_core_imports_no_simpy():
 def test_deadline_then_retry_after_backoff():
     c = client(wait=2.5)
     call = CallState(0, 10.0)
-    assert c.send(call, 10.0) == 0
-    assert call.deadline == 130.0
-    assert c.on_deadline(call, 130.0).at == 132.5
-    assert c.send(call, 132.5) == 1
+    (send,) = c.on_call(10.0, call)
+    assert type(send) is Send and send.attempt.number == 0 and send.attempt.deadline == 130.0
+    assert send.attempt.call is call and call.deadline == 130.0
+    (retry,) = c.on_deadline(130.0, send.attempt)
+    assert type(retry) is Timer and retry.at == 132.5 and retry.layer is c and retry.token is call
+    (send,) = c.on_timer(132.5, call)
+    assert send.attempt.number == 1 and send.attempt.deadline == 252.5
+
+
+def _attempt(c, call, t):
+    (send,) = c.on_call(t, call)
+    return send.attempt
 
 
 def test_call_fails_after_four_failed_attempts():
@@ -35,37 +44,33 @@ def test_call_fails_after_four_failed_attempts():
     call = CallState(0, 0.0)
     t = 0.0
     for n in range(4):
-        assert c.send(call, t) == n
-        d = c.on_deadline(call, t + 120)
+        att = _attempt(c, call, t)
+        assert att.number == n
+        out = c.on_deadline(t + 120, att)
         t = t + 121
-    assert d == GiveUp("attempts")
+    assert out == [GivenUp(call)]
     assert call.done and call.outcome == "failed_attempts" and call.attempts == 4
 
 
 def test_retries_off_gives_up_after_first_attempt():
     c = client(retries=0)
     call = CallState(0, 0.0)
-    c.send(call, 0.0)
-    assert c.on_deadline(call, 120.0) == GiveUp("attempts")
+    assert c.on_deadline(120.0, _attempt(c, call, 0.0)) == [GivenUp(call)]
 
 
 def test_refused_attempt_counts_and_429_waits_retry_after():
     c = client(wait=1.0)
     call = CallState(0, 0.0)
-    c.send(call, 0.0)
-    assert c.on_refused(call, 0.0, 429, retry_after=30.0).at == 30.0
-    c.send(call, 30.0)
-    assert c.on_refused(call, 30.0, 503).at == 31.0     # usual wait
-    c.send(call, 31.0)
-    assert c.on_refused(call, 31.0, 429, retry_after=121.0) == GiveUp("retry_after")
-    assert call.attempts == 3
+    assert c.on_refused(0.0, _attempt(c, call, 0.0), 429, retry_after=30.0)[0].at == 30.0
+    assert c.on_refused(30.0, _attempt(c, call, 30.0), 503)[0].at == 31.0     # usual wait
+    assert c.on_refused(31.0, _attempt(c, call, 31.0), 429, retry_after=121.0) == [GivenUp(call)]
+    assert call.attempts == 3 and call.outcome == "failed_retry_after"
 
 
 def test_complete_delivers():
     c = client()
     call = CallState(0, 0.0)
-    c.send(call, 0.0)
-    assert c.on_complete(call, 5.0) == Delivered(5.0)
+    assert c.on_complete(5.0, _attempt(c, call, 0.0)) == [Delivered(call)]
     assert call.done and call.outcome == "delivered"
 
 

@@ -1,6 +1,7 @@
-"""A client layer from a preset runs in the simulator: `preset_client` gives
-the preset's RetryPolicy (through `Retrier`, behind `RetryingClient`) the interface `Run` drives its
-client through, and a scenario's client [[layer]] is the run's client."""
+"""A client layer from a preset runs in the simulator: `preset_client` puts
+the preset's RetryPolicy (through `Retrier`) behind `RetryingClient`, whose
+decisions the client layer's actions carry out, and a scenario's client
+[[layer]] is the run's client."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ from sim.classes import class_layer_settings
 from sim.conditions import get_condition
 from sim.deployment import from_document, load
 from sim.model import Run
-from sim.policy.client import CallState, Delivered, GiveUp, Retry
+from sim.policy.client import CallState, Retry
 from sim.policy.preset_client import preset_client
 from sim.policy.presets import PRESETS, preset
 from sim.runlog import CALL_OUTCOMES
@@ -47,7 +48,7 @@ def test_a_call_deadline_bounds_the_attempt():
     c, call = _client(timeout_s=60, deadline_s=90), CallState(0, 0.0)
     c.send(call, 0.0)
     assert call.deadline == 60.0
-    d = c.on_deadline(call, 60.0)
+    d = c.timed_out(call, 60.0)
     c.send(call, d.at)
     assert call.deadline == 90.0
 
@@ -59,34 +60,33 @@ def test_timeouts_are_retried_with_the_sdks_backoff_until_its_retries_run_out(r)
     t = 0.0
     for n in range(_value("max_retries")):
         c.send(call, t)
-        d = c.on_deadline(call, t + 1.0)
+        d = c.timed_out(call, t + 1.0)
         assert type(d) is Retry
         assert d.at - (t + 1.0) == pytest.approx(min(base * 2 ** n, cap) * (1 - amount * r))
         t = d.at
     c.send(call, t)
-    d = c.on_deadline(call, t + 1.0)
-    assert type(d) is GiveUp and d.reason == "attempts" and call.done and call.outcome in CALL_OUTCOMES
+    d = c.timed_out(call, t + 1.0)
+    assert d is None and call.done and call.outcome == "failed_attempts" and call.outcome in CALL_OUTCOMES
     assert call.attempts == _value("max_retries") + 1
 
 
 def test_a_retry_after_is_the_wait_up_to_the_cap_and_gives_the_call_up_above_it():
     c, call = _client(), CallState(0, 0.0)
     c.send(call, 0.0)
-    d = c.on_refused(call, 1.0, 429, 5.0)
+    d = c.refused(call, 1.0, 429, 5.0)
     assert type(d) is Retry and d.at == 6.0
     c.send(call, d.at)
-    d = c.on_refused(call, 7.0, 429, _value("retry_after_cap_s") + 1)
-    assert type(d) is GiveUp and d.reason == "retry_after" and call.outcome == "failed_retry_after"
+    d = c.refused(call, 7.0, 429, _value("retry_after_cap_s") + 1)
+    assert d is None and call.outcome == "failed_retry_after"
 
 
 def test_a_status_outside_the_retry_on_set_gives_up_and_a_response_delivers():
     c, call = _client(retry_on=["timeout"]), CallState(0, 0.0)
     c.send(call, 0.0)
-    assert type(c.on_refused(call, 1.0, 503)) is GiveUp
+    assert c.refused(call, 1.0, 503) is None and call.outcome == "failed_attempts"
     c, call = _client(), CallState(1, 0.0)
     c.send(call, 0.0)
-    d = c.on_complete(call, 3.0)
-    assert type(d) is Delivered and d.at == 3.0 and call.outcome == "delivered" and call.done
+    assert c.completed(call, 3.0) is None and call.outcome == "delivered" and call.done
 
 
 TINY = {"model": {"profile": "vllm-cpu-tiny"},

@@ -4,10 +4,11 @@ of a real vLLM engine; what the client saw, the proxy's execution records and
 the engine's `/metrics` sampled every second become a `sim.runlog.RunLog`, and
 `sim.measures.record` turns it into the same result record as a simulated run.
 
-The client is `sim.policy.client.RetryingClient` — the object the simulator
-drives (with traffic classes, one per class: `sim.classes.clients`; each
-request then carries its class's `priority` in the body, as vLLM reads it,
-and its class in `X-Class`) — on the asyncio clock: every call is its own task, sent at its planned
+The client is the simulator's client layer (`sim.policy.client`; with
+traffic classes, one per class: `sim.classes.clients`, each request then
+carrying its class's `priority` in the body, as vLLM reads it, and its class
+in `X-Class`), its actions carried out on the asyncio clock (`LiveRun._call`):
+every call is its own task, sent at its planned
 time whatever happened to earlier calls; each attempt is one streamed
 `/v1/completions` request carrying `X-Call-Id` (the call's number) and
 `X-Attempt`; the client closes the connection at the attempt's deadline; a
@@ -56,7 +57,8 @@ from sim import measures
 from sim.classes import call_classes, call_priorities, clients
 from sim.conditions import Condition
 from sim.model import sum_counters
-from sim.policy.client import CallState, Delivered, Retry
+from sim.policy.client import CallAttempt, CallState, Delivered
+from sim.policy.layers import Send, Timer
 from sim.runlog import AttemptRecord, CallRecord, RunLog, Series, refusal_outcome
 from sim.scenario import Scenario
 from sim.workload import Trace
@@ -157,21 +159,19 @@ class LiveRun:
         return time.monotonic() - self.t0
 
     # ------------------------------------------------------------- client
-    async def _attempt(self, session: aiohttp.ClientSession, i: int) -> object:
-        """Send one attempt of call i; returns the client's decision."""
-        cs = self.calls[i]
-        t = self.now()
-        number = self.client.send(cs, t)
-        rec = AttemptRecord(call=i, number=number, sent_at=t)
+    async def _attempt(self, session: aiohttp.ClientSession, att: CallAttempt) -> tuple:
+        """Send the client's attempt `att`; returns when it ended and the client's actions on its answer."""
+        i, t = att.call_id, self.now()
+        rec = AttemptRecord(call=i, number=att.number, sent_at=t)
         self.attempts.append(rec)
-        self.call_records[i].attempts = cs.attempts
+        self.call_records[i].attempts = att.call.attempts
         body = request_body(self.model, self.prompts[i], self.trace.max_tokens[i])
-        headers = {"X-Call-Id": str(i), "X-Attempt": str(number)}
+        headers = {"X-Call-Id": str(i), "X-Attempt": str(att.number)}
         if self.priority is not None:
             body["priority"] = self.priority[i]
             headers["X-Class"] = self.klass[i]
         try:
-            async with asyncio.timeout(max(0.0, cs.deadline - self.now())):
+            async with asyncio.timeout(max(0.0, att.deadline - self.now())):
                 async with session.post(self.front_url + "/v1/completions", json=body, headers=headers) as resp:
                     rec.execution = int(resp.headers.get("X-Execution-Id", -1))
                     rec.attached = resp.headers.get("X-Attached") == "1"
@@ -181,14 +181,14 @@ class LiveRun:
                         rec.ended_at = self.now()
                         rec.outcome = refusal_outcome(reason)
                         ra = resp.headers.get("Retry-After")
-                        return self.client.on_refused(cs, rec.ended_at, resp.status,
-                                                      float(ra) if ra is not None else None)
+                        return rec.ended_at, self.client.on_refused(rec.ended_at, att, resp.status,
+                                                                    float(ra) if ra is not None else None, reason)
                     if resp.status != 200 and attempt_outcome(resp.status, resp.headers, self.gateway is not None) \
                             == "refused_gateway":         # the gateway's own answer, as the simulator records it
                         await resp.read()
                         rec.ended_at = self.now()
                         rec.outcome = "refused_gateway"
-                        return self.client.on_refused(cs, rec.ended_at, resp.status)
+                        return rec.ended_at, self.client.on_refused(rec.ended_at, att, resp.status)
                     if resp.status != 200:
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
                                                           message=(await resp.text())[:200])
@@ -201,11 +201,11 @@ class LiveRun:
                         raise aiohttp.ClientPayloadError("stream ended without [DONE]")
                     rec.ended_at = self.now()
                     rec.outcome = "complete"
-                    return self.client.on_complete(cs, rec.ended_at)
+                    return rec.ended_at, self.client.on_complete(rec.ended_at, att)
         except TimeoutError:
             rec.ended_at = self.now()
             rec.outcome = "timeout"
-            return self.client.on_deadline(cs, rec.ended_at)
+            return rec.ended_at, self.client.on_deadline(rec.ended_at, att)
         except (aiohttp.ClientError, ValueError) as e:
             # a broken attempt (connection error, engine error passed through):
             # the client treats it as a refusal without Retry-After
@@ -213,20 +213,28 @@ class LiveRun:
             self.errors[key] = self.errors.get(key, 0) + 1
             rec.ended_at = self.now()
             rec.outcome = "error"
-            return self.client.on_refused(cs, rec.ended_at, 503)
+            return rec.ended_at, self.client.on_refused(rec.ended_at, att, 503)
 
     async def _call(self, session: aiohttp.ClientSession, i: int) -> None:
+        """Call i through the client layer: its actions carried out on the
+        asyncio clock (an attempt's `Send` is one request, a retry's `Timer`
+        a sleep) until the call's end."""
         crec = self.call_records[i]
+        t = self.now()
+        actions = self.client.on_call(t, self.calls[i])
         while True:
-            d = await self._attempt(session, i)
-            if isinstance(d, Retry):
-                await asyncio.sleep(max(0.0, d.at - self.now()))
-                continue
-            if isinstance(d, Delivered):
-                crec.delivered_at, crec.outcome = d.at, "delivered"
-            else:
-                crec.outcome = "failed_" + d.reason
-            return
+            (a,) = actions                  # the client answers each event with one action
+            if type(a) is Send:
+                t, actions = await self._attempt(session, a.attempt)
+            elif type(a) is Timer:
+                await asyncio.sleep(max(0.0, a.at - self.now()))
+                t = self.now()
+                actions = a.layer.on_timer(t, a.token)
+            else:                           # the call's end: Delivered or GivenUp
+                if type(a) is Delivered:
+                    crec.delivered_at = t
+                crec.outcome = a.call.outcome
+                return
 
     async def _call_sdk(self, sdk, i: int) -> None:
         """Call i through the OpenAI SDK: one `completions.create`, its

@@ -1,10 +1,10 @@
 """The policy core: client retry logic, proxy controls and the router as
 clock-free state machines, composed into a stack of layers (`stack`). Inputs
-are events with timestamps, outputs are decisions; nothing here reads a
+are events with timestamps, outputs are actions; nothing here reads a
 clock, sleeps, does I/O or imports SimPy. The simulator (`sim.model`) and the
 live harness drive the very same objects, through one interpreter of their
 actions (`stack.Interpreter`)."""
-from .client import CallState, ClientConfig, Delivered, GiveUp, Retry, RetryingClient
+from .client import CallAttempt, CallState, ClientConfig, ClientLayer, Delivered, GivenUp, Retry, RetryingClient
 from .proxy import (
     Attempt,
     Cancel,
@@ -24,7 +24,7 @@ from .proxy import (
 )
 from .stack import Interpreter, Stack
 
-__all__ = ["ClientConfig", "RetryingClient", "CallState", "Retry", "GiveUp", "Delivered",
+__all__ = ["ClientConfig", "ClientLayer", "RetryingClient", "CallState", "CallAttempt", "Retry", "GivenUp", "Delivered",
            "ProxyConfig", "Proxy", "Execution", "Attempt", "EngineView", "PromptRate", "RetryBudget",
            "Subscribe", "Dispatch", "Refuse", "Cancel", "Complete", "Drop", "Wake", "call_key",
            "Stack", "Interpreter"]
