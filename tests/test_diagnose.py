@@ -3,6 +3,7 @@ comparison with the published figures for the embedded default."""
 import contextlib
 import io
 import json
+import statistics
 
 import pytest
 
@@ -102,11 +103,28 @@ def test_diagnose_compares_with_the_published_figures(diagnosed):
     assert "SPEC" not in text
 
 
-@pytest.mark.xfail(strict=True, reason="open: the simulator drains its post-pulse backlog at 0.95-0.97 x its "
-                                       "protocol capacity, the reference implies about 1.03 x (needs a measured "
-                                       "GPU step profile)")
-def test_diagnose_no_retry_within_the_bar_of_the_published_figures(diagnosed):
-    assert by_condition(diagnosed["reference"])["no-retry"]["within_bar"]
+@pytest.fixture(scope="module")
+def diagnosed_ten(tmp_path_factory):
+    out = tmp_path_factory.mktemp("diag10") / "d.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["diagnose", "--seeds", "0-9", "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_diagnose_over_ten_seeds_holds_the_published_figures(diagnosed_ten):
+    """SPEC §7 on the embedded default, seeds 0-9: every row within the bar,
+    each row's median hold delivery within its published range +-2 points,
+    and service recovered in every run where the reference recovered, in
+    none where it did not (docs/calibration.md)."""
+    rows = by_condition(diagnosed_ten["reference"])
+    assert set(rows) == set(reference.REFERENCE)
+    for name, ref in reference.REFERENCE.items():
+        assert rows[name]["within_bar"], (name, rows[name]["problems"])
+        runs = [r for r in diagnosed_ten["runs"] if r["condition"] == name]
+        assert len(runs) == 10
+        held = statistics.median(reference.hold_delivered_pct(r) for r in runs)
+        assert ref.hold_delivered[0] - 2.0 <= held <= ref.hold_delivered[1] + 2.0, (name, held)
+        assert {bool(r["recovered"]) for r in runs} == {ref.recovery_s is not None}, name
 
 
 def test_diagnose_elsewhere_has_no_reference(tmp_path, capsys):
