@@ -12,6 +12,7 @@ import numpy as np
 
 from .classes import call_classes, call_priorities
 from .policy.client import CallAttempt, CallState, Delivered, GivenUp
+from .policy.layers import Send
 from .policy.proxy import Complete, Refuse
 from .runlog import ATTEMPT_OUTCOMES, CALL_OUTCOMES, AttemptTable, CallTable, refusal_outcome
 from .scenario import Scenario
@@ -75,8 +76,9 @@ class Calls:
         call = self.calls[call_id] = CallState(call_id, self.arrival[call_id], self.call_class[call_id])
         self.do(t, self.client.on_call(t, call))
 
-    def sent(self, t: float, att: CallAttempt) -> None:
+    def sent(self, t: float, a: Send) -> None:
         """The client's attempt goes out: logged, held to its deadline, and into the chain."""
+        att = a.attempt
         call_id = att.call_id
         att.row = self.attempt_log.add(call_id, att.number, t)
         self.call_log.attempts[call_id] = att.call.attempts

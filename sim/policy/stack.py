@@ -325,7 +325,7 @@ class Interpreter:
     Subscribe)`, `_dispatch(t, execution)`, `_cancel(t, Cancel)`, `_drop(t,
     Drop)`, `_wake_at(t, Wake)`, and `_timer_at(t, Timer)` for a layer's
     timer; the handlers of the client's actions where it hosts the client
-    (`sim.policy.client.ClientLayer`): `_sent(t, attempt)` (its attempt goes
+    (`sim.policy.client.ClientLayer`): `_sent(t, Send)` (its attempt goes
     out: the driver sends it into the chain, `_enter`), `_delivered(t,
     Delivered)` and `_given_up(t, GivenUp)` (the call's end, to the
     workload); and the hooks of the routing this class owns: `_refused(t,
@@ -356,8 +356,9 @@ class Interpreter:
         """Wire `layers` (from the top) above `bottom`, the (on_attempt,
         on_attempt_left) of what stands below the lowest of them (the
         proxy): `_enter` / `_enter_left` take the top's attempts. Without
-        layers every answer is to the top: `_refused` / `_completed` take
-        them straight from the table."""
+        layers every answer is to the top, and every attempt sent the
+        client's: `_refused` / `_completed` / `_sent` take them straight from
+        the table."""
         self.layers = list(layers)
         entries = [(layer.on_attempt, layer.on_attempt_left) for layer in self.layers] + [bottom]
         self._enter, self._enter_left = entries[0]
@@ -367,6 +368,8 @@ class Interpreter:
             h[Refuse] = self._refused
         if not self.layers and h[Complete].__func__ is Interpreter._complete:
             h[Complete] = self._completed
+        if not self.layers and h[Send].__func__ is Interpreter._send_below:
+            h[Send] = self._sent            # every attempt sent is the client's
 
     def _below_layer(self, layer):
         """The layer below `layer` between the client and the proxy (None: the proxy)."""
@@ -392,7 +395,7 @@ class Interpreter:
         the driver's `_sent`, which sends it into the chain (`_enter`)."""
         up = a.attempt
         if type(up) is not Upstream:
-            self._sent(t, up)
+            self._sent(t, a)
             return
         up.row = up.above.row
         params, prompt_len = self._request(up)
