@@ -31,6 +31,7 @@ guidellm's unpinned `torch`. It is run as `python -m guidellm benchmark run
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -196,6 +197,48 @@ def install_guidellm(venv: Path | None = None, log=E.say) -> Path:
     (venv / _MARKER).write_text(GUIDELLM_VERSION + "\n")
     log(f"[{time.monotonic() - t0:5.0f} s] guidellm {GUIDELLM_VERSION} installed in {venv}")
     return venv
+
+
+def guidellm_args(url: str, tokenizer: Path, out: Path, profile: str, rates: list[float], requests: int,
+                  prompt_tokens: int, output_tokens: int, prefix_tokens: int = 0, seed: int = 0,
+                  model: str = "tiny-qwen2") -> list[str]:
+    """guidellm 0.7.3's `run` flags for one report: the completion API,
+    streamed; a `constant` or `poisson` profile at `rates`, `requests` calls
+    a benchmark (`max_requests`: no call cut off); `synthetic_text` data of
+    `prompt_tokens` after one shared prefix of `prefix_tokens` (none at 0)
+    and responses of exactly `output_tokens` (guidellm sends `ignore_eos`
+    with them); `tokenizer` the spelling one (`validate.tokenizer`,
+    spell=True); the report written to `out`, as YAML where its name ends
+    in .yaml, else as JSON. Keys as its pydantic models name them
+    (`BenchmarkArgs`: `backends/openai/http.py`, `benchmark/profiles.py`,
+    `scheduler/constraints/request.py`, `data/deserializers/synthetic.py`,
+    `data/tokenizers/huggingface.py`)."""
+    if profile not in ("constant", "poisson"):
+        raise ValueError(f"profile {profile!r}: constant or poisson")
+    data = {"kind": "synthetic_text", "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
+    if prefix_tokens:
+        data["prefix_buckets"] = [{"prefix_count": 1, "prefix_tokens": prefix_tokens}]
+    js = lambda d: json.dumps(d, separators=(",", ":"))  # noqa: E731
+    return ["--backend", js({"kind": "openai_http", "target": url, "model": model,
+                             "request_format": "/v1/completions", "stream": True}),
+            "--profile", js({"kind": profile, "rate": [float(r) for r in rates]}),
+            "--constraint", js({"kind": "max_requests", "count": requests}),
+            "--tokenizer", js({"kind": "huggingface_auto", "model": str(tokenizer)}),
+            "--data", js(data), "--seed", js({"kind": "static", "value": seed}),
+            "--output", js({"kind": "yaml" if out.suffix == ".yaml" else "json", "path": str(out)}),
+            "--disable-console-interactive"]
+
+
+def run_guidellm(flags: list[str], timeout: float = 900.0, log=sys.stderr) -> None:
+    """Runs `guidellm run FLAGS` from its venv (`python -m guidellm`, its
+    console script's module); EngineError with its last lines when it fails."""
+    r = subprocess.run([str(guidellm_python()), "-m", "guidellm", "run", *flags], capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                                             "HF_DATASETS_OFFLINE": "1"})
+    if r.returncode != 0:
+        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-8:])
+        raise E.EngineError(f"guidellm failed (exit {r.returncode}):\n{tail}")
+    print(f"guidellm: report in {json.loads(flags[flags.index('--output') + 1])['path']}", file=log)
 
 
 def inference_perf_config(url: str, tokenizer: Path, out: Path, stages: list[tuple[float, int]], output_len: int,
