@@ -232,6 +232,11 @@ def experiments(stages: list[BenchStage], profile: Profile) -> list[Experiment]:
         if run is not None and ids.count(eid) > 1:     # several runs of one workload: an experiment each
             names = [os.path.basename(k[-1] or "") for k, i in zip(groups, ids) if i == eid]
             eid += f"@{os.path.basename(run) if names.count(os.path.basename(run)) == 1 else run}"
+        elif ids.count(eid) > 1:                        # one workload under several arrival processes or tools
+            same = [k for k, i in zip(groups, ids) if i == eid]
+            eid += f"@{arrivals}" if [k[4] for k in same].count(arrivals) == 1 else f"@{arrivals},{tool}"
+        if eid in {e.exp_id for e in out}:             # what is left alike: the order they come in
+            eid += f"#{len(out)}"
         st = tuple(Stage(k, s.stage.rate, s.stage.duration_s, s.stage.ttft_mean_s, s.stage.e2e_mean_s,
                          s.stage.measured, as_run_s=s.stage.as_run_s) for k, s in enumerate(mine))
         check_call_fits(mine[0].path, prompt, output, flags)

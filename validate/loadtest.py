@@ -18,10 +18,20 @@ numpy, datasets, transformers 5.13, tokenizers, boto3, google-cloud-storage, ...
 `inference_perf_config()` writes its config YAML from our parameters, keys as
 its 0.7.0 pydantic models (`inference_perf/config/`) name them; it is run as
 `python -m inference_perf.main --config_file FILE` (its console script's
-`main_cli`)."""
+`main_cli`).
+
+guidellm (`llmsim loadtest install guidellm`, `install_guidellm()`):
+`guidellm==GUIDELLM_VERSION` pip-installed into its own venv,
+`~/.cache/llmsim/guidellm-venv`, made with this Python (it requires >= 3.10).
+It requires torch, which plain pip resolves to PyPI's CUDA build (with its
+nvidia-* wheels, gigabytes): the venv gets the engine's CPU torch first
+(`engine.TORCH_CPU`, as `install_cpu` pins it), which then satisfies
+guidellm's unpinned `torch`. It is run as `python -m guidellm benchmark run
+...` (`guidellm_args()`)."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -72,7 +82,7 @@ def run_bench_serve(flags: list[str], timeout: float = 900.0, log=sys.stderr) ->
 # ------------------------------------------------------------------ inference-perf
 INFERENCE_PERF_VERSION = "0.7.0"
 MIN_PYTHON = (3, 12)                    # inference-perf 0.7.0: Requires-Python >=3.12
-_IP_MARKER = ".llmsim-installed"
+_MARKER = ".llmsim-installed"
 
 
 def inference_perf_venv() -> Path:
@@ -112,15 +122,19 @@ def python_312() -> str:
                         "python3.12 (e.g. `pyenv install 3.12` or your distribution's python3.12 package)")
 
 
-def inference_perf_installed(venv: Path | None = None) -> str | None:
-    """The inference-perf version installed in its venv by `install_inference_perf`, or None."""
-    venv = venv or inference_perf_venv()
+def _installed(venv: Path, dist: str) -> str | None:
+    """The version of `dist` in a venv an install_* function finished (its marker written), or None."""
     py = E.venv_python(venv)
-    if not py.exists() or not (venv / _IP_MARKER).exists():
+    if not py.exists() or not (venv / _MARKER).exists():
         return None
-    r = subprocess.run([str(py), "-c", "import importlib.metadata as m; print(m.version('inference-perf'))"],
+    r = subprocess.run([str(py), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
                        capture_output=True, text=True)
     return r.stdout.strip() if r.returncode == 0 else None
+
+
+def inference_perf_installed(venv: Path | None = None) -> str | None:
+    """The inference-perf version installed in its venv by `install_inference_perf`, or None."""
+    return _installed(venv or inference_perf_venv(), "inference-perf")
 
 
 def install_inference_perf(venv: Path | None = None, log=E.say) -> Path:
@@ -134,19 +148,97 @@ def install_inference_perf(venv: Path | None = None, log=E.say) -> Path:
     py = E.venv_python(venv)
     if not py.exists() or (_py_version(str(py)) or (0, 0)) < MIN_PYTHON:
         base = python_312()
-        log(f"creating venv {venv} with {base}")
         shutil.rmtree(venv, ignore_errors=True)
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([base, "-m", "venv", str(venv)], check=True)
-    log(f"installing inference-perf=={INFERENCE_PERF_VERSION} …")
-    r = subprocess.run([str(py), "-m", "pip", "install", "-q", f"inference-perf=={INFERENCE_PERF_VERSION}"],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        tail = [x for x in (r.stderr or r.stdout).strip().splitlines() if not x.startswith("WARNING")][-3:]
-        raise E.EngineError(f"pip install inference-perf=={INFERENCE_PERF_VERSION} failed: {' | '.join(tail)}")
-    (venv / _IP_MARKER).write_text(INFERENCE_PERF_VERSION + "\n")
+        E.new_venv(venv, log, base)
+    E.pip_steps(py, t0, log)(f"inference-perf=={INFERENCE_PERF_VERSION}",
+                             step=f"installing inference-perf=={INFERENCE_PERF_VERSION} …")
+    (venv / _MARKER).write_text(INFERENCE_PERF_VERSION + "\n")
     log(f"[{time.monotonic() - t0:5.0f} s] inference-perf {INFERENCE_PERF_VERSION} installed in {venv}")
     return venv
+
+
+# ------------------------------------------------------------------ guidellm
+GUIDELLM_VERSION = "0.7.3"
+
+
+def guidellm_venv() -> Path:
+    return Path(os.environ.get("LLMSIM_GUIDELLM_VENV", E.STATE_DIR / "guidellm-venv"))
+
+
+def guidellm_python() -> Path:
+    return E.venv_python(guidellm_venv())
+
+
+def guidellm_installed(venv: Path | None = None) -> str | None:
+    """The guidellm version installed in its venv by `install_guidellm`, or None."""
+    return _installed(venv or guidellm_venv(), "guidellm")
+
+
+def install_guidellm(venv: Path | None = None, log=E.say) -> Path:
+    """guidellm's venv (idempotent: a second call only checks it): the CPU
+    torch first, then guidellm and the rest of its requirements."""
+    venv = venv or guidellm_venv()
+    have = guidellm_installed(venv)
+    if have == GUIDELLM_VERSION:
+        log(f"guidellm {have} already installed in {venv}")
+        return venv
+    t0 = time.monotonic()
+    py = E.venv_python(venv)
+    pip = E.pip_steps(py, t0, log)
+    if not py.exists():
+        E.new_venv(venv, log)
+    pip(E.TORCH_CPU, step=f"installing {E.TORCH_CPU} …")
+    pip(f"guidellm=={GUIDELLM_VERSION}", step=f"installing guidellm=={GUIDELLM_VERSION} and its requirements …")
+    r = subprocess.run([str(py), "-c", "import torch, guidellm.benchmark; print(torch.__version__)"],
+                       capture_output=True, text=True)
+    if r.returncode != 0 or "+cpu" not in r.stdout:
+        tail = (r.stderr.strip().splitlines() or [r.stdout.strip()])[-1]
+        raise E.EngineError(f"guidellm {GUIDELLM_VERSION} installed but does not import with the CPU torch: {tail}")
+    (venv / _MARKER).write_text(GUIDELLM_VERSION + "\n")
+    log(f"[{time.monotonic() - t0:5.0f} s] guidellm {GUIDELLM_VERSION} installed in {venv}")
+    return venv
+
+
+def guidellm_args(url: str, tokenizer: Path, out: Path, profile: str, rates: list[float], requests: int,
+                  prompt_tokens: int, output_tokens: int, prefix_tokens: int = 0, seed: int = 0,
+                  model: str = "tiny-qwen2") -> list[str]:
+    """guidellm 0.7.3's `run` flags for one report: the completion API,
+    streamed; a `constant` or `poisson` profile at `rates`, `requests` calls
+    a benchmark (`max_requests`: no call cut off); `synthetic_text` data of
+    `prompt_tokens` after one shared prefix of `prefix_tokens` (none at 0)
+    and responses of exactly `output_tokens` (guidellm sends `ignore_eos`
+    with them); `tokenizer` the spelling one (`validate.tokenizer`,
+    spell=True); the report written to `out`, as YAML where its name ends
+    in .yaml, else as JSON. Keys as its pydantic models name them
+    (`BenchmarkArgs`: `backends/openai/http.py`, `benchmark/profiles.py`,
+    `scheduler/constraints/request.py`, `data/deserializers/synthetic.py`,
+    `data/tokenizers/huggingface.py`)."""
+    if profile not in ("constant", "poisson"):
+        raise ValueError(f"profile {profile!r}: constant or poisson")
+    data = {"kind": "synthetic_text", "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
+    if prefix_tokens:
+        data["prefix_buckets"] = [{"prefix_count": 1, "prefix_tokens": prefix_tokens}]
+    js = lambda d: json.dumps(d, separators=(",", ":"))  # noqa: E731
+    return ["--backend", js({"kind": "openai_http", "target": url, "model": model,
+                             "request_format": "/v1/completions", "stream": True}),
+            "--profile", js({"kind": profile, "rate": [float(r) for r in rates]}),
+            "--constraint", js({"kind": "max_requests", "count": requests}),
+            "--tokenizer", js({"kind": "huggingface_auto", "model": str(tokenizer)}),
+            "--data", js(data), "--seed", js({"kind": "static", "value": seed}),
+            "--output", js({"kind": "yaml" if out.suffix == ".yaml" else "json", "path": str(out)}),
+            "--disable-console-interactive"]
+
+
+def run_guidellm(flags: list[str], timeout: float = 900.0, log=sys.stderr) -> None:
+    """Runs `guidellm run FLAGS` from its venv (`python -m guidellm`, its
+    console script's module); EngineError with its last lines when it fails."""
+    r = subprocess.run([str(guidellm_python()), "-m", "guidellm", "run", *flags], capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                                             "HF_DATASETS_OFFLINE": "1"})
+    if r.returncode != 0:
+        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-8:])
+        raise E.EngineError(f"guidellm failed (exit {r.returncode}):\n{tail}")
+    print(f"guidellm: report in {json.loads(flags[flags.index('--output') + 1])['path']}", file=log)
 
 
 def inference_perf_config(url: str, tokenizer: Path, out: Path, stages: list[tuple[float, int]], output_len: int,
