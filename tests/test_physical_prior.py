@@ -109,6 +109,13 @@ def test_tensor_parallelism_splits_weights_kv_and_flops_and_adds_allreduces():
     assert abs(four["per_decode_ctx_s"] / eight["per_decode_ctx_s"] - 2) < 1e-9
     assert eight["fixed_s"] == four["fixed_s"]                  # 2 all-reduces a layer, at any TP
     assert four["fixed_s"] - 0.002 == pytest.approx(2 * 80 * h100.allreduce_latency_s, rel=1e-9)
+    # the all-reduces' bytes a token: their own term, added to the step (not under the weights' read)
+    ring = 2 * 80 * 2 * 3 / 4 * 8192 * 2 / (h100.link_bandwidth * 0.7)
+    assert four["comm_per_token_s"] == pytest.approx(ring, rel=1e-9)
+    one = step_time(s, h100, 0.6, 0.8, form="roofline")
+    assert "comm_per_token_s" not in one and four["per_token_s"] == pytest.approx(one["per_token_s"] / 4)
+    linear = step_time(s, h100, 0.6, 0.8, serving=Serving(tensor_parallel_size=4))
+    assert linear["per_token_s"] == pytest.approx(four["per_token_s"] + ring, rel=1e-9)
     kv = kv_cache(s, h100, 0.9, 16, serving=Serving(tensor_parallel_size=4))
     assert kv["kv_bytes_per_token"] == 2 * 80 * 2 * 128 * 2     # 8 KV heads on 4 GPUs: 2 each
     assert abs(kv["weights_bytes"] / s.weight_bytes - 0.25) < 1e-6
