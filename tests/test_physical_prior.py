@@ -13,7 +13,7 @@ import pytest
 from calibrate.gpus import CATALOGUE, gpu, gpu_key
 from calibrate.model_shape import MODELS, name_of_config, shape_from_config
 from calibrate.prior import GiB, Serving, kv_cache, prior_profile, step_time
-from sim.engine.step_time import MoEStepTimeModel, step_time_model
+from sim.engine.step_time import MoEStepTimeModel, graph_tokens, step_time_model
 from sim.profile import ProfileError, from_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,6 +161,11 @@ def test_a_moe_step_reads_the_experts_its_tokens_route_to():
     assert st.memory_s(1) == pytest.approx(st.weights_s + st.expert_weights_s * 2 / 8, rel=1e-12)
     assert st.memory_s(2048) == pytest.approx(st.weights_s + st.expert_weights_s, rel=1e-9)
     assert st.duration(1, 1, 0, 100) < st.duration(8, 8, 0, 800) < st.duration(64, 64, 0, 6400)
+    # a decode step of 11 runs in the CUDA graph of 16: its padding rows are routed too
+    assert st.memory_s(11) == pytest.approx(st.weights_s + st.expert_weights_s * (1 - (6 / 8) ** 16), rel=1e-12)
+    assert st.memory_s(11) == st.memory_s(16) > st.memory_s(8)
+    assert [graph_tokens(n) for n in (1, 2, 3, 4, 5, 9, 248, 250, 257, 512, 513, 2048)] == [
+        1, 2, 4, 4, 8, 16, 248, 256, 272, 512, 513, 2048]
 
 
 def test_moe_fast_forward_is_the_sum_of_its_steps():

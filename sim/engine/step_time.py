@@ -152,7 +152,12 @@ class MoEStepTimeModel(RooflineStepTimeModel):
     token to `experts_per_token` of its `experts` experts; a step reads the
     weights of the experts its tokens route to, whose expected share under
     uniform top-k routing of n tokens is 1 - (1 - k/E)^n: a decode step of a
-    few requests reads a few experts, a prefill chunk all of them. The
+    few requests reads a few experts, a prefill chunk all of them. n is the
+    step's tokens as vLLM runs them: a step of up to `GRAPH_MAX_TOKENS`
+    tokens runs in the CUDA graph captured for the next size up
+    (`graph_tokens`), and its padding rows pass through the router and the
+    experts like the real ones (a decode step of 11 runs as 16: a share of
+    0.64 of 16 experts, not 0.51). The
     matrix products take max(per_token_s x tokens, weights_s +
     expert_weights_s x that share): `weights_s` the dense weights' read
     (attention, shared experts, LM head), `expert_weights_s` all experts'."""
@@ -171,8 +176,9 @@ class MoEStepTimeModel(RooflineStepTimeModel):
                              f"1 <= experts_per_token <= experts, got {self.experts!r}, {self.experts_per_token!r}")
 
     def memory_s(self, num_tokens: int) -> float:
-        """The matrix products' memory time of a step of `num_tokens` tokens."""
-        missed = (1.0 - self.experts_per_token / self.experts) ** num_tokens
+        """The matrix products' memory time of a step of `num_tokens` tokens
+        (routed as the CUDA graph it runs in pads them: `graph_tokens`)."""
+        missed = (1.0 - self.experts_per_token / self.experts) ** graph_tokens(num_tokens)
         return self.weights_s + self.expert_weights_s * (1.0 - missed)
 
     def duration(self, num_reqs: int, num_tokens: int, prefill_pairs: float, decode_ctx: float) -> float:
@@ -186,6 +192,19 @@ class MoEStepTimeModel(RooflineStepTimeModel):
         matmul, memory = self.per_token_s * n, self.memory_s(n)
         return (self.fixed_s + (self.per_request_s + self.comm_per_token_s) * n
                 + (matmul if matmul > memory else memory) + self.per_decode_ctx_s * ctx)
+
+
+# vLLM's default CUDA graph sizes (V1, max_num_seqs up to 256): 1, 2, 4, then every 8 to 256 and every 16
+# to 512; a step of more tokens runs without a graph, unpadded
+GRAPH_MAX_TOKENS = 512
+
+
+def graph_tokens(n: int) -> int:
+    """The tokens a step of `n` runs as: the CUDA graph size it is padded to."""
+    if n <= 4 or n > GRAPH_MAX_TOKENS:
+        return n if n != 3 else 4
+    step = 8 if n <= 256 else 16
+    return -(-n // step) * step
 
 
 ROUTING = ("experts", "experts_per_token")      # a MoE model's routing: whole numbers, not coefficients
