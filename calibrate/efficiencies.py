@@ -9,8 +9,9 @@ The efficiencies (`Efficiencies`, one set for every model and GPU): the
 achieved fraction of peak FLOP/s of the matrix products (`mfu`) and of the
 attention (`attn_eff`), of the memory bandwidth in reading the weights
 (`bw_eff`) and the paged KV cache (`kv_bw_eff`), and of the
-link's bandwidth in all-reduces (`allreduce_eff`), the per-step and
-per-request overheads, and the time a call spends in the server outside the
+link's bandwidth in all-reduces (`allreduce_eff`: small all-reduces, a
+decode step's few hundred kB, reach a fraction of the link's bandwidth),
+the per-step and per-request overheads, and the time a call spends in the server outside the
 engine (`frontend_s`: HTTP, tokenization, the hand-over to the engine),
 added to every simulated mean. The fit (`fit`) minimises the log ratios simulated /
 measured of every stage's E2E and TTFT means (TTFT weighted `TTFT_WEIGHT`),
@@ -73,7 +74,7 @@ class Efficiencies:
 
 
 BOUNDS = {"mfu": (0.05, 1.0), "bw_eff": (0.2, 1.0), "kv_bw_eff": (0.2, 1.0), "attn_eff": (0.02, 1.0),
-          "allreduce_eff": (0.5, 1.0),
+          "allreduce_eff": (0.05, 1.0),
           "step_overhead_s": (1e-4, 0.05), "request_overhead_s": (1e-7, 1e-3), "frontend_s": (1e-4, 0.1)}
 NAMES = tuple(f.name for f in fields(Efficiencies))
 

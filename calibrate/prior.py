@@ -11,8 +11,9 @@ ways, the vocabulary too) and the efficiencies (`mfu`, `bw_eff`, `attn_eff`,
                   / (bandwidth * bw_eff)
   per_token_s     2 * active params / TP / (peak * mfu), the FP8 share at the FP8
                   peak (a GPU without FP8 runs them at the 16-bit peak: weight-only)
-                  + per all-reduce byte: 2 all-reduces a layer of hidden x 2 bytes a
-                  token, a ring moving 2 (TP-1)/TP of them over the link
+  comm_per_token_s  (TP > 1) 2 all-reduces a layer of hidden x 2 bytes a token, a ring
+                  moving 2 (TP-1)/TP of them over the link at allreduce_eff (the
+                  linear form adds it to per_token_s)
   fixed_s         step_overhead_s + 2 layers x the link's all-reduce latency (TP > 1)
                   + offloaded bytes / (host link bandwidth * bw_eff) (`cpu_offload_gb`
                   of weights per GPU cross PCIe every step)
@@ -25,10 +26,9 @@ fixed_s; the roofline form (form="roofline") keeps it apart (`weights_s`) and
 a step takes the larger of its compute and its memory time; a mixture of
 experts takes the moe form (`sim.engine.step_time.MoEStepTimeModel`): its
 experts' weights (`expert_weights_s`) read in the share its tokens route to.
-The all-reduces' bandwidth term rides in per_token_s, so in the roofline
-forms it hides under the weights' read below the ridge point (a decode
-step's all-reduces move a few hundred kB: their latency, in fixed_s, is
-what counts there).
+The all-reduces are kernels of their own between the matrix products: in
+the roofline forms their bandwidth time (`comm_per_token_s`) adds to a step
+whatever bounds its matrix products, as their latency (in fixed_s) does.
 
 KV capacity (vLLM's profiling run, per GPU): blocks = floor((memory * utilization
 - weights per GPU - activation/graph reserve) / (KV bytes per token per GPU * block size)),
@@ -152,13 +152,15 @@ def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: 
     out = {
         "fixed_s": fixed_s if form != "linear" else weights_s + fixed_s,
         "per_request_s": 2 * shape.hidden * shape.vocab / tp / (gpu.peak_flops * mfu) + request_overhead_s,
-        "per_token_s": flops_s + allreduce_s,
+        "per_token_s": flops_s + (allreduce_s if form == "linear" else 0.0),
         "per_prefill_pair_s": 4 * shape.layers * shape.heads / tp * shape.head_dim / (gpu.peak_flops * attn_eff),
         "per_decode_ctx_s": per["kv_per_token"] / (gpu.bandwidth * kv_bw_eff),
     }
     if form == "linear":
         return out
     out = {"form": form, **out, "weights_s": weights_s}
+    if allreduce_s:
+        out["comm_per_token_s"] = allreduce_s
     if form == "moe":
         out |= {"expert_weights_s": per["experts_read"] / (gpu.bandwidth * bw_eff), "experts": shape.experts,
                 "experts_per_token": shape.experts_per_token}

@@ -7,7 +7,8 @@ Schema (all keys required unless marked optional):
   step_time            {fixed_s, per_request_s, per_token_s, per_prefill_pair_s, per_decode_ctx_s}  seconds;
                        optional form: "linear" (the default, their sum) or "roofline" (with weights_s:
                        the larger of compute and memory time, sim.engine.step_time) or "moe" (with
-                       weights_s, expert_weights_s and the routing: whole experts, experts_per_token)
+                       weights_s, expert_weights_s and the routing: whole experts, experts_per_token);
+                       roofline and moe: optional comm_per_token_s (tensor-parallel all-reduces a token)
   engine               {max_num_seqs, max_num_batched_tokens, block_size, num_gpu_blocks, depth, max_model_len}
   capacity             float, calls/s (Ĉ) — of this profile's engine under the reference workload
   provenance           {kind: "measured" | "fitted to published figures" | ..., ...}
@@ -28,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 
 from .engine.scheduler import SCHEDULING_POLICIES, SchedulerConfig
-from .engine.step_time import FORM_MODELS, FORMS, ROUTING, StepTimeModel, step_time_model
+from .engine.step_time import FORM_MODELS, FORMS, OPTIONAL_COEFFICIENTS, ROUTING, StepTimeModel, step_time_model
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_gpu_blocks", "depth", "max_model_len")
 ENGINE_MAX = 2**31 - 1
@@ -94,7 +95,8 @@ def from_dict(d: dict, source: str = "profile") -> Profile:
         raise ProfileError(f"{source}: step_time.form must be one of {', '.join(FORMS)}, got {_show(form)}")
     coefficients = FORM_MODELS[form].coefficients
     st = _section(d, "step_time", coefficients, source)
-    for k in coefficients:
+    optional = [k for k in OPTIONAL_COEFFICIENTS if k in st] if form != "linear" else []
+    for k in (*coefficients, *optional):
         if not _number(st[k]) or not 0 <= st[k] < math.inf or not math.isfinite(float(st[k])):
             raise ProfileError(f"{source}: step_time.{k} must be a finite non-negative number (seconds), "
                                f"got {_show(st[k])}")

@@ -50,7 +50,8 @@ def test_the_fit_is_within_its_stated_residuals():
     the handed stages, and no stage's E2E off by more than a quarter."""
     e2e = [abs(r["e2e_residual"]) for r in RECORD["stages"]]
     assert statistics.median(e2e) < 0.06           # BLIS's best: about 7 %
-    assert max(e2e) < 0.25
+    assert max(e2e) < 0.15                         # 12.1 % (Mistral-Nemo on one GPU at 10 calls/s)
+    assert sum(x < 0.08 for x in e2e) >= 22        # 23 of 27 stages
     assert RECORD["with_reference"]
     for r in RECORD["reference"]:                  # the reference design's published figures
         assert abs(r["residual"]) < 0.07, r

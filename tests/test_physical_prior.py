@@ -13,7 +13,7 @@ import pytest
 from calibrate.gpus import CATALOGUE, gpu, gpu_key
 from calibrate.model_shape import MODELS, name_of_config, shape_from_config
 from calibrate.prior import GiB, Serving, kv_cache, prior_profile, step_time
-from sim.engine.step_time import MoEStepTimeModel, step_time_model
+from sim.engine.step_time import MoEStepTimeModel, graph_tokens, step_time_model
 from sim.profile import ProfileError, from_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,6 +109,13 @@ def test_tensor_parallelism_splits_weights_kv_and_flops_and_adds_allreduces():
     assert abs(four["per_decode_ctx_s"] / eight["per_decode_ctx_s"] - 2) < 1e-9
     assert eight["fixed_s"] == four["fixed_s"]                  # 2 all-reduces a layer, at any TP
     assert four["fixed_s"] - 0.002 == pytest.approx(2 * 80 * h100.allreduce_latency_s, rel=1e-9)
+    # the all-reduces' bytes a token: their own term, added to the step (not under the weights' read)
+    ring = 2 * 80 * 2 * 3 / 4 * 8192 * 2 / (h100.link_bandwidth * 0.7)
+    assert four["comm_per_token_s"] == pytest.approx(ring, rel=1e-9)
+    one = step_time(s, h100, 0.6, 0.8, form="roofline")
+    assert "comm_per_token_s" not in one and four["per_token_s"] == pytest.approx(one["per_token_s"] / 4)
+    linear = step_time(s, h100, 0.6, 0.8, serving=Serving(tensor_parallel_size=4))
+    assert linear["per_token_s"] == pytest.approx(four["per_token_s"] + ring, rel=1e-9)
     kv = kv_cache(s, h100, 0.9, 16, serving=Serving(tensor_parallel_size=4))
     assert kv["kv_bytes_per_token"] == 2 * 80 * 2 * 128 * 2     # 8 KV heads on 4 GPUs: 2 each
     assert abs(kv["weights_bytes"] / s.weight_bytes - 0.25) < 1e-6
@@ -154,6 +161,11 @@ def test_a_moe_step_reads_the_experts_its_tokens_route_to():
     assert st.memory_s(1) == pytest.approx(st.weights_s + st.expert_weights_s * 2 / 8, rel=1e-12)
     assert st.memory_s(2048) == pytest.approx(st.weights_s + st.expert_weights_s, rel=1e-9)
     assert st.duration(1, 1, 0, 100) < st.duration(8, 8, 0, 800) < st.duration(64, 64, 0, 6400)
+    # a decode step of 11 runs in the CUDA graph of 16: its padding rows are routed too
+    assert st.memory_s(11) == pytest.approx(st.weights_s + st.expert_weights_s * (1 - (6 / 8) ** 16), rel=1e-12)
+    assert st.memory_s(11) == st.memory_s(16) > st.memory_s(8)
+    assert [graph_tokens(n) for n in (1, 2, 3, 4, 5, 9, 248, 250, 257, 512, 513, 2048)] == [
+        1, 2, 4, 4, 8, 16, 248, 256, 272, 512, 513, 2048]
 
 
 def test_moe_fast_forward_is_the_sum_of_its_steps():

@@ -101,3 +101,24 @@ def test_step_rows_are_predicted_by_the_profiles_form():
     got = predict(ROOF, rows)
     assert all(math.isclose(g, ROOF.duration(r["num_reqs"], r["num_tokens"], r["prefill_pairs"], r["decode_ctx"]))
                for g, r in zip(got, rows))
+
+
+def test_tensor_parallel_all_reduces_add_to_the_step_whatever_bounds_its_matrix_products():
+    comm = RooflineStepTimeModel(**{k: getattr(ROOF, k) for k in RooflineStepTimeModel.coefficients},
+                                 comm_per_token_s=3e-6)
+    # below the ridge point the tokens' FLOPs hide under the weights' read; the all-reduces do not
+    assert comm.duration(40, 40, 0.0, 40_000) - ROOF.duration(40, 40, 0.0, 40_000) == pytest.approx(40 * 3e-6)
+    assert comm.duration(1, 2048, 0.0, 0.0) - ROOF.duration(1, 2048, 0.0, 0.0) == pytest.approx(2048 * 3e-6)
+    total = 0.0
+    for m in range(1, 50):
+        total += comm.duration(30, 30, 0.0, 5_000 + 30 * (m - 1))
+    assert comm.fast_forward_duration(30, 5_000, 49) == pytest.approx(total, rel=1e-9)
+    assert comm.scaled(2.0).comm_per_token_s == pytest.approx(6e-6)
+    # written when not 0, read back; a profile without it has none (the embedded ones keep their JSON)
+    d = _roofline_profile()
+    d["step_time"] = comm.to_dict()
+    assert from_dict(d, "r.json").step_time == comm
+    assert "comm_per_token_s" not in ROOF.to_dict()
+    d["step_time"]["comm_per_token_s"] = -1.0
+    with pytest.raises(ProfileError, match="comm_per_token_s must be a finite non-negative number"):
+        from_dict(d, "r.json")

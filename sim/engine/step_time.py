@@ -15,14 +15,20 @@ Two forms (a profile's `step_time.form`):
             dense weights' read plus the share of the experts' weights its
             tokens route to (`expert_weights_s` x the expected share of
             distinct experts under top-k routing of that many tokens);
+the roofline and moe forms take an optional `comm_per_token_s` (0 unless
+given): the tensor-parallel all-reduces' time per scheduled token, added to
+the step (an all-reduce runs between the matrix products, not under their
+weights' read);
 `step_time_model(d)` builds any of them from a profile's `step_time` object."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 COEFFICIENTS = ("fixed_s", "per_request_s", "per_token_s", "per_prefill_pair_s", "per_decode_ctx_s")
 ROOFLINE_COEFFICIENTS = COEFFICIENTS + ("weights_s",)
+# optional in the roofline and moe forms (0 when absent), written only when not 0
+OPTIONAL_COEFFICIENTS = ("comm_per_token_s",)
 MOE_COEFFICIENTS = ROOFLINE_COEFFICIENTS + ("expert_weights_s",)
 FORMS = ("linear", "roofline", "moe")
 
@@ -92,24 +98,37 @@ class RooflineStepTimeModel(StepTimeModel):
     and its memory time: the matrix products max(per_token_s x tokens,
     weights_s), so below the ridge point (weights_s / per_token_s tokens) a
     step's tokens ride on the weights' read and a decode batch grows its time
-    by its context only; the attention kernels are bound each by one of them."""
+    by its context only; the attention kernels are bound each by one of them.
+    `comm_per_token_s` (tensor parallelism) is the all-reduces' bandwidth
+    time per token: a separate kernel between the matrix products, so it
+    adds to the step whatever bounds them."""
     weights_s: float
+    comm_per_token_s: float = field(default=0.0, kw_only=True)
 
     form = "roofline"
     coefficients = ROOFLINE_COEFFICIENTS
+
+    def __post_init__(self):
+        super().__post_init__()
+        v = self.comm_per_token_s
+        if not (isinstance(v, (int, float)) and v >= 0):
+            raise ValueError(f"step-time coefficient comm_per_token_s must be a non-negative number, got {v!r}")
 
     def duration(self, num_reqs: int, num_tokens: int, prefill_pairs: float, decode_ctx: float) -> float:
         matmul = self.per_token_s * num_tokens
         if matmul < self.weights_s:
             matmul = self.weights_s
-        return (self.fixed_s + self.per_request_s * num_reqs + matmul + self.per_prefill_pair_s * prefill_pairs
-                + self.per_decode_ctx_s * decode_ctx)
+        return (self.fixed_s + (self.per_request_s * num_reqs + self.comm_per_token_s * num_tokens) + matmul
+                + self.per_prefill_pair_s * prefill_pairs + self.per_decode_ctx_s * decode_ctx)
 
     def _first_step_s(self, n: int, ctx: float) -> float:
         """The first of a run of decode-only steps of n requests, context ctx."""
         matmul = self.per_token_s * n
-        return (self.fixed_s + self.per_request_s * n + (matmul if matmul > self.weights_s else self.weights_s)
-                + self.per_decode_ctx_s * ctx)
+        return (self.fixed_s + (self.per_request_s + self.comm_per_token_s) * n
+                + (matmul if matmul > self.weights_s else self.weights_s) + self.per_decode_ctx_s * ctx)
+
+    def scaled(self, factor: float) -> "StepTimeModel":
+        return replace(super().scaled(factor), comm_per_token_s=self.comm_per_token_s * factor)
 
     def fast_forward_duration(self, num_decode_reqs: int, decode_context: float, num_steps: int) -> float:
         n, m = num_decode_reqs, num_steps
@@ -121,7 +140,10 @@ class RooflineStepTimeModel(StepTimeModel):
         return 1 << 30 if done < 0 else self._exact_steps_before(n, ctx, start, t, done)
 
     def to_dict(self) -> dict:
-        return {"form": self.form, **asdict(self)}
+        d = {"form": self.form, **asdict(self)}
+        if not d["comm_per_token_s"]:
+            del d["comm_per_token_s"]
+        return d
 
 
 @dataclass(frozen=True)
@@ -130,7 +152,12 @@ class MoEStepTimeModel(RooflineStepTimeModel):
     token to `experts_per_token` of its `experts` experts; a step reads the
     weights of the experts its tokens route to, whose expected share under
     uniform top-k routing of n tokens is 1 - (1 - k/E)^n: a decode step of a
-    few requests reads a few experts, a prefill chunk all of them. The
+    few requests reads a few experts, a prefill chunk all of them. n is the
+    step's tokens as vLLM runs them: a step of up to `GRAPH_MAX_TOKENS`
+    tokens runs in the CUDA graph captured for the next size up
+    (`graph_tokens`), and its padding rows pass through the router and the
+    experts like the real ones (a decode step of 11 runs as 16: a share of
+    0.64 of 16 experts, not 0.51). The
     matrix products take max(per_token_s x tokens, weights_s +
     expert_weights_s x that share): `weights_s` the dense weights' read
     (attention, shared experts, LM head), `expert_weights_s` all experts'."""
@@ -149,20 +176,35 @@ class MoEStepTimeModel(RooflineStepTimeModel):
                              f"1 <= experts_per_token <= experts, got {self.experts!r}, {self.experts_per_token!r}")
 
     def memory_s(self, num_tokens: int) -> float:
-        """The matrix products' memory time of a step of `num_tokens` tokens."""
-        missed = (1.0 - self.experts_per_token / self.experts) ** num_tokens
+        """The matrix products' memory time of a step of `num_tokens` tokens
+        (routed as the CUDA graph it runs in pads them: `graph_tokens`)."""
+        missed = (1.0 - self.experts_per_token / self.experts) ** graph_tokens(num_tokens)
         return self.weights_s + self.expert_weights_s * (1.0 - missed)
 
     def duration(self, num_reqs: int, num_tokens: int, prefill_pairs: float, decode_ctx: float) -> float:
         matmul = self.per_token_s * num_tokens
         memory = self.memory_s(num_tokens)
-        return (self.fixed_s + self.per_request_s * num_reqs + (matmul if matmul > memory else memory)
-                + self.per_prefill_pair_s * prefill_pairs + self.per_decode_ctx_s * decode_ctx)
+        return (self.fixed_s + (self.per_request_s * num_reqs + self.comm_per_token_s * num_tokens)
+                + (matmul if matmul > memory else memory) + self.per_prefill_pair_s * prefill_pairs
+                + self.per_decode_ctx_s * decode_ctx)
 
     def _first_step_s(self, n: int, ctx: float) -> float:
         matmul, memory = self.per_token_s * n, self.memory_s(n)
-        return (self.fixed_s + self.per_request_s * n + (matmul if matmul > memory else memory)
-                + self.per_decode_ctx_s * ctx)
+        return (self.fixed_s + (self.per_request_s + self.comm_per_token_s) * n
+                + (matmul if matmul > memory else memory) + self.per_decode_ctx_s * ctx)
+
+
+# vLLM's default CUDA graph sizes (V1, max_num_seqs up to 256): 1, 2, 4, then every 8 to 256 and every 16
+# to 512; a step of more tokens runs without a graph, unpadded
+GRAPH_MAX_TOKENS = 512
+
+
+def graph_tokens(n: int) -> int:
+    """The tokens a step of `n` runs as: the CUDA graph size it is padded to."""
+    if n <= 4 or n > GRAPH_MAX_TOKENS:
+        return n if n != 3 else 4
+    step = 8 if n <= 256 else 16
+    return -(-n // step) * step
 
 
 ROUTING = ("experts", "experts_per_token")      # a MoE model's routing: whole numbers, not coefficients
@@ -177,7 +219,8 @@ def step_time_model(d: dict) -> StepTimeModel:
         raise ValueError(f"step_time.form must be one of {', '.join(FORMS)}, got {form!r}")
     cls = FORM_MODELS[form]
     routing = {k: d[k] for k in ROUTING} if form == "moe" else {}
-    return cls(**{k: float(d[k]) for k in cls.coefficients}, **routing)
+    optional = {k: float(d.get(k, 0.0)) for k in OPTIONAL_COEFFICIENTS} if form != "linear" else {}
+    return cls(**{k: float(d[k]) for k in cls.coefficients}, **routing, **optional)
 
 
 FORM_MODELS = {"linear": StepTimeModel, "roofline": RooflineStepTimeModel, "moe": MoEStepTimeModel}
