@@ -55,7 +55,7 @@ class Calls:
         """Send the attempts down `chain` (an `Interpreter` once wired: `_chain`)."""
         self.enter, self.enter_left, self.do, self.disconnect = (chain._enter, chain._enter_left, chain._do,
                                                                  chain._disconnect)
-        self.do_last = chain._do_last       # a hook's actions as its last step
+        self.do_last = chain._do_last       # the client's answers: its hooks' last step
 
     def plan(self) -> None:
         """Set the arrivals: in order, each one, when it fires, sets the
@@ -74,7 +74,7 @@ class Calls:
         if self.in_order and nxt < len(self.arrival):
             self.timers.at(self.arrival[nxt], self.arrive, nxt, self.arrival_seq + nxt)
         call = self.calls[call_id] = CallState(call_id, self.arrival[call_id], self.call_class[call_id])
-        self.do(t, self.client.on_call(t, call))
+        self.do_last(t, self.client.on_call(t, call))
 
     def sent(self, t: float, a: Send) -> None:
         """The client's attempt goes out: logged, held to its deadline, and into the chain."""
@@ -83,7 +83,7 @@ class Calls:
         att.row = self.attempt_log.add(call_id, att.number, t)
         self.call_log.attempts[call_id] = att.call.attempts
         att.timer = self.timers.at(att.deadline, self.deadline, att, None, True)    # in order
-        self.do_last(t, self.enter(t, att, (self.max_tokens[call_id],), self.prompt_len[call_id]))
+        self.do(t, self.enter(t, att, (self.max_tokens[call_id],), self.prompt_len[call_id]))
 
     def deadline(self, t: float, att: CallAttempt) -> None:
         att.timer = None                    # fired: the attempt and its timer no longer hold each other
@@ -93,7 +93,7 @@ class Calls:
         log.ended_at[att.row] = t
         log.outcome[att.row] = _TIMEOUT
         self.disconnect(t, att, self.enter_left)
-        self.do(t, self.client.on_deadline(t, att))
+        self.do_last(t, self.client.on_deadline(t, att))
 
     def refused(self, t: float, a: Refuse) -> None:
         """The chain refused a call's attempt."""
@@ -107,14 +107,18 @@ class Calls:
         self.do_last(t, self.client.on_complete(t, a.attempt))
 
     def delivered(self, t: float, a: Delivered) -> None:
-        """The client delivered the call."""
-        self.call_log.delivered_at[a.call.call_id] = t
-        self.given_up(t, a)
-
-    def given_up(self, t: float, a: GivenUp | Delivered) -> None:
-        """The client gave the call up, or delivered it: the call is over (`call.outcome` says how)."""
+        """The client delivered the call: it is over."""
         call_id = a.call.call_id
-        self.call_log.outcome[call_id] = _CALL_CODE[a.call.outcome]
+        self.call_log.delivered_at[call_id] = t
+        self.end(call_id, a.call.outcome)
+
+    def given_up(self, t: float, a: GivenUp) -> None:
+        """The client gave the call up: it is over (`call.outcome` says how)."""
+        self.end(a.call.call_id, a.call.outcome)
+
+    def end(self, call_id: int, outcome: str) -> None:
+        """The call is over, with `outcome` (a `CALL_OUTCOMES` name)."""
+        self.call_log.outcome[call_id] = _CALL_CODE[outcome]
         self.calls[call_id] = None          # the call is over: its client state goes
         self.outstanding -= 1
         if self.outstanding == 0 and not self.done.triggered:
