@@ -108,7 +108,7 @@ is released when the execution has ended and its last subscriber has left;
 the waste gauges keep running sums, not the streams; with
 `keep_records=False` (`llmsim proxy`) no per-execution or per-attempt record
 is kept either, and the per-call attempt counter holds the last
-`CALL_MEMORY` call ids.
+`CALL_MEMORY` call ids (`validate.proxy_http`).
 """
 from __future__ import annotations
 

@@ -54,6 +54,7 @@ class EngineStreams:
     def __init__(self, lp, views, added_s: dict, keep_records: bool):
         self.lp, self.views, self.added_s, self.keep_records = lp, views, added_s, keep_records
         self.metrics = views.metrics
+        self.do = lp._do                           # the interpreter's: carry the policy core's actions out
         self.streams: dict[int, Stream] = {}       # execution id -> stream
         self.exec_replica: dict[int, int] = {}     # execution id -> its replica (keep_records)
         self.exec_placed: dict[int, float] = {}    # execution id -> when it got that replica
@@ -211,7 +212,7 @@ class EngineStreams:
         t = self.lp.now()
         if st.record is not None:
             st.record.fate, st.record.finished_at = "refused", t
-        self.lp._do(t, self.lp.proxy.on_engine_refused(t, ex))
+        self.do(t, self.lp.proxy.on_engine_refused(t, ex))
 
     def finished(self, ex, st: Stream, fate: str) -> None:
         self.forget_first_token(st)
@@ -227,4 +228,4 @@ class EngineStreams:
             st.record.fate, st.record.finished_at, st.record.tokens_generated = fate, t, st.tokens
         actions = self.lp.proxy.on_finished(t, ex)
         st.notify()
-        self.lp._do(t, actions)
+        self.do(t, actions)

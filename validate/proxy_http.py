@@ -79,8 +79,8 @@ class RequestAttempt(Attempt):
 
 
 class HttpSide:
-    """The HTTP side of the live proxy `lp` (its chain, clock, parts and
-    records); `waiters` holds the attempts being served (id(attempt) ->
+    """The HTTP side of the live proxy `lp` (its chain of layers, clock,
+    parts and records); `waiters` holds the attempts being served (id(attempt) ->
     `Waiter`), `attempt_counts` the attempts counted per call id."""
 
     def __init__(self, lp, max_body_bytes: int = MAX_BODY_BYTES):
@@ -88,6 +88,8 @@ class HttpSide:
         self.waiters: dict[int, Waiter] = {}       # id(attempt) -> waiter
         self.attempt_counts: OrderedDict[str, int] = OrderedDict()
         self._anon = 0
+        # the way into the chain of layers (`Interpreter._chain`, wired before the HTTP side is made)
+        self.do, self.enter, self.enter_left, self.disconnect = lp._do, lp._enter, lp._enter_left, lp._disconnect
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes)
@@ -140,11 +142,11 @@ class HttpSide:
         w.params = params
         t = lp.now()
         try:
-            lp._do(t, lp._enter(t, att, params, plen))
+            self.do(t, self.enter(t, att, params, plen))
             return await self._serve(request, att, w, bool(body.get("stream")))
         except (asyncio.CancelledError, ConnectionResetError) as e:
             if att.open:
-                lp._disconnect(lp.now(), att, lp._enter_left)
+                self.disconnect(lp.now(), att, self.enter_left)
             if isinstance(e, ConnectionResetError):
                 # the client left while its stream was being written: the same
                 # as a disconnect noticed by the server (not a server error)
