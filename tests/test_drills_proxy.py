@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 
 from sim.conditions import get_condition
 from test_live_proxy_unit import BODY, EXPECTED, N, StubEngine, _read_stream
-from validate import proxy as P
+from validate import proxy as P, proxy_http
 from validate.proxy import LiveProxy
 
 
@@ -107,7 +107,7 @@ def test_a_replay_buffer_is_freed_when_its_execution_ends_and_its_last_subscribe
 
 
 def test_the_standalone_proxy_keeps_no_per_attempt_records_and_forgets_old_call_ids(monkeypatch):
-    monkeypatch.setattr(P, "CALL_MEMORY", 5)
+    monkeypatch.setattr(proxy_http, "CALL_MEMORY", 5)
 
     async def sc(s, url, stub, lp, *_):
         for i in range(12):

@@ -55,18 +55,18 @@ def test_drill_each_request_carries_its_class_priority_and_the_record_has_classe
                              tmp_path / "server.log", dict(os.environ), tmp_path, 60, kind="cpu", step_log=steps)
         return eng
 
-    import validate.live_run as LR
-    orig = LR.request_body
+    import validate.live_client as LC
+    orig = LC.request_body
 
     def body(model, prompt, max_tokens):
         b = orig(model, prompt, max_tokens)
         seen.append(b)
         return b
-    LR.request_body = body
+    LC.request_body = body
     try:
         p = run_point(d, log=lambda m: None, start=start)
     finally:
-        LR.request_body = orig
+        LC.request_body = orig
     trace = d.trace(d.seed)
     prios = {0: 0, 1: 10}
     assert len(seen) >= len(trace)
