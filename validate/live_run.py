@@ -64,7 +64,7 @@ from sim.scenario import Scenario
 from sim.workload import Trace
 
 from .engine import free_port, parse_metrics
-from .loadgen import TracePrompts, request_body
+from .loadgen import TextPrompts, TracePrompts, request_body
 from .proxy import LiveProxy
 from .sdk_client import AttemptLog, attempt_outcome, client as sdk_client, give_up_outcome, sdk_options, sdk_version
 
@@ -103,7 +103,8 @@ class LiveRun:
     def __init__(self, url: str | list[str], model: str, trace: Trace, condition: Condition, scenario: Scenario,
                  seed: int = 0, prompt_throughput: float | None = None, progress=None,
                  progress_every_s: float = 10.0, step_count=None, engine_lost=None, router=None,
-                 client_layer: dict | None = None, gateway=None, group: dict | None = None):
+                 client_layer: dict | None = None, gateway=None, group: dict | None = None,
+                 text_prompts: bool = False):
         self.urls = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
         self.url = self.urls[0]
         self.model = model
@@ -111,7 +112,8 @@ class LiveRun:
         self.condition = condition
         self.scenario = scenario
         self.seed = seed
-        self.prompts = TracePrompts(trace.prompt_len, trace.shared_prefix, seed)
+        # text_prompts: the same prompts as the tiny model's words, for an engine with its tokenizer
+        self.prompts = (TextPrompts if text_prompts else TracePrompts)(trace.prompt_len, trace.shared_prefix, seed)
         rng = np.random.default_rng([seed, 1])            # the client's backoff draws, as in the simulator
         # with traffic classes each call's client is its class's, its requests carry the class's priority (the
         # body's `priority`, vLLM's) and its class (X-Class, for the proxy's shedding by class)
