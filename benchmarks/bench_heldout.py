@@ -12,7 +12,7 @@ serve` at 0.65 against the fitted profile's prediction, and `validate`'s points
 of the scenario predicted with the fitted profile and run live on the engine
 with text prompts.
 
-    python benchmarks/bench_heldout.py [--scenario cpu-tiny] [--points no-retry,cancel] [--seconds 30]"""
+    python benchmarks/bench_heldout.py [--scenario cpu-tiny] [--points no-retry+cancel,no-retry] [--seconds 30]"""
 from __future__ import annotations
 
 import argparse
@@ -36,7 +36,7 @@ from validate.tokenizer import write_tokenizer  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenario", default="cpu-tiny")
-    ap.add_argument("--points", default="no-retry,cancel")
+    ap.add_argument("--points", default="no-retry+cancel,no-retry")
     ap.add_argument("--seconds", type=float, default=30.0, help="seconds of arrivals a load-test stage")
     ap.add_argument("--base", default="vllm-cpu-tiny")
     a = ap.parse_args()

@@ -112,7 +112,10 @@ class RunningEngine(EngineSpec):
             raise ValidationError(f"a running engine takes no engine flags; the point asks for {extra_args}")
         t_end = time.monotonic() + IDLE_WAIT_S
         while time.monotonic() < t_end:
-            m = self.eng.metrics()
+            try:
+                m = self.eng.metrics()
+            except E.EngineError:           # too busy to answer: not idle
+                m = {"vllm:num_requests_running": 1}
             if m.get("vllm:num_requests_waiting", 0) + m.get("vllm:num_requests_running", 0) == 0:
                 break
             time.sleep(0.5)
