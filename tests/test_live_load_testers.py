@@ -22,7 +22,7 @@ its output. Deselect with `-m "not live"`.
 
 Time: one engine start-up ~40-130 s; vllm bench serve two rates of 40 calls
 ~30 s; inference-perf two stages of 20 and 32 calls ~25 s; the scrapes ten
-seconds; the fits ~15 s; the held-out check ~4 minutes (227-230 s on 2026-12-04:
+seconds; the fits ~15 s; the held-out check ~4 minutes (227-232 s on 2026-12-04:
 its load tests ~2 minutes, the further rate ~40 s, the burst point ~70 s)."""
 from __future__ import annotations
 
