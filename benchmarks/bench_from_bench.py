@@ -33,24 +33,13 @@ from validate.tokenizer import write_tokenizer  # noqa: E402
 FIT, FURTHER = (3.0, 9.0, 15.0), 18.0
 
 
-class Running(V.EngineSpec):
-    def __init__(self, eng):
-        super().__init__("cpu")
-        self.eng = eng
-
-    def start(self, extra_args):
-        if extra_args:
-            raise SystemExit(f"this check runs points without engine flags; got {extra_args}")
-        return self.eng, False
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", default="no-retry,no-control")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="from-bench-"))
     tok = write_tokenizer(tmp / "tokenizer", E.TINY_MODEL)
-    eng = E.start_cpu(timeout=600, tokenizer=tok)
+    eng = E.start_cpu(timeout=600, tokenizer=tok, dev_mode=True)
     try:
         reports = []
         for rate in FIT + (FURTHER,):
@@ -64,7 +53,7 @@ def main() -> int:
         held = ms.compare(prof, B.experiments(B.read_reports(reports[-1:]), prof), frontend_s=pm["frontend_s"])
         print("\nfurther rate, not in the fit:")
         print(ms.stage_table(held))
-        doc = V.validate(Running(eng), prof, get_scenario("cpu-tiny"), a.points.split(","),
+        doc = V.validate(V.RunningEngine(eng), prof, get_scenario("cpu-tiny"), a.points.split(","),
                          str(tmp / "validate.json"), probe=False)
     finally:
         eng.stop()

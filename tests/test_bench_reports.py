@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from calibrate import bench_reports as B, measurements as ms
+from calibrate import bench_reports as B, heldout as H, measurements as ms
 from llmsim.cli import main
 from sim.profile import load_profile
+from sim.scenario import get_scenario
+from validate.loadgen import TextPrompts, TracePrompts
 from validate.tokenizer import tokenizer_json, word
 
 DATA = Path(__file__).resolve().parent / "data" / "vllm-bench-serve"
@@ -115,3 +117,22 @@ def test_the_tiny_models_tokenizer_is_one_word_an_id():
     assert len(vocab) == 8192 and vocab["<eos>"] == 2 and vocab[word(8191)] == 8191
     assert len(set(vocab)) == len(vocab) and [a["id"] for a in t["added_tokens"]] == [0, 1, 2]
     assert tokenizer_json(8192) == t
+
+
+def test_a_live_points_text_prompts_are_its_token_ids_as_the_tiny_models_words():
+    """An engine with the tiny model's tokenizer, as the load testers need, is
+    sent a validate point's prompts as text (`LiveRun(text_prompts=True)`):
+    the same ids, each its word, which the word-level tokenizer reads back."""
+    lens = [700, 650, 900]
+    ids, text = TracePrompts(lens, 600, 3), TextPrompts(lens, 600, 3)
+    vocab = tokenizer_json(8192)["model"]["vocab"]
+    for i in range(len(lens)):
+        assert [vocab[w] for w in text[i].split()] == ids[i] and len(ids[i]) == lens[i]
+
+
+def test_the_held_out_load_tests_send_the_bursts_prompt_lengths():
+    vs = get_scenario("cpu-tiny")
+    assert H.lengths(vs) == (600, 3000, 120)
+    assert H.fit_args(["a.json", "b"], "vllm-cpu-tiny", Path("f.json")) == [
+        "calibrate", "from-bench", "a.json", "b", "--profile", "vllm-cpu-tiny", "-o", "f.json"]
+    assert max(H.BENCH_RATES) < 1 and H.FURTHER_RATE not in H.BENCH_RATES + (H.IP_RATE,)

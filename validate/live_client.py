@@ -29,18 +29,20 @@ from sim.runlog import AttemptRecord, CallRecord, refusal_outcome
 from sim.scenario import Scenario
 from sim.workload import Trace
 
-from .loadgen import TracePrompts, request_body
+from .loadgen import TextPrompts, TracePrompts, request_body
 from .sdk_client import AttemptLog, attempt_outcome, client as sdk_client, give_up_outcome, sdk_options
 
 
 class LiveClient:
     """The calls of `trace` (to `model`) under `condition`, on the run's
     clock `now`; `open(front_url, gateway)` names where they go before the
-    first is sent."""
+    first is sent. `text_prompts`: the prompts as the tiny model's words
+    (`loadgen.TextPrompts`), for an engine that loads its tokenizer."""
 
-    def __init__(self, model: str, trace: Trace, condition: Condition, scenario: Scenario, seed: int, now):
+    def __init__(self, model: str, trace: Trace, condition: Condition, scenario: Scenario, seed: int, now,
+                 text_prompts: bool = False):
         self.model, self.trace, self.now = model, trace, now
-        self.prompts = TracePrompts(trace.prompt_len, trace.shared_prefix, seed)
+        self.prompts = (TextPrompts if text_prompts else TracePrompts)(trace.prompt_len, trace.shared_prefix, seed)
         rng = np.random.default_rng([seed, 1])            # the client's backoff draws, as in the simulator
         # with traffic classes each call's client is its class's, its requests carry the class's priority (the
         # body's `priority`, vLLM's) and its class (X-Class, for the proxy's shedding by class)

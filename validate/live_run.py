@@ -83,7 +83,8 @@ class LiveRun:
     def __init__(self, url: str | list[str], model: str, trace: Trace, condition: Condition, scenario: Scenario,
                  seed: int = 0, prompt_throughput: float | None = None, progress=None,
                  progress_every_s: float = 10.0, step_count=None, engine_lost=None, router=None,
-                 client_layer: dict | None = None, gateway=None, group: dict | None = None):
+                 client_layer: dict | None = None, gateway=None, group: dict | None = None,
+                 text_prompts: bool = False):
         self.urls = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
         self.url = self.urls[0]
         self.model = model
@@ -91,7 +92,8 @@ class LiveRun:
         self.condition = condition
         self.scenario = scenario
         self.seed = seed
-        self.client_side = cs = LiveClient(model, trace, condition, scenario, seed, self.now)
+        # text_prompts: the prompts as the tiny model's words, for an engine with its tokenizer
+        self.client_side = cs = LiveClient(model, trace, condition, scenario, seed, self.now, text_prompts)
         self.prompts, self.calls, self.call_records, self.errors = cs.prompts, cs.calls, cs.call_records, cs.errors
         self.proxy = LiveProxy(self.urls, condition, prompt_throughput, router=router, group=group)
         self.progress = progress

@@ -20,6 +20,7 @@ import aiohttp
 import numpy as np
 
 from .engine import parse_metrics
+from .tokenizer import word
 
 VOCAB_LO, VOCAB_HI = 3, 8000     # the tiny model's vocabulary is 8192 ids; 0-2 are specials
 
@@ -43,8 +44,18 @@ class TracePrompts:
         return self.prefix + np.random.default_rng((self.seed, i)).integers(VOCAB_LO, VOCAB_HI, n).tolist()
 
 
-def request_body(model: str, prompt: list[int], max_tokens: int) -> dict:
-    """A call's streamed /v1/completions request: token-id prompt, a fixed
+class TextPrompts(TracePrompts):
+    """The same prompts as text, each token id its word of the tiny model's
+    word-level tokenizer (`validate.tokenizer`), for an engine that loads it:
+    the server tokenizes them back to the same ids, as it does the load
+    testers' text prompts."""
+
+    def __getitem__(self, i: int) -> str:
+        return " ".join(map(word, super().__getitem__(i)))
+
+
+def request_body(model: str, prompt: list[int] | str, max_tokens: int) -> dict:
+    """A call's streamed /v1/completions request: token-id (or text) prompt, a fixed
     response length (end-of-sequence ignored), greedy, usage in the stream."""
     return {"model": model, "prompt": prompt, "max_tokens": int(max_tokens), "ignore_eos": True,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}

@@ -81,6 +81,7 @@ class EngineSpec:
     model: str | None = None       # gpu: the HF model id; url: the served model name
     url: str | None = None
     cpus: list[int] | None = None  # cpu: the cores the engine is pinned to (None: vLLM's own binding)
+    text_prompts: bool = False     # prompts sent as the tiny model's words (an engine with its tokenizer)
 
     def start(self, extra_args: list[str]) -> tuple[E.Engine, bool]:
         """An engine for one point; the bool says whether llmsim started it."""
@@ -89,6 +90,44 @@ class EngineSpec:
         if self.kind == "gpu":
             return E.start_gpu(self.model, extra_args=GPU_FLAGS + extra_args), True
         return E.connect(self.url), False
+
+
+class RunningEngine(EngineSpec):
+    """Every point on one engine llmsim started and keeps running (not
+    stopped after a point), its steps recorded where it was started with the
+    recorder. Before each point it waits until the engine holds no request
+    (up to `IDLE_WAIT_S`) and empties its prefix cache, as a fresh engine's
+    is (the engine started with `dev_mode`: every point of a scenario sends
+    the same trace's prompts, which a kept cache would serve whole).
+    `text_prompts`: the points' prompts are sent as the tiny model's words
+    (`loadgen.TextPrompts`), for an engine started with its tokenizer, as
+    the load testers send theirs."""
+
+    def __init__(self, eng: E.Engine, text_prompts: bool = False):
+        super().__init__("cpu", text_prompts=text_prompts)
+        self.eng = eng
+
+    def start(self, extra_args: list[str]) -> tuple[E.Engine, bool]:
+        if extra_args:
+            raise ValidationError(f"a running engine takes no engine flags; the point asks for {extra_args}")
+        t_end = time.monotonic() + IDLE_WAIT_S
+        while time.monotonic() < t_end:
+            try:
+                m = self.eng.metrics()
+            except E.EngineError:           # too busy to answer: not idle
+                m = {"vllm:num_requests_running": 1}
+            if m.get("vllm:num_requests_waiting", 0) + m.get("vllm:num_requests_running", 0) == 0:
+                break
+            time.sleep(0.5)
+        try:
+            E.http_post(self.eng.url + "/reset_prefix_cache", {}, timeout=30.0, parse=False)
+        except E.EngineError as e:
+            raise ValidationError(f"cannot empty the running engine's prefix cache ({e}): start it with "
+                                  "dev_mode (VLLM_SERVER_DEV_MODE=1)") from None
+        return self.eng, False
+
+
+IDLE_WAIT_S = 120.0     # how long a running engine is waited for to finish what it holds before a point
 
 
 def capacity_for(profile: Profile, vs: NamedScenario, log=E.say) -> float:
@@ -341,7 +380,8 @@ def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, c
                       prompt_throughput=prompt_throughput(profile, sc),
                       progress=progress, step_count=step_count,
                       engine_lost=(lambda: engine_gone(eng)) if started else None, client_layer=client,
-                      gateway=(lambda up: gateway.start(gw, up)) if gw is not None else None)
+                      gateway=(lambda up: gateway.start(gw, up)) if gw is not None else None,
+                      text_prompts=spec.text_prompts)
         try:
             rl = run.run()
         except EngineLost as e:
@@ -621,7 +661,8 @@ def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list
         expected = speeds[-1] if speeds else 1.0
         run_point(doc, {"condition": name}, name, f"{k + 1}/{len(points)}",
                   lambda: predict(profile, name, vs, cap, stack_for),
-                  f"a {'fresh ' if spec.kind != 'url' else ''}{spec.kind} engine",
+                  (f"the running {spec.kind} engine" if isinstance(spec, RunningEngine)
+                   else f"a {'fresh ' if spec.kind != 'url' else ''}{spec.kind} engine"),
                   lambda: run_live(spec, profile, name, vs, cap, log, steps_path=steps_path(json_path, name),
                                    layers=layers, probe=probe, expected=expected),
                   lambda ratio: predict(scaled_profile(profile, ratio), name, vs, cap, stack_for), json_path, log,

