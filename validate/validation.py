@@ -418,7 +418,9 @@ def engine_steps(eng: E.Engine) -> int | None:
 
 
 # ----------------------------------------------------------------- table
-def _pct(c: dict, key: str) -> float | None:
+def cohort_pct(c: dict, key: str) -> float | None:
+    """A cohort's `key` count (delivered, within_deadline) as a percentage of
+    its offered calls (None: none offered)."""
     return 100.0 * c[key] / c["offered"] if c.get("offered") else None
 
 
@@ -433,10 +435,10 @@ def _gap(rec: dict) -> float | None:
 ROWS = [
     ("recovered", lambda r: r["recovered"]),
     ("recovery time (s)", lambda r: r["recovery_time_s"]),
-    ("pulse delivered %", lambda r: _pct(r["cohorts"]["pulse"], "delivered")),
-    ("pulse within deadline %", lambda r: _pct(r["cohorts"]["pulse"], "within_deadline")),
-    ("hold delivered %", lambda r: _pct(r["cohorts"]["hold"], "delivered")),
-    ("hold within deadline %", lambda r: _pct(r["cohorts"]["hold"], "within_deadline")),
+    ("pulse delivered %", lambda r: cohort_pct(r["cohorts"]["pulse"], "delivered")),
+    ("pulse within deadline %", lambda r: cohort_pct(r["cohorts"]["pulse"], "within_deadline")),
+    ("hold delivered %", lambda r: cohort_pct(r["cohorts"]["hold"], "delivered")),
+    ("hold within deadline %", lambda r: cohort_pct(r["cohorts"]["hold"], "within_deadline")),
     ("created / Ĉ", lambda r: r["rates_xC"]["created"]),
     ("accepted / Ĉ", lambda r: r["rates_xC"]["accepted"]),
     ("counter gap, hold %", _gap),
@@ -508,7 +510,7 @@ def agreement(p: dict, points_bound: float = 15.0) -> dict:
     s, live = p["sim"], p["live"]
     out = {"recovered": s["recovered"] == live["recovered"]}
     for c in ("pulse", "hold"):
-        a, b = _pct(s["cohorts"][c], "delivered"), _pct(live["cohorts"][c], "delivered")
+        a, b = cohort_pct(s["cohorts"][c], "delivered"), cohort_pct(live["cohorts"][c], "delivered")
         out[f"{c}_delivered_diff"] = None if a is None or b is None else b - a
         out[c] = a is not None and b is not None and abs(b - a) <= points_bound
     out["all"] = out["recovered"] and out["pulse"] and out["hold"]
