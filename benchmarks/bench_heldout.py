@@ -10,7 +10,9 @@ tokenizer: the capacity estimate (speed probe), `vllm bench serve` at 0.3 and
 calibrate from-bench` from `vllm-cpu-tiny` on those reports alone, `vllm bench
 serve` at 0.65 against the fitted profile's prediction, and `validate`'s points
 of the scenario predicted with the fitted profile and run live on the engine
-with text prompts.
+with text prompts; then the same live points against a profile fitted from
+the engine's /metrics alone, scraped through the load tests (`llmsim
+calibrate from-metrics`).
 
     python benchmarks/bench_heldout.py [--scenario cpu-tiny] [--points no-retry+cancel,no-retry] [--seconds 30]"""
 from __future__ import annotations
@@ -51,14 +53,18 @@ def main() -> int:
         t0 = time.monotonic()
         est = H.estimate_capacity(eng, load_profile(a.base), vs)
         print(f"capacity estimate: {est['capacity']:.3f} calls/s (base {est['base_capacity']:.3f}, k {est['k']:.3f})")
-        reports = H.load_tests(eng, tok, vs, est["capacity"], tmp, a.seconds)
+        scrapes = tmp / "scrapes.jsonl"
+        reports = H.load_tests(eng, tok, vs, est["capacity"], tmp, a.seconds, scrapes=scrapes)
         t["load tests"] = time.monotonic() - t0
         t0 = time.monotonic()
         fitted = tmp / "fitted.json"
         if llmsim(H.fit_args(reports, a.base, fitted)) != 0:
             raise SystemExit("llmsim calibrate from-bench failed")
         prof = load_profile(str(fitted))
-        t["fit"] = time.monotonic() - t0
+        from_metrics = tmp / "from-metrics.json"
+        if llmsim(H.fit_metrics_args(scrapes, a.base, from_metrics)) != 0:
+            raise SystemExit("llmsim calibrate from-metrics failed")
+        t["fits"] = time.monotonic() - t0
         t0 = time.monotonic()
         rows = H.further_rate(eng, tok, vs, est["capacity"], prof, fitted, tmp, a.seconds)
         t["further rate"] = time.monotonic() - t0
@@ -77,6 +83,14 @@ def main() -> int:
     print(f"\nburst points of {vs.name}, predicted with the profile fitted from the reports alone:")
     print(V.table(doc["points"]))
     print(json.dumps(H.verdicts(doc), indent=1))
+    rec_m = H.fit_record(from_metrics)
+    print("\nthe fit from the engine's metrics alone (from-metrics on the scrapes of the load tests):")
+    print(ms.stage_table(rec_m["stages"]))
+    print("multipliers:", json.dumps(rec_m.get("multipliers")), "held:", rec_m.get("held_by_prior"))
+    doc_m = H.against(doc, load_profile(str(from_metrics)), vs)
+    print("the same live points, predicted with it:")
+    print(V.table(doc_m["points"]))
+    print(json.dumps(H.verdicts(doc_m), indent=1))
     print("times (s):", {k: round(v) for k, v in t.items()})
     print(f"(files in {tmp})")
     return 0

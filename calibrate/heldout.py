@@ -28,15 +28,21 @@ it, so that the prefill and queueing terms are identified:
    with the same kind of prompts as the reports (`RunningEngine`,
    text prompts), compared as `validate` compares them; `verdicts` puts
    each against the must-hold (same recovery verdict, hold delivery within
-   `HOLD_POINTS`)."""
+   `HOLD_POINTS`);
+6. the same points against a profile fitted from the engine's metrics
+   alone: `/metrics` scraped through the load tests (`load_tests`'
+   `scrapes`, `validate.scrape.record`), `llmsim calibrate from-metrics`
+   from the base profile (`fit_metrics_args`), and the live points of 5
+   predicted with it on the same trace (`against`)."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 from sim.profile import Profile
 from sim.scenario import NamedScenario
-from validate import engine as E, loadtest as L, validation as V
+from validate import engine as E, loadtest as L, scrape as S, validation as V
 
 from . import bench_reports as B, measurements as ms
 
@@ -44,6 +50,8 @@ BENCH_RATES = (0.3, 0.75)       # vllm bench serve's rates, x the capacity estim
 IP_RATE = 0.55                  # inference-perf's one stage
 FURTHER_RATE = 0.65             # the held-out rate
 HOLD_POINTS = 10.0              # hold delivery within this many points of live
+SCRAPE_EVERY_S = 2.0            # the metrics' scrape interval through the load tests
+METRICS_WINDOW_S, METRICS_MIN_REQUESTS = 20.0, 15     # from-metrics' windows: a load-test stage holds one or two
 
 
 def lengths(vs: NamedScenario) -> tuple[int, int, int]:
@@ -71,10 +79,27 @@ def _bench(eng: E.Engine, tok: Path, vs: NamedScenario, rate: float, seconds: fl
 
 
 def load_tests(eng: E.Engine, tok: Path, vs: NamedScenario, capacity: float, folder: Path,
-               seconds: float = 30.0) -> list[str]:
+               seconds: float = 30.0, scrapes: Path | None = None) -> list[str]:
     """The reports the fit is made of: `vllm bench serve` at each of
     `BENCH_RATES` and inference-perf at `IP_RATE` (x `capacity`), about
-    `seconds` of arrivals each. Returns their paths."""
+    `seconds` of arrivals each. Returns their paths. With `scrapes`, the
+    engine's /metrics is recorded there every `SCRAPE_EVERY_S` throughout,
+    as production's Prometheus would."""
+    if scrapes is None:
+        return _load_tests(eng, tok, vs, capacity, folder, seconds)
+    stop = threading.Event()
+    rec = threading.Thread(target=S.record, args=(eng.url, str(scrapes), SCRAPE_EVERY_S, 24 * 3600.0),
+                           kwargs={"log": None, "stop": stop.is_set}, daemon=True)
+    rec.start()
+    try:
+        return _load_tests(eng, tok, vs, capacity, folder, seconds)
+    finally:
+        stop.set()
+        rec.join(timeout=60)
+
+
+def _load_tests(eng: E.Engine, tok: Path, vs: NamedScenario, capacity: float, folder: Path,
+                seconds: float) -> list[str]:
     reports = [_bench(eng, tok, vs, r * capacity, seconds, folder / f"bench-{r:g}.json", seed=k)
                for k, r in enumerate(BENCH_RATES)]
     shared, own, response = lengths(vs)
@@ -88,6 +113,13 @@ def load_tests(eng: E.Engine, tok: Path, vs: NamedScenario, capacity: float, fol
 def fit_args(reports: list[str], base: str, out: Path) -> list[str]:
     """`llmsim calibrate from-bench`'s arguments for the fit: REPORTS --profile BASE -o OUT."""
     return ["calibrate", "from-bench", *reports, "--profile", base, "-o", str(out)]
+
+
+def fit_metrics_args(scrapes: Path, base: str, out: Path) -> list[str]:
+    """`llmsim calibrate from-metrics`' arguments for the fit from the
+    scrapes: SCRAPES --profile BASE, windows of a load-test stage, -o OUT."""
+    return ["calibrate", "from-metrics", str(scrapes), "--profile", base, "--window", f"{METRICS_WINDOW_S:g}",
+            "--min-requests", str(METRICS_MIN_REQUESTS), "-o", str(out)]
 
 
 def fit_record(fitted: Path) -> dict:
@@ -110,6 +142,29 @@ def burst_points(eng: E.Engine, prof: Profile, vs: NamedScenario, points: list[s
     prompts (as the reports' were), predicted with `prof` (no speed probe:
     the prediction is the fit's alone; each point's k is measured over it)."""
     return V.validate(V.RunningEngine(eng, text_prompts=True), prof, vs, points, json_path, log=log, probe=False)
+
+
+# a validated point's figures that are of the profile it was run for (`validation.run_point`)
+OF_THE_PROFILE = ("engine_speed", "sim_profile", "agreement", "sim_step_adjusted", "agreement_step_adjusted")
+
+
+def against(doc: dict, prof: Profile, vs: NamedScenario) -> dict:
+    """`doc`'s live points predicted with another profile `prof`: each
+    point's `sim` the simulator's record of the same trace (the arrivals at
+    the Ĉ the live run was drawn at), its live record as it was; the speed
+    figures, the live steps' ratio to the profile's included, are left out
+    (they are of the profile the point was run for)."""
+    points = []
+    for p in doc["points"]:
+        if "failed" in p:
+            points.append(p)
+            continue
+        q = {k: v for k, v in p.items() if k not in OF_THE_PROFILE}
+        q["live"] = {k: v for k, v in p["live"].items() if k != "step_time_vs_profile"}
+        q["sim"] = V.predict(prof, p["condition"], vs, doc["capacity"])
+        q["agreement"] = V.agreement(q)
+        points.append(q)
+    return {**doc, "points": points}
 
 
 def verdicts(doc: dict) -> list[dict]:

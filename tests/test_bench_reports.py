@@ -14,6 +14,7 @@ from calibrate import bench_reports as B, heldout as H, measurements as ms
 from llmsim.cli import main
 from sim.profile import load_profile
 from sim.scenario import get_scenario
+from validate import validation as V
 from validate.loadgen import TextPrompts, TracePrompts
 from validate.tokenizer import tokenizer_json, word
 
@@ -136,3 +137,25 @@ def test_the_held_out_load_tests_send_the_bursts_prompt_lengths():
     assert H.fit_args(["a.json", "b"], "vllm-cpu-tiny", Path("f.json")) == [
         "calibrate", "from-bench", "a.json", "b", "--profile", "vllm-cpu-tiny", "-o", "f.json"]
     assert max(H.BENCH_RATES) < 1 and H.FURTHER_RATE not in H.BENCH_RATES + (H.IP_RATE,)
+
+
+def test_live_points_are_put_against_another_profile_on_the_same_trace():
+    # a stand-in for a live record: the simulator's own record of the point on the profile
+    vs = get_scenario("cpu-tiny")
+    prof = load_profile("vllm-cpu-tiny")
+    cap = 4.14        # about the profile's Ĉ on cpu-tiny (docs/load-tests.md): a burst it recovers from
+    live = V.predict(prof, "no-retry+cancel", vs, cap)
+    doc_live = {**live, "step_time_vs_profile": {"ratio": 1.5}}
+    slower = V.scaled_profile(prof, 1.5)
+    doc = {"capacity": cap, "points": [
+        {"condition": "no-retry+cancel", "sim": V.predict(slower, "no-retry+cancel", vs, cap), "live": doc_live,
+         "engine_speed": {"k": 1.5, "tests_model": False}, "agreement": {"all": False}},
+        {"condition": "no-retry", "failed": {"reason": "engine lost"}}]}
+    out = H.against(doc, prof, vs)
+    p, failed = out["points"]
+    assert failed == doc["points"][1] and doc["points"][0]["engine_speed"]["k"] == 1.5     # the input is kept
+    assert "engine_speed" not in p and p["live"] == live      # less the live steps' ratio to the other profile
+    assert p["agreement"]["all"] and p["agreement"]["hold_delivered_diff"] == pytest.approx(0.0, abs=1e-9)
+    (v, f) = H.verdicts(out)
+    assert v["holds"] and v["k"] is None and f == {"condition": "no-retry", "failed": "engine lost"}
+    assert not H.verdicts(doc)[0]["holds"]          # the engine 1.5 x slower: another verdict

@@ -18,7 +18,9 @@ its output. Deselect with `-m "not live"`.
   scenario's prompt lengths, from a third of the engine's capacity to near
   it) predicts a further rate and a burst point of `validate` that no report
   saw, on the same engine with the same kind of prompts (text): the same
-  recovery verdict as live and hold delivery within 10 points.
+  recovery verdict as live and hold delivery within 10 points; and so does a
+  profile fitted from the engine's /metrics alone, scraped through the load
+  tests (`llmsim calibrate from-metrics`), on the same live point.
 
 Time: one engine start-up ~40-130 s; vllm bench serve two rates of 40 calls
 ~30 s; inference-perf two stages of 20 and 32 calls ~25 s; the scrapes ten
@@ -135,7 +137,8 @@ def test_a_fit_from_the_reports_alone_predicts_points_they_did_not_see(tmp_path,
     eng, tok = text_engine
     vs = get_scenario("cpu-tiny")
     est = H.estimate_capacity(eng, load_profile("vllm-cpu-tiny"), vs)
-    reports = H.load_tests(eng, tok, vs, est["capacity"], tmp_path, HELDOUT_SECONDS)
+    scrapes = tmp_path / "scrapes.jsonl"         # the engine's /metrics through the load tests, as production's
+    reports = H.load_tests(eng, tok, vs, est["capacity"], tmp_path, HELDOUT_SECONDS, scrapes=scrapes)
     fitted = tmp_path / "fitted.json"
     assert main(H.fit_args(reports, "vllm-cpu-tiny", fitted)) == 0
     prof = load_profile(str(fitted))
@@ -152,9 +155,16 @@ def test_a_fit_from_the_reports_alone_predicts_points_they_did_not_see(tmp_path,
     (v,) = H.verdicts(doc)
     print(f"held out: {v}; further rate: E2E {further[0]['e2e_residual']:+.1%}, "
           f"TTFT {further[0]['ttft_residual']:+.1%}")
-    # an engine that ran outside the speed band does not test the model, and the point says so (issue 36)
+    # an engine that ran outside the speed band does not test the model, and the point says so (docs/validation.md)
     if v["tests_model"] is False:
         assert "not a test of the model" in V.table(doc["points"])
         return
     assert v["recovered_sim"] == v["recovered_live"], v
     assert abs(v["hold_live"] - v["hold_sim"]) <= H.HOLD_POINTS, v
+    # the same live point, predicted with a profile fitted from the engine's metrics alone
+    from_metrics = tmp_path / "from-metrics.json"
+    assert main(H.fit_metrics_args(scrapes, "vllm-cpu-tiny", from_metrics)) == 0
+    (vm,) = H.verdicts(H.against(doc, load_profile(str(from_metrics)), vs))
+    print(f"held out, the profile from the metrics: {vm}")
+    assert vm["recovered_sim"] == vm["recovered_live"], vm
+    assert abs(vm["hold_live"] - vm["hold_sim"]) <= H.HOLD_POINTS, vm
