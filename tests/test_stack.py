@@ -164,3 +164,24 @@ def test_a_stack_given_to_the_run_names_its_layers_instead_of_the_router_config(
         Stack((("proxy", cond.proxy), ("client", None), ("router", RouterConfig())))
     with pytest.raises(ValueError):
         Stack((("client", None), ("proxy", cond.proxy)))
+
+
+def test_a_long_chain_of_single_dispatches_does_not_grow_the_stack():
+    # an engine's refusal of an orphaned execution answers with the next queued one's Dispatch alone; a
+    # queue of thousands such is one loop of `_do`, not a recursion per execution
+    class Chain(Interpreter):
+        proxy = SimpleNamespace(queued=0)
+        _subscribe = _cancel = _drop = _wake_at = lambda self, t, a: None
+
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def _dispatch(self, t, ex):
+            self.seen.append(ex)
+            if ex < 5000:
+                self._do(t, [Dispatch(ex + 1)])
+
+    chain = Chain()
+    chain._do(0.0, [Dispatch(0)])
+    assert chain.seen == list(range(5001))
