@@ -29,7 +29,7 @@ from sim.runlog import AttemptRecord, CallRecord, refusal_outcome
 from sim.scenario import Scenario
 from sim.workload import Trace
 
-from .loadgen import TextPrompts, TracePrompts, request_body
+from .loadgen import TextPrompts, TracePrompts, cut_at, request_body
 from .sdk_client import AttemptLog, attempt_outcome, client as sdk_client, give_up_outcome, sdk_options
 
 
@@ -114,9 +114,8 @@ class LiveClient:
             body["priority"] = self.priority[i]
             headers["X-Class"] = self.klass[i]
         try:
-            async with asyncio.timeout(max(0.0, att.deadline - self.now())):
-                async with session.post(self.front_url + "/v1/completions", json=body, headers=headers) as resp:
-                    return await self._answer(resp, rec, att)
+            status, retry_after, reason = await cut_at(self._post(session, body, headers, rec),
+                                                       att.deadline - self.now())
         except TimeoutError:
             rec.ended_at = self.now()
             rec.outcome = "timeout"
@@ -129,39 +128,41 @@ class LiveClient:
             rec.ended_at = self.now()
             rec.outcome = "error"
             return rec.ended_at, self.client.on_refused(rec.ended_at, att, 503)
-
-    async def _answer(self, resp: aiohttp.ClientResponse, rec: AttemptRecord, att: CallAttempt) -> tuple:
-        """The attempt's answer read: a refusal (the proxy's or engine's, the
-        gateway's own) or the stream to its [DONE]; (when it ended, the client's actions)."""
-        rec.execution = int(resp.headers.get("X-Execution-Id", -1))
-        rec.attached = resp.headers.get("X-Attached") == "1"
-        if resp.status in (429, 503):
-            await resp.read()
-            reason = resp.headers.get("X-Refused-Reason", "engine")
-            rec.ended_at = self.now()
-            rec.outcome = refusal_outcome(reason)
-            ra = resp.headers.get("Retry-After")
-            return rec.ended_at, self.client.on_refused(rec.ended_at, att, resp.status,
-                                                        float(ra) if ra is not None else None, reason)
-        if resp.status != 200 and attempt_outcome(resp.status, resp.headers, self.gateway) \
-                == "refused_gateway":         # the gateway's own answer, as the simulator records it
-            await resp.read()
-            rec.ended_at = self.now()
+        rec.ended_at = t = self.now()
+        if status == 200:
+            rec.outcome = "complete"
+            return t, self.client.on_complete(t, att)
+        if reason is None:
             rec.outcome = "refused_gateway"
-            return rec.ended_at, self.client.on_refused(rec.ended_at, att, resp.status)
-        if resp.status != 200:
-            raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
-                                              message=(await resp.text())[:200])
-        complete = False
-        async for line in resp.content:
-            if line.startswith(b"data: [DONE]"):
-                complete = True
-                break
-        if not complete:
+            return t, self.client.on_refused(t, att, status)
+        rec.outcome = refusal_outcome(reason)
+        return t, self.client.on_refused(t, att, status, retry_after, reason)
+
+    async def _post(self, session: aiohttp.ClientSession, body: dict, headers: dict, rec: AttemptRecord) -> tuple:
+        """The attempt's request and its answer read: a refusal (the proxy's or
+        engine's, the gateway's own) or the stream to its [DONE]; (status,
+        Retry-After, reason), the reason None for a gateway's own answer and a
+        completion. The client is told by the caller, once the attempt is over
+        (a task cut at its deadline and still running tells it nothing)."""
+        async with session.post(self.front_url + "/v1/completions", json=body, headers=headers) as resp:
+            rec.execution = int(resp.headers.get("X-Execution-Id", -1))
+            rec.attached = resp.headers.get("X-Attached") == "1"
+            if resp.status in (429, 503):
+                await resp.read()
+                ra = resp.headers.get("Retry-After")
+                return resp.status, float(ra) if ra is not None else None, resp.headers.get("X-Refused-Reason",
+                                                                                            "engine")
+            if resp.status != 200 and attempt_outcome(resp.status, resp.headers, self.gateway) \
+                    == "refused_gateway":         # the gateway's own answer, as the simulator records it
+                await resp.read()
+                return resp.status, None, None
+            if resp.status != 200:
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
+                                                  message=(await resp.text())[:200])
+            async for line in resp.content:
+                if line.startswith(b"data: [DONE]"):
+                    return 200, None, None
             raise aiohttp.ClientPayloadError("stream ended without [DONE]")
-        rec.ended_at = self.now()
-        rec.outcome = "complete"
-        return rec.ended_at, self.client.on_complete(rec.ended_at, att)
 
     # ------------------------------------------------------------- the OpenAI SDK
     async def call_sdk(self, sdk, i: int) -> None:

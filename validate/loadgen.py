@@ -23,6 +23,30 @@ from .engine import parse_metrics
 from .tokenizer import word
 
 VOCAB_LO, VOCAB_HI = 3, 8000     # the tiny model's vocabulary is 8192 ids; 0-2 are specials
+LINGERING: set[asyncio.Task] = set()   # attempts cut at their deadline that have not ended yet
+
+
+async def cut_at(coro, timeout_s: float):
+    """Await `coro` (an HTTP attempt) for at most `timeout_s` s, as an HTTP
+    client's timeout does: at the deadline its task is cancelled (which closes
+    its connection) and TimeoutError raised at once, whether or not the task
+    has ended. Under a retry storm on two cores, attempts awaited inside
+    `asyncio.timeout` ran on long past it (a cancellation lost within the HTTP
+    library), so a client held its call well past its deadline; here the
+    caller goes on regardless, and a task still running is kept in
+    LINGERING until it ends (counted by `retry_storm`)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=max(0.0, timeout_s))
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if done:
+        return task.result()
+    task.cancel()
+    LINGERING.add(task)
+    task.add_done_callback(LINGERING.discard)
+    raise TimeoutError
 
 
 class TracePrompts:
@@ -94,31 +118,36 @@ class LoadGen:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
+    async def _stream(self, session: aiohttp.ClientSession, rec: CallRecord, body: dict) -> None:
+        """One call's request, its stream read to [DONE] into `rec`."""
+        async with session.post(self.url + "/v1/completions", json=body) as resp:
+            rec.status = resp.status
+            if resp.status != 200:
+                await resp.read()
+                rec.outcome = "http_error"
+                return
+            async for line in resp.content:
+                if rec.end is not None:       # cut at its deadline: the record is closed
+                    return
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    break
+                d = json.loads(data)
+                if d.get("choices"):
+                    if rec.first_token is None:
+                        rec.first_token = self.now()
+                    rec.tokens += 1
+                if d.get("usage"):
+                    rec.tokens = d["usage"].get("completion_tokens", rec.tokens)
+            rec.outcome = "ok"
+
     async def _call(self, session: aiohttp.ClientSession, rec: CallRecord) -> None:
         body = request_body(self.model, self.prompts[rec.index], self.max_tokens[rec.index])
         rec.sent = self.now()
         try:
-            async with asyncio.timeout(self.deadline_s):
-                async with session.post(self.url + "/v1/completions", json=body) as resp:
-                    rec.status = resp.status
-                    if resp.status != 200:
-                        await resp.read()
-                        rec.outcome = "http_error"
-                        return
-                    async for line in resp.content:
-                        if not line.startswith(b"data: "):
-                            continue
-                        data = line[6:].strip()
-                        if data == b"[DONE]":
-                            break
-                        d = json.loads(data)
-                        if d.get("choices"):
-                            if rec.first_token is None:
-                                rec.first_token = self.now()
-                            rec.tokens += 1
-                        if d.get("usage"):
-                            rec.tokens = d["usage"].get("completion_tokens", rec.tokens)
-                    rec.outcome = "ok"
+            await cut_at(self._stream(session, rec, body), self.deadline_s)
         except TimeoutError:
             rec.outcome = "deadline"
         except asyncio.CancelledError:
@@ -224,15 +253,17 @@ async def retry_storm(url: str, model: str, rate: float, duration_s: float, max_
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as s:
         async def call(i: int) -> None:
             body = request_body(model, rng.integers(VOCAB_LO, VOCAB_HI, prompt_len).tolist(), max_tokens)
+            async def attempt(k: int) -> None:
+                async with s.post(url + "/v1/completions", json=body,
+                                  headers={"X-Call-Id": f"storm-{i}", "X-Attempt": str(k)}) as r:
+                    count(f"status_{r.status}")
+                    async for _ in r.content:
+                        pass
+
             for k in range(retries + 1):
                 count("attempts")
                 try:
-                    async with asyncio.timeout(deadline_s):
-                        async with s.post(url + "/v1/completions", json=body,
-                                          headers={"X-Call-Id": f"storm-{i}", "X-Attempt": str(k)}) as r:
-                            count(f"status_{r.status}")
-                            async for _ in r.content:
-                                pass
+                    await cut_at(attempt(k), deadline_s)
                     count("complete")
                     return
                 except TimeoutError:
@@ -254,6 +285,9 @@ async def retry_storm(url: str, model: str, rate: float, duration_s: float, max_
             t.cancel()
         counts["calls"] = n
         counts["unfinished"] = len(pending)
+        counts["attempts_lingering"] = len(LINGERING)    # cut at their deadline, not yet ended
+        for t in list(LINGERING):
+            t.cancel()
     return counts
 
 
