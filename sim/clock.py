@@ -61,12 +61,24 @@ INF = float("inf")
 
 class Call:
     """An entry of the SimPy queue that calls `fn(self)` when the clock
-    reaches it: a triggered event, lighter than a simpy.Event."""
+    reaches it: a triggered event, lighter than a simpy.Event. It holds no
+    state of its own, so one `Call` per function serves every time it is
+    queued (`Calls`)."""
     __slots__ = ("callbacks",)
     _ok = True
 
     def __init__(self, fn):
         self.callbacks = [fn]
+
+
+class Calls(dict):
+    """Each function's `Call`, made the first time it is asked for (an
+    engine's step end and the timers' tick are queued again and again:
+    one object each rather than one a step)."""
+
+    def __missing__(self, fn) -> Call:
+        call = self[fn] = Call(fn)
+        return call
 
 
 class Clock(simpy.Environment):
@@ -75,17 +87,21 @@ class Clock(simpy.Environment):
     while it fires in a batch, see `Timers`)."""
     public = False          # schedules through SimPy's private attributes (see PublicClock)
 
+    def __init__(self, initial_time: float = 0):
+        super().__init__(initial_time)
+        self._calls = Calls()
+
     def call_later(self, delay: float, fn, priority=NORMAL) -> None:
         """Call `fn(event)` at now + delay (the time a SimPy timeout of
         `delay` would fire, in the same order: `schedule` inlined)."""
-        heappush(self._queue, (self._now + delay, priority, next(self._eid), Call(fn)))
+        heappush(self._queue, (self._now + delay, priority, next(self._eid), self._calls[fn]))
 
     def call_when(self, t: float, fn) -> None:
         """Call `fn(event)` at t, or now if t has passed: now + max(0, t -
         now), the time a SimPy timeout set now for t would fire."""
         now = self._now
         d = t - now
-        heappush(self._queue, (now + d if d > 0.0 else now, NORMAL, next(self._eid), Call(fn)))
+        heappush(self._queue, (now + d if d > 0.0 else now, NORMAL, next(self._eid), self._calls[fn]))
 
     def run(self, until=None):
         """As `simpy.Environment.run` (same `until` forms, result and
@@ -133,7 +149,7 @@ class Clock(simpy.Environment):
 
     def schedule_at(self, t: float, callback) -> None:
         """Call `callback(event)` when the clock reaches `t` (>= now)."""
-        heappush(self._queue, (t, NORMAL, next(self._eid), Call(callback)))
+        heappush(self._queue, (t, NORMAL, next(self._eid), self._calls[callback]))
 
     @property
     def events_scheduled(self) -> int:
