@@ -25,6 +25,7 @@ from validate.harness import (
     harness_on,
     how_measured,
     keep,
+    layout_compute_cpus,
     layout_cpus,
     measured_under,
     under_harness_here,
@@ -155,6 +156,7 @@ def cmd_validate(a) -> int:
             raise _err(f"validate: cannot reach the engine at {eng}: {e}") from None
         print(f"validate: the engine at {eng} is reused for every point (not fresh)", file=sys.stderr)
     spec.cpus, harness_cpus = layout_cpus(a.layout) if kind == "cpu" else (None, None)
+    spec.compute_cpus = layout_compute_cpus(a.layout) if kind == "cpu" else None
     with harness_on(harness_cpus):
         prof, calibration = _predicting_profile(a, spec, prof, vs, kind, a.layout)
         try:
@@ -527,8 +529,10 @@ def add_subcommands(sub) -> None:
                         "through the live proxy, kept for later validations); capacity: fit it anew; profile: "
                         "predict with the profile as given")
     p.add_argument("--layout", choices=LAYOUTS, default=DEFAULT_LAYOUT,
-                   help=f"cpu: where the engine runs: shared (the engine and the harness share every core) or split "
-                        f"(the engine pinned to the first core, the harness to the others); default {DEFAULT_LAYOUT}")
+                   help=f"cpu: where the engine runs: shared (the engine and the harness share every core), split "
+                        f"(the engine pinned to the first core, the harness to the others) or apart (the engine's "
+                        f"forward passes alone on the first core, its API server and engine core with the harness "
+                        f"on the others); default {DEFAULT_LAYOUT}")
     p.add_argument("--retry-slow", type=args.positive(int, allow_zero=True), default=0, metavar="N",
                    help="run a point again, up to N times, while its engine ran outside the speed band "
                         "(k, its step time over the profile's, outside 0.9-1.1): such a point does not test the "

@@ -8,6 +8,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 
 import pytest
 
@@ -157,6 +158,14 @@ def test_layouts_pin_the_engine_and_the_harness_apart():
     else:
         assert (eng, harness) == (None, None)
     assert H.layout_cpus(H.FLEET_LAYOUT) == (cores[:1], None)
+    # apart: the forward passes alone on the first core, the rest of the engine with the harness
+    eng, harness = H.layout_cpus("apart")
+    compute = H.layout_compute_cpus("apart")
+    if len(cores) >= 2:
+        assert compute == cores[:1] and eng == harness == cores[1:]
+    else:
+        assert (eng, harness, compute) == (None, None, None)
+    assert H.layout_compute_cpus("split") is None and H.layout_compute_cpus("shared") is None
     with pytest.raises(ValueError, match="unknown layout 'nope'"):
         H.layout_cpus("nope")
 
@@ -173,7 +182,7 @@ def test_harness_on_pins_every_thread_and_gives_the_cores_back():
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--layout", "apart"], ["invalid choice: 'apart'"]),
+    (["--layout", "halves"], ["invalid choice: 'halves'"]),
     (["--retry-slow", "-1"], ["--retry-slow"]),
     (["--calibrate-from", "log"], ["invalid choice: 'log'"]),
 ])
@@ -201,3 +210,24 @@ def test_a_capacity_run_with_too_few_steps_is_not_fitted(monkeypatch, tmp_path):
     params = L.plan(4.0, via_proxy=True)
     with pytest.raises(RuntimeError, match="recorded 15 steps, fewer than the 200"):
         L.calibrate_under_load(StandInEngine(), load_profile("vllm-cpu-tiny").raw, params, tmp_path / "s.jsonl")
+
+
+def test_apart_binds_the_forward_passes_apart_from_the_engine_process_group(monkeypatch, tmp_path):
+    """start_cpu's command and environment for a layout, the server start
+    replaced by a stand-in that records them (no engine is started)."""
+    seen = {}
+
+    def stand_in_start_server(args, url, log_path, env, run_dir, timeout, **kw):
+        seen.update(args=args, env=env)
+        return None
+
+    monkeypatch.setattr(E, "start_server", stand_in_start_server)
+    monkeypatch.setattr(E, "cpu_installed", lambda venv: "0.0")
+    monkeypatch.setattr(E, "_run_dir", lambda port: tmp_path)
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
+    V.EngineSpec("cpu", cpus=[1], compute_cpus=[0]).start([])
+    assert seen["args"][:3] == ["/usr/bin/taskset", "-c", "1"]
+    assert seen["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    V.EngineSpec("cpu", cpus=[0]).start([])
+    assert seen["args"][:3] == ["/usr/bin/taskset", "-c", "0"]
+    assert seen["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"

