@@ -35,7 +35,7 @@ from . import engine as E, machine
 
 HARNESS = "validate: live capacity protocol through the live proxy"
 LAYOUTS = ("shared", "split", "apart")
-DEFAULT_LAYOUT = "split"
+DEFAULT_LAYOUT = "apart"    # k closest to 1 on a 2-core VM (docs/validation.md)
 FLEET_LAYOUT = "one-core"      # a fleet's engine: pinned to a core of its own, the harness on every core
 CALIBRATE_FROM = ("auto", "capacity", "profile")
 
