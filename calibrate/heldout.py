@@ -155,7 +155,7 @@ def own_calibration(eng: E.Engine, base: Profile, vs: NamedScenario, folder: Pat
     prefix cache empty, the live capacity protocol under the scenario's
     workload through the live proxy, planned from `base`, and a profile
     fitted from the steps it recorded. Returns the fitted profile's path."""
-    V.RunningEngine(eng).start([])
+    V.idle_and_empty(eng)
     params = LC.plan(V.capacity_for(base, vs, log), via_proxy=True)
     fitted, live, _ = LC.calibrate_under_load(eng, base.raw, params, folder / "capacity-steps.jsonl",
                                               name=f"{base.name} (llmsim's own calibration)", scenario=vs.scenario)

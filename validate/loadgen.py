@@ -118,17 +118,18 @@ class LoadGen:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    async def _stream(self, session: aiohttp.ClientSession, rec: CallRecord, body: dict) -> None:
-        """One call's request, its stream read to [DONE] into `rec`."""
+    async def _stream(self, session: aiohttp.ClientSession, rec: CallRecord, body: dict) -> str:
+        """One call's request, its stream read to [DONE] into `rec`; returns
+        its outcome (`_call` records it: a task cut at its deadline and still
+        running writes none)."""
         async with session.post(self.url + "/v1/completions", json=body) as resp:
             rec.status = resp.status
             if resp.status != 200:
                 await resp.read()
-                rec.outcome = "http_error"
-                return
+                return "http_error"
             async for line in resp.content:
                 if rec.end is not None:       # cut at its deadline: the record is closed
-                    return
+                    return "deadline"
                 if not line.startswith(b"data: "):
                     continue
                 data = line[6:].strip()
@@ -141,13 +142,13 @@ class LoadGen:
                     rec.tokens += 1
                 if d.get("usage"):
                     rec.tokens = d["usage"].get("completion_tokens", rec.tokens)
-            rec.outcome = "ok"
+            return "ok"
 
     async def _call(self, session: aiohttp.ClientSession, rec: CallRecord) -> None:
         body = request_body(self.model, self.prompts[rec.index], self.max_tokens[rec.index])
         rec.sent = self.now()
         try:
-            await cut_at(self._stream(session, rec, body), self.deadline_s)
+            rec.outcome = await cut_at(self._stream(session, rec, body), self.deadline_s)
         except TimeoutError:
             rec.outcome = "deadline"
         except asyncio.CancelledError:

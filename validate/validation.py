@@ -111,21 +111,28 @@ class RunningEngine(EngineSpec):
     def start(self, extra_args: list[str]) -> tuple[E.Engine, bool]:
         if extra_args:
             raise ValidationError(f"a running engine takes no engine flags; the point asks for {extra_args}")
-        t_end = time.monotonic() + IDLE_WAIT_S
-        while time.monotonic() < t_end:
-            try:
-                m = self.eng.metrics()
-            except E.EngineError:           # too busy to answer: not idle
-                m = {"vllm:num_requests_running": 1}
-            if m.get("vllm:num_requests_waiting", 0) + m.get("vllm:num_requests_running", 0) == 0:
-                break
-            time.sleep(0.5)
-        try:
-            E.http_post(self.eng.url + "/reset_prefix_cache", {}, timeout=30.0, parse=False)
-        except E.EngineError as e:
-            raise ValidationError(f"cannot empty the running engine's prefix cache ({e}): start it with "
-                                  "dev_mode (VLLM_SERVER_DEV_MODE=1)") from None
+        idle_and_empty(self.eng)
         return self.eng, False
+
+
+def idle_and_empty(eng: E.Engine) -> None:
+    """Wait until the running engine holds no request (up to `IDLE_WAIT_S`)
+    and empty its prefix cache, as a fresh engine's is (an engine started
+    with `dev_mode`)."""
+    t_end = time.monotonic() + IDLE_WAIT_S
+    while time.monotonic() < t_end:
+        try:
+            m = eng.metrics()
+        except E.EngineError:           # too busy to answer: not idle
+            m = {"vllm:num_requests_running": 1}
+        if m.get("vllm:num_requests_waiting", 0) + m.get("vllm:num_requests_running", 0) == 0:
+            break
+        time.sleep(0.5)
+    try:
+        E.http_post(eng.url + "/reset_prefix_cache", {}, timeout=30.0, parse=False)
+    except E.EngineError as e:
+        raise ValidationError(f"cannot empty the running engine's prefix cache ({e}): start it with "
+                              "dev_mode (VLLM_SERVER_DEV_MODE=1)") from None
 
 
 IDLE_WAIT_S = 120.0     # how long a running engine is waited for to finish what it holds before a point
