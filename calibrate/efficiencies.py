@@ -156,8 +156,10 @@ def predict(experiments: list[ms.Experiment], folder: str, eff: Efficiencies, st
     (`calibrate.measurements.compare`'s rows), each experiment's engine derived."""
     rows = []
     for e in experiments:
+        # one draw of the arrivals: the measured stages count 1,200 calls and more (`ms.arrival_draws`
+        # gives one), and a stage the fit shortens for its speed keeps the draw it was fitted with
         rows += ms.compare(derived_profile(e, folder, eff), [_shortened(e, stage_s)], log=log,
-                           frontend_s=eff.frontend_s)
+                           frontend_s=eff.frontend_s, draws=1)
     return rows
 
 

@@ -57,8 +57,10 @@ def test_the_stages_are_one_run_of_a_pool_of_whole_prompts_started_drained():
     assert [s.index for s in e.stages] == [0, 1, 2] and e.raw["tool"] == "inference-perf"
     sc = ms.experiment_scenario(e)
     assert (sc.prompt_pool, sc.shared_prefix, sc.prefix_groups) == (40, 0, None)
-    # simulated in one run, int(rate x duration) calls a stage
-    assert [r["calls"] for r in ms.simulate_experiment(load_profile("vllm-cpu-tiny"), e)] == [40, 48, 48]
+    # simulated in one run, int(rate x duration) calls a stage, over draws of the arrivals (a stage of 40 calls)
+    rows = ms.simulate_experiment(load_profile("vllm-cpu-tiny"), e)
+    assert [r["calls"] for r in rows] == [40, 48, 48]
+    assert [r["draws"] for r in rows] == [ms.MAX_DRAWS] * 3 == [ms.arrival_draws(e)] * 3
     # a repeat is exact; the system prompt two prompts of a group share is not shared by the simulated pool
     assert e.raw["prefix_reuse"].startswith("approximate: a pool of 40 whole prompts (4 system prompts of 256 "
                                             "tokens x 10 questions)")

@@ -6,6 +6,7 @@ refitted profiles must still reproduce."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -99,6 +100,28 @@ def test_stages_that_start_drained_run_as_one_with_the_cache_carried_over(experi
     assert [r["calls"] for r in both] == [240, 600]
     alone = ms.simulate_stage(prof, short, short.stages[1])
     assert alone["calls"] == 600 and both[1]["ttft_mean"] < alone["ttft_mean"]
+
+
+def test_random_arrivals_of_a_short_stage_are_simulated_as_the_mean_of_draws(experiments):
+    """A stage of a few dozen calls is one draw of its arrivals: its means are
+    simulated over `arrival_draws` of them (seeds 0, 1, ...), call-weighted;
+    fixed intervals and stages of thousands of calls take one."""
+    e = next(x for x in experiments if x.exp_id == "16")
+    assert ms.arrival_draws(e) == 1                      # 4,800 and 12,000 calls
+    assert ms.arrival_draws(replace(e, arrivals="constant", stages=e.stages[:1])) == 1
+    short = replace(e, stages=(replace(e.stages[0], as_run_s=20.0),))       # 160 calls
+    assert ms.arrival_draws(short) == math.ceil(ms.CALLS_PER_STAGE / 160)
+    tiny = replace(e, stages=(replace(e.stages[0], as_run_s=2.0),))         # 16 calls
+    assert ms.arrival_draws(tiny) == ms.MAX_DRAWS
+    prof = load_profile("llama-3.1-8b")
+    (three,) = ms.simulate_experiment(prof, tiny, draws=3)
+    ones = [ms.simulate_experiment(prof, tiny, seed=k, draws=1)[0] for k in range(3)]
+    assert len({r["e2e_mean"] for r in ones}) > 1           # the draws differ
+    calls = sum(r["calls"] for r in ones)
+    assert (three["calls"], three["draws"]) == (calls / 3, 3)
+    for k in ("ttft_mean", "e2e_mean"):
+        assert three[k] == pytest.approx(sum(r[k] * r["calls"] for r in ones) / calls, rel=1e-9)
+    assert three["e2e_p90"] == pytest.approx(sum(r["e2e_p90"] for r in ones) / 3, rel=1e-9)
 
 
 @pytest.mark.parametrize("key,value,says", [
