@@ -33,7 +33,7 @@ from calibrate import heldout as H, measurements as ms  # noqa: E402
 from llmsim.cli import main as llmsim  # noqa: E402
 from sim.profile import load_profile  # noqa: E402
 from sim.scenario import get_scenario  # noqa: E402
-from validate import engine as E, validation as V  # noqa: E402
+from validate import engine as E, harness as HV, validation as V  # noqa: E402
 from validate.tokenizer import write_tokenizer  # noqa: E402
 
 
@@ -43,15 +43,16 @@ def main() -> int:
     ap.add_argument("--points", default="no-retry+cancel,no-retry")
     ap.add_argument("--seconds", type=float, default=30.0, help="seconds of arrivals a load-test stage")
     ap.add_argument("--base", default="vllm-cpu-tiny")
+    ap.add_argument("--layout", default=HV.DEFAULT_LAYOUT, choices=HV.LAYOUTS,
+                    help=f"where the engine runs (validate's --layout; default {HV.DEFAULT_LAYOUT})")
     a = ap.parse_args()
     vs = get_scenario(a.scenario)
     tmp = Path(tempfile.mkdtemp(prefix="heldout-"))
     tok = write_tokenizer(tmp / "tokenizer", E.TINY_MODEL)
     t = {}
     t0 = time.monotonic()
-    eng = E.start_cpu(timeout=600, tokenizer=tok, dev_mode=True)
-    t["start"] = time.monotonic() - t0
-    try:
+    with H.text_engine(tok, a.layout) as eng:
+        t["start"] = time.monotonic() - t0
         t0 = time.monotonic()
         est = H.estimate_capacity(eng, load_profile(a.base), vs)
         print(f"capacity estimate: {est['capacity']:.3f} calls/s (base {est['base_capacity']:.3f}, k {est['k']:.3f})")
@@ -78,8 +79,6 @@ def main() -> int:
         t0 = time.monotonic()
         own = H.own_calibration(eng, load_profile(a.base), vs, tmp)
         t["own calibration"] = time.monotonic() - t0
-    finally:
-        eng.stop()
     rec = H.fit_record(fitted)
     print("\nthe fit (from-bench on the load tests' reports):")
     print(ms.stage_table(rec["stages"]))

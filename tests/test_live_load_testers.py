@@ -55,10 +55,10 @@ KEYS = ("import json; from inference_perf.config import Config, LoadConfig; "
 @pytest.fixture(scope="module")
 def text_engine(cpu_engine_installed, tmp_path_factory):
     tok = write_tokenizer(tmp_path_factory.mktemp("tokenizer"), E.TINY_MODEL)
-    # its steps recorded (a validate point's k) and its prefix cache emptied before a point (dev mode)
-    eng = E.start_cpu(timeout=600, tokenizer=tok, dev_mode=True)
-    yield eng, tok
-    eng.stop()
+    # its steps recorded (a validate point's k), its prefix cache emptied before a point (dev mode), its
+    # forward passes alone on a core (validate's default layout), the load testers on the others
+    with H.text_engine(tok) as eng:
+        yield eng, tok
 
 
 def test_vllm_bench_serve_reports_are_read_and_fitted(tmp_path, text_engine):
