@@ -7,7 +7,9 @@ the protocol's stages as phases, the same seed). The live driver replays it
 with `validate.loadgen.LoadGen` (open loop, no retries, one task per call, a
 per-call deadline) and samples `vllm:num_requests_waiting` every second.
 
-Time scaling: the workload is calibrate.fit's scaled scenario (prompts and
+Once it has stopped, the calls go on for `TAIL_S` (the steps of an engine
+past saturation, its batches at its seats, are in the steps file; the
+protocol's Ĉ is of the stages before). Time scaling: the workload is calibrate.fit's scaled scenario (prompts and
 responses a tenth of the paper workload's), stages of `stage_s` (20 s) instead of 300 s, and
 the first stage at `start_fraction` (1/4) of the profile's simulated Ĉ, so
 that with factor 1.5 the engine saturates within about five stages
@@ -37,6 +39,9 @@ from validate.proxy import LiveProxy
 from .fit import fit_profile
 
 SCENARIO_KEYS = ("prompt_mean", "prompt_sd", "shared_prefix", "response_median", "response_mean")
+# seconds of calls past the protocol's stop: the steps of an engine at its seats (a point's overload) in
+# the fit; without them the fit extrapolates to batches twice those of the run (docs/validation.md)
+TAIL_S = 20.0
 
 
 def live_scenario():
@@ -46,24 +51,29 @@ def live_scenario():
 
 def plan(profile_capacity: float, start_fraction: float = 0.25, stage_s: float = 20.0, factor: float = 1.5,
          threshold: float = 0.1, max_stages: int = 7, seed: int = 0, deadline_s: float = 60.0,
-         via_proxy: bool = False) -> dict:
+         via_proxy: bool = False, tail_s: float = TAIL_S) -> dict:
     """The time-scaled protocol's parameters for an engine whose profile
     predicts `profile_capacity` calls/s on the protocol's workload (`via_proxy`:
-    the live calls go through the live proxy)."""
+    the live calls go through the live proxy; `tail_s`: how long the calls go
+    on once the protocol has stopped)."""
     if not profile_capacity > 0:
         raise ValueError(f"the profile's capacity must be positive, got {profile_capacity}")
     return {"start_rate": start_fraction * profile_capacity, "factor": factor, "stage_s": stage_s,
             "threshold": threshold, "max_stages": max_stages, "seed": seed, "deadline_s": deadline_s,
-            "start_fraction": start_fraction, "via_proxy": via_proxy}
+            "start_fraction": start_fraction, "via_proxy": via_proxy, "tail_s": tail_s}
 
 
 def live_capacity_protocol(url: str, model: str, scenario, start_rate: float, factor: float = 1.5,
                            stage_s: float = 20.0, threshold: float = 0.1, max_stages: int = 7, seed: int = 0,
-                           deadline_s: float = 60.0, progress=None, via_proxy: bool = False, **_) -> dict:
+                           deadline_s: float = 60.0, progress=None, via_proxy: bool = False, tail_s: float = 0.0,
+                           **_) -> dict:
     """Run the protocol against the engine at `url` serving `model`. With
     `via_proxy`, the calls go through the live proxy (`validate.proxy`,
     condition no-retry: no controls) run in this process, as a validation
-    point's calls do, so the engine shares the machine with the same harness."""
+    point's calls do, so the engine shares the machine with the same harness.
+    Once the protocol has stopped, the trace's calls go on for `tail_s`
+    (the next stage's rate, past saturation: the engine's batches fill to its
+    seats, as an overloaded point's do, and its steps are recorded)."""
     proto = CapacityProtocol(start_rate, factor, stage_s, threshold, max_stages, seed, progress)
     trace = make_trace(1.0, scenario, seed, phases=proto.phases())
     url = url.rstrip("/")
@@ -77,7 +87,8 @@ def live_capacity_protocol(url: str, model: str, scenario, start_rate: float, fa
             recs = [r for r in g.records if r.sent is not None and a <= r.planned < b]
             lag = max((r.sent - r.planned for r in recs), default=0.0)
             if proto.observe(k, g.sent_between(a, b), t, q, samples=len(t), max_send_lag_s=lag):
-                return True
+                break
+        await asyncio.sleep(tail_s)
         return True
 
     async def run() -> None:
@@ -101,6 +112,7 @@ def live_capacity_protocol(url: str, model: str, scenario, start_rate: float, fa
     res["calls"] = gen.outcomes()
     res["protocol"]["deadline_s"] = deadline_s
     res["protocol"]["via_proxy"] = via_proxy
+    res["protocol"]["tail_s"] = tail_s
     return res
 
 

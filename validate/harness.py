@@ -33,7 +33,7 @@ from pathlib import Path
 
 from . import engine as E, machine
 
-HARNESS = "validate: live capacity protocol through the live proxy"
+HARNESS = "validate: live capacity protocol through the live proxy, its calls going on past saturation"
 LAYOUTS = ("shared", "split", "apart")
 DEFAULT_LAYOUT = "apart"    # k closest to 1 on a 2-core VM (docs/validation.md)
 FLEET_LAYOUT = "one-core"      # a fleet's engine: pinned to a core of its own, the harness on every core
@@ -102,7 +102,7 @@ def cache_path(raw: dict, layout: str) -> Path:
     """Where the profile fitted under the harness from `raw` on this machine
     in `layout` is kept: one file per (profile, machine, layout)."""
     here = machine.describe()
-    key = json.dumps([raw, layout, here["processor"], here["cpus"], here["cpu_flags_sha1"], here["node"]],
+    key = json.dumps([raw, layout, HARNESS, here["processor"], here["cpus"], here["cpu_flags_sha1"], here["node"]],
                      sort_keys=True, default=str)
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(raw.get("name", "profile")))[:40]
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
