@@ -490,7 +490,7 @@ def cmd_calibrate_capacity(a) -> int:
     sc = live_capacity.live_scenario()
     params = live_capacity.plan(profile.capacity, start_fraction=a.start_fraction, stage_s=a.stage_s,
                                 max_stages=a.max_stages, seed=a.seed, deadline_s=a.deadline,
-                                via_proxy=a.via_proxy)
+                                via_proxy=a.via_proxy, tail_s=live_capacity.TAIL_S if refit else 0.0)
 
     def progress(tag):
         def f(st):
