@@ -176,8 +176,9 @@ class _CountingStub(_Stub):
         self.wfile.write(body)
 
 
-@pytest.mark.parametrize("via_proxy", [False, True])
-def test_live_protocol_through_the_proxy_reads_the_engines_gauge(via_proxy):
+def _protocol_on_a_counting_stub(**kw) -> dict:
+    """The live protocol (4 calls/s, 3 s stages, two at most) against a
+    `_CountingStub`, which saturates at the first stage; `kw` to the protocol."""
     from calibrate.live_capacity import live_capacity_protocol, live_scenario
     _Stub.log = {"arrivals": [], "active": set(), "completed": [], "disconnects": []}
     _Stub.tok_s = 0.001
@@ -185,12 +186,17 @@ def test_live_protocol_through_the_proxy_reads_the_engines_gauge(via_proxy):
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        res = live_capacity_protocol(f"http://127.0.0.1:{srv.server_address[1]}", "stub-model", live_scenario(),
-                                     start_rate=4.0, stage_s=3.0, max_stages=2, deadline_s=5.0, via_proxy=via_proxy)
+        return live_capacity_protocol(f"http://127.0.0.1:{srv.server_address[1]}", "stub-model", live_scenario(),
+                                      start_rate=4.0, stage_s=3.0, max_stages=2, deadline_s=5.0, **kw)
     finally:
         srv.shutdown()
         srv.server_close()
         _Stub.tok_s = 0.02
+
+
+@pytest.mark.parametrize("via_proxy", [False, True])
+def test_live_protocol_through_the_proxy_reads_the_engines_gauge(via_proxy):
+    res = _protocol_on_a_counting_stub(via_proxy=via_proxy)
     assert res["protocol"]["via_proxy"] is via_proxy and res["saturated_stage"] == 0
     st = res["stages"][0]
     # the stub's count, not 0 (a second's sample taken late moves an arrival across it: 1 of ~4 a second)
@@ -202,20 +208,9 @@ def test_the_calls_go_on_past_the_protocols_stop_for_its_tail():
     """Once the protocol has stopped (saturated at its first stage here), the
     trace's calls go on for `tail_s` (the next stage's, past saturation) so
     the engine's steps at its seats are recorded; Ĉ is still the stages'."""
-    from calibrate.live_capacity import TAIL_S, live_capacity_protocol, live_scenario, plan
+    from calibrate.live_capacity import TAIL_S, plan
     assert plan(4.0)["tail_s"] == TAIL_S > 0 and plan(4.0, tail_s=0.0)["tail_s"] == 0.0
-    _Stub.log = {"arrivals": [], "active": set(), "completed": [], "disconnects": []}
-    _Stub.tok_s = 0.001
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _CountingStub)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        res = live_capacity_protocol(f"http://127.0.0.1:{srv.server_address[1]}", "stub-model", live_scenario(),
-                                     start_rate=4.0, stage_s=3.0, max_stages=2, deadline_s=5.0, tail_s=2.0)
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        _Stub.tok_s = 0.02
+    res = _protocol_on_a_counting_stub(tail_s=2.0)
     assert res["protocol"]["tail_s"] == 2.0 and res["saturated_stage"] == 0
     in_stage = round(res["stages"][0]["realised_rate"] * 3.0)
     # the second stage's calls (6 a second) sent through the tail: about 12 more than the first stage's
