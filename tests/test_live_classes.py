@@ -74,6 +74,7 @@ def test_drill_each_request_carries_its_class_priority_and_the_record_has_classe
     assert sorted(b["priority"] for b in firsts) == sorted(prios[int(k)] for k in trace.klass)
     live = p["live"]
     assert set(live["classes"]) == {"chat", "batch"} and live["source"] == "live"
+    assert live["extra"]["metrics_silence_s"] > 0.5        # its server's longest silence (a second a scrape), kept
     assert sum(c["cohorts"]["hold"]["offered"] for c in live["classes"].values()) == live["cohorts"]["hold"]["offered"]
     for name, row in p["classes"].items():
         assert row["live"]["recovered"] == live["classes"][name]["recovered"]

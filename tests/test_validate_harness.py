@@ -38,6 +38,29 @@ def test_engine_speed_band(k, ok, words):
     assert V.engine_speed(None) is None
 
 
+def test_a_point_whose_engine_server_fell_silent_does_not_test_the_model():
+    """Its server answered no /metrics scrape for longer than SILENT_SERVER_S:
+    starved, it passed its calls' requests and aborts on late."""
+    quiet = V.engine_speed({"ratio": 1.02}, silence_s=V.SILENT_SERVER_S + 15.0)
+    assert quiet["k"] == 1.02 and not quiet["tests_model"] and "answered no /metrics scrape for 25 s" in quiet["says"]
+    assert V.engine_speed({"ratio": 1.02}, silence_s=1.1)["tests_model"]
+    assert V.engine_speed({"ratio": 1.3}, silence_s=1.1)["says"].startswith("the engine ran 1.30x slower")
+    rec = {"step_time_vs_profile": {"ratio": 1.0}, "extra": {"metrics_silence_s": 25.0}}
+    assert not V.live_speed(rec)["tests_model"]
+    assert "its server silent, not a test of the model" in V.speed_note({"live": rec})
+    assert V.live_speed({"step_time_vs_profile": {"ratio": 1.0}})["tests_model"]      # a record from before
+
+
+def test_the_samplers_silence_is_its_longest_stretch_without_an_answer():
+    from validate.live_log import Sample, Sampler
+    s = Sampler([], None, lambda: 0.0)
+    s.samples = [Sample(t, 0.0, 0.0, 0, {}) for t in (0.0, 1.0, 2.0, 9.5, 10.5)]
+    assert s.silence_s(11.0) == pytest.approx(7.5)
+    assert s.silence_s(30.0) == pytest.approx(19.5)     # none since the last
+    s.samples = []
+    assert s.silence_s(4.0) == pytest.approx(4.0)
+
+
 def _record(recovered: bool, pulse: float, hold: float, k: float | None) -> dict:
     return {"recovered": recovered,
             "cohorts": {"pulse": {"offered": 100, "delivered": pulse}, "hold": {"offered": 100, "delivered": hold}},

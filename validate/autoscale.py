@@ -54,6 +54,7 @@ from .validation import (
     engine_speed,
     engine_steps,
     scaled_profile,
+    server_silence_s,
     speed_note,
     step_time_ratio,
 )
@@ -318,7 +319,8 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
                 seed=seed, condition=cond, trace=trace)
     spread, sync = startup_spread_s(a), a.sync_period_s
     out = {"condition": cond.name, "seed": seed, "capacity": sum(caps[:a.initial]), "startup_s": measured,
-           "startup_spread_s": spread, "step_time_vs_profile": ratio, "engine_speed": engine_speed(ratio),
+           "startup_spread_s": spread, "step_time_vs_profile": ratio,
+           "engine_speed": engine_speed(ratio, silence_s=server_silence_s(live)),
            "placed_outside_ready": outside,
            "live": live, "sim": sim, "sim_measured_startup": sim_measured, "sim_engine_steps": steps,
            "compare": {"sim": compare(live, sim, spread, sync)}}

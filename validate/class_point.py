@@ -36,6 +36,7 @@ from .validation import (
     engine_speed,
     engine_steps,
     scaled_profile,
+    server_silence_s,
     speed_note,
     step_time_ratio,
 )
@@ -114,8 +115,9 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
     if ratio is not None:
         scaled = dataclasses.replace(d, profile=scaled_profile(d.profile, ratio["ratio"])).run(
             seed=seed, condition=cond, trace=trace)
+    speed = engine_speed(ratio, silence_s=server_silence_s(live))
     return {"condition": cond.name, "seed": seed, "capacity": cap, "step_time_vs_profile": ratio,
-            "engine_speed": engine_speed(ratio), "live": live, "sim": sim, "sim_engine_steps": scaled,
+            "engine_speed": speed, "live": live, "sim": sim, "sim_engine_steps": scaled,
             "classes": compare(live, sim, scaled)}
 
 

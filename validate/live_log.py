@@ -81,6 +81,14 @@ class Sampler:
                 self.report(t)
             k += 1
 
+    def silence_s(self, end: float) -> float:
+        """The longest stretch to `end` without an answered scrape (from the
+        run's start to the first answer, between answers, from the last to
+        `end`): an engine's server that answers nothing also passes on its
+        calls' requests and aborts late."""
+        ts = [0.0, *(s.t for s in self.samples), end]
+        return max(b - a for a, b in zip(ts, ts[1:]))
+
     async def _sample(self, session: aiohttp.ClientSession, t: float, up) -> Sample:
         per = []
         for r, url in enumerate(self.urls):

@@ -141,6 +141,11 @@ class LiveRun:
         return self.sampler.metrics_missed
 
     @property
+    def metrics_silence_s(self) -> float:
+        """The longest stretch of the run without an answered /metrics scrape."""
+        return self.sampler.silence_s(self.now())
+
+    @property
     def lost(self) -> str | None:
         """Why the engine was lost during the run (None: it was not)."""
         return self.sampler.lost
@@ -268,10 +273,12 @@ class LiveRun:
                       end_time=end, wall_s=wall, extra=self._extra())
 
     def _extra(self) -> dict:
-        """What the run adds to its log: the requests that broke, by kind, and
-        the /metrics scrapes missed; with the SDK, its version and the statuses
-        its attempts got besides 200; the gateway's description."""
-        out: dict = {"errors": dict(self.errors), "metrics_missed": self.metrics_missed}
+        """What the run adds to its log: the requests that broke, by kind, the
+        /metrics scrapes missed and the longest silence between answers; with
+        the SDK, its version and the statuses its attempts got besides 200; the
+        gateway's description."""
+        out: dict = {"errors": dict(self.errors), "metrics_missed": self.metrics_missed,
+                     "metrics_silence_s": round(self.metrics_silence_s, 3)}
         if self.sdk_log is not None:
             out["client"] = {"software": "openai-python", "version": sdk_version(),
                              "options": sdk_options(self.client_layer), "statuses": dict(self.sdk_log.statuses),

@@ -180,19 +180,48 @@ def step_time_ratio(step_log, profile: Profile, skip: int = 0) -> dict | None:
 SPEED_BAND = (0.9, 1.1)
 
 
-def engine_speed(st: dict | None, band: tuple[float, float] = SPEED_BAND) -> dict | None:
+SILENT_SERVER_S = 10.0      # the longest a point's engine server may leave its gauges unanswered
+
+
+def engine_speed(st: dict | None, band: tuple[float, float] = SPEED_BAND,
+                 silence_s: float | None = None) -> dict | None:
     """k, the engine's step time during a point over the profile's for the
     same steps (`step_time_ratio`), and whether it lies in `band`. A point
     whose engine ran outside it does not test the model: the prediction was
-    made for an engine of another speed. None where no steps were recorded."""
+    made for an engine of another speed. Nor does one whose engine's server
+    answered no /metrics scrape for more than SILENT_SERVER_S (`silence_s`,
+    the live run's `metrics_silence_s`): the server, or the harness asking,
+    was starved of CPU and the calls' requests and aborts passed late, which
+    the model's engine does not see. None where
+    no steps were recorded."""
     if st is None:
         return None
     k = float(st["ratio"])
-    ok = band[0] <= k <= band[1]
+    in_band = band[0] <= k <= band[1]
+    heard = silence_s is None or silence_s <= SILENT_SERVER_S
     how = f"{k:.2f}x slower" if k >= 1 else f"{1 / k:.2f}x faster"
-    return {"k": k, "band": list(band), "tests_model": ok,
-            "says": None if ok else f"the engine ran {how} than calibrated (k {k:.2f}, outside "
-                                    f"{band[0]:g}-{band[1]:g}): this point does not test the model"}
+    says = None
+    if not in_band:
+        says = (f"the engine ran {how} than calibrated (k {k:.2f}, outside {band[0]:g}-{band[1]:g}): "
+                "this point does not test the model")
+    elif not heard:
+        says = (f"the engine's server answered no /metrics scrape for {silence_s:.0f} s (over "
+                f"{SILENT_SERVER_S:g} s: it, or the harness asking, was starved and calls' requests and aborts "
+                "passed late): this point does not test the model")
+    out = {"k": k, "band": list(band), "tests_model": in_band and heard, "says": says}
+    if silence_s is not None:
+        out["silence_s"] = silence_s
+    return out
+
+
+def server_silence_s(rec: dict) -> float | None:
+    """A live record's longest stretch without an answer from its engine's /metrics."""
+    return (rec.get("extra") or {}).get("metrics_silence_s")
+
+
+def live_speed(rec: dict) -> dict | None:
+    """`engine_speed` of a live record: its k and its server's longest silence."""
+    return engine_speed(rec.get("step_time_vs_profile"), silence_s=server_silence_s(rec))
 
 
 def predict(profile: Profile, name: str, vs: NamedScenario, capacity: float, stack_for=None) -> dict:
@@ -500,7 +529,7 @@ def table(points: list[dict]) -> str:
 def speed_note(p: dict) -> str:
     """The point's k in words, for its heading: '' where no steps were recorded."""
     live = p.get("live") or {}
-    sp = p.get("engine_speed") or engine_speed(live.get("step_time_vs_profile"))
+    sp = p.get("engine_speed") or live_speed(live)
     if sp is None:
         return ""
     probe = live.get("speed_probe")
@@ -509,7 +538,8 @@ def speed_note(p: dict) -> str:
             f"{applied:.3f}" + (" (the speed expected: the probe was within its noise of it)"
                                 if applied != probe["k"] else "")
             + f"; its steps took {sp['k']:.3f} x that") or f"  (engine steps took {sp['k']:.3f} x the profile's"
-    return said + ("" if sp["tests_model"] else ": outside the band, not a test of the model") + ")"
+    why = "outside the band" if not SPEED_BAND[0] <= sp["k"] <= SPEED_BAND[1] else "its server silent"
+    return said + ("" if sp["tests_model"] else f": {why}, not a test of the model") + ")"
 
 
 def agreement(p: dict, points_bound: float = 15.0) -> dict:
@@ -590,7 +620,7 @@ def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, 
         log(f"point {count}: {tag} FAILED: {e}" + "".join(f"\n  | {line}" for line in (errors or tail[-5:])))
         return False
     doc["engine"].update({"version": desc["version"], "model": desc["model"]})
-    p = head | {"live": rec, "engine_speed": engine_speed(rec.get("step_time_vs_profile"))}
+    p = head | {"live": rec, "engine_speed": live_speed(rec)}
     if slow:
         p["slow_runs"] = slow
     k0 = probe_k(rec.get("speed_probe"))
@@ -620,7 +650,7 @@ def _live_in_band(live, what: str, where: str, retry_slow: int, log) -> tuple[di
     while True:
         log(f"{what} — live on {where} …")
         rec, desc = live()
-        speed = engine_speed(rec.get("step_time_vs_profile"))
+        speed = live_speed(rec)
         if speed is not None:
             log(f"  the engine's steps took {speed['k']:.3f} x the profile's over the run")
         if speed is None or speed["tests_model"]:
