@@ -1,18 +1,19 @@
 """The workload side of a run (`sim.model.Run`): each call's arrival, handed
 to the run's client layer (`sim.policy.client.ClientLayer`), its attempts
 logged and held to their deadlines, and the call's end (delivered, given
-up), in the run's call and attempt tables. The client's actions go through
-the run's chain of layers (`do`, `enter`, `enter_left`, `disconnect`: the
-run's `Interpreter`, set by the run once it is wired), which hands the
-workload side the client's attempts (`sent`) and answers (`refused`,
-`completed`) and the call's end (`delivered`, `given_up`)."""
+up), in the run's call and attempt tables. The client's actions are carried
+out here (`answer`): its attempts sent into the run's chain of layers
+(`do`, `enter`, `enter_left`, `disconnect`: the run's `Interpreter`, set by
+the run once it is wired), which hands the workload side their answers
+(`refused`, `completed`), its retries' timers, and the call's end
+(`delivered`, `given_up`)."""
 from __future__ import annotations
 
 import numpy as np
 
 from .classes import call_classes, call_priorities
 from .policy.client import CallAttempt, CallState, Delivered, GivenUp
-from .policy.layers import Send
+from .policy.layers import Send, Timer
 from .policy.proxy import Complete, Refuse
 from .runlog import ATTEMPT_OUTCOMES, CALL_OUTCOMES, AttemptTable, CallTable, refusal_outcome
 from .scenario import Scenario
@@ -46,16 +47,19 @@ class Calls:
         self.outstanding = n
         self.next_call = 0                  # first call whose arrival has not fired
         self.in_order = bool(n < 2 or (np.diff(trace.arrival) >= 0).all())
-        self.enter = self.enter_left = self.do = self.do_last = self.disconnect = None     # the chain's (`wire`)
+        self.enter = self.enter_left = self.do = self.disconnect = None     # the chain's (`wire`)
         # the timers' functions, bound once: a timer keeps its function, and
         # binding one at each timer set would make a new object every time
-        self.arrive, self.deadline = self.arrive, self.deadline
+        self.arrive, self.deadline, self.retry = self.arrive, self.deadline, self.retry
+        # the client's actions, carried out here (`answer`): each list is the last step of the hook that made
+        # it, so each action runs at once by its handler, the order the chain's `do` would give them; without
+        # the chain's loop, 0.5% fewer instructions in bench_fleet's fleet of 8 (callgrind)
+        self.answers = {Send: self.sent, Timer: self.retry_at, Delivered: self.delivered, GivenUp: self.given_up}
 
     def wire(self, chain) -> None:
         """Send the attempts down `chain` (an `Interpreter` once wired: `_chain`)."""
         self.enter, self.enter_left, self.do, self.disconnect = (chain._enter, chain._enter_left, chain._do,
                                                                  chain._disconnect)
-        self.do_last = chain._do_last       # the client's answers: its hooks' last step
 
     def plan(self) -> None:
         """Set the arrivals: in order, each one, when it fires, sets the
@@ -74,7 +78,25 @@ class Calls:
         if self.in_order and nxt < len(self.arrival):
             self.timers.at(self.arrival[nxt], self.arrive, nxt, self.arrival_seq + nxt)
         call = self.calls[call_id] = CallState(call_id, self.arrival[call_id], self.call_class[call_id])
-        self.do_last(t, self.client.on_call(t, call))
+        # `answer` inlined here, in `retry` and in `deadline`: 0.45% fewer instructions (fleet of 8, callgrind)
+        for b in self.client.on_call(t, call):
+            self.answers[type(b)](t, b)
+
+    def answer(self, t: float, actions: list) -> None:
+        """Carry out the client's actions (`answers`): its attempt sent, its
+        retry's timer, the call delivered or given up."""
+        answers = self.answers
+        for a in actions:
+            answers[type(a)](t, a)
+
+    def retry_at(self, t: float, a: Timer) -> None:
+        """The client's timer (a retry's wait; its token is the call): the client's `on_timer` at `a.at`."""
+        self.timers.at(a.at, self.retry, a)
+
+    def retry(self, t: float, a: Timer) -> None:
+        """The client's timer came due: its layer's `on_timer` (the retry's attempt)."""
+        for b in a.layer.on_timer(t, a.token):
+            self.answers[type(b)](t, b)
 
     def sent(self, t: float, a: Send) -> None:
         """The client's attempt goes out: logged, held to its deadline, and into the chain."""
@@ -93,18 +115,19 @@ class Calls:
         log.ended_at[att.row] = t
         log.outcome[att.row] = _TIMEOUT
         self.disconnect(t, att, self.enter_left)
-        self.do_last(t, self.client.on_deadline(t, att))
+        for b in self.client.on_deadline(t, att):
+            self.answers[type(b)](t, b)
 
     def refused(self, t: float, a: Refuse) -> None:
         """The chain refused a call's attempt."""
         att = a.attempt
         self.close_attempt(att, t, _ATTEMPT_CODE[refusal_outcome(a.reason)])
-        self.do_last(t, self.client.on_refused(t, att, a.status, a.retry_after, a.reason))
+        self.answer(t, self.client.on_refused(t, att, a.status, a.retry_after, a.reason))
 
     def completed(self, t: float, a: Complete) -> None:
         """A call's attempt got the complete response."""
         self.close_attempt(a.attempt, t, _COMPLETE)
-        self.do_last(t, self.client.on_complete(t, a.attempt))
+        self.answer(t, self.client.on_complete(t, a.attempt))
 
     def delivered(self, t: float, a: Delivered) -> None:
         """The client delivered the call: it is over."""

@@ -157,7 +157,7 @@ class Run(Interpreter):
         # no replica (`NextInput` stands for arrivals)
         arrival = self.trace.arrival
         in_order = len(arrival) < 2 or bool((np.diff(arrival) >= 0).all())
-        by_call = {Calls.arrive: None if in_order else False, Run._layer_timer: "token", Calls.deadline: True,
+        by_call = {Calls.arrive: None if in_order else False, Calls.retry: "token", Calls.deadline: True,
                    Run._wake: True}
         return RoutedTimers(self.env, horizon, self._over.__len__, n, self.home, by_call)
 

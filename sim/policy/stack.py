@@ -478,17 +478,6 @@ class Interpreter:
         if q != self.proxy_queue_log[-1][1]:
             self.proxy_queue_log.append((t, q))
 
-    def _do_last(self, t: float, actions: list) -> None:
-        """`_do` for actions that are a hook's last step (the client's
-        answers, `sim.calls.Calls`): with nothing of the hook left to run,
-        carrying each out at once by its handler is the order `_do` gives
-        them, and they change no queue of the proxy themselves (what their
-        handlers send below goes through `_do`): no loop bookkeeping, no
-        queue log (about 0.5% of a reference run's instructions, callgrind)."""
-        handlers = self._handlers
-        for a in actions:
-            handlers[type(a)](t, a)
-
     def _do_nested(self) -> None:
         """`_do`'s loop once a handler's own actions are on the stack: the
         top list first, then the rest of the lists below it."""
