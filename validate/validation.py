@@ -192,8 +192,7 @@ def engine_speed(st: dict | None, band: tuple[float, float] = SPEED_BAND,
     answered no /metrics scrape for more than SILENT_SERVER_S (`silence_s`,
     the live run's `metrics_silence_s`): the server, or the harness asking,
     was starved of CPU and the calls' requests and aborts passed late, which
-    the model's engine does not see. None where
-    no steps were recorded."""
+    the model's engine does not see. None where no steps were recorded."""
     if st is None:
         return None
     k = float(st["ratio"])
@@ -538,7 +537,8 @@ def speed_note(p: dict) -> str:
             f"{applied:.3f}" + (" (the speed expected: the probe was within its noise of it)"
                                 if applied != probe["k"] else "")
             + f"; its steps took {sp['k']:.3f} x that") or f"  (engine steps took {sp['k']:.3f} x the profile's"
-    why = "outside the band" if not SPEED_BAND[0] <= sp["k"] <= SPEED_BAND[1] else "its server silent"
+    lo, hi = sp["band"]             # the band the point was judged by
+    why = "outside the band" if not lo <= sp["k"] <= hi else "its server silent"
     return said + ("" if sp["tests_model"] else f": {why}, not a test of the model") + ")"
 
 
