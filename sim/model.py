@@ -170,6 +170,7 @@ class Run(Interpreter):
         self._refused, self._completed = calls.refused, calls.completed
         self._sent, self._delivered, self._given_up = calls.sent, calls.delivered, calls.given_up
         Interpreter.__init__(self)
+        self.proxy_queues = self.stack.config("proxy").proxy_cap is not None
         rp.proxy_queue_log = self.proxy_queue_log
         if layers:          # the lowest layer's attempts reach the proxy through `_proxy_attempt`
             records.proxy_rows = []

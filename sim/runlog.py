@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import MISSING, dataclass, field, fields
+from itertools import repeat
 from operator import attrgetter, itemgetter
 
 import numpy as np
@@ -47,7 +48,7 @@ def thin_log(log: list) -> None:
     log at integer times gives what the full log gives."""
     if len(log) < 2:
         return
-    second = np.ceil(np.fromiter((e[0] for e in log), dtype=float, count=len(log)))
+    second = np.ceil(np.fromiter(map(itemgetter(0), log), dtype=float, count=len(log)))
     keep = np.flatnonzero(np.append(second[1:] != second[:-1], True))
     log[:] = [log[i] for i in keep.tolist()]
 
@@ -230,7 +231,7 @@ def column(table, name: str) -> np.ndarray:
     values = map(attrgetter(name), table)
     if "codes" in f.metadata:
         index = {v: i for i, v in enumerate(f.metadata["codes"])}
-        return np.fromiter((index.get(v, -1) for v in values), dtype=np.int64, count=n)
+        return np.fromiter(map(index.get, values, repeat(-1)), dtype=np.int64, count=n)
     return np.fromiter(values, dtype=_list_dtype(f), count=n)
 
 

@@ -438,3 +438,16 @@ def test_uncomputed_prompt_tokens_counted_once_between_boundaries_equals_a_fresh
     assert [g for g, _ in seen] == [f for _, f in seen]
     # the requests in the engine, the inbox's kept as they come in: a fresh count too
     assert any(n > 100 for n, _ in held) and [n for n, _ in held] == [f for _, f in held]
+
+
+@pytest.mark.parametrize("prefix_group", [0, 3])
+def test_a_requests_kv_layout_names_the_block_pools_spaces(prefix_group):
+    """The KV cache manager's layout of a request (its spaces computed inline)
+    is the block pool's: its prefix group's, its call's and its own space."""
+    from sim.engine.block_pool import call_space, exec_space, prefix_space
+    from sim.engine.kv_cache_manager import KVCacheManager
+    from sim.engine.request import Request
+    r = Request(7, 5, 100, 10, shared_prefix=40, prefix_group=prefix_group)
+    layout = KVCacheManager(64, 16, False)._layout(r)
+    assert layout == (prefix_space(prefix_group), 40 // 16, call_space(5), 100 // 16, exec_space(7))
+    assert len({layout[0], layout[2], layout[4]}) == 3

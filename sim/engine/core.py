@@ -147,23 +147,25 @@ class EngineCore:
         mx = self.config.scheduler.max_model_len
         if r.num_prompt_tokens + r.max_tokens > mx:
             raise ValueError(f"request of {r.num_prompt_tokens}+{r.max_tokens} tokens exceeds max_model_len {mx}")
-        r.arrival_time = self.env.now
+        r.arrival_time = self.env._now   # `now` without its property's call: -0.5% instructions a fleet run
         self.inbox.append(("add", r))
         self._inbox_prompt_tokens += r.num_prompt_tokens
         self._inbox_adds += 1
-        self._poke()
+        if self._idle:
+            self._poke()
         return True
 
     def abort_request(self, r: Request) -> None:
         if r.abort_seen < 0:     # last step whose output was streamed when the abort came
-            r.abort_seen = self.work_by(self.env.now)[0] - 1
+            r.abort_seen = self.work_by(self.env._now)[0] - 1
         self.inbox.append(("abort", r))
-        self._poke()
+        if self._idle:
+            self._poke()
 
     def _poke(self) -> None:
-        if self._idle:
-            self._idle = False
-            self.env.call_later(0.0, self._loop)
+        """An input came to the idle engine: its loop resumes now (the callers check `_idle`)."""
+        self._idle = False
+        self.env.call_later(0.0, self._loop)
 
     # ---------------------------------------------------------------- loop
     def _loop(self, _event=None) -> None:
@@ -213,7 +215,8 @@ class EngineCore:
         if output.admission_blocked and self.inbox:
             self._apply_adds_during(output)
         self._process(output)
-        self._apply_inbox()
+        if self.inbox or self._deferred:    # (no call when nothing came in: 2 boundaries in 5 of a fleet run)
+            self._apply_inbox()
         self._fill()
         self._log_gauges()
 

@@ -342,6 +342,7 @@ class Interpreter:
 
     def __init__(self):
         self.proxy_queue_log: list = [(0.0, 0)]     # (t, proxy queue length) at changes
+        self.proxy_queues = True            # the proxy may hold a queue: its length is logged
         self._action_stack: list = []       # (t, actions) lists being carried out (see _do)
         self._doing = False                 # _do's loop is running
         self.layers: list = []
@@ -474,9 +475,10 @@ class Interpreter:
                     self._doing = False
                     return
             self._doing = False
-        q = self.proxy.queued
-        if q != self.proxy_queue_log[-1][1]:
-            self.proxy_queue_log.append((t, q))
+        if self.proxy_queues:
+            q = self.proxy.queued
+            if q != self.proxy_queue_log[-1][1]:
+                self.proxy_queue_log.append((t, q))
 
     def _do_nested(self) -> None:
         """`_do`'s loop once a handler's own actions are on the stack: the
@@ -494,9 +496,10 @@ class Interpreter:
                     break                   # the handler's own actions, on the stack now, come first
             else:
                 stack.pop()
-                q = self.proxy.queued
-                if q != self.proxy_queue_log[-1][1]:
-                    self.proxy_queue_log.append((at, q))
+                if self.proxy_queues:
+                    q = self.proxy.queued
+                    if q != self.proxy_queue_log[-1][1]:
+                        self.proxy_queue_log.append((at, q))
 
 
 __all__ = ["LAYERS", "Stack", "Cluster", "ProxyBeforeRouter", "SidecarPerReplica", "GroupSidecarPerReplica",
