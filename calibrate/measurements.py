@@ -41,7 +41,10 @@ and every call counted, the next starting once the one before has finished,
 so that what a stage leaves in the prefix cache serves the next
 (`sim.latency.latency_stages`). Other stages are simulated each on its own for
 `duration_s` (a steady state is reached within a few E2E times), the calls
-after `warmup_s` counted, or as run where `Stage.as_run_s` says so.
+after `warmup_s` counted, or as run where `Stage.as_run_s` says so. An
+experiment with a `timeline` (an engine's metrics: when its calls came)
+is one run of those calls, its stages windows of it
+(`sim.latency.latency_windows`).
 
 Experiments the simulator does not model (tensor parallelism over more than
 one GPU, quantized weights: `Experiment.unmodelled`) are read and kept, and
@@ -88,7 +91,7 @@ from calibrate.prior import GPU, MODELS, ModelShape, Serving, step_time
 from calibrate.published import PUBLISHED
 from sim.capacity import capacity_protocol
 from sim.engine.step_time import FORM_MODELS, step_time_model
-from sim.latency import latency, latency_stages
+from sim.latency import latency, latency_stages, latency_windows
 from sim.profile import Profile, ProfileError, from_dict, with_engine
 from sim.scenario import ARRIVALS, PAPER, Lengths
 
@@ -127,6 +130,7 @@ class Stage:
     e2e_mean_s: float
     measured: dict = field(default_factory=dict, compare=False)     # the CSV row as read
     as_run_s: float | None = None   # simulated as run: this long of arrivals from an empty engine, every call counted
+    window: tuple | None = None     # (start s, end s) in its experiment's timeline: what an engine's histograms saw
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,9 @@ class Experiment:
     tp: int = 1                     # GPUs per engine (tensor parallelism)
     gpu: str = ""
     quantization: str | None = None
+    # the calls as they came, ((start s, end s, calls), ...): the stages are windows of it (`Stage.window`),
+    # simulated in one run (`sim.latency.latency_windows`); None: each stage a run of its own
+    timeline: tuple | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -168,7 +175,8 @@ class Experiment:
         """The workload as it was run, as a provenance records it."""
         return {"system_prompt_len": self.system_prompt_len, "question_len": self.question_len,
                 "output_len": self.output_len, "groups": self.groups, "arrivals": self.arrivals,
-                **({"prompt_pool": self.pool} if self.pool else {}), **({"drained": True} if self.drained else {})}
+                **({"prompt_pool": self.pool} if self.pool else {}), **({"drained": True} if self.drained else {}),
+                **({"timeline_intervals": len(self.timeline)} if self.timeline is not None else {})}
 
 
 def _num(v, where: str, whole=False, positive=True):
@@ -455,6 +463,9 @@ def arrival_draws(e: Experiment, duration_s: float = 90.0, warmup_s: float = 20.
     calls) reads 2.7 to 12 s over six draws of the simulator's. Measured, it
     is one of those draws; simulated as the mean of many, the fit meets the
     expectation rather than another draw's noise."""
+    if e.timeline is not None:
+        calls = min(s.measured.get("requests", s.rate * s.duration_s) for s in e.stages)
+        return max(1, min(MAX_DRAWS, math.ceil(CALLS_PER_STAGE / max(calls, 1.0))))
     if e.arrivals == "constant":
         return 1
     calls = min(s.rate * (s.as_run_s if s.as_run_s is not None else duration_s - warmup_s) for s in e.stages)
@@ -478,13 +489,21 @@ def simulate_experiment(profile: Profile, e: Experiment, duration_s: float = 90.
     out = []
     for rows in zip(*runs):
         calls = sum(r["calls"] for r in rows)
-        out.append({**{k: sum(r[k] * r["calls"] for r in rows) / calls for k in ("ttft_mean", "e2e_mean")},
-                    **{k: sum(r[k] for r in rows) / n for k in ("ttft_p90", "e2e_p90")}, "calls": calls / n,
-                    "draws": n})
+        row = {"calls": calls / n, "draws": n}
+        for k, count in (("ttft", "ttft_calls"), ("e2e", "calls")):
+            got = [(r[f"{k}_mean"], r.get(count, r["calls"]), r[f"{k}_p90"]) for r in rows
+                   if r[f"{k}_mean"] is not None]
+            w = sum(c for _, c, _ in got)
+            row[f"{k}_mean"] = sum(m * c for m, c, _ in got) / w if w else None
+            row[f"{k}_p90"] = sum(p for _, _, p in got) / len(got) if got else None
+        out.append(row)
     return out
 
 
 def _simulate_once(profile: Profile, e: Experiment, duration_s: float, warmup_s: float, seed: int) -> list[dict]:
+    if e.timeline is not None:
+        return latency_windows(experiment_profile(profile, e), list(e.timeline), [s.window for s in e.stages],
+                               scenario=experiment_scenario(e), seed=seed)
     if not (e.drained and len(e.stages) > 1 and all(s.as_run_s is not None for s in e.stages)):
         return [simulate_stage(profile, e, s, duration_s, warmup_s, seed) for s in e.stages]
     rows = latency_stages(experiment_profile(profile, e), [(s.rate, s.as_run_s, e.arrivals, True) for s in e.stages],
@@ -501,7 +520,8 @@ def compare(profile: Profile, experiments: list[Experiment], duration_s: float =
     out = []
     for e in experiments:
         for s, got in zip(e.stages, simulate_experiment(profile, e, duration_s, warmup_s, draws=draws)):
-            got = dict(got, ttft_mean=got["ttft_mean"] + frontend_s, e2e_mean=got["e2e_mean"] + frontend_s)
+            got = dict(got, **{k: got[k] + frontend_s if got[k] is not None else math.nan
+                               for k in ("ttft_mean", "e2e_mean")})
             row = {"exp_id": e.exp_id, "model": e.model, "vllm": e.vllm, "stage": s.index, "rate": s.rate,
                    "max_num_batched_tokens": e.flags["max_num_batched_tokens"],
                    "ttft_mean_measured": s.ttft_mean_s, "ttft_mean_simulated": got["ttft_mean"],
@@ -590,6 +610,12 @@ def identified_terms(jac: np.ndarray, limit: float = SE_IDENTIFIED) -> tuple[lis
     return free, se
 
 
+def _log_ratio(simulated: float | None, frontend_s: float, measured: float) -> float:
+    """log((simulated + frontend_s) / measured); a window where the
+    simulation saw no call (`latency_windows`' None) counts as ten times off."""
+    return math.log((simulated + frontend_s) / measured) if simulated is not None else math.log(10.0)
+
+
 def fit(profile: Profile, experiments: list[Experiment], published: dict | None = None,
         duration_s: float = 90.0, warmup_s: float = 20.0, max_evals: int = 60, log=None, free=(),
         frontend: bool = True) -> dict:
@@ -629,8 +655,8 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
         r = []
         for e, s, got in [(e, s, got) for e in experiments
                           for s, got in zip(e.stages, simulate_experiment(p, e, duration_s, warmup_s))]:
-            r += [math.log((got["ttft_mean"] + f) / s.ttft_mean_s) / STAGE_SCALE,
-                  math.log((got["e2e_mean"] + f) / s.e2e_mean_s) / STAGE_SCALE]
+            r += [_log_ratio(got["ttft_mean"], f, s.ttft_mean_s) / STAGE_SCALE,
+                  _log_ratio(got["e2e_mean"], f, s.e2e_mean_s) / STAGE_SCALE]
         if keys:
             got = published_figures(p, target)
             r += [math.log(got[k] / want[k]) / PUBLISHED_SCALE[k] for k in keys]
@@ -766,7 +792,10 @@ def refit(profile: Profile, mine: list[Experiment], source: str, tool: str, targ
                                      "every call counted"
                                      + ("; stages that start drained one after another in one run, the prefix "
                                         "cache carried over" if any(e.drained for e in mine) else "")}
-                          if any(st.as_run_s is not None for e in mine for st in e.stages) else {})},
+                          if any(st.as_run_s is not None for e in mine for st in e.stages) else {}),
+                       **({"timeline": "the calls as they came (per interval between scrapes, their count) in one "
+                                       "run an experiment, each stage a window of it as the engine's histograms "
+                                       "saw it"} if any(e.timeline is not None for e in mine) else {})},
         "method": (f"scipy.optimize.least_squares (trf, bounds: the roofline at full efficiency <= coefficient <= "
                    f"{M_MAX:g} x prior) on log residuals: stages in units of {STAGE_SCALE:.0%}, published figures in "
                    "units of "

@@ -19,9 +19,7 @@ A replica's scrapes are cut into windows of at least `window_s` seconds
 (from one scrape to the first at least that much later); each window is a
 stage of the counters' and histograms' increases over it:
 - the request rate: finished requests (the E2E histogram's count) over the
-  window's length; a window with fewer than `min_requests` is dropped, and so
-  is one whose rate changed within it (its halves' rates more than three
-  Poisson standard deviations apart);
+  window's length; a window with fewer than `min_requests` is dropped;
 - the mean TTFT and E2E (`_sum` / `_count` of their histograms);
 - the mean prompt and response lengths (`vllm:request_prompt_tokens`,
   `vllm:request_generation_tokens`);
@@ -32,19 +30,26 @@ The queue, prefill and decode times, time per output token, tokens a step
 and the running / waiting / KV-usage gauges are kept with the stage as
 checks (`Stage.measured`), not fitted.
 
+When the calls came is read from the scrapes too (`arrivals`): between two
+scrapes, the requests that finished plus the change in those running and
+waiting. A replica's segment of scrapes is one experiment whose calls come
+as they came, simulated in one run (`sim.latency.latency_windows`), its
+windows its stages, each compared as the engine's histograms saw it (the
+TTFT of the calls whose first token came in the window, the E2E of those
+that finished in it): a window across a load test's change of rate or its
+drain is simulated with what came before it, not as a steady state.
+
 What the metrics cannot say, and is assumed (`ASSUMPTIONS`): request-level
-means under-determine a step-time model, so each window is simulated as a
-steady state of Poisson arrivals at its mean rate, every prompt and response
-of the window's mean lengths, one shared prefix. Windows of one replica and
-workload (the same rounded lengths and prefix) are one experiment, a stage a
-window."""
+means under-determine a step-time model; within a scrape interval the
+calls come at random times; every prompt and response of the segment's
+mean lengths, one shared prefix."""
 from __future__ import annotations
 
 import gzip
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from sim.profile import Profile
 from validate.engine import parse_metrics
@@ -67,13 +72,16 @@ NEEDED = tuple(f"{HIST[k]}_{s}" for k in ("ttft", "e2e", "prompt", "output") for
 READ = tuple(f"{h}_{s}" for h in HIST.values() for s in ("sum", "count")) + tuple(COUNTERS.values()) + tuple(
     GAUGES.values()) + (INFO,)
 CHECKS = ("queue", "prefill", "decode", "tpot", "step_tokens")
-ASSUMPTIONS = ("request-level histograms do not determine a step-time model: each window is simulated as a steady "
-               "state of Poisson arrivals at the window's mean rate (arrival times are not in the metrics), every "
-               "prompt and response of the window's mean lengths (the length distributions' spread is not used), "
-               "and one prefix every prompt shares, of the prefix-cache hit share times the mean prompt rounded to "
-               "whole KV blocks (which prompts share what is not in the metrics); the engine flags other than the "
-               "KV cache (max_num_seqs, max_num_batched_tokens, max_model_len) are the base profile's; the queue, "
-               "prefill and decode times and the gauges are checks, not fitted")
+E2E_COUNT = HIST["e2e"] + "_count"      # requests finished
+ASSUMPTIONS = ("request-level histograms do not determine a step-time model: a replica's scrapes are simulated as "
+               "one run whose calls come as the scrapes tell (per interval between two scrapes, the requests that "
+               "finished plus the change in those running and waiting), at random times within each interval "
+               "(arrival times are not in the metrics), every prompt and response of the windows' mean lengths "
+               "(the length distributions' spread is not used), and one prefix every prompt shares, of the "
+               "prefix-cache hit share times the mean prompt rounded to whole KV blocks (which prompts share what is "
+               "not in the metrics); the engine flags other than the KV cache (max_num_seqs, "
+               "max_num_batched_tokens, max_model_len) are the base profile's; the queue, prefill and decode times "
+               "and the gauges are checks, not fitted")
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,9 @@ class Window:
     kv_blocks: int | None
     block_size: int | None
     stage: Stage
+    origin: float = 0.0         # its segment's first scrape (the timeline's 0)
+    segment: int = 0            # which of its replica's segments (cut at counter resets)
+    phases: tuple = field(default=(), compare=False)     # its segment's `arrivals`
 
 
 def _text(path: str) -> str:
@@ -207,7 +218,7 @@ def kv_cache_of(s: Scrape) -> tuple[int | None, int | None]:
 def windows(scrapes: list[Scrape], window_s: float, min_requests: int, log=None) -> list[Window]:
     """Every replica's windows that are stages (module docstring); what was
     dropped and why is said through `log`."""
-    out, few, unsteady, resets = [], 0, 0, 0
+    out, few, resets = [], 0, 0
     for replica in sorted({s.replica for s in scrapes}):
         mine = [s for s in scrapes if s.replica == replica]
         segments, cur = [], [mine[0]]
@@ -218,42 +229,56 @@ def windows(scrapes: list[Scrape], window_s: float, min_requests: int, log=None)
             else:
                 cur.append(b)
         segments.append(cur)
-        for seg in segments:
+        for n_seg, seg in enumerate(segments):
+            phases = arrivals(seg)
             i = 0
             while i < len(seg) - 1:
                 j = next((k for k in range(i + 1, len(seg)) if seg[k].t - seg[i].t >= window_s * 0.999), None)
                 if j is None:
                     break
                 w = _window(seg, i, j, min_requests)
-                if w == "few":
+                if w is None:
                     few += 1
-                elif w == "unsteady":
-                    unsteady += 1
                 else:
-                    out.append(w)
+                    out.append(replace(w, origin=seg[0].t, segment=n_seg, phases=phases))
                 i = j
     if log:
         log(f"  {len(out)} windows of at least {window_s:g} s are stages; dropped: {few} with fewer than "
-            f"{min_requests} requests, {unsteady} whose request rate changed within them"
+            f"{min_requests} requests"
             + (f"; {resets} counter resets (a restarted engine): no window spans one" if resets else ""))
     return out
+
+
+def in_flight(s: Scrape) -> float:
+    """The requests running and waiting in the engine at a scrape (its gauges)."""
+    return s.samples.get(GAUGES["running"], 0.0) + s.samples.get(GAUGES["waiting"], 0.0)
+
+
+def arrivals(seg: list[Scrape]) -> tuple:
+    """When the calls came, as the scrapes of one segment tell it: per
+    interval between consecutive scrapes, (start s, end s, calls) from the
+    first scrape, the calls being those that finished in it plus the change
+    in the requests running and waiting (those in flight at the first
+    scrape counted in the first interval); the running count is kept from
+    going down (a gauge read between a request's finish and its counter's)."""
+    t0, done0 = seg[0].t, seg[0].samples.get(E2E_COUNT, 0.0)
+    out, before = [], 0
+    for a, b in zip(seg, seg[1:]):
+        came = max(before, round(b.samples.get(E2E_COUNT, 0.0) - done0 + in_flight(b)))
+        out.append((a.t - t0, b.t - t0, came - before))
+        before = came
+    return tuple(out)
 
 
 def _window(seg: list[Scrape], i: int, j: int, min_requests: int):
     a, b = seg[i], seg[j]
     n, dt = requests_between(a, b), b.t - a.t
     if n < min_requests:
-        return "few"
-    mid = min(range(i + 1, j), key=lambda k: abs(seg[k].t - (a.t + b.t) / 2), default=None)
-    if mid is not None:
-        m = seg[mid]
-        n1, t1, n2, t2 = requests_between(a, m), m.t - a.t, requests_between(m, b), b.t - m.t
-        if abs(n1 / t1 - n2 / t2) > 3 * math.sqrt(max(n1, 1) / t1 ** 2 + max(n2, 1) / t2 ** 2):
-            return "unsteady"
+        return None
     ttft, e2e = mean_between(a, b, HIST["ttft"]), mean_between(a, b, HIST["e2e"])
     prompt, output = mean_between(a, b, HIST["prompt"]), mean_between(a, b, HIST["output"])
     if None in (ttft, e2e, prompt, output) or not (0 < ttft <= e2e):
-        return "few"
+        return None
     blocks, size = kv_cache_of(b)
     q = b.samples.get(COUNTERS["queries"], 0.0) - a.samples.get(COUNTERS["queries"], 0.0)
     share = (b.samples.get(COUNTERS["hits"], 0.0) - a.samples.get(COUNTERS["hits"], 0.0)) / q if q > 0 else 0.0
@@ -283,22 +308,35 @@ def kv_blocks(ws: list[Window], path: str) -> int | None:
 
 
 def experiments(ws: list[Window], profile: Profile, source: str) -> list[Experiment]:
-    """The windows as experiments: one per replica and workload (rounded
-    lengths and prefix), a stage per window in the order of their rates, on
-    the engine of `profile` (with the KV cache the metrics report)."""
+    """The windows as experiments: one per replica's segment of scrapes, on
+    the engine of `profile` (with the KV cache the metrics report), its
+    calls as they came (`arrivals`: the experiment's timeline, simulated in
+    one run) and a stage per window, in time order; its workload the
+    windows' request-weighted mean lengths and shared prefix (whole KV
+    blocks)."""
     flags = profile_flags(profile)
     groups: dict[tuple, list[Window]] = {}
     for w in ws:
-        groups.setdefault((w.replica, w.prompt_len, w.output_len, w.shared_prefix), []).append(w)
+        groups.setdefault((w.replica, w.segment), []).append(w)
+    cut = {r for r, k in groups if k > 0}          # replicas whose scrapes a reset cut
     out = []
-    for (replica, prompt, output, prefix), mine in sorted(groups.items()):
-        mine.sort(key=lambda w: w.stage.rate)
+    for (replica, seg), mine in sorted(groups.items()):
+        mine.sort(key=lambda w: w.t0)
+        n = [w.stage.measured["requests"] for w in mine]
+        total = sum(n)
+
+        def mean(of):
+            return sum(of(w) * c for w, c in zip(mine, n)) / total
+        prompt, output = max(1, round(mean(lambda w: w.prompt_len))), max(1, round(mean(lambda w: w.output_len)))
+        size = mine[0].block_size or profile.engine["block_size"]
+        prefix = min(size * round(mean(lambda w: w.shared_prefix) / size), prompt - 1)
         check_call_fits(source, prompt, output, flags)
-        eid = f"{replica}:{prompt}+{output}" + (f"/{prefix}" if prefix else "")
+        eid = (f"{replica}:{prompt}+{output}" + (f"/{prefix}" if prefix else "")
+               + (f"#{seg + 1}" if replica in cut else ""))
         st = tuple(Stage(k, w.stage.rate, w.stage.duration_s, w.stage.ttft_mean_s, w.stage.e2e_mean_s,
-                         w.stage.measured) for k, w in enumerate(mine))
+                         w.stage.measured, window=(w.t0 - w.origin, w.t1 - w.origin)) for k, w in enumerate(mine))
         out.append(Experiment(eid, str((profile.raw.get("model") or {}).get("name", profile.name)), SUPPORTED,
                               dict(flags), prefix, prompt - prefix, output, 1, st, mine[0].kv_blocks,
                               {"scrapes": source, "replica": replica, "windows": [[w.t0, w.t1] for w in mine]},
-                              arrivals="poisson"))
+                              arrivals="poisson", timeline=mine[0].phases))
     return out

@@ -283,7 +283,7 @@ def cmd_calibrate_from_metrics(a) -> int:
         ws = mr.windows(scrapes, a.window, a.min_requests, log=_say)
         if not ws:
             raise ms.MeasurementsError(f"{a.scrapes}: no window of {a.window:g} s with {a.min_requests} requests or "
-                                       "more at a steady rate; give a shorter --window or a smaller --min-requests")
+                                       "more; give a shorter --window or a smaller --min-requests")
         blocks = mr.kv_blocks(ws, a.scrapes)
         if blocks is not None:
             prof = with_engine(prof, {"num_gpu_blocks": blocks})
@@ -301,7 +301,8 @@ def cmd_calibrate_from_metrics(a) -> int:
     _say(f"{prof.name}: {len(ws)} windows as {len(exps)} experiments, KV cache "
          + (f"{blocks} blocks (vllm:cache_config_info)" if blocks is not None else
             f"{prof.engine['num_gpu_blocks']} blocks (the profile's: the metrics do not report it)")
-         + "; each window simulated as a steady state (the assumptions follow the fit)")
+         + "; each replica's scrapes simulated as one run of its calls as they came (the assumptions follow "
+           "the fit)")
     tool = (f"python -m llmsim calibrate from-metrics {a.scrapes} --profile {a.profile} --window {a.window:g} "
             f"--min-requests {a.min_requests}")
     d = _refit("from-metrics", a, prof, exps, a.scrapes, tool)

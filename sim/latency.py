@@ -4,7 +4,9 @@ no deadline — and their time to first token and to last token (means and
 percentiles). `latency_stages`: a load test's stages one after another, as a
 load generator runs them (each from its first call to its last, a stage that
 starts `drained` only once every call of the stage before has finished), in
-one run, so that what a stage leaves in the prefix cache serves the next."""
+one run, so that what a stage leaves in the prefix cache serves the next.
+`latency_windows`: calls as an engine's metrics tell they came, in one run,
+seen in windows as the engine's histograms see them."""
 from __future__ import annotations
 
 import numpy as np
@@ -111,4 +113,38 @@ def latency_stages(profile: Profile, stages: list[tuple], scenario: Scenario = P
         out.append({"model": profile.name, "rate": rate, "duration_s": dur, "arrivals": kind, "drained": drained,
                     "start_s": a, "seed": seed, "calls": len(ex), **_stats(ex),
                     "undelivered": len(ex_all) - len(ex), "wall_s": log.wall_s})
+    return out
+
+
+def latency_windows(profile: Profile, phases: list[tuple], windows: list[tuple], scenario: Scenario = PAPER,
+                    seed: int = 0, max_batched_tokens: int | None = None) -> list[dict]:
+    """Calls straight to the engine in one run, `phases` giving when they
+    came: (start s, end s, calls), each phase's calls at random times in it
+    (`poisson_exact`: its count exact); per window (start s, end s), the
+    means the engine's own histograms observe in it, as vLLM's `/metrics`
+    report them: the TTFT of the calls whose first token came in it and
+    the E2E of the calls that finished in it (`ttft_calls`, `calls`: how
+    many; a mean None where none did)."""
+    sc = scenario.with_(deadline_s=1e9, delivery_horizon_s=1e9)
+    # a rate whose count is `calls` exactly (poisson_exact takes int(rate x length))
+    ph = [(float(a), float(b), (n + 0.5) / (b - a), "poisson_exact") for a, b, n in phases if n >= 1 and b > a]
+    if not ph:
+        raise ValueError("no call in the phases")
+    trace = make_trace(1.0, sc, seed, phases=ph)
+    run = Run(profile, trace, STRAIGHT, sc, seed, max_batched_tokens)
+    log = run.run(until=ph[-1][1] + 3600.0)
+    done = [e for e in log.executions if e.fate == "completed"]
+    first = np.array([e.first_token_at for e in done])
+    end = np.array([e.finished_at for e in done])
+    born = np.array([e.created_at for e in done])
+    out = []
+    for a, b in windows:
+        ft = (first >= a) & (first < b)
+        fin = (end >= a) & (end < b)
+        ttft, e2e = (first - born)[ft], (end - born)[fin]
+        out.append({"ttft_mean": float(ttft.mean()) if len(ttft) else None,
+                    "e2e_mean": float(e2e.mean()) if len(e2e) else None,
+                    "ttft_p90": float(np.percentile(ttft, 90)) if len(ttft) else None,
+                    "e2e_p90": float(np.percentile(e2e, 90)) if len(e2e) else None,
+                    "ttft_calls": int(len(ttft)), "calls": int(len(e2e))})
     return out

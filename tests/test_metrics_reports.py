@@ -53,18 +53,37 @@ def test_the_scrapes_of_a_load_test_hold_its_stages_as_the_tool_measured_them():
         assert M.mean_between(a, b, M.HIST["ttft"]) * 1e3 < doc["mean_ttft_ms"]
 
 
-def test_windows_at_a_steady_rate_are_stages_of_one_workload():
+def test_windows_are_stages_of_one_workload_in_one_timeline_of_the_calls_as_they_came():
     said = []
-    ws = M.windows(M.read_scrapes(str(SCRAPES)), 20.0, 30, log=said.append)
-    assert len(ws) == 4 and "dropped: 3 with fewer than 30 requests, 2 whose request rate changed" in said[0]
+    scrapes = M.read_scrapes(str(SCRAPES))
+    ws = M.windows(scrapes, 20.0, 30, log=said.append)
+    assert len(ws) == 6 and "dropped: 3 with fewer than 30 requests" in said[0]
     for w in ws:
-        assert min(abs(w.stage.rate / r - 1) for r in RATES) < 0.15, w.stage.rate
         assert (w.prompt_len, w.output_len, w.shared_prefix, w.kv_blocks, w.block_size) == (768, 64, 256, 8192, 128)
         assert w.stage.as_run_s is None and w.stage.measured["queue_mean"] < w.stage.ttft_mean_s
     (e,) = M.experiments(ws, load_profile("vllm-cpu-tiny"), str(SCRAPES))
     assert (e.system_prompt_len, e.question_len, e.output_len, e.arrivals, e.kv_blocks) == (256, 512, 64, "poisson",
                                                                                             8192)
-    assert [s.index for s in e.stages] == [0, 1, 2, 3] and e.stages[0].rate < e.stages[-1].rate
+    # the stages in time order, each its window of the timeline (seconds from the first scrape)
+    assert [s.index for s in e.stages] == list(range(6))
+    assert [s.window for s in e.stages] == [(w.t0 - scrapes[0].t, w.t1 - scrapes[0].t) for w in ws]
+    assert all(a[1] <= b[0] for a, b in zip([s.window for s in e.stages], [s.window for s in e.stages][1:]))
+    # the timeline: an interval a scrape, and each tool run's calls exactly, between the idle scrapes around it
+    assert len(e.timeline) == len(scrapes) - 1 and all(n >= 0 for _, _, n in e.timeline)
+    for (a, b), rate in zip(_stage_spans(scrapes), RATES):
+        came = sum(n for t0, t1, n in e.timeline if a.t - scrapes[0].t <= t0 and t1 <= b.t - scrapes[0].t)
+        assert came == json.loads((DATA / f"r{rate}.json").read_text())["completed"]
+
+
+def test_the_calls_in_flight_at_the_first_scrape_came_in_its_first_interval():
+    scrapes = M.read_scrapes(str(SCRAPES))
+    busy = next(i for i, s in enumerate(scrapes) if M.in_flight(s) > 0)
+    seg = scrapes[busy:]
+    tl = M.arrivals(seg)
+    done = M.requests_between(seg[0], seg[-1])
+    assert tl[0][0] == 0 and tl[-1][1] == pytest.approx(seg[-1].t - seg[0].t)
+    assert sum(n for _, _, n in tl) == round(done + M.in_flight(seg[-1]))
+    assert tl[0][2] >= M.in_flight(seg[0])
 
 
 _SAMPLE = re.compile(r'^([^{\s]+)(?:\{(.*)\})?\s+(\S+)$')
@@ -102,8 +121,11 @@ def test_a_restarted_engine_cuts_its_scrapes_no_window_spans_the_reset(tmp_path)
     p.write_text("\n".join(lines + again) + "\n")
     said = []
     ws = M.windows(M.read_scrapes(str(p)), 20.0, 30, log=said.append)
-    assert len(ws) == 8 and "1 counter resets" in said[0]
+    assert len(ws) == 12 and "1 counter resets" in said[0]
     assert all(w.stage.rate < 15 for w in ws)
+    # a segment a side of the reset, each an experiment of its own timeline
+    e1, e2 = M.experiments(ws, load_profile("vllm-cpu-tiny"), str(p))
+    assert e1.exp_id.endswith("#1") and e2.exp_id.endswith("#2") and e1.timeline == e2.timeline
 
 
 def _bad(tmp_path, text: str, name="bad.jsonl"):
@@ -163,9 +185,9 @@ def test_from_metrics_fits_the_windows_and_says_what_it_assumed(tmp_path, capsys
     pm = d["provenance"]["measurements"]
     assert d["provenance"]["kind"] == "fitted to vLLM 0.32 Prometheus metrics"
     assert pm["tool"].startswith("python -m llmsim calibrate from-metrics") and pm["source"] == str(SCRAPES)
-    assert pm["assumptions"] == M.ASSUMPTIONS and "steady state of Poisson arrivals" in pm["assumptions"]
+    assert pm["assumptions"] == M.ASSUMPTIONS and "one run whose calls come as the scrapes tell" in pm["assumptions"]
     assert pm["kv_cache"].startswith("8192 blocks of 128 tokens") and d["engine"]["num_gpu_blocks"] == 8192
-    assert len(pm["checks"]) == 4 and all("decode_mean" in c for c in pm["checks"])
+    assert len(pm["checks"]) == 6 and all("decode_mean" in c for c in pm["checks"])
     assert pm["experiments"][0]["workload"]["arrivals"] == "poisson" and "as_run" not in pm["simulation"]
     assert _rms(pm["stages"], "e2e_residual") < _rms(pm["stages_before"], "e2e_residual")
     assert _rms(pm["stages"], "ttft_residual") < _rms(pm["stages_before"], "ttft_residual")

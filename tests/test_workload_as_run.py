@@ -1,14 +1,15 @@
 """The workload as a load generator runs it (sim.workload, sim.latency,
 docs/scenarios.md): a pool of whole prompts sent in turn, Poisson arrivals
-with an exact count (inference-perf's `constant` load), and stages that
-start once the one before has drained."""
+with an exact count (inference-perf's `constant` load), stages that
+start once the one before has drained, and calls as an engine's metrics
+tell they came, seen in windows as its histograms see them."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from llmsim.cli import main
-from sim.latency import STRAIGHT, latency_stages
+from sim.latency import STRAIGHT, latency_stages, latency_windows
 from sim.model import Run
 from sim.profile import load_profile
 from sim.scenario import PAPER, Lengths, Phase
@@ -126,3 +127,25 @@ def test_bad_workload_as_run_is_one_line(tmp_path, capsys, extra, arrivals, says
     assert main(["latency", "--scenario", str(f), "--stages"]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1
+
+
+def test_windows_of_one_run_see_each_call_once_as_an_engines_histograms_do():
+    """Calls as they came (a phase's count exact), in one run: a window's
+    E2E mean is of the calls that finished in it, its TTFT's of those whose
+    first token came in it; windows that cover the run see every call once,
+    and one window over all of it gives the whole run's means."""
+    prof = load_profile("vllm-cpu-tiny")
+    sc = POOL.with_(prompt_pool=None, prompt=Lengths("fixed", value=600), response=Lengths("fixed", value=16))
+    phases = [(0.0, 10.0, 10), (10.0, 14.0, 40), (14.0, 30.0, 20)]
+    cuts = [(0.0, 10.0), (10.0, 20.0), (20.0, 1e6)]
+    rows = latency_windows(prof, phases, cuts, scenario=sc, seed=3)
+    assert sum(r["calls"] for r in rows) == sum(r["ttft_calls"] for r in rows) == 70
+    (whole,) = latency_windows(prof, phases, [(0.0, 1e6)], scenario=sc, seed=3)
+    assert whole["calls"] == 70
+    mean = sum(r["e2e_mean"] * r["calls"] for r in rows) / 70
+    assert mean == pytest.approx(whole["e2e_mean"], rel=1e-9)
+    # the burst of 40 in 4 s queues: the window it ends in sees longer calls than the quiet one before
+    assert rows[1]["e2e_mean"] > rows[0]["e2e_mean"]
+    # a window where no call finished has no mean
+    (empty,) = latency_windows(prof, phases, [(1e6, 2e6)], scenario=sc, seed=3)
+    assert empty["calls"] == 0 and empty["e2e_mean"] is None and empty["ttft_mean"] is None
