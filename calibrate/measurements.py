@@ -75,6 +75,7 @@ simulated (`frontend=False`: the means compared as they are).
 """
 from __future__ import annotations
 
+import bisect
 import csv
 import datetime
 import json
@@ -105,6 +106,8 @@ FRONTEND_UNIT_S = 0.01    # the frontend time's parameter is in units of 10 ms (
 FRONTEND_MAX_S = 0.02     # at most 20 ms a call outside the engine
 CALLS_PER_STAGE = 1000    # random arrivals: simulated over enough draws to count about this many calls a stage
 MAX_DRAWS = 16            # ... and at most this many draws (`arrival_draws`)
+LEAD_S = 120.0            # a timeline's window is simulated with at least this much of what came before it
+SPAN_S = 900.0            # ... in runs of at most about this much timeline (a day of scrapes is many runs)
 
 EXPERIMENT_KEYS = ("exp_id", "model", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
                    "system_prompt_len", "question_len", "output_len", "stages")
@@ -502,13 +505,38 @@ def simulate_experiment(profile: Profile, e: Experiment, duration_s: float = 90.
 
 def _simulate_once(profile: Profile, e: Experiment, duration_s: float, warmup_s: float, seed: int) -> list[dict]:
     if e.timeline is not None:
-        return latency_windows(experiment_profile(profile, e), list(e.timeline), [s.window for s in e.stages],
-                               scenario=experiment_scenario(e), seed=seed)
+        p, sc, out = experiment_profile(profile, e), experiment_scenario(e), []
+        for phases, windows in timeline_runs(e.timeline, [s.window for s in e.stages]):
+            out += latency_windows(p, phases, windows, scenario=sc, seed=seed)
+        return out
     if not (e.drained and len(e.stages) > 1 and all(s.as_run_s is not None for s in e.stages)):
         return [simulate_stage(profile, e, s, duration_s, warmup_s, seed) for s in e.stages]
     rows = latency_stages(experiment_profile(profile, e), [(s.rate, s.as_run_s, e.arrivals, True) for s in e.stages],
                           scenario=experiment_scenario(e), seed=seed)
     return [{k: r[k] for k in ("ttft_mean", "e2e_mean", "ttft_p90", "e2e_p90", "calls")} for r in rows]
+
+
+def timeline_runs(timeline, windows: list[tuple], lead_s: float = LEAD_S, span_s: float = SPAN_S) -> list[tuple]:
+    """The runs that simulate `windows` of a `timeline` ((start, end,
+    calls) intervals, in order): consecutive windows in one run while it
+    spans at most about `span_s`, each run starting at the first interval
+    that begins `lead_s` or more before its first window (or the timeline's
+    start), so that what came before a window is in its run. Per run,
+    (its intervals and its windows, both shifted to the run's start)."""
+    starts = [a for a, _, _ in timeline]
+    groups: list[list[tuple]] = []
+    for w in windows:
+        if groups and w[1] - groups[-1][0][0] + lead_s <= span_s:
+            groups[-1].append(w)
+        else:
+            groups.append([w])
+    out = []
+    for ws in groups:
+        k = max(0, bisect.bisect_right(starts, ws[0][0] - lead_s) - 1)
+        t0, end = starts[k], ws[-1][1]
+        out.append(([(a - t0, b - t0, n) for a, b, n in timeline[k:] if a < end],
+                    [(a - t0, b - t0) for a, b in ws]))
+    return out
 
 
 def compare(profile: Profile, experiments: list[Experiment], duration_s: float = 90.0, warmup_s: float = 20.0,

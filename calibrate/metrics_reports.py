@@ -33,8 +33,10 @@ checks (`Stage.measured`), not fitted.
 When the calls came is read from the scrapes too (`arrivals`): between two
 scrapes, the requests that finished plus the change in those running and
 waiting. A replica's segment of scrapes is one experiment whose calls come
-as they came, simulated in one run (`sim.latency.latency_windows`), its
-windows its stages, each compared as the engine's histograms saw it (the
+as they came, simulated in one run (`sim.latency.latency_windows`; a long
+one in runs of about 15 minutes, each window with at least two minutes of
+what came before it: `calibrate.measurements.timeline_runs`), its windows
+its stages, each compared as the engine's histograms saw it (the
 TTFT of the calls whose first token came in the window, the E2E of those
 that finished in it): a window across a load test's change of rate or its
 drain is simulated with what came before it, not as a steady state.
@@ -75,7 +77,8 @@ CHECKS = ("queue", "prefill", "decode", "tpot", "step_tokens")
 E2E_COUNT = HIST["e2e"] + "_count"      # requests finished
 ASSUMPTIONS = ("request-level histograms do not determine a step-time model: a replica's scrapes are simulated as "
                "one run whose calls come as the scrapes tell (per interval between two scrapes, the requests that "
-               "finished plus the change in those running and waiting), at random times within each interval "
+               "finished plus the change in those running and waiting; a long one in runs of about 15 minutes, "
+               "each window with at least 2 minutes of what came before it), at random times within each interval "
                "(arrival times are not in the metrics), every prompt and response of the windows' mean lengths "
                "(the length distributions' spread is not used), and one prefix every prompt shares, of the "
                "prefix-cache hit share times the mean prompt rounded to whole KV blocks (which prompts share what is "

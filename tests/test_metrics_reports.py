@@ -196,3 +196,23 @@ def test_from_metrics_fits_the_windows_and_says_what_it_assumed(tmp_path, capsys
     assert load_profile(str(out)).engine["num_gpu_blocks"] == 8192
     printed = capsys.readouterr().out
     assert "assumed: request-level histograms do not determine a step-time model" in printed
+
+
+def test_a_long_timeline_is_simulated_in_runs_of_bounded_span_each_window_with_what_came_before_it():
+    from calibrate.measurements import timeline_runs
+    tl = tuple((2.0 * i, 2.0 * i + 2.0, 3) for i in range(3600))          # two hours of scrapes every 2 s
+    windows = [(t, t + 20.0) for t in range(0, 7200, 20)]
+    runs = timeline_runs(tl, windows, lead_s=120.0, span_s=900.0)
+    assert [w for _, ws in runs for w in ws] != windows                     # shifted to each run's start
+    seen = []
+    for phases, ws in runs:
+        assert phases[0][0] == 0 and phases[-1][1] <= 900.0 + 2.0
+        assert all(b <= phases[-1][1] for _, b in ws)
+        seen += ws
+    assert len(seen) == len(windows) and len(runs) == 10
+    # each run starts 120 s before its first window (or at the timeline's start)
+    firsts = [ws[0][0] for _, ws in runs]
+    assert firsts[0] == 0.0 and all(f == 120.0 for f in firsts[1:])
+    # a short timeline is one run of all of it
+    (one,) = timeline_runs(tl[:60], [(0.0, 20.0), (20.0, 40.0), (40.0, 60.0)])
+    assert one[0] == list(tl[:30]) and one[1] == [(0.0, 20.0), (20.0, 40.0), (40.0, 60.0)]
