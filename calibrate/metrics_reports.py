@@ -200,8 +200,7 @@ def mean_between(a: Scrape, b: Scrape, hist: str) -> float | None:
 
 def requests_between(a: Scrape, b: Scrape) -> float:
     """The requests finished between two scrapes."""
-    k = HIST["e2e"] + "_count"
-    return b.samples.get(k, 0.0) - a.samples.get(k, 0.0)
+    return b.samples.get(E2E_COUNT, 0.0) - a.samples.get(E2E_COUNT, 0.0)
 
 
 def _reset(a: Scrape, b: Scrape) -> bool:
