@@ -50,16 +50,16 @@ def recorded_inputs(run: Run) -> list[tuple]:
     engine, inputs = run.engine, []
     add, abort = engine.add_request, engine.abort_request
 
-    def add_request(r: Request) -> bool:
-        ok = add(r)
+    def add_request(r: Request, now: float) -> bool:
+        ok = add(r, now)
         if ok:
-            inputs.append((run.env.now, "add", (r.request_id, r.call_id, r.num_prompt_tokens, r.max_tokens,
-                                                r.shared_prefix, r.prefix_group)))
+            inputs.append((now, "add", (r.request_id, r.call_id, r.num_prompt_tokens, r.max_tokens,
+                                        r.shared_prefix, r.prefix_group)))
         return ok
 
-    def abort_request(r: Request) -> None:
-        inputs.append((run.env.now, "abort", r.request_id))
-        abort(r)
+    def abort_request(r: Request, now: float) -> None:
+        inputs.append((now, "abort", r.request_id))
+        abort(r, now)
 
     engine.add_request, engine.abort_request = add_request, abort_request
     run.run()
@@ -98,7 +98,7 @@ def replay(profile, condition, inputs: list[tuple], until: float) -> tuple[Engin
     def feed(_event) -> None:
         i = at[0]
         for fn, r in groups[i]:
-            fn(r)
+            fn(r, env.now)
         at[0] = i = i + 1
         if i < len(groups):
             env.call_later(times[i] - env.now, feed)

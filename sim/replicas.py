@@ -156,7 +156,7 @@ class Replicas:
         tried = None
         while r is not None:
             reps[ex_id] = r
-            if self.engines[r].add_request(req):
+            if self.engines[r].add_request(req, t):
                 erec.accepted = True
                 self.requests[ex_id] = req
                 if self.report_dispatch:
@@ -170,7 +170,7 @@ class Replicas:
 
     def cancel(self, t: float, a: Cancel) -> None:
         self.executions[a.execution.id].cancel_requested_at = t
-        self.engines[self.exec_replica[a.execution.id]].abort_request(self.requests.pop(a.execution.id))
+        self.engines[self.exec_replica[a.execution.id]].abort_request(self.requests.pop(a.execution.id), t)
 
     def cancel_on(self, t: float, r: int) -> None:
         """Cancel the requests on replica r: each aborted in its engine and
@@ -184,7 +184,7 @@ class Replicas:
             for i in mine:
                 req = self.requests.pop(i)
                 self.executions[i].cancel_requested_at = t
-                self.engines[r].abort_request(req)
+                self.engines[r].abort_request(req, t)
                 ex = self.proxy.executions.get(i)
                 if ex is not None:
                     self.do(t, self.proxy.on_engine_refused(t, ex))

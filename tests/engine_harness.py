@@ -52,13 +52,13 @@ class Harness:
         self.requests[rid] = req
 
         def go():
-            if not self.engine.add_request(req):
+            if not self.engine.add_request(req, self.env.now):
                 self.refused.append(rid)
         self._at(t, go)
         return rec
 
     def abort(self, t, rid):
-        self._at(t, lambda: self.engine.abort_request(self.requests[rid]), self.abort_timers)
+        self._at(t, lambda: self.engine.abort_request(self.requests[rid], self.env.now), self.abort_timers)
 
     def run(self, until=1000.0):
         self.env.run(until=until)

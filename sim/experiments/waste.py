@@ -138,10 +138,10 @@ def simulate_waste(profile: Profile, calls: dict, cancel_rate: float, kv_policy:
             pos[0] += 1
             if kind == 0:
                 recs[i].dispatched_at = t
-                recs[i].accepted = eng.add_request(reqs[i])
+                recs[i].accepted = eng.add_request(reqs[i], env.now)
             elif recs[i].fate == "":
                 recs[i].cancel_requested_at = t
-                eng.abort_request(reqs[i])
+                eng.abort_request(reqs[i], env.now)
 
     busy_by = {}
 
