@@ -21,6 +21,16 @@ from .workload import make_trace
 STRAIGHT = Condition("straight", retries=False, proxy=ProxyConfig(cancellation="off"))
 
 
+def run_straight(profile: Profile, scenario: Scenario, seed: int, phases: list[tuple],
+                 max_batched_tokens: int | None = None, mixed_prompts: bool = False):
+    """The RunLog of calls arriving by `phases` ((start, end, rate, arrivals)
+    each) sent straight to the engine (`STRAIGHT`, no deadline), run to an
+    hour past the last phase's end."""
+    sc = scenario.with_(deadline_s=1e9, delivery_horizon_s=1e9)
+    trace = make_trace(1.0, sc, seed, mixed_prompts=mixed_prompts, phases=phases)
+    return Run(profile, trace, STRAIGHT, sc, seed, max_batched_tokens).run(until=phases[-1][1] + 3600.0)
+
+
 def latency(profile: Profile, rate: float, duration_s: float = 600.0, warmup_s: float = 60.0,
             scenario: Scenario = PAPER, seed: int = 0, max_batched_tokens: int | None = None,
             mixed_prompts: bool = False, arrivals: str = "poisson") -> dict:
@@ -29,10 +39,8 @@ def latency(profile: Profile, rate: float, duration_s: float = 600.0, warmup_s: 
     `warmup_s`."""
     if rate <= 0 or duration_s <= 0:
         raise ValueError("rate and duration must be positive")
-    sc = scenario.with_(deadline_s=1e9, delivery_horizon_s=1e9)
-    trace = make_trace(1.0, sc, seed, mixed_prompts=mixed_prompts, phases=[(0.0, duration_s, rate, arrivals)])
-    run = Run(profile, trace, STRAIGHT, sc, seed, max_batched_tokens)
-    log = run.run(until=duration_s + 3600.0)
+    log = run_straight(profile, scenario, seed, [(0.0, duration_s, rate, arrivals)], max_batched_tokens,
+                       mixed_prompts)
     ex = [e for e in log.executions if e.created_at >= warmup_s and e.fate == "completed"]
     if len(ex) == 0:
         raise RuntimeError("no call completed after the warm-up; lengthen --duration")
@@ -83,7 +91,6 @@ def latency_stages(profile: Profile, stages: list[tuple], scenario: Scenario = P
     for rate, dur, _, _ in st:
         if rate <= 0 or dur <= 0:
             raise ValueError("a stage's rate and duration must be positive")
-    sc = scenario.with_(deadline_s=1e9, delivery_horizon_s=1e9)
     gaps = [0.0] + [(60.0 + dur if gap_s is None else float(gap_s)) if drained else 0.0
                     for (_, dur, _, _), (_, _, _, drained) in zip(st, st[1:])]
     while True:
@@ -92,10 +99,8 @@ def latency_stages(profile: Profile, stages: list[tuple], scenario: Scenario = P
             t += gap
             starts.append(t)
             t += dur
-        trace = make_trace(1.0, sc, seed, phases=[(a, a + dur, rate, kind) for a, (rate, dur, kind, _)
-                                                   in zip(starts, st)])
-        run = Run(profile, trace, STRAIGHT, sc, seed, max_batched_tokens)
-        log = run.run(until=starts[-1] + st[-1][1] + 3600.0)
+        log = run_straight(profile, scenario, seed, [(a, a + dur, rate, kind) for a, (rate, dur, kind, _)
+                                                     in zip(starts, st)], max_batched_tokens)
         bounds = starts[1:] + [np.inf]
         by_stage = [[e for e in log.executions if a <= e.created_at < b] for a, b in zip(starts, bounds)]
         late = next((k for k in range(len(st) - 1) if st[k + 1][3] and any(
@@ -125,15 +130,12 @@ def latency_windows(profile: Profile, phases: list[tuple], windows: list[tuple],
     report them: the TTFT of the calls whose first token came in it and
     the E2E of the calls that finished in it (`ttft_calls`, `calls`: how
     many; a mean None where none did)."""
-    sc = scenario.with_(deadline_s=1e9, delivery_horizon_s=1e9)
     # a rate whose count is `calls` exactly (poisson_exact takes int(rate x length))
     ph = [(float(a), float(b), (n + 0.5) / (b - a), "poisson_exact") for a, b, n in phases if n >= 1 and b > a]
     if not ph:
         return [{"ttft_mean": None, "e2e_mean": None, "ttft_p90": None, "e2e_p90": None, "ttft_calls": 0,
                  "calls": 0} for _ in windows]
-    trace = make_trace(1.0, sc, seed, phases=ph)
-    run = Run(profile, trace, STRAIGHT, sc, seed, max_batched_tokens)
-    log = run.run(until=ph[-1][1] + 3600.0)
+    log = run_straight(profile, scenario, seed, ph, max_batched_tokens)
     done = [e for e in log.executions if e.fate == "completed"]
     first = np.array([e.first_token_at for e in done])
     end = np.array([e.finished_at for e in done])
