@@ -43,8 +43,8 @@ so that what a stage leaves in the prefix cache serves the next
 `duration_s` (a steady state is reached within a few E2E times), the calls
 after `warmup_s` counted, or as run where `Stage.as_run_s` says so. An
 experiment with a `timeline` (an engine's metrics: when its calls came)
-is one run of those calls, its stages windows of it
-(`sim.latency.latency_windows`).
+is one run of those calls (a long one several: `timeline_runs`), its
+stages windows of it (`sim.latency.latency_windows`).
 
 Experiments the simulator does not model (tensor parallelism over more than
 one GPU, quantized weights: `Experiment.unmodelled`) are read and kept, and
@@ -156,7 +156,7 @@ class Experiment:
     gpu: str = ""
     quantization: str | None = None
     # the calls as they came, ((start s, end s, calls), ...): the stages are windows of it (`Stage.window`),
-    # simulated in one run (`sim.latency.latency_windows`); None: each stage a run of its own
+    # simulated in one run, a long one in several (`timeline_runs`); None: each stage a run of its own
     timeline: tuple | None = None
 
     @property
@@ -822,8 +822,10 @@ def refit(profile: Profile, mine: list[Experiment], source: str, tool: str, targ
                                         "cache carried over" if any(e.drained for e in mine) else "")}
                           if any(st.as_run_s is not None for e in mine for st in e.stages) else {}),
                        **({"timeline": "the calls as they came (per interval between scrapes, their count) in one "
-                                       "run an experiment, each stage a window of it as the engine's histograms "
-                                       "saw it"} if any(e.timeline is not None for e in mine) else {})},
+                                       "run an experiment (a long one in runs of about "
+                                       f"{SPAN_S / 60:g} minutes, each window with at least {LEAD_S:g} s of what "
+                                       "came before it), each stage a window of it as the engine's histograms saw "
+                                       "it"} if any(e.timeline is not None for e in mine) else {})},
         "method": (f"scipy.optimize.least_squares (trf, bounds: the roofline at full efficiency <= coefficient <= "
                    f"{M_MAX:g} x prior) on log residuals: stages in units of {STAGE_SCALE:.0%}, published figures in "
                    "units of "

@@ -313,7 +313,7 @@ def experiments(ws: list[Window], profile: Profile, source: str) -> list[Experim
     """The windows as experiments: one per replica's segment of scrapes, on
     the engine of `profile` (with the KV cache the metrics report), its
     calls as they came (`arrivals`: the experiment's timeline, simulated in
-    one run) and a stage per window, in time order; its workload the
+    one run, a long one in several) and a stage per window, in time order; its workload the
     windows' request-weighted mean lengths and shared prefix (whole KV
     blocks)."""
     flags = profile_flags(profile)

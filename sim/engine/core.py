@@ -153,7 +153,7 @@ class EngineCore:
         self.inbox.append(("add", r))
         self._inbox_prompt_tokens += r.num_prompt_tokens
         self._inbox_adds += 1
-        if self._idle:
+        if self._idle:          # checked here, not in _poke: no call while the engine is awake (most inputs)
             self._poke()
         return True
 
