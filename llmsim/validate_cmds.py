@@ -195,6 +195,10 @@ def _verdicts(points: list[dict], tag, json_path: str | None) -> int:
             print(f"{tag(p)}: NOT A TEST OF THE MODEL: {sp['says']} ({line}; --retry-slow N runs such a point "
                   "again)")
             continue
+        if not ag.get("recovery_tests_model", True):
+            print(f"{tag(p)}: RECOVERY NOT A TEST OF THE MODEL: {p['band_edges']['says']} ({line}"
+                  f"{'' if ag['pulse'] and ag['hold'] else '; delivery beyond the 15-point bar'}; k {sp['k']:.2f})")
+            continue
         print(f"{tag(p)}: {line}{'' if ag['all'] else '  (beyond the 15-point bar)'}"
               + (f"; k {sp['k']:.2f}" if sp is not None else ""))
     if json_path:
@@ -262,6 +266,8 @@ def cmd_validate_autoscale(a, from_file) -> int:
     print(live_autoscale.table(point))
     if point["engine_speed"] is not None and not point["engine_speed"]["tests_model"]:
         print(f"NOT A TEST OF THE MODEL: {point['engine_speed']['says']} (--retry-slow N runs it again)")
+    elif (edges := point.get("band_edges")) is not None and edges["flips"]:
+        print(f"RECOVERY NOT A TEST OF THE MODEL: {edges['says']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(point, f, indent=1, default=str)

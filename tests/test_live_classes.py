@@ -80,6 +80,11 @@ def test_drill_each_request_carries_its_class_priority_and_the_record_has_classe
         assert row["live"]["recovered"] == live["classes"][name]["recovered"]
         assert row["sim"]["recovered"] == p["sim"]["classes"][name]["recovered"]
         assert row["agrees"] == (row["live"]["recovered"] == row["sim"]["recovered"])
+        if p["engine_speed"] is not None:          # each class judged at the speed band's edges
+            e = row["band_edges"]
+            assert e["k"] == pytest.approx([0.9, 1.1]) and len(e["recovered"]) == 2
+            assert row["recovery_tests_model"] == (e["recovered"][0] == e["recovered"][1])
+    assert p["engine_speed"] is not None           # the stand-in records its steps
     assert "chat (priority 0)" in table(p)
 
 
@@ -105,6 +110,9 @@ def test_live_point_agrees_with_its_prediction_on_each_class_recovery(cpu_engine
         assert "not a test of the model" in table(p)
         return
     for name, row in p["classes"].items():
+        if not row["recovery_tests_model"]:        # its prediction flips inside the band: the point says so
+            assert "does not test the model" in table(p)
+            continue
         assert row["agrees_engine_steps"], (name, row)
 
 

@@ -67,18 +67,19 @@ def _record(recovered: bool, pulse: float, hold: float, k: float | None) -> dict
             "step_time_vs_profile": None if k is None else {"ratio": k}}
 
 
-def _run(ks: list[float | None], retry_slow: int) -> tuple[dict, list]:
-    """run_point with a stand-in live run whose engine ran at k = ks[i] on its i-th run."""
+def _run(ks: list[float | None], retry_slow: int, scaled=lambda k: _record(True, 91.0, 84.0, None),
+         live_recovered: bool = True) -> tuple[dict, list]:
+    """run_point with a stand-in live run whose engine ran at k = ks[i] on
+    its i-th run; `scaled(k)`: the stand-in prediction at k."""
     runs = []
 
     def live():
-        rec = _record(True, 90.0, 80.0, ks[len(runs)])
+        rec = _record(live_recovered, 90.0, 80.0, ks[len(runs)])
         runs.append(rec)
         return rec, {"version": "test", "model": "m"}
     doc = {"engine": {}, "points": []}
     ran = V.run_point(doc, {"condition": "no-control"}, "no-control", "1/1", lambda: _record(True, 92.0, 85.0, None),
-                      "a stand-in engine", live, lambda k: _record(True, 91.0, 84.0, None), None, log=lambda m: None,
-                      retry_slow=retry_slow)
+                      "a stand-in engine", live, scaled, None, log=lambda m: None, retry_slow=retry_slow)
     assert ran
     return doc["points"][0], runs
 
@@ -104,6 +105,54 @@ def test_a_slow_point_is_run_again_up_to_retry_slow_times_and_the_slow_runs_are_
 def test_a_point_without_recorded_steps_has_no_speed_and_is_not_rerun():
     p, runs = _run([None, None], retry_slow=3)
     assert len(runs) == 1 and p["engine_speed"] is None
+    assert "band_edges" not in p and p["agreement"]["recovery_tests_model"]
+
+
+def _recovers_below(edge: float):
+    """A stand-in prediction that recovers while its steps take under `edge` x the profile's."""
+    return lambda k: _record(k < edge, 91.0, 84.0, None) | {"recovery_time_s": 150.0 if k < edge else None}
+
+
+def test_a_point_whose_prediction_flips_inside_the_band_does_not_test_recovery(capsys):
+    """Recovering at k 0.9 and not at 1.1, the model leaves the point's
+    recovery to a speed the band cannot tell apart: a live miss at k 1.02
+    is marked, not counted as a disagreement; delivery is still compared."""
+    p, _ = _run([1.02], retry_slow=0, scaled=_recovers_below(1.05), live_recovered=False)
+    e = p["band_edges"]
+    assert e["k"] == pytest.approx([0.9, 1.1]) and e["recovered"] == [True, False] and e["flips"]
+    assert e["recovery_time_s"] == [150.0, None] and "inside the speed band" in e["says"]
+    ag = p["agreement"]
+    assert not ag["recovered"] and not ag["recovery_tests_model"] and ag["pulse"] and ag["hold"]
+    assert p["engine_speed"]["tests_model"]               # the engine's speed itself was in the band
+    assert VC._verdicts([p], lambda q: q["condition"], None) == 0
+    out = capsys.readouterr().out
+    assert "no-control: RECOVERY NOT A TEST OF THE MODEL: the prediction recovers at k 0.90" in out
+    assert "recovered DIFFERS" in out and "k 1.02" in out
+
+
+def test_a_prediction_that_holds_across_the_band_tests_recovery(capsys):
+    for edge in (0.5, 2.0):                       # never recovers / always recovers inside the band
+        p, _ = _run([1.02], retry_slow=0, scaled=_recovers_below(edge), live_recovered=False)
+        assert not p["band_edges"]["flips"] and p["band_edges"]["says"] is None
+        assert p["agreement"]["recovery_tests_model"] and not p["agreement"]["recovered"]
+    VC._verdicts([p], lambda q: q["condition"], None)
+    out = capsys.readouterr().out
+    assert "no-control: recovered DIFFERS" in out and "NOT A TEST" not in out
+
+
+def test_the_band_edges_are_taken_about_the_speed_a_point_was_predicted_for():
+    """A point predicted for a probed k0 of 1.2 has its edges at 1.08 and 1.32."""
+    asked = []
+
+    def scaled(k):
+        asked.append(k)
+        return _record(True, 91.0, 84.0, None)
+    rec = _record(True, 90.0, 80.0, 1.0) | {"speed_probe": {"k": 1.2, "applied_k": 1.2}}
+    doc = {"engine": {}, "points": []}
+    V.run_point(doc, {"condition": "cancel"}, "cancel", "1/1", lambda: _record(True, 92.0, 85.0, None), "a stand-in",
+                lambda: (rec, {"version": "t", "model": "m"}), scaled, None, log=lambda m: None)
+    assert doc["points"][0]["band_edges"]["k"] == pytest.approx([1.08, 1.32])
+    assert pytest.approx(1.08) in asked and pytest.approx(1.32) in asked
 
 
 # ------------------------------------------------------- which profile

@@ -513,6 +513,8 @@ def table(points: list[dict]) -> str:
             continue
         adj = p.get("sim_step_adjusted")
         lines.append(f"{p['condition']}{speed_note(p)}")
+        if (edges := p.get("band_edges")) is not None and edges["flips"]:
+            lines.append(f"  ({edges['says']})")
         head = f"  {'':26s} {'sim':>9s} {'live':>9s} {'live-sim':>9s}"
         lines.append(head + (f" {'sim x k':>9s} {'live-simk':>9s}" if adj else ""))
         for label, f in ROWS:
@@ -544,14 +546,50 @@ def speed_note(p: dict) -> str:
 
 def agreement(p: dict, points_bound: float = 15.0) -> dict:
     """The agreement bar for one point: recovered agrees, pulse and hold
-    delivery within `points_bound` percentage points."""
+    delivery within `points_bound` percentage points. Where the prediction's
+    recovery flips inside the speed band (`p["band_edges"]`, `band_edges`),
+    `recovery_tests_model` is False: the point's recovery, agreeing or not,
+    does not test the model."""
     s, live = p["sim"], p["live"]
-    out = {"recovered": s["recovered"] == live["recovered"]}
+    edges = p.get("band_edges")
+    out = {"recovered": s["recovered"] == live["recovered"],
+           "recovery_tests_model": edges is None or not edges["flips"]}
     for c in ("pulse", "hold"):
         a, b = cohort_pct(s["cohorts"][c], "delivered"), cohort_pct(live["cohorts"][c], "delivered")
         out[f"{c}_delivered_diff"] = None if a is None or b is None else b - a
         out[c] = a is not None and b is not None and abs(b - a) <= points_bound
     out["all"] = out["recovered"] and out["pulse"] and out["hold"]
+    return out
+
+
+def band_edges(simulate_scaled, k0: float, band=SPEED_BAND) -> dict:
+    """The point predicted for the engines at its speed band's edges (the
+    speed it was predicted for, k0, times each bound): an engine that ran
+    anywhere inside the band tests the model, so where the prediction
+    recovers at one edge and not at the other, the model itself leaves the
+    point's recovery open to a speed the band cannot tell apart, and its
+    recovery, agreeing or not, does not test the model (its delivery still
+    does)."""
+    return edge_verdicts(*edge_records(simulate_scaled, k0, band))
+
+
+def edge_records(simulate_scaled, k0: float, band=SPEED_BAND) -> tuple[list[float], list[dict]]:
+    """(the ks of the band's edges about k0, the prediction's record at each)."""
+    ks = [k0 * band[0], k0 * band[1]]
+    return ks, [simulate_scaled(k) for k in ks]
+
+
+def edge_verdicts(ks: list[float], recs: list[dict], part=lambda r: r) -> dict:
+    """`band_edges` of records made at `ks` (`edge_records`); `part(record)`
+    is the record judged (a class's, for a point of several classes)."""
+    parts = [part(r) for r in recs]
+    verdicts = [q["recovered"] for q in parts]
+    out = {"k": ks, "recovered": verdicts, "recovery_time_s": [q.get("recovery_time_s") for q in parts],
+           "flips": verdicts[0] != verdicts[1]}
+    out["says"] = (None if not out["flips"] else
+                   f"the prediction {'recovers' if verdicts[0] else 'does not recover'} at k {ks[0]:.2f} and "
+                   f"{'recovers' if verdicts[1] else 'does not'} at {ks[1]:.2f}, both inside the speed band: "
+                   "its recovery does not test the model")
     return out
 
 
@@ -593,7 +631,8 @@ def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, 
     (record, engine description) on `where`, then append it to doc["points"]
     (as `key` plus sim and live, the agreement, and where the run recorded
     its steps its `engine_speed` and `simulate_scaled(k)`, the prediction
-    with every step k times as long) and save the document. Where the live
+    with every step k times as long, and at the speed band's edges,
+    `band_edges`) and save the document. Where the live
     run probed its engine's speed first (`speed_probe`), `sim` is the
     prediction for the engine so probed, `simulate_scaled(k0)`, and the
     profile's own is kept as `sim_profile`. A live run whose
@@ -628,6 +667,8 @@ def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, 
         # the prediction for the engine as the probe found it before the point
         p["sim_profile"], p["sim"] = sim, simulate_scaled(k0)
     st = rec.get("step_time_vs_profile")
+    if sim is not None and p["engine_speed"] is not None:
+        p["band_edges"] = band_edges(simulate_scaled, k0 or 1.0, p["engine_speed"]["band"])
     if sim is not None:
         p["agreement"] = agreement(p)
     if sim is not None and st is not None:
