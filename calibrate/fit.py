@@ -181,6 +181,7 @@ def fit_report(rows: list[dict], holdout_every: int = 4, window: int = 10,
                   f"{holdout_every}th grid cell (steps under load: blocks of {BLOCK_STEPS} steps); "
                   f"window sums over {window} consecutive held-out steps",
         "steps": len(rows), "train_steps": len(train), "heldout_steps": len(test),
+        "max_num_reqs": max((r["num_reqs"] for r in rows), default=0),     # the busiest step fitted
         "heldout_phases": sorted({r.get("phase", "other") for r in test}),
         "train_mape": mape(predict(m, train), ytr),
         "heldout_mape": mape(pte, yte),

@@ -229,3 +229,32 @@ def test_step_time_ratio_against_the_profile_and_scaled_prediction(tmp_path):
     k = scaled_profile(prof, 1.5)
     assert k.step_time.duration(3, 100, 1e4, 500) == pytest.approx(1.5 * st.duration(3, 100, 1e4, 500))
     assert k.capacity == prof.capacity and k.engine == prof.engine
+    assert "ratio_in_fit_range" not in r            # the embedded profile does not say its fitted range
+
+
+def test_the_speed_a_point_ran_at_is_read_over_the_steps_the_profile_was_fitted_on(tmp_path):
+    """Steps busier than any the profile was fitted on say how it
+    extrapolates, not how fast the machine ran: the speed expected of the
+    next point (`realized_speed`) is read over the others, where enough."""
+    import dataclasses
+
+    from sim.engine.step_time import prefill_pairs
+    from sim.profile import load_profile
+    from validate import validation as V
+    prof = load_profile("vllm-cpu-tiny")
+    prof = dataclasses.replace(prof, raw=dict(prof.raw, fit=dict(prof.raw.get("fit") or {}, max_num_reqs=40)))
+    st, lines, t = prof.step_time, [], 0.0
+    for i in range(300):                 # 150 steps of 8 at 1.0 x the profile, 150 of 60 at 1.4 x
+        n, k = (8, 1.0) if i % 2 else (60, 1.4)
+        d = k * st.duration(n, n, prefill_pairs(0, 0), 500 * n)
+        lines.append(json.dumps({"i": i, "t_start": t, "t_end": t + d, "prefill": [], "decode_n": n,
+                                 "decode_tokens": n, "decode_ctx": 500 * n}))
+        t += d
+    p = tmp_path / "steps.raw.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    r = V.step_time_ratio(str(p), prof)
+    assert r["ratio"] > 1.2 and r["ratio_in_fit_range"] == pytest.approx(1.0) and r["fit_range_num_reqs"] == 40
+    assert V.realized_speed({"live": {"step_time_vs_profile": r}}) == pytest.approx(1.0)
+    # too few steps inside the range to say: the whole point's ratio
+    few = V.step_time_ratio(str(p), prof, skip=300 - 2 * (V.MIN_STEPS_IN_RANGE - 1))
+    assert "ratio_in_fit_range" not in few and V.realized_speed({"live": {"step_time_vs_profile": few}}) > 1.2

@@ -173,8 +173,24 @@ def step_time_ratio(step_log, profile: Profile, skip: int = 0) -> dict | None:
     rows = steps_from_raw(raw, [])
     actual = np.array([r["duration_s"] for r in rows])
     pred = predict_steps(profile.step_time, rows)
-    return {"ratio": float(actual.sum() / pred.sum()), "median_step_ratio": float(np.median(actual / pred)),
-            "steps": len(rows), "actual_s": float(actual.sum()), "predicted_s": float(pred.sum())}
+    out = {"ratio": float(actual.sum() / pred.sum()), "median_step_ratio": float(np.median(actual / pred)),
+           "steps": len(rows), "actual_s": float(actual.sum()), "predicted_s": float(pred.sum())}
+    most = fitted_num_reqs(profile)
+    if most:
+        inside = np.array([r["num_reqs"] <= most for r in rows])
+        if inside.sum() >= MIN_STEPS_IN_RANGE:
+            out["ratio_in_fit_range"] = float(actual[inside].sum() / pred[inside].sum())
+            out["fit_range_num_reqs"] = most
+    return out
+
+
+MIN_STEPS_IN_RANGE = 100    # the fewest steps inside the fitted range that say how fast the engine ran
+
+
+def fitted_num_reqs(profile: Profile) -> int | None:
+    """The most requests of any step the profile was fitted on (its fit
+    report's `max_num_reqs`); None where the profile does not say."""
+    return ((profile.raw or {}).get("fit") or {}).get("max_num_reqs")
 
 
 SPEED_BAND = (0.9, 1.1)
@@ -336,14 +352,17 @@ def applied_k(k: float, expected: float = 1.0) -> float:
 
 
 def realized_speed(point: dict) -> float | None:
-    """How fast a point's engine ran over the whole point against the
-    profile as it is (its steps against the prediction's profile, times the
-    k that profile was scaled by); None where no steps were recorded."""
+    """How fast a point's engine ran against the profile as it is (its
+    steps against the prediction's profile, times the k that profile was
+    scaled by): over its steps no busier than any the profile was fitted on
+    where it had enough of them (`ratio_in_fit_range`: busier steps say how
+    the profile extrapolates, not how fast the machine was), else over all;
+    None where no steps were recorded."""
     live = point.get("live") or {}
     st = live.get("step_time_vs_profile")
     if st is None:
         return None
-    return st["ratio"] * (probe_k(live.get("speed_probe")) or 1.0)
+    return st.get("ratio_in_fit_range", st["ratio"]) * (probe_k(live.get("speed_probe")) or 1.0)
 
 
 def probe_k(probed: dict | None) -> float | None:
