@@ -377,8 +377,8 @@ def _predicting_profile(a, spec: EngineSpec, prof, vs, kind: str, layout: str):
     this machine in `layout` (the given one, or one fitted before and kept),
     else one fitted now from a live capacity run (`validate.harness`); on a
     GPU engine or one given by URL, the profile as given. A profile measured
-    on another machine is fitted first whatever the mode, unless
-    --no-recalibrate."""
+    on another machine is fitted first whatever the mode (under `auto`, once:
+    the fit is kept and reused), unless --no-recalibrate."""
     diffs = recalibrate_needed(prof.raw, kind, a.no_recalibrate, "validate")
     mode = a.calibrate_from
     if kind == "url":
@@ -389,7 +389,7 @@ def _predicting_profile(a, spec: EngineSpec, prof, vs, kind: str, layout: str):
     if not diffs and (mode == "profile" or (mode == "auto" and kind == "gpu")
                       or (mode == "auto" and under_harness_here(prof.raw, layout))):
         return prof, None
-    if not diffs and mode == "auto" and (hit := cached(prof.raw, layout)) is not None:
+    if mode == "auto" and (hit := cached(prof.raw, layout)) is not None:      # fitted here: whatever its base
         fitted, path = hit
         _say(f"validate: predicting with the profile fitted under the validation harness here before ({path}; "
              "--calibrate-from capacity fits it again)")

@@ -199,6 +199,21 @@ def test_auto_fits_a_quiet_profile_under_the_harness_once_and_reuses_it(state_di
     assert p3 is p2 and cal3 is None and len(calibrations) == 3
 
 
+def test_a_profile_of_another_machine_is_fitted_here_once_and_the_fit_reused(state_dir, calibrations, monkeypatch,
+                                                                             capsys):
+    """The embedded profile, measured on another CPU: `auto` fits it under
+    the harness here the first time, and a later validation reuses that fit."""
+    monkeypatch.setattr(VC, "recalibrate_needed", lambda *a: ["CPU 'Intel', here 'AMD'"])
+    prof, vs = load_profile("vllm-cpu-tiny"), get_scenario("cpu-tiny")
+    p, _ = VC._predicting_profile(_args(), V.EngineSpec("cpu"), prof, vs, "cpu", "apart")
+    assert len(calibrations) == 1 and "was measured on another machine" in capsys.readouterr().err
+    p2, _ = VC._predicting_profile(_args(), V.EngineSpec("cpu"), prof, vs, "cpu", "apart")
+    assert len(calibrations) == 1 and p2.name == p.name
+    assert "fitted under the validation harness here before" in capsys.readouterr().err
+    VC._predicting_profile(_args("capacity"), V.EngineSpec("cpu"), prof, vs, "cpu", "apart")
+    assert len(calibrations) == 2                 # --calibrate-from capacity fits it anew
+
+
 def test_profile_mode_gpu_and_url_engines_predict_with_the_profile_as_given(state_dir, calibrations):
     prof, vs = load_profile("vllm-cpu-tiny"), get_scenario("cpu-tiny")
     for mode, kind in (("profile", "cpu"), ("auto", "gpu"), ("auto", "url"), ("profile", "url")):
