@@ -119,15 +119,26 @@ def test_a_point_whose_prediction_flips_inside_the_band_does_not_test_recovery(c
     is marked, not counted as a disagreement; delivery is still compared."""
     p, _ = _run([1.02], retry_slow=0, scaled=_recovers_below(1.05), live_recovered=False)
     e = p["band_edges"]
-    assert e["k"] == pytest.approx([0.9, 1.1]) and e["recovered"] == [True, False] and e["flips"]
-    assert e["recovery_time_s"] == [150.0, None] and "inside the speed band" in e["says"]
+    assert e["k"] == pytest.approx([0.9, 0.95, 1.0, 1.05, 1.1]) and e["flips"]
+    assert e["recovered"] == [True, True, True, False, False]
+    assert e["recovery_time_s"] == [150.0] * 3 + [None] * 2 and "inside the speed band" in e["says"]
+    assert e["hold_delivered_pct"] == [84.0] * 5 and e["pulse_delivered_pct"] == [91.0] * 5
     ag = p["agreement"]
     assert not ag["recovered"] and not ag["recovery_tests_model"] and ag["pulse"] and ag["hold"]
     assert p["engine_speed"]["tests_model"]               # the engine's speed itself was in the band
     assert VC._verdicts([p], lambda q: q["condition"], None) == 0
     out = capsys.readouterr().out
-    assert "no-control: RECOVERY NOT A TEST OF THE MODEL: the prediction recovers at k 0.90" in out
+    assert ("no-control: RECOVERY NOT A TEST OF THE MODEL: the prediction recovers at k 0.90, 0.95, 1.00 and "
+            "does not at 1.05, 1.10") in out
     assert "recovered DIFFERS" in out and "k 1.02" in out
+
+
+def test_a_prediction_that_recovers_inside_the_band_but_not_at_its_edges_does_not_test_recovery():
+    """Recovery is not monotone in k near its edge: a verdict that changes
+    only between the band's edges is caught too."""
+    p, _ = _run([1.0], retry_slow=0, scaled=lambda k: _record(0.97 < k < 1.03, 91.0, 84.0, None))
+    assert p["band_edges"]["recovered"] == [False, False, True, False, False] and p["band_edges"]["flips"]
+    assert not p["agreement"]["recovery_tests_model"]
 
 
 def test_a_prediction_that_holds_across_the_band_tests_recovery(capsys):
@@ -141,7 +152,7 @@ def test_a_prediction_that_holds_across_the_band_tests_recovery(capsys):
 
 
 def test_the_band_edges_are_taken_about_the_speed_a_point_was_predicted_for():
-    """A point predicted for a probed k0 of 1.2 has its edges at 1.08 and 1.32."""
+    """A point predicted for a probed k0 of 1.2 is predicted across 1.08-1.32."""
     asked = []
 
     def scaled(k):
@@ -151,7 +162,7 @@ def test_the_band_edges_are_taken_about_the_speed_a_point_was_predicted_for():
     doc = {"engine": {}, "points": []}
     V.run_point(doc, {"condition": "cancel"}, "cancel", "1/1", lambda: _record(True, 92.0, 85.0, None), "a stand-in",
                 lambda: (rec, {"version": "t", "model": "m"}), scaled, None, log=lambda m: None)
-    assert doc["points"][0]["band_edges"]["k"] == pytest.approx([1.08, 1.32])
+    assert doc["points"][0]["band_edges"]["k"] == pytest.approx([1.08, 1.14, 1.2, 1.26, 1.32])
     assert pytest.approx(1.08) in asked and pytest.approx(1.32) in asked
 
 
