@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from sim.conditions import get_condition
 from sim.profile import load_profile
 from sim.scenario import NamedScenario, _scaled
@@ -211,15 +213,25 @@ def test_a_point_is_predicted_for_its_engine_as_probed_just_before_it(tmp_path):
     assert p["live"]["counters"]["prompt_tokens_total"] == plain["live"]["counters"]["prompt_tokens_total"] > 0
 
 
-def test_each_point_expects_its_engine_at_the_speed_the_last_one_ran(tmp_path):
+def test_each_point_expects_its_engine_at_the_speed_the_last_one_ran_where_it_left_the_band(tmp_path):
     prof = load_profile("vllm-cpu-tiny")
     doc = V.validate(FakeSpec(tmp_path, ["serve", "serve"]), prof, DRILL, ["no-retry", "no-control"], None,
                      capacity=CAPACITY, log=lambda m: None)
     first, second = doc["points"]
     assert first["live"]["speed_probe"]["expected"] == 1.0
-    assert second["live"]["speed_probe"]["expected"] == V.realized_speed(first)
-    assert second["live"]["speed_probe"]["applied_k"] == V.applied_k(second["live"]["speed_probe"]["k"],
-                                                                     V.realized_speed(first))
+    expected = V.expected_speed([first])
+    assert second["live"]["speed_probe"]["expected"] == expected
+    assert second["live"]["speed_probe"]["applied_k"] == V.applied_k(second["live"]["speed_probe"]["k"], expected)
+
+
+@pytest.mark.parametrize("ran, expected", [(1.5, 1.5), (0.7, 0.7), (1.06, 1.0), (0.93, 1.0), (None, 2.0)])
+def test_the_speed_expected_follows_the_last_point_only_where_it_ran_outside_the_band(ran, expected):
+    """Inside the band a point's speed says as much about how the profile
+    fits its batches as about the machine: the profile's own is expected
+    (a point without recorded steps is passed over)."""
+    last = {"live": {"step_time_vs_profile": None if ran is None else {"ratio": ran}}}
+    assert V.expected_speed([{"live": {"step_time_vs_profile": {"ratio": 2.0}}}, last]) == expected
+    assert V.expected_speed([]) == 1.0
 
 
 def test_a_probe_within_its_noise_leaves_the_profile_as_it_is():

@@ -344,11 +344,23 @@ def speed_probe(eng: E.Engine, profile: Profile, vs: NamedScenario, log=E.say,
 
 def applied_k(k: float, expected: float = 1.0) -> float:
     """The k a point is predicted with from its probe's `k` and the speed
-    `expected` of its engine (the last point's engine's over its whole run,
-    else 1: the profile's): the probe's k where it strays from the expected
+    `expected` of its engine (`expected_speed`): the probe's k where it strays from the expected
     beyond the probe's own noise (`PROBE_NOISE`, either way: the machine
     has changed speed), else the expected."""
     return k if not 1.0 / PROBE_NOISE <= k / expected <= PROBE_NOISE else expected
+
+
+def expected_speed(points: list[dict], band=SPEED_BAND) -> float:
+    """The speed the next point's engine is expected at: the last point's
+    engine's (`realized_speed`) where it ran outside the speed band (the
+    machine's speed drifts over tens of minutes, and a probe of six calls is
+    noisier than that), else the profile's, 1: inside the band a point's
+    speed says as much about how the profile fits that point's batches as
+    about the machine (cpu-small's no-control, its steps of up to 41
+    requests, ran 1.06-1.07 x the profile in two runs on 2026-12-05 whose
+    next points ran at 0.99)."""
+    speeds = [v for p in points if (v := realized_speed(p)) is not None]
+    return speeds[-1] if speeds and not band[0] <= speeds[-1] <= band[1] else 1.0
 
 
 def realized_speed(point: dict) -> float | None:
@@ -769,10 +781,7 @@ def validate(spec: EngineSpec, profile: Profile, vs: NamedScenario, points: list
     for k, name in enumerate(points):
         if name in have:
             continue
-        # the speed the next engine is expected at: the last point's engine's over its run (the machine's
-        # speed drifts over tens of minutes; a probe of six calls is noisier than that), else the profile's
-        speeds = [v for p in doc["points"] if (v := realized_speed(p)) is not None]
-        expected = speeds[-1] if speeds else 1.0
+        expected = expected_speed(doc["points"])
         run_point(doc, {"condition": name}, name, f"{k + 1}/{len(points)}",
                   lambda: predict(profile, name, vs, cap, stack_for),
                   (f"the running {spec.kind} engine" if isinstance(spec, RunningEngine)
