@@ -70,7 +70,7 @@ def _record(recovered: bool, pulse: float, hold: float, k: float | None) -> dict
 def _run(ks: list[float | None], retry_slow: int, scaled=lambda k: _record(True, 91.0, 84.0, None),
          live_recovered: bool = True) -> tuple[dict, list]:
     """run_point with a stand-in live run whose engine ran at k = ks[i] on
-    its i-th run; `scaled(k)`: the stand-in prediction at k."""
+    its i-th run; `scaled(k)`: the stand-in prediction at k (at 1: the point's own)."""
     runs = []
 
     def live():
@@ -78,7 +78,7 @@ def _run(ks: list[float | None], retry_slow: int, scaled=lambda k: _record(True,
         runs.append(rec)
         return rec, {"version": "test", "model": "m"}
     doc = {"engine": {}, "points": []}
-    ran = V.run_point(doc, {"condition": "no-control"}, "no-control", "1/1", lambda: _record(True, 92.0, 85.0, None),
+    ran = V.run_point(doc, {"condition": "no-control"}, "no-control", "1/1", lambda: scaled(1.0),
                       "a stand-in engine", live, scaled, None, log=lambda m: None, retry_slow=retry_slow)
     assert ran
     return doc["points"][0], runs
@@ -143,7 +143,7 @@ def test_a_prediction_that_recovers_inside_the_band_but_not_at_its_edges_does_no
 
 def test_a_prediction_that_holds_across_the_band_tests_recovery(capsys):
     for edge in (0.5, 2.0):                       # never recovers / always recovers inside the band
-        p, _ = _run([1.02], retry_slow=0, scaled=_recovers_below(edge), live_recovered=False)
+        p, _ = _run([1.02], retry_slow=0, scaled=_recovers_below(edge), live_recovered=edge < 1.0)   # differs
         assert not p["band_edges"]["flips"] and p["band_edges"]["says"] is None
         assert p["agreement"]["recovery_tests_model"] and not p["agreement"]["recovered"]
     VC._verdicts([p], lambda q: q["condition"], None)
@@ -158,12 +158,14 @@ def test_the_band_edges_are_taken_about_the_speed_a_point_was_predicted_for():
     def scaled(k):
         asked.append(k)
         return _record(True, 91.0, 84.0, None)
-    rec = _record(True, 90.0, 80.0, 1.0) | {"speed_probe": {"k": 1.2, "applied_k": 1.2}}
+    rec = _record(True, 90.0, 80.0, 1.02) | {"speed_probe": {"k": 1.2, "applied_k": 1.2}}
     doc = {"engine": {}, "points": []}
     V.run_point(doc, {"condition": "cancel"}, "cancel", "1/1", lambda: _record(True, 92.0, 85.0, None), "a stand-in",
                 lambda: (rec, {"version": "t", "model": "m"}), scaled, None, log=lambda m: None)
     assert doc["points"][0]["band_edges"]["k"] == pytest.approx([1.08, 1.14, 1.2, 1.26, 1.32])
     assert pytest.approx(1.08) in asked and pytest.approx(1.32) in asked
+    assert asked.count(pytest.approx(1.2)) == 1       # the prediction at k0 itself, made once and reused
+    assert pytest.approx(1.2 * 1.02) in asked         # and sim x k, at the speed the steps ran
 
 
 # ------------------------------------------------------- which profile

@@ -321,12 +321,12 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
     speed = engine_speed(ratio, silence_s=server_silence_s(live))
     edges = None
     if speed is not None:
-        # recovery at the speed band's edges (at the measured start-up where there is one): a verdict that
+        # recovery across the speed band (at the measured start-up where there is one): a verdict that
         # flips inside the band does not test the model
-        base = dm if measured else d
+        base, at_1 = (dm, sim_measured) if measured else (d, sim)
         edges = band_edges(lambda k: dataclasses.replace(base, fleet=dataclasses.replace(
             base.fleet, profiles=tuple(scaled_profile(p, k) for p in base.fleet.profiles))).run(
-            seed=seed, condition=cond, trace=trace), 1.0, speed["band"])
+            seed=seed, condition=cond, trace=trace), 1.0, speed["band"], at_k0=at_1)
     spread, sync = startup_spread_s(a), a.sync_period_s
     out = {"condition": cond.name, "seed": seed, "capacity": sum(caps[:a.initial]), "startup_s": measured,
            "startup_spread_s": spread, "step_time_vs_profile": ratio,

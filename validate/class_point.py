@@ -120,9 +120,9 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
     speed = engine_speed(ratio, silence_s=server_silence_s(live))
     classes = compare(live, sim, scaled)
     if speed is not None:
-        # each class's verdict at the speed band's edges: one that flips inside it does not test the model
+        # each class's verdict across the speed band: one that flips inside it does not test the model
         ks, recs = edge_records(lambda k: dataclasses.replace(d, profile=scaled_profile(d.profile, k)).run(
-            seed=seed, condition=cond, trace=trace), 1.0, speed["band"])
+            seed=seed, condition=cond, trace=trace), 1.0, speed["band"], at_k0=sim)
         for name, row in classes.items():
             row["band_edges"] = edge_verdicts(ks, recs, lambda r, name=name: r["classes"][name])
             row["recovery_tests_model"] = not row["band_edges"]["flips"]

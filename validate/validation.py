@@ -597,7 +597,7 @@ def agreement(p: dict, points_bound: float = 15.0) -> dict:
     return out
 
 
-def band_edges(simulate_scaled, k0: float, band=SPEED_BAND) -> dict:
+def band_edges(simulate_scaled, k0: float, band=SPEED_BAND, at_k0: dict | None = None) -> dict:
     """The point predicted for engines across its speed band (the speed it
     was predicted for, k0, times each of `BAND_SPEEDS` speeds from the
     band's lower edge to its upper): an engine that ran anywhere inside the
@@ -606,17 +606,20 @@ def band_edges(simulate_scaled, k0: float, band=SPEED_BAND) -> dict:
     a speed the band cannot tell apart, and its recovery, agreeing or not,
     does not test the model (its delivery still does). Recovery is not
     monotone in k near its edge (on cpu-small, no-retry recovered at k 0.995
-    and not at 0.955 or 1.168), so the edges alone do not say it."""
-    return edge_verdicts(*edge_records(simulate_scaled, k0, band))
+    and not at 0.955 or 1.168), so the edges alone do not say it. `at_k0`:
+    the point's prediction at k0, where made already."""
+    return edge_verdicts(*edge_records(simulate_scaled, k0, band, at_k0))
 
 
 BAND_SPEEDS = 5         # the speeds across the band a point is predicted at: its edges and three between
 
 
-def edge_records(simulate_scaled, k0: float, band=SPEED_BAND) -> tuple[list[float], list[dict]]:
-    """(the ks across the band about k0, the prediction's record at each)."""
-    ks = [k0 * float(b) for b in np.linspace(band[0], band[1], BAND_SPEEDS)]
-    return ks, [simulate_scaled(k) for k in ks]
+def edge_records(simulate_scaled, k0: float, band=SPEED_BAND, at_k0: dict | None = None
+                 ) -> tuple[list[float], list[dict]]:
+    """(the ks across the band about k0, the prediction's record at each);
+    `at_k0`, the prediction at k0 itself where made already, is not made again."""
+    bs = [float(b) for b in np.linspace(band[0], band[1], BAND_SPEEDS)]
+    return [k0 * b for b in bs], [at_k0 if b == 1.0 and at_k0 is not None else simulate_scaled(k0 * b) for b in bs]
 
 
 def edge_verdicts(ks: list[float], recs: list[dict], part=lambda r: r) -> dict:
@@ -713,7 +716,7 @@ def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, 
         p["sim_profile"], p["sim"] = sim, simulate_scaled(k0)
     st = rec.get("step_time_vs_profile")
     if sim is not None and p["engine_speed"] is not None:
-        p["band_edges"] = band_edges(simulate_scaled, k0 or 1.0, p["engine_speed"]["band"])
+        p["band_edges"] = band_edges(simulate_scaled, k0 or 1.0, p["engine_speed"]["band"], at_k0=p["sim"])
     if sim is not None:
         p["agreement"] = agreement(p)
     if sim is not None and st is not None:
