@@ -15,7 +15,6 @@ profile (no speed probe: the prediction is the fit's alone).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -49,8 +48,8 @@ def main() -> int:
         fitted = tmp / "fitted.json"
         assert llmsim(["calibrate", "from-bench", *reports[:-1], "--profile", "vllm-cpu-tiny", "-o", str(fitted)]) == 0
         prof = load_profile(str(fitted))
-        pm = json.loads(fitted.read_text())["provenance"]["measurements"]
-        held = ms.compare(prof, B.experiments(B.read_reports(reports[-1:]), prof), frontend_s=pm["frontend_s"])
+        held = ms.compare(prof, B.experiments(B.read_reports(reports[-1:]), prof),
+                          frontend_s=ms.unsimulated_frontend(prof))
         print("\nfurther rate, not in the fit:")
         print(ms.stage_table(held))
         doc = V.validate(V.RunningEngine(eng), prof, get_scenario("cpu-tiny"), a.points.split(","),

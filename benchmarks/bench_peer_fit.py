@@ -36,15 +36,15 @@ def main(argv=None) -> int:
         prof = load_profile(name)
         mine = ms.experiments_for(exps, prof)
         pm = prof.provenance.get("measurements") or {}
-        frontend_s = pm.get("frontend_s", 0.0)
+        frontend_s = pm.get("frontend_s", 0.0)      # the fit's, simulated where the profile says so
         t0 = time.perf_counter()
-        rows = ms.compare(prof, mine, duration_s=a.duration, frontend_s=frontend_s)
+        rows = ms.compare(prof, mine, duration_s=a.duration, frontend_s=ms.unsimulated_frontend(prof))
         wall = time.perf_counter() - t0
         before = pm.get("stages_before")
         if name in other:
             old = load_profile(other[name])
             before = ms.compare(old, mine, duration_s=a.duration,
-                                frontend_s=(old.provenance.get("measurements") or {}).get("frontend_s", 0.0))
+                                frontend_s=ms.unsimulated_frontend(old))
         print(f"== {name}: {len(rows)} stages of experiments {', '.join(e.exp_id for e in mine)} "
               f"(vLLM {', '.join(sorted({e.vllm for e in mine}))}); simulated in {wall:.2f} s")
         print(f"step time: {prof.step_time.form}; time outside the engine added to the simulated means: "

@@ -160,8 +160,7 @@ def further_rate(eng: E.Engine, tok: Path, vs: NamedScenario, capacity: float, p
     """`vllm bench serve` at `FURTHER_RATE` x `capacity` against the fitted
     profile's prediction of it: the stage rows of `calibrate.measurements.compare`."""
     path = _bench(eng, tok, vs, FURTHER_RATE * capacity, seconds, folder / "further.json", seed=11)
-    return ms.compare(prof, B.experiments(B.read_reports([path]), prof),
-                      frontend_s=fit_record(fitted).get("frontend_s", 0.0))
+    return ms.compare(prof, B.experiments(B.read_reports([path]), prof), frontend_s=ms.unsimulated_frontend(prof))
 
 
 def burst_points(eng: E.Engine, prof: Profile, vs: NamedScenario, points: list[str], json_path: str,

@@ -539,12 +539,33 @@ def timeline_runs(timeline, windows: list[tuple], lead_s: float = LEAD_S, span_s
     return out
 
 
+def without_frontend(profile: Profile) -> Profile:
+    """The profile with no frontend time of its own (`engine.frontend_s`)."""
+    if not profile.frontend_s:
+        return profile
+    d = json.loads(json.dumps(profile.raw))
+    d["engine"].pop("frontend_s", None)
+    return from_dict(d, profile.name)
+
+
+def unsimulated_frontend(profile: Profile) -> float:
+    """The frontend time a profile's fit found (`provenance.measurements.frontend_s`)
+    where the profile does not simulate it itself (a profile fitted before
+    it did, as the embedded ones: `compare`'s `frontend_s` for it); 0 where
+    it does (`engine.frontend_s`) or has none."""
+    if profile.frontend_s:
+        return 0.0
+    return float((profile.provenance.get("measurements") or {}).get("frontend_s", 0.0))
+
+
 def compare(profile: Profile, experiments: list[Experiment], duration_s: float = 90.0, warmup_s: float = 20.0,
             log=None, frontend_s: float = 0.0, draws: int | None = None) -> list[dict]:
     """One row per stage: measured and simulated TTFT and E2E means (s) and
-    their relative residuals (simulated / measured - 1). `frontend_s`, the
-    time a call spends in the server outside the engine (`fit`), is added to
-    both simulated means; `draws` as `simulate_experiment`'s."""
+    their relative residuals (simulated / measured - 1). The profile's own
+    frontend (`engine.frontend_s`) is simulated; `frontend_s`, a time a call
+    spends in the server outside an engine that does not simulate one
+    (`unsimulated_frontend`), is added to both simulated means; `draws` as
+    `simulate_experiment`'s."""
     out = []
     for e in experiments:
         for s, got in zip(e.stages, simulate_experiment(profile, e, duration_s, warmup_s, draws=draws)):
@@ -661,8 +682,13 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
     prompt's tokenization, the hand-over to the engine, the first token's
     way back: the same for every call, at least 0 and at most
     FRONTEND_MAX_S), fitted where the data identify it as the coefficients
-    are (else held at 0); it is the measurement's, not the engine's, and the
-    profile does not simulate it."""
+    are (else held at 0). A constant time on every call's way in moves the
+    engine's input as a whole, so adding it to the means is the simulation
+    of it, done once rather than at every evaluation: the profile is fitted
+    without a frontend of its own (`without_frontend`), and `refit` writes
+    the fitted one into the profile, which then simulates it
+    (`engine.frontend_s`)."""
+    profile = without_frontend(profile)
     names = profile.step_time.coefficients
     bad = [k for k in free if k not in names]
     if bad:
@@ -776,6 +802,9 @@ def refit(profile: Profile, mine: list[Experiment], source: str, tool: str, targ
     res = fit(profile, mine, target, duration_s, warmup_s, max_evals, log, free, frontend)
     d = json.loads(json.dumps(profile.raw))
     d["step_time"] = res["step_time"]
+    d["engine"].pop("frontend_s", None)
+    if res["frontend_s"] > 0:
+        d["engine"]["frontend_s"] = res["frontend_s"]       # simulated from now on, on every call's way in
     fitted = from_dict(d, profile.name)
     own = (d.get("capacity_protocol") or {}).get("scenario_name")
     if not res["published"]["simulated"] and own in ("scaled", "paper"):
@@ -807,8 +836,9 @@ def refit(profile: Profile, mine: list[Experiment], source: str, tool: str, targ
         "frontend_s": res["frontend_s"],
         "frontend": (f"{res['frontend']}: the time a call spends in the server outside the engine (HTTP, "
                      "tokenization, the hand-over to the engine and the first token's way back), added to every "
-                     "simulated TTFT and E2E mean before comparing them with the measured; the measurement's, not "
-                     "the engine's: the profile does not simulate it"),
+                     "simulated TTFT and E2E mean in the fit (the same as simulating it: a constant delay on every "
+                     "call's way in moves the engine's input as a whole); the profile simulates it "
+                     "(engine.frontend_s)"),
         "frontend_standard_error_s": res["frontend_standard_error_s"],
         "kv_cache": (f"not identified by these experiments: their calls in flight hold at most "
                      f"{kv_share:.0%} of the KV cache, so its size never binds; the block count a server "
@@ -897,7 +927,8 @@ def fit_table(profile: dict) -> str:
         se = pm.get("frontend_standard_error_s")
         out.append(f"{'frontend_s':<20} {pm['frontend_s']:>12.4e}  {pm['frontend'].split(':')[0]}"
                    + (f", se {se * 1e3:.2f} ms" if se is not None else "")
-                   + " (outside the engine: added to the simulated means, not simulated)")
+                   + " (a call's time in the server before the engine"
+                   + ("; simulated on every call's way in: engine.frontend_s)" if pm["frontend_s"] > 0 else ")"))
     sim = profile["provenance"].get("simulated") or {}
     pub = profile["provenance"].get("published") or {}
     if sim:

@@ -35,6 +35,7 @@ ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_gpu_
 ENGINE_MAX = 2**31 - 1
 DEPTH_MAX = 16
 CAPACITY_MAX = 1000.0
+FRONTEND_MAX_S = 10.0     # engine.frontend_s: seconds; a frontend of more is a misread unit (ms?)
 
 
 class ProfileError(ValueError):
@@ -57,6 +58,13 @@ class Profile:
                                num_gpu_blocks=e["num_gpu_blocks"], block_size=e["block_size"],
                                max_model_len=e["max_model_len"],
                                scheduling_policy=e.get("scheduling_policy", "fcfs"))
+
+    @property
+    def frontend_s(self) -> float:
+        """The time a call spends in the server before its request reaches
+        the scheduler (HTTP, tokenization, the hand-over), simulated on every
+        call's way in (`engine.frontend_s`; 0 where the profile has none)."""
+        return float(self.engine.get("frontend_s", 0.0))
 
     @property
     def depth(self) -> int:
@@ -114,6 +122,10 @@ def from_dict(d: dict, source: str = "profile") -> Profile:
         v, top = eng[k], DEPTH_MAX if k == "depth" else ENGINE_MAX
         if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
             raise ProfileError(f"{source}: engine.{k} must be a whole number from 1 to {top}, got {_show(v)}")
+    fe = eng.get("frontend_s", 0.0)
+    if not _number(fe) or not 0 <= fe <= FRONTEND_MAX_S:
+        raise ProfileError(f"{source}: engine.frontend_s (a call's time in the server before its request reaches "
+                           f"the scheduler) must be a number of seconds from 0 to {FRONTEND_MAX_S:g}, got {_show(fe)}")
     cap = d["capacity"]
     if not _number(cap) or not 0 < cap <= CAPACITY_MAX:
         raise ProfileError(f"{source}: capacity must be a number of calls/s above 0 and at most "

@@ -31,14 +31,15 @@ def prompt_throughput(profile: Profile, scenario: Scenario) -> float:
 
 def engine_config(profile: Profile, condition: Condition, max_batched_tokens: int | None = None,
                   scenario: Scenario | None = None) -> EngineConfig:
-    """The engine of `profile` with the condition's engine cap and the
+    """The engine of `profile` (its frontend time too) with the condition's engine cap and the
     scenario's engine faults (stalls, a KV block leak on abort), if any."""
     faults = {}
     if scenario is not None and scenario.stalls:
         faults["stalls"] = scenario.stalls
     if scenario is not None and scenario.leak_blocks_on_abort:
         faults["leak_blocks_on_abort"] = True
-    return EngineConfig(profile.scheduler_config(max_batched_tokens), profile.depth, condition.engine_cap, **faults)
+    return EngineConfig(profile.scheduler_config(max_batched_tokens), profile.depth, condition.engine_cap,
+                        frontend_s=profile.frontend_s, **faults)
 
 
 def sum_counters(dicts) -> dict:

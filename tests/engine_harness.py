@@ -14,14 +14,14 @@ class Harness:
     def __init__(self, num_gpu_blocks=100, block_size=4, budget=8, max_num_seqs=16, depth=1,
                  step_s=1.0, model=None, max_queued=None, fast_forward=True, kv_policy="on-demand",
                  abort_latency="v1", leak_blocks_on_abort=False, stalls=(), abort_bound=False,
-                 scheduling_policy="fcfs"):
+                 scheduling_policy="fcfs", frontend_s=0.0):
         self.env = Clock()
         model = model or StepTimeModel(step_s, 0.0, 0.0, 0.0, 0.0)
         cfg = EngineConfig(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                            num_gpu_blocks=num_gpu_blocks, block_size=block_size,
                                            kv_policy=kv_policy, scheduling_policy=scheduling_policy),
                            depth=depth, max_queued=max_queued, abort_latency=abort_latency,
-                           leak_blocks_on_abort=leak_blocks_on_abort, stalls=stalls)
+                           leak_blocks_on_abort=leak_blocks_on_abort, stalls=stalls, frontend_s=frontend_s)
         self.timers = []
         self.abort_timers = []
         # abort_bound: the engine is told when the next abort comes (else any input bounds a fast-forward)

@@ -451,3 +451,102 @@ def test_a_requests_kv_layout_names_the_block_pools_spaces(prefix_group):
     layout = KVCacheManager(64, 16, False)._layout(r)
     assert layout == (prefix_space(prefix_group), 40 // 16, call_space(5), 100 // 16, exec_space(7))
     assert len({layout[0], layout[2], layout[4]}) == 3
+
+
+# ---------------------------------------------------------------- the frontend (engine.frontend_s)
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_request_reaches_the_scheduler_a_frontend_time_after_it_came_in(depth):
+    plain, fe = Harness(depth=depth), Harness(depth=depth, frontend_s=0.25)
+    recs = [(h.add(0.0, 0, prompt=20, max_tokens=3), h.add(1.5, 1, prompt=6, max_tokens=4)) for h in (plain, fe)]
+    plain.run(), fe.run()
+    for a, b in zip(*recs):
+        # an idle engine at the start: the whole run 0.25 s later
+        assert b.first_scheduled_at == a.first_scheduled_at + 0.25
+        assert b.first_token_at == a.first_token_at + 0.25 and b.finished_at == a.finished_at + 0.25
+    assert fe.requests[1].arrival_time == 1.75      # when it reached the scheduler
+
+
+def test_a_request_in_the_frontend_joins_at_the_first_boundary_after_it():
+    h = Harness(frontend_s=0.5)
+    h.add(0.0, 0, prompt=4, max_tokens=5)          # steps [0.5, 1.5), [1.5, 2.5), ...
+    b = h.add(1.2, 1, prompt=4, max_tokens=1)      # through the frontend by 1.7: joins at the boundary 2.5
+    h.run()
+    assert b.first_scheduled_at == 2.5 and b.first_token_at == 3.5
+
+
+def test_an_abort_before_the_frontend_time_is_over_never_reaches_a_step():
+    h = Harness(frontend_s=0.5)
+    a = h.add(0.0, 0, prompt=8, max_tokens=3)
+    b = h.add(0.2, 1, prompt=8, max_tokens=3)
+    h.abort(0.4, 1)
+    h.run()
+    assert b.fate == "aborted" and b.finished_at == 0.4 and b.first_scheduled_at != b.first_scheduled_at
+    assert h.requests[1].chunks == [] and h.engine.aborted_before_scheduled == 1
+    assert a.fate == "completed" and h.sched.num_waiting == 0 and not h.sched.running
+    assert h.engine.num_in_engine() == 0
+
+
+def test_an_abort_after_the_frontend_time_applies_at_the_boundary_as_without_one():
+    h = Harness(frontend_s=0.5)
+    h.add(0.0, 0, prompt=8, max_tokens=6)          # steps from 0.5
+    b = h.add(0.2, 1, prompt=8, max_tokens=3)      # reaches the scheduler at 0.7, during the first step
+    h.abort(0.9, 1)                                # during that step too: both apply at its end, in order
+    h.run()
+    assert b.fate == "aborted" and b.finished_at == 1.5
+    assert h.requests[1].chunks == [] and h.engine.aborted_before_scheduled == 1
+    assert h.sched.num_waiting == 0
+
+
+def test_requests_in_the_frontend_count_toward_the_engine_cap():
+    h = Harness(frontend_s=0.5, max_queued=1)
+    h.add(0.0, 0, prompt=8, max_tokens=2)
+    h.add(0.1, 1, prompt=8, max_tokens=2)          # the first is still in the frontend: refused
+    h.run()
+    assert h.refused == [1]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_fast_forward_with_a_frontend_matches_stepping_one_step_at_a_time(depth):
+    runs = []
+    for ff in (True, False):
+        h = Harness(depth=depth, frontend_s=0.3, fast_forward=ff, budget=16)
+        recs = [h.add(0.0, 0, prompt=8, max_tokens=40), h.add(0.05, 1, prompt=8, max_tokens=30),
+                h.add(7.4, 2, prompt=12, max_tokens=5), h.add(9.95, 3, prompt=4, max_tokens=2)]
+        h.abort(12.2, 0)
+        h.run()
+        runs.append([(r.first_scheduled_at, r.first_token_at, r.finished_at, r.fate) for r in recs])
+    assert runs[0] == runs[1]
+
+
+def test_a_bad_frontend_time_is_refused():
+    with pytest.raises(ValueError, match="frontend_s"):
+        Harness(frontend_s=-0.1)
+
+
+def _with_frontend(frontend_s):
+    import copy
+
+    from sim.profile import from_dict, load_profile
+    d = copy.deepcopy(load_profile("qwen2.5-7b").raw)
+    d["engine"]["frontend_s"] = frontend_s
+    return from_dict(d, "test")
+
+
+def test_a_profiles_frontend_is_on_every_calls_way_in():
+    from sim.latency import latency
+    from sim.profile import load_profile
+    plain, fe = load_profile("qwen2.5-7b"), _with_frontend(0.02)
+    assert plain.frontend_s == 0.0 and fe.frontend_s == 0.02
+    a, b = latency(plain, 1.5, duration_s=120, warmup_s=20), latency(fe, 1.5, duration_s=120, warmup_s=20)
+    # a constant delay on every request's way in: the engine's input moved as a whole, the times 20 ms longer
+    assert a["calls"] == b["calls"]
+    for k in ("ttft_p50", "ttft_mean", "e2e_p50", "e2e_p90"):
+        assert b[k] == pytest.approx(a[k] + 0.02, abs=1e-9), k
+
+
+@pytest.mark.parametrize("bad", [-0.01, "5 ms", 11.0, True])
+def test_a_profiles_bad_frontend_is_refused_in_one_line(bad):
+    from sim.profile import ProfileError
+    with pytest.raises(ProfileError, match="engine.frontend_s"):
+        _with_frontend(bad)

@@ -93,6 +93,11 @@ def profiles(draw, max_num_seqs=st.integers(8, 64), num_gpu_blocks=st.integers(3
         "capacity": 1.0,
         "provenance": {"kind": "property test"},
     }
+    # a server's frontend on every request's way in (engine.frontend_s), in one profile of three:
+    # from a fraction of a step to several steps
+    frontend = draw(st.one_of(st.just(0.0), st.just(0.0), st.floats(0.001, 0.2)))
+    if frontend:
+        d["engine"]["frontend_s"] = frontend
     return from_dict(d, "property test")
 
 

@@ -53,8 +53,15 @@ class EngineConfig:
     # handled at T+S (outputs streamed, inputs applied, the next step
     # scheduled then); steps already queued on the device (depth 2) still run
     stalls: tuple = ()
+    # the time a request spends in the server before it reaches the
+    # scheduler (HTTP, tokenization, the hand-over to the engine core: vLLM's
+    # API server), on every request's way in; its abort passes at once
+    frontend_s: float = 0.0
 
     def __post_init__(self):
+        if not (isinstance(self.frontend_s, (int, float)) and math.isfinite(self.frontend_s)
+                and self.frontend_s >= 0):
+            raise ValueError(f"frontend_s must be a finite number of seconds >= 0, got {self.frontend_s!r}")
         if self.abort_latency not in ABORT_LATENCIES:
             raise ValueError(f"abort_latency must be one of {', '.join(ABORT_LATENCIES)}, got {self.abort_latency!r}")
         stalls = []
@@ -90,7 +97,7 @@ class EngineCore:
         # no input); a fast-forward whose admission is blocked runs up to the
         # latter, requests added meanwhile applied at its end as of the
         # boundaries they came in before (`_apply_adds_during`)
-        self.next_input_time = next_input_time or (lambda: INF)
+        self.next_input_time = self._driver_next_input = next_input_time or (lambda: INF)
         self.next_abort_time = next_abort_time or self.next_input_time
         self.fast_forward = fast_forward
         self.pending: deque[SchedulerOutput] = deque()
@@ -112,6 +119,11 @@ class EngineCore:
         self.gap_log: list[tuple[float, int]] = []   # reserve policy: (t, reserved - used blocks) at changes
         self.stalls = config.stalls
         self._next_stall = 0         # index of the first stall not yet begun at a boundary
+        self.frontend = Frontend(config.frontend_s) if config.frontend_s > 0 else None
+        if self.frontend is not None:           # the paths with a frontend; without one, the plain methods
+            self.add_request, self.abort_request = self._add_via_frontend, self._abort_via_frontend
+            self.num_in_engine, self.next_input_time = self._num_in_engine_frontend, self._next_input_frontend
+            self.uncomputed_prompt_tokens = self._uncomputed_frontend
         if config.abort_latency == "v0":
             self._apply_inbox = self._apply_inbox_v0
         if config.scheduler.kv_policy == "reserve":
@@ -143,18 +155,24 @@ class EngineCore:
         """An execution arrives at `now` (the clock's time, given by the
         caller: no read of the clock's property a request); False if the
         engine cap refuses it (503)."""
-        q = self.config.max_queued
-        if q is not None and self.num_in_engine() + 1 > q:
+        if not self._admits(r):
             return False
-        mx = self.config.scheduler.max_model_len
-        if r.num_prompt_tokens + r.max_tokens > mx:
-            raise ValueError(f"request of {r.num_prompt_tokens}+{r.max_tokens} tokens exceeds max_model_len {mx}")
         r.arrival_time = now
         self.inbox.append(("add", r))
         self._inbox_prompt_tokens += r.num_prompt_tokens
         self._inbox_adds += 1
         if self._idle:          # checked here, not in _poke: no call while the engine is awake (most inputs)
             self._poke()
+        return True
+
+    def _admits(self, r: Request) -> bool:
+        """False if the engine cap refuses r; ValueError if it can never fit."""
+        q = self.config.max_queued
+        if q is not None and self.num_in_engine() + 1 > q:
+            return False
+        mx = self.config.scheduler.max_model_len
+        if r.num_prompt_tokens + r.max_tokens > mx:
+            raise ValueError(f"request of {r.num_prompt_tokens}+{r.max_tokens} tokens exceeds max_model_len {mx}")
         return True
 
     def abort_request(self, r: Request, now: float) -> None:
@@ -164,6 +182,56 @@ class EngineCore:
         self.inbox.append(("abort", r))
         if self._idle:
             self._poke()
+
+    # ------------------------------------------------------------ the frontend
+    def _add_via_frontend(self, r: Request, now: float) -> bool:
+        """`add_request` with a frontend: the engine cap answers at once; the
+        request reaches the scheduler `frontend_s` later (`Frontend`)."""
+        if not self._admits(r):
+            return False
+        ready = self.frontend.add(r, now)
+        r.arrival_time = ready
+        if self._idle:
+            self.env.call_later(ready - now, self._frontend_due)
+        return True
+
+    def _abort_via_frontend(self, r: Request, now: float) -> None:
+        """`abort_request` with a frontend: a request still in it never
+        reaches the scheduler (aborted there, before any step)."""
+        if r.arrival_time <= now:               # it reached the scheduler's side: in order, before its abort
+            self._take_from_frontend(now)
+        elif self.frontend.drop(r):
+            rec = r.record
+            r.status = ABORTED
+            if rec is not None:
+                rec.fate, rec.finished_at, rec.tokens_generated, rec.prompt_in_flight = "aborted", now, 0, 0
+            self.aborted_before_scheduled += 1
+            return
+        EngineCore.abort_request(self, r, now)
+
+    def _frontend_due(self, _event=None) -> None:
+        """The head of the frontend reaches an idle engine."""
+        if self._idle:
+            self._idle = False
+            self._loop()
+
+    def _take_from_frontend(self, t: float) -> None:
+        """The requests whose frontend time is over by t join the inbox, as
+        `add_request` would have put them there at their arrival."""
+        for r in self.frontend.due(t):
+            self.inbox.append(("add", r))
+            self._inbox_prompt_tokens += r.num_prompt_tokens
+            self._inbox_adds += 1
+
+    def _num_in_engine_frontend(self) -> int:
+        return EngineCore.num_in_engine(self) + len(self.frontend)
+
+    def _uncomputed_frontend(self) -> int:
+        return EngineCore.uncomputed_prompt_tokens(self) + self.frontend.prompt_tokens
+
+    def _next_input_frontend(self) -> float:
+        """The driver's next input, or the frontend's next request if sooner."""
+        return min(self._driver_next_input(), self.frontend.next_ready())
 
     def _poke(self) -> None:
         """An input came to the idle engine: its loop resumes now (the callers check `_idle`)."""
@@ -180,11 +248,15 @@ class EngineCore:
             return
         if not self.pending:
             self.now = env.now
+            if self.frontend is not None:
+                self._take_from_frontend(self.now)
             self._apply_inbox(idle=True)
             self._fill()
             self._log_gauges()
             if not self.pending:
                 self._idle = True
+                if self.frontend is not None and self.frontend:
+                    env.call_later(self.frontend.next_ready() - env.now, self._frontend_due)
                 return
         env.call_when(self.pending[0].end, self._step_end)
 
@@ -215,6 +287,8 @@ class EngineCore:
         """A step boundary (module docstring): the ended step's output
         processed, the inputs that came in during it applied, steps
         scheduled, the gauges logged."""
+        if self.frontend is not None:
+            self._take_from_frontend(self.now)
         if output.admission_blocked and self.inbox:
             self._apply_adds_during(output)
         self._process(output)
@@ -465,3 +539,46 @@ class EngineCore:
         log = self.gauge_log
         if not log or log[-1][1] != waiting or log[-1][2] != running:
             log.append((self.now, waiting, running))
+
+
+class Frontend:
+    """The requests on their way through the server to the scheduler, in
+    order: each reaches it `delay_s` after it came in (one constant: first
+    in, first out)."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+        self.queue: deque[tuple[float, Request]] = deque()
+        self.prompt_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def add(self, r: Request, now: float) -> float:
+        """r comes in at now: the time it reaches the scheduler."""
+        ready = now + self.delay_s
+        self.queue.append((ready, r))
+        self.prompt_tokens += r.num_prompt_tokens
+        return ready
+
+    def drop(self, r: Request) -> bool:
+        """Take r out if it is still here."""
+        for k, (_, q) in enumerate(self.queue):
+            if q is r:
+                del self.queue[k]
+                self.prompt_tokens -= r.num_prompt_tokens
+                return True
+        return False
+
+    def due(self, t: float) -> list[Request]:
+        """Take out the requests that reach the scheduler by t."""
+        out = []
+        queue = self.queue
+        while queue and queue[0][0] <= t:
+            r = queue.popleft()[1]
+            self.prompt_tokens -= r.num_prompt_tokens
+            out.append(r)
+        return out
+
+    def next_ready(self) -> float:
+        return self.queue[0][0] if self.queue else INF
