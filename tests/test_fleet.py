@@ -19,7 +19,7 @@ from sim.deployment import load
 from sim.fleet import RECORD_KEYS, run_fleet, simulate_fleet
 from sim.model import simulate
 from sim.policy.router import ROUTERS, ReplicaView, Router, RouterConfig
-from sim.profile import load_profile
+from sim.profile import from_dict, load_profile
 from sim.run import run_one
 from sim.scenario import SCENARIOS
 from sim.workload import Trace, make_trace
@@ -122,17 +122,24 @@ def test_fast_forward_matches_stepping_in_a_fleet(tiny3, policy, placement, cond
     assert golden.differences(_no_step_events(fast), _no_step_events(slow)) == []
 
 
+def _with_frontend(profile, frontend_s: float):
+    if not frontend_s:
+        return profile
+    return from_dict(dict(profile.raw, engine=dict(profile.raw["engine"], frontend_s=frontend_s)), "frontend")
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=case, deadline=st.sampled_from([0.2, 1.0]), n=st.integers(2, 3), placement=st.sampled_from(PLACEMENTS),
        policy=st.sampled_from(ROUTERS), proxy_cap=st.sampled_from([0, 1, 3]), engine_cap=st.sampled_from([0, 2]),
-       coalesce=st.booleans())
+       coalesce=st.booleans(), frontend_s=st.sampled_from([0.0, 0.0, 0.004, 0.05]))
 def test_fast_forward_matches_stepping_in_small_fleets(case, deadline, n, placement, policy, proxy_cap, engine_cap,
-                                                       coalesce):
+                                                       coalesce, frontend_s):
     trace, sc = small_case(*case, deadline)
     cond = compose("no-control", coalesce=coalesce, proxy_cap=proxy_cap, engine_cap=engine_cap)
     rc = RouterConfig(policy, 1, placement)
-    fast = run_fleet([PROFILE] * n, cond, trace, sc, [1.0] * n, rc)
-    slow = run_fleet([PROFILE] * n, cond, trace, sc, [1.0] * n, rc, fast_forward=False)
+    prof = _with_frontend(PROFILE, frontend_s)         # (engine.frontend_s: each request's way in)
+    fast = run_fleet([prof] * n, cond, trace, sc, [1.0] * n, rc)
+    slow = run_fleet([prof] * n, cond, trace, sc, [1.0] * n, rc, fast_forward=False)
     assert golden.differences(_no_step_events(fast), _no_step_events(slow)) == []
 
 
