@@ -189,7 +189,7 @@ def own_calibration(eng: E.Engine, base: Profile, vs: NamedScenario, folder: Pat
 
 # a validated point's figures that are of the profile it was run for (`validation.run_point`)
 OF_THE_PROFILE = ("engine_speed", "sim_profile", "agreement", "sim_step_adjusted", "agreement_step_adjusted",
-                  "band_edges")
+                  "band_speeds")
 
 
 def against(doc: dict, prof: Profile, vs: NamedScenario) -> dict:

@@ -196,7 +196,7 @@ def _verdicts(points: list[dict], tag, json_path: str | None) -> int:
                   "again)")
             continue
         if not ag.get("recovery_tests_model", True):
-            print(f"{tag(p)}: RECOVERY NOT A TEST OF THE MODEL: {p['band_edges']['says']} ({line}"
+            print(f"{tag(p)}: RECOVERY NOT A TEST OF THE MODEL: {p['band_speeds']['says']} ({line}"
                   f"{'' if ag['pulse'] and ag['hold'] else '; delivery beyond the 15-point bar'}; k {sp['k']:.2f})")
             continue
         print(f"{tag(p)}: {line}{'' if ag['all'] else '  (beyond the 15-point bar)'}"
@@ -266,7 +266,7 @@ def cmd_validate_autoscale(a, from_file) -> int:
     print(live_autoscale.table(point))
     if point["engine_speed"] is not None and not point["engine_speed"]["tests_model"]:
         print(f"NOT A TEST OF THE MODEL: {point['engine_speed']['says']} (--retry-slow N runs it again)")
-    elif (edges := point.get("band_edges")) is not None and edges["flips"]:
+    elif (edges := point.get("band_speeds")) is not None and edges["flips"]:
         print(f"RECOVERY NOT A TEST OF THE MODEL: {edges['says']}")
     if a.json:
         with open(a.json, "w") as f:

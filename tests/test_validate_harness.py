@@ -105,7 +105,7 @@ def test_a_slow_point_is_run_again_up_to_retry_slow_times_and_the_slow_runs_are_
 def test_a_point_without_recorded_steps_has_no_speed_and_is_not_rerun():
     p, runs = _run([None, None], retry_slow=3)
     assert len(runs) == 1 and p["engine_speed"] is None
-    assert "band_edges" not in p and p["agreement"]["recovery_tests_model"]
+    assert "band_speeds" not in p and p["agreement"]["recovery_tests_model"]
 
 
 def _recovers_below(edge: float):
@@ -118,7 +118,7 @@ def test_a_point_whose_prediction_flips_inside_the_band_does_not_test_recovery(c
     recovery to a speed the band cannot tell apart: a live miss at k 1.02
     is marked, not counted as a disagreement; delivery is still compared."""
     p, _ = _run([1.02], retry_slow=0, scaled=_recovers_below(1.05), live_recovered=False)
-    e = p["band_edges"]
+    e = p["band_speeds"]
     assert e["k"] == pytest.approx([0.9, 0.95, 1.0, 1.05, 1.1]) and e["flips"]
     assert e["recovered"] == [True, True, True, False, False]
     assert e["recovery_time_s"] == [150.0] * 3 + [None] * 2 and "inside the speed band" in e["says"]
@@ -137,21 +137,21 @@ def test_a_prediction_that_recovers_inside_the_band_but_not_at_its_edges_does_no
     """Recovery is not monotone in k near its edge: a verdict that changes
     only between the band's edges is caught too."""
     p, _ = _run([1.0], retry_slow=0, scaled=lambda k: _record(0.97 < k < 1.03, 91.0, 84.0, None))
-    assert p["band_edges"]["recovered"] == [False, False, True, False, False] and p["band_edges"]["flips"]
+    assert p["band_speeds"]["recovered"] == [False, False, True, False, False] and p["band_speeds"]["flips"]
     assert not p["agreement"]["recovery_tests_model"]
 
 
 def test_a_prediction_that_holds_across_the_band_tests_recovery(capsys):
     for edge in (0.5, 2.0):                       # never recovers / always recovers inside the band
         p, _ = _run([1.02], retry_slow=0, scaled=_recovers_below(edge), live_recovered=edge < 1.0)   # differs
-        assert not p["band_edges"]["flips"] and p["band_edges"]["says"] is None
+        assert not p["band_speeds"]["flips"] and p["band_speeds"]["says"] is None
         assert p["agreement"]["recovery_tests_model"] and not p["agreement"]["recovered"]
     VC._verdicts([p], lambda q: q["condition"], None)
     out = capsys.readouterr().out
     assert "no-control: recovered DIFFERS" in out and "NOT A TEST" not in out
 
 
-def test_the_band_edges_are_taken_about_the_speed_a_point_was_predicted_for():
+def test_the_band_speeds_are_taken_about_the_speed_a_point_was_predicted_for():
     """A point predicted for a probed k0 of 1.2 is predicted across 1.08-1.32."""
     asked = []
 
@@ -162,7 +162,7 @@ def test_the_band_edges_are_taken_about_the_speed_a_point_was_predicted_for():
     doc = {"engine": {}, "points": []}
     V.run_point(doc, {"condition": "cancel"}, "cancel", "1/1", lambda: _record(True, 92.0, 85.0, None), "a stand-in",
                 lambda: (rec, {"version": "t", "model": "m"}), scaled, None, log=lambda m: None)
-    assert doc["points"][0]["band_edges"]["k"] == pytest.approx([1.08, 1.14, 1.2, 1.26, 1.32])
+    assert doc["points"][0]["band_speeds"]["k"] == pytest.approx([1.08, 1.14, 1.2, 1.26, 1.32])
     assert pytest.approx(1.08) in asked and pytest.approx(1.32) in asked
     assert asked.count(pytest.approx(1.2)) == 1       # the prediction at k0 itself, made once and reused
     assert pytest.approx(1.2 * 1.02) in asked         # and sim x k, at the speed the steps ran

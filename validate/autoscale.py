@@ -50,7 +50,7 @@ from .fleet import FleetLiveRun, cores, fleet_problem, fleet_step_time_ratio, li
 from .live_run import EngineLost
 from .validation import (
     PointFailed,
-    band_edges,
+    band_speeds,
     engine_gone,
     engine_speed,
     engine_steps,
@@ -324,13 +324,13 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
         # recovery across the speed band (at the measured start-up where there is one): a verdict that
         # flips inside the band does not test the model
         base, at_1 = (dm, sim_measured) if measured else (d, sim)
-        edges = band_edges(lambda k: dataclasses.replace(base, fleet=dataclasses.replace(
+        edges = band_speeds(lambda k: dataclasses.replace(base, fleet=dataclasses.replace(
             base.fleet, profiles=tuple(scaled_profile(p, k) for p in base.fleet.profiles))).run(
             seed=seed, condition=cond, trace=trace), 1.0, speed["band"], at_k0=at_1)
     spread, sync = startup_spread_s(a), a.sync_period_s
     out = {"condition": cond.name, "seed": seed, "capacity": sum(caps[:a.initial]), "startup_s": measured,
            "startup_spread_s": spread, "step_time_vs_profile": ratio,
-           "engine_speed": speed, "band_edges": edges, "placed_outside_ready": outside,
+           "engine_speed": speed, "band_speeds": edges, "placed_outside_ready": outside,
            "live": live, "sim": sim, "sim_measured_startup": sim_measured, "sim_engine_steps": steps,
            "compare": {"sim": compare(live, sim, spread, sync)}}
     if sim_measured is not None:
@@ -361,7 +361,7 @@ def table(point: dict) -> str:
         lines.append(f"  {key:21s} recovered {rec['recovered']}; scale-up at {f(first and first['decided_at'])}, "
                      f"ready {f(first and first['ready_at'])}, first call {f(first and first['first_call_at'])}; "
                      f"replica-seconds {rec['autoscaler']['replica_seconds']:.0f}" + agrees)
-    if (e := point.get("band_edges")) is not None and e["flips"]:
+    if (e := point.get("band_speeds")) is not None and e["flips"]:
         lines.append(f"  ({e['says']})")
     return "\n".join(lines)
 

@@ -32,8 +32,8 @@ from . import engine as E
 from .live_run import EngineLost, LiveRun, live_record
 from .validation import (
     PointFailed,
-    edge_records,
-    edge_verdicts,
+    band_records,
+    band_verdicts,
     engine_gone,
     engine_speed,
     engine_steps,
@@ -121,11 +121,11 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
     classes = compare(live, sim, scaled)
     if speed is not None:
         # each class's verdict across the speed band: one that flips inside it does not test the model
-        ks, recs = edge_records(lambda k: dataclasses.replace(d, profile=scaled_profile(d.profile, k)).run(
+        ks, recs = band_records(lambda k: dataclasses.replace(d, profile=scaled_profile(d.profile, k)).run(
             seed=seed, condition=cond, trace=trace), 1.0, speed["band"], at_k0=sim)
         for name, row in classes.items():
-            row["band_edges"] = edge_verdicts(ks, recs, lambda r, name=name: r["classes"][name])
-            row["recovery_tests_model"] = not row["band_edges"]["flips"]
+            row["band_speeds"] = band_verdicts(ks, recs, lambda r, name=name: r["classes"][name])
+            row["recovery_tests_model"] = not row["band_speeds"]["flips"]
     return {"condition": cond.name, "seed": seed, "capacity": cap, "step_time_vs_profile": ratio,
             "engine_speed": speed, "live": live, "sim": sim, "sim_engine_steps": scaled, "classes": classes}
 
@@ -141,5 +141,5 @@ def table(point: dict) -> str:
                      f"{r['sim']['recovered']}" + (f" ({e['recovered']} on the engine's steps)" if e else "")
                      + f"; hold on time live {f(r['live']['hold_on_time'])}, predicted {f(r['sim']['hold_on_time'])}"
                      + (f" ({f(e['hold_on_time'])})" if e else "")
-                     + (f"; {r['band_edges']['says']}" if not r.get("recovery_tests_model", True) else ""))
+                     + (f"; {r['band_speeds']['says']}" if not r.get("recovery_tests_model", True) else ""))
     return "\n".join(lines)

@@ -544,7 +544,7 @@ def table(points: list[dict]) -> str:
             continue
         adj = p.get("sim_step_adjusted")
         lines.append(f"{p['condition']}{speed_note(p)}")
-        if (edges := p.get("band_edges")) is not None and edges["flips"]:
+        if (edges := p.get("band_speeds")) is not None and edges["flips"]:
             lines.append(f"  ({edges['says']})")
         if edges is not None and edges.get("hold_delivered_pct") and None not in edges["hold_delivered_pct"]:
             hd = edges["hold_delivered_pct"]
@@ -582,11 +582,11 @@ def speed_note(p: dict) -> str:
 def agreement(p: dict, points_bound: float = 15.0) -> dict:
     """The agreement bar for one point: recovered agrees, pulse and hold
     delivery within `points_bound` percentage points. Where the prediction's
-    recovery flips inside the speed band (`p["band_edges"]`, `band_edges`),
+    recovery flips inside the speed band (`p["band_speeds"]`, `band_speeds`),
     `recovery_tests_model` is False: the point's recovery, agreeing or not,
     does not test the model."""
     s, live = p["sim"], p["live"]
-    edges = p.get("band_edges")
+    edges = p.get("band_speeds")
     out = {"recovered": s["recovered"] == live["recovered"],
            "recovery_tests_model": edges is None or not edges["flips"]}
     for c in ("pulse", "hold"):
@@ -597,7 +597,7 @@ def agreement(p: dict, points_bound: float = 15.0) -> dict:
     return out
 
 
-def band_edges(simulate_scaled, k0: float, band=SPEED_BAND, at_k0: dict | None = None) -> dict:
+def band_speeds(simulate_scaled, k0: float, band=SPEED_BAND, at_k0: dict | None = None) -> dict:
     """The point predicted for engines across its speed band (the speed it
     was predicted for, k0, times each of `BAND_SPEEDS` speeds from the
     band's lower edge to its upper): an engine that ran anywhere inside the
@@ -608,13 +608,13 @@ def band_edges(simulate_scaled, k0: float, band=SPEED_BAND, at_k0: dict | None =
     monotone in k near its edge (on cpu-small, no-retry recovered at k 0.995
     and not at 0.955 or 1.168), so the edges alone do not say it. `at_k0`:
     the point's prediction at k0, where made already."""
-    return edge_verdicts(*edge_records(simulate_scaled, k0, band, at_k0))
+    return band_verdicts(*band_records(simulate_scaled, k0, band, at_k0))
 
 
 BAND_SPEEDS = 5         # the speeds across the band a point is predicted at: its edges and three between
 
 
-def edge_records(simulate_scaled, k0: float, band=SPEED_BAND, at_k0: dict | None = None
+def band_records(simulate_scaled, k0: float, band=SPEED_BAND, at_k0: dict | None = None
                  ) -> tuple[list[float], list[dict]]:
     """(the ks across the band about k0, the prediction's record at each);
     `at_k0`, the prediction at k0 itself where made already, is not made again."""
@@ -622,8 +622,8 @@ def edge_records(simulate_scaled, k0: float, band=SPEED_BAND, at_k0: dict | None
     return [k0 * b for b in bs], [at_k0 if b == 1.0 and at_k0 is not None else simulate_scaled(k0 * b) for b in bs]
 
 
-def edge_verdicts(ks: list[float], recs: list[dict], part=lambda r: r) -> dict:
-    """`band_edges` of records made at `ks` (`edge_records`); `part(record)`
+def band_verdicts(ks: list[float], recs: list[dict], part=lambda r: r) -> dict:
+    """`band_speeds` of records made at `ks` (`band_records`); `part(record)`
     is the record judged (a class's, for a point of several classes)."""
     parts = [part(r) for r in recs]
     verdicts = [q["recovered"] for q in parts]
@@ -680,7 +680,7 @@ def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, 
     (as `key` plus sim and live, the agreement, and where the run recorded
     its steps its `engine_speed` and `simulate_scaled(k)`, the prediction
     with every step k times as long, and at the speed band's edges,
-    `band_edges`) and save the document. Where the live
+    `band_speeds`) and save the document. Where the live
     run probed its engine's speed first (`speed_probe`), `sim` is the
     prediction for the engine so probed, `simulate_scaled(k0)`, and the
     profile's own is kept as `sim_profile`. A live run whose
@@ -716,7 +716,7 @@ def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, 
         p["sim_profile"], p["sim"] = sim, simulate_scaled(k0)
     st = rec.get("step_time_vs_profile")
     if sim is not None and p["engine_speed"] is not None:
-        p["band_edges"] = band_edges(simulate_scaled, k0 or 1.0, p["engine_speed"]["band"], at_k0=p["sim"])
+        p["band_speeds"] = band_speeds(simulate_scaled, k0 or 1.0, p["engine_speed"]["band"], at_k0=p["sim"])
     if sim is not None:
         p["agreement"] = agreement(p)
     if sim is not None and st is not None:
