@@ -22,7 +22,7 @@ and Qwen2.5-7B's median TTFT and E2E at 1.52 calls/s, a prefill-heavy
 workload of 12,000-token prompts that pins the compute efficiencies the
 prefix-cached chat workload of the measurements leaves free),
 over the efficiencies in log space within `BOUNDS` (scipy's least_squares,
-trf); it says which of them the data cannot identify (their standard
+trf, under the robust loss `LOSS`); it says which of them the data cannot identify (their standard
 errors from the Jacobian, `_standard_errors`).
 
 For speed a stage of the fit is simulated over its first `FIT_STAGE_S`
