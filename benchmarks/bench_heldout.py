@@ -69,7 +69,7 @@ def main() -> int:
             raise SystemExit("llmsim calibrate from-metrics failed")
         t["fits"] = time.monotonic() - t0
         t0 = time.monotonic()
-        rows = H.further_rate(eng, tok, vs, est["capacity"], prof, fitted, tmp, a.seconds)
+        rows = H.further_rate(eng, tok, vs, est["capacity"], prof, tmp, a.seconds)
         t["further rate"] = time.monotonic() - t0
         print("\nfurther rate, not in the fit:")
         print(ms.stage_table(rows))

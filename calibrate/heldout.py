@@ -155,7 +155,7 @@ def fit_record(fitted: Path) -> dict:
     return json.loads(fitted.read_text())["provenance"]["measurements"]
 
 
-def further_rate(eng: E.Engine, tok: Path, vs: NamedScenario, capacity: float, prof: Profile, fitted: Path,
+def further_rate(eng: E.Engine, tok: Path, vs: NamedScenario, capacity: float, prof: Profile,
                  folder: Path, seconds: float = 30.0) -> list[dict]:
     """`vllm bench serve` at `FURTHER_RATE` x `capacity` against the fitted
     profile's prediction of it: the stage rows of `calibrate.measurements.compare`."""

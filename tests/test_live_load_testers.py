@@ -147,7 +147,7 @@ def test_a_fit_from_the_reports_alone_predicts_points_they_did_not_see(tmp_path,
     # the burst's prompt lengths identify a prefill term (per token or per pair of tokens: with one prompt
     # length the two move together, and which of them the fit takes varies from run to run)
     assert {"per_token_s", "per_prefill_pair_s"} - set(rec["held_by_prior"])
-    further = H.further_rate(eng, tok, vs, est["capacity"], prof, fitted, tmp_path, HELDOUT_SECONDS)
+    further = H.further_rate(eng, tok, vs, est["capacity"], prof, tmp_path, HELDOUT_SECONDS)
     assert len(further) == 1 and abs(further[0]["e2e_residual"]) < 1.0
     doc = H.burst_points(eng, prof, vs, [HELDOUT_POINT], str(tmp_path / "validate.json"))
     (p,) = doc["points"]
