@@ -107,7 +107,7 @@ def test_drill_the_second_replica_takes_calls_only_once_it_answers(tmp_path):
     assert p["sim_measured_startup"]["autoscaler"]["provisioning"] == "fixed"
     assert p["sim_measured_startup"]["autoscaler"]["provisioning_s"] == pytest.approx(life["startup_s"])
     assert set(p["compare"]) >= {"sim", "sim_measured_startup"}
-    e = p["band_speeds"]                  # recovery at the speed band's edges, about the measured start-up
+    e = p["band_speeds"]                  # recovery at speeds across the band, about the measured start-up
     assert p["engine_speed"] is not None and e["k"] == pytest.approx([0.9, 0.95, 1.0, 1.05, 1.1])
     assert all(c["recovered"]["tests_model"] == (not e["flips"]) for c in p["compare"].values())
     assert "first call" in table(p)

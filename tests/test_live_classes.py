@@ -80,7 +80,7 @@ def test_drill_each_request_carries_its_class_priority_and_the_record_has_classe
         assert row["live"]["recovered"] == live["classes"][name]["recovered"]
         assert row["sim"]["recovered"] == p["sim"]["classes"][name]["recovered"]
         assert row["agrees"] == (row["live"]["recovered"] == row["sim"]["recovered"])
-        if p["engine_speed"] is not None:          # each class judged at the speed band's edges
+        if p["engine_speed"] is not None:          # each class judged at speeds across the band
             e = row["band_speeds"]
             assert e["k"] == pytest.approx([0.9, 0.95, 1.0, 1.05, 1.1]) and len(e["recovered"]) == 5
             assert row["recovery_tests_model"] == (len(set(e["recovered"])) == 1)

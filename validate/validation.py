@@ -679,7 +679,7 @@ def run_point(doc: dict, key: dict, tag: str, count: str, simulate, where: str, 
     (record, engine description) on `where`, then append it to doc["points"]
     (as `key` plus sim and live, the agreement, and where the run recorded
     its steps its `engine_speed` and `simulate_scaled(k)`, the prediction
-    with every step k times as long, and at the speed band's edges,
+    with every step k times as long, and across the speed band (`BAND_SPEEDS` speeds),
     `band_speeds`) and save the document. Where the live
     run probed its engine's speed first (`speed_probe`), `sim` is the
     prediction for the engine so probed, `simulate_scaled(k0)`, and the

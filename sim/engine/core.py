@@ -202,7 +202,6 @@ class EngineCore:
         if not self._admits(r):
             return False
         ready = self.frontend.add(r, now)
-        r.arrival_time = ready
         if self._idle:
             self.env.call_later(ready - now, self._frontend_due)
         return True
@@ -557,42 +556,42 @@ class EngineCore:
 class Frontend:
     """The requests on their way through the server to the scheduler, in
     order: each reaches it `delay_s` after it came in (one constant: first
-    in, first out)."""
+    in, first out), at its `arrival_time`."""
 
     def __init__(self, delay_s: float, driver_next_input: Callable[[], float]):
         self.delay_s = delay_s
         self.driver_next_input = driver_next_input      # the engine's next input from the driver
-        self.queue: deque[tuple[float, Request]] = deque()
+        self.queue: deque[Request] = deque()
         self.prompt_tokens = 0
 
     def __len__(self) -> int:
         return len(self.queue)
 
     def add(self, r: Request, now: float) -> float:
-        """r comes in at now: the time it reaches the scheduler."""
-        ready = now + self.delay_s
-        self.queue.append((ready, r))
+        """r comes in at now: the time it reaches the scheduler (its arrival_time)."""
+        r.arrival_time = now + self.delay_s
+        self.queue.append(r)
         self.prompt_tokens += r.num_prompt_tokens
-        return ready
+        return r.arrival_time
 
     def drop(self, r: Request) -> bool:
         """Take r out if it is still here."""
-        for k, (_, q) in enumerate(self.queue):
-            if q is r:
-                del self.queue[k]
-                self.prompt_tokens -= r.num_prompt_tokens
-                return True
-        return False
+        try:
+            self.queue.remove(r)
+        except ValueError:
+            return False
+        self.prompt_tokens -= r.num_prompt_tokens
+        return True
 
     def due(self, t: float) -> list[Request]:
         """Take out the requests that reach the scheduler by t."""
         out = []
         queue = self.queue
-        while queue and queue[0][0] <= t:
-            r = queue.popleft()[1]
+        while queue and queue[0].arrival_time <= t:
+            r = queue.popleft()
             self.prompt_tokens -= r.num_prompt_tokens
             out.append(r)
         return out
 
     def next_ready(self) -> float:
-        return self.queue[0][0] if self.queue else INF
+        return self.queue[0].arrival_time if self.queue else INF
