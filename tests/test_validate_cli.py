@@ -1,4 +1,5 @@
 """`llmsim validate` input checks and the validation scenarios (no engine)."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -8,7 +9,15 @@ from llmsim.cli import main
 from sim.conditions import get_condition
 from sim.profile import load_profile
 from sim.scenario import PAPER, SCENARIOS, get_scenario
-from validate.validation import EngineSpec, ValidationError, validate
+from validate.validation import (
+    EngineSpec,
+    ValidationError,
+    band_speeds,
+    capacity_for,
+    predict,
+    scaled_profile,
+    validate,
+)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -48,9 +57,12 @@ def test_scaled_scenarios_scale_every_time_and_keep_the_ratios():
     k = small.time_scale
     sc = small.scenario
     assert k == 4.0
-    for f in ("base_s", "pulse_s", "hold_s", "deadline_s", "window_s", "delivery_horizon_s", "primary_skip_s",
+    for f in ("base_s", "pulse_s", "deadline_s", "window_s", "delivery_horizon_s", "primary_skip_s",
               "max_retry_after_s"):
         assert getattr(sc, f) == pytest.approx(getattr(PAPER, f) / k), f
+    # but for the hold: ten deadlines (the reference design's six would end with the drain at the hold's edge)
+    assert sc.hold_s == pytest.approx(10 * sc.deadline_s) and sc.hold_s > PAPER.hold_s / k
+    assert get_scenario("cpu-tiny").scenario.hold_s == pytest.approx(PAPER.hold_s / 16)
     assert sc.recovery_queue_growth == pytest.approx(PAPER.recovery_queue_growth * k)
     assert sc.pulse == PAPER.pulse and sc.base_load == PAPER.base_load and sc.max_retries == PAPER.max_retries
     # the pulse's backlog, in seconds of work at capacity, exceeds one deadline
@@ -61,6 +73,23 @@ def test_scaled_scenarios_scale_every_time_and_keep_the_ratios():
     assert b.budget_window_s == pytest.approx(60.0 / k) and d.defer_s == pytest.approx(10.0 / k)
     assert SCENARIOS["paper"].condition(get_condition("deferred")) == get_condition("deferred")
     json.dumps(small.to_dict())
+
+
+@pytest.mark.parametrize("name", ["no-retry", "coalesce"])
+def test_cpu_smalls_drains_end_inside_its_hold_at_every_speed_of_the_band(name):
+    """cpu-small's hold is long enough that no-retry's and coalesce's recovery
+    is the same at every engine speed validate's band allows, so a live point
+    of them tests the model (with the reference design's six deadlines of
+    hold, the embedded profile's no-retry on seed 1 does not recover at 1.1x)."""
+    prof = load_profile("vllm-cpu-tiny")
+    small = get_scenario("cpu-small")
+    cap = capacity_for(prof, small, log=lambda *a: None)
+    for seed in (0, 1):
+        vs = dataclasses.replace(small, seed=seed)
+        band = band_speeds(lambda k: predict(scaled_profile(prof, k), name, vs, cap), 1.0)
+        assert all(band["recovered"]), (seed, band["recovery_time_s"])
+        # and with a margin: the slowest engine's recovery comes at least two windows before the hold's end
+        assert max(band["recovery_time_s"]) <= small.scenario.hold_s - 2 * small.scenario.window_s
 
 
 def test_resume_refuses_a_record_of_another_scenario(tmp_path):
