@@ -232,6 +232,41 @@ def test_step_time_ratio_against_the_profile_and_scaled_prediction(tmp_path):
     assert "ratio_in_fit_range" not in r            # the embedded profile does not say its fitted range
 
 
+def test_a_points_k_is_read_over_its_busy_steps(tmp_path):
+    """Steps with calls to spare (fewer than max_num_seqs / 8 requests) are
+    mostly fixed costs and decide nothing: a long light stretch that ran
+    faster than the profile does not move the point's k, which is read
+    over the busy steps where enough ran (else over all)."""
+    import dataclasses
+
+    from sim.engine.step_time import prefill_pairs
+    from sim.profile import load_profile
+    from validate import validation as V
+    prof = load_profile("vllm-cpu-tiny")
+    assert V.busy_num_reqs(prof) == prof.engine["max_num_seqs"] // 8 == 8
+    st, lines, t = prof.step_time, [], 0.0
+    for i in range(2000):                # 1,000 steps of 2 at 0.6 x the profile, 1,000 of 20 at 1.0 x
+        n, k = (2, 0.6) if i % 2 else (20, 1.0)
+        d = k * st.duration(n, n, prefill_pairs(0, 0), 500 * n)
+        lines.append(json.dumps({"i": i, "t_start": t, "t_end": t + d, "prefill": [], "decode_n": n,
+                                 "decode_tokens": n, "decode_ctx": 500 * n}))
+        t += d
+    p = tmp_path / "steps.raw.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    r = V.step_time_ratio(str(p), prof)
+    assert r["ratio"] < 0.95 and r["ratio_busy"] == pytest.approx(1.0) and r["busy_num_reqs"] == 8
+    assert V.engine_speed(r)["k"] == pytest.approx(1.0) and V.engine_speed(r)["tests_model"]
+    fitted = dataclasses.replace(prof, raw=dict(prof.raw, fit=dict(prof.raw.get("fit") or {}, max_num_reqs=40)))
+    assert V.realized_speed({"live": {"step_time_vs_profile": V.step_time_ratio(str(p), fitted)}}) == \
+        pytest.approx(1.0)
+    # a fleet's k sums its replicas' busy steps
+    from validate.fleet import fleet_step_time_ratio
+    assert fleet_step_time_ratio([r, None, r])["ratio_busy"] == pytest.approx(1.0)
+    # too few busy steps: the whole point's ratio
+    few = V.step_time_ratio(str(p), prof, skip=2000 - 2 * (V.MIN_STEPS_IN_RANGE - 1))
+    assert "ratio_busy" not in few and V.engine_speed(few)["k"] == pytest.approx(few["ratio"]) and few["ratio"] < 0.95
+
+
 def test_the_speed_a_point_ran_at_is_read_over_the_steps_the_profile_was_fitted_on(tmp_path):
     """Steps busier than any the profile was fitted on say how it
     extrapolates, not how fast the machine ran: the speed expected of the

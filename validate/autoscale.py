@@ -54,6 +54,7 @@ from .validation import (
     engine_gone,
     engine_speed,
     engine_steps,
+    point_k,
     scaled_profile,
     server_silence_s,
     speed_note,
@@ -315,7 +316,7 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
         dm = dataclasses.replace(d, fleet=dataclasses.replace(d.fleet, autoscaler=fixed))
         sim_measured = dm.run(seed=seed, condition=cond, trace=trace)
         if ratio is not None:
-            scaled = tuple(scaled_profile(p, ratio["ratio"]) for p in d.fleet.profiles)
+            scaled = tuple(scaled_profile(p, point_k(ratio)) for p in d.fleet.profiles)
             steps = dataclasses.replace(dm, fleet=dataclasses.replace(dm.fleet, profiles=scaled)).run(
                 seed=seed, condition=cond, trace=trace)
     speed = engine_speed(ratio, silence_s=server_silence_s(live))

@@ -37,6 +37,7 @@ from .validation import (
     engine_gone,
     engine_speed,
     engine_steps,
+    point_k,
     scaled_profile,
     server_silence_s,
     speed_note,
@@ -115,7 +116,7 @@ def run_point(d: Deployment, condition=None, seed: int | None = None, log=_say, 
     sim = d.run(seed=seed, condition=cond, trace=trace)
     scaled = None
     if ratio is not None:
-        scaled = dataclasses.replace(d, profile=scaled_profile(d.profile, ratio["ratio"])).run(
+        scaled = dataclasses.replace(d, profile=scaled_profile(d.profile, point_k(ratio))).run(
             seed=seed, condition=cond, trace=trace)
     speed = engine_speed(ratio, silence_s=server_silence_s(live))
     classes = compare(live, sim, scaled)

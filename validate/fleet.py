@@ -356,14 +356,19 @@ def replica_steps_path(steps_path: str, r: int) -> str:
 def fleet_step_time_ratio(ratios: list[dict | None]) -> dict | None:
     """The fleet's steps against the profile: recorded over predicted time
     summed over every replica whose steps were recorded (`step_time_ratio`
-    per replica, None where unknown), with the replicas' own; None if no
+    per replica, None where unknown), with the replicas' own, and over
+    their busy steps (`ratio_busy`) where any replica had enough; None if no
     replica recorded a step."""
     known = [r for r in ratios if r is not None]
     if not known:
         return None
     actual, pred = sum(r["actual_s"] for r in known), sum(r["predicted_s"] for r in known)
-    return {"ratio": actual / pred, "steps": sum(r["steps"] for r in known), "actual_s": actual,
-            "predicted_s": pred, "replicas": ratios}
+    out = {"ratio": actual / pred, "steps": sum(r["steps"] for r in known), "actual_s": actual,
+           "predicted_s": pred, "replicas": ratios}
+    busy = [(r.get("busy_actual_s", r["actual_s"]), r.get("busy_predicted_s", r["predicted_s"])) for r in known]
+    if any("ratio_busy" in r for r in known):     # the busy steps of each replica (a replica with too few: all)
+        out["ratio_busy"] = sum(a for a, _ in busy) / sum(q for _, q in busy)
+    return out
 
 
 def fleet_table(points: list[dict]) -> str:
