@@ -232,6 +232,21 @@ def test_step_time_ratio_against_the_profile_and_scaled_prediction(tmp_path):
     assert "ratio_in_fit_range" not in r            # the embedded profile does not say its fitted range
 
 
+def _decode_steps(path, prof, steps: int, odd: tuple, even: tuple):
+    """A step recorder's file of decode steps alternating between two
+    (requests, x the profile's time), each request at 500 tokens of context."""
+    from sim.engine.step_time import prefill_pairs
+    lines, t = [], 0.0
+    for i in range(steps):
+        n, k = odd if i % 2 else even
+        d = k * prof.step_time.duration(n, n, prefill_pairs(0, 0), 500 * n)
+        lines.append(json.dumps({"i": i, "t_start": t, "t_end": t + d, "prefill": [], "decode_n": n,
+                                 "decode_tokens": n, "decode_ctx": 500 * n}))
+        t += d
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def test_a_points_k_is_read_over_its_busy_steps(tmp_path):
     """Steps with calls to spare (fewer than max_num_seqs / 8 requests) are
     mostly fixed costs and decide nothing: a long light stretch that ran
@@ -239,20 +254,12 @@ def test_a_points_k_is_read_over_its_busy_steps(tmp_path):
     over the busy steps where enough ran (else over all)."""
     import dataclasses
 
-    from sim.engine.step_time import prefill_pairs
     from sim.profile import load_profile
     from validate import validation as V
     prof = load_profile("vllm-cpu-tiny")
     assert V.busy_num_reqs(prof) == prof.engine["max_num_seqs"] // 8 == 8
-    st, lines, t = prof.step_time, [], 0.0
-    for i in range(2000):                # 1,000 steps of 2 at 0.6 x the profile, 1,000 of 20 at 1.0 x
-        n, k = (2, 0.6) if i % 2 else (20, 1.0)
-        d = k * st.duration(n, n, prefill_pairs(0, 0), 500 * n)
-        lines.append(json.dumps({"i": i, "t_start": t, "t_end": t + d, "prefill": [], "decode_n": n,
-                                 "decode_tokens": n, "decode_ctx": 500 * n}))
-        t += d
-    p = tmp_path / "steps.raw.jsonl"
-    p.write_text("\n".join(lines) + "\n")
+    # 1,000 steps of 2 at 0.6 x the profile, 1,000 of 20 at 1.0 x
+    p = _decode_steps(tmp_path / "steps.raw.jsonl", prof, 2000, (2, 0.6), (20, 1.0))
     r = V.step_time_ratio(str(p), prof)
     assert r["ratio"] < 0.95 and r["ratio_busy"] == pytest.approx(1.0) and r["busy_num_reqs"] == 8
     assert V.engine_speed(r)["k"] == pytest.approx(1.0) and V.engine_speed(r)["tests_model"]
@@ -273,20 +280,12 @@ def test_the_speed_a_point_ran_at_is_read_over_the_steps_the_profile_was_fitted_
     next point (`realized_speed`) is read over the others, where enough."""
     import dataclasses
 
-    from sim.engine.step_time import prefill_pairs
     from sim.profile import load_profile
     from validate import validation as V
     prof = load_profile("vllm-cpu-tiny")
     prof = dataclasses.replace(prof, raw=dict(prof.raw, fit=dict(prof.raw.get("fit") or {}, max_num_reqs=40)))
-    st, lines, t = prof.step_time, [], 0.0
-    for i in range(300):                 # 150 steps of 8 at 1.0 x the profile, 150 of 60 at 1.4 x
-        n, k = (8, 1.0) if i % 2 else (60, 1.4)
-        d = k * st.duration(n, n, prefill_pairs(0, 0), 500 * n)
-        lines.append(json.dumps({"i": i, "t_start": t, "t_end": t + d, "prefill": [], "decode_n": n,
-                                 "decode_tokens": n, "decode_ctx": 500 * n}))
-        t += d
-    p = tmp_path / "steps.raw.jsonl"
-    p.write_text("\n".join(lines) + "\n")
+    # 150 steps of 8 at 1.0 x the profile, 150 of 60 at 1.4 x
+    p = _decode_steps(tmp_path / "steps.raw.jsonl", prof, 300, (8, 1.0), (60, 1.4))
     r = V.step_time_ratio(str(p), prof)
     assert r["ratio"] > 1.2 and r["ratio_in_fit_range"] == pytest.approx(1.0) and r["fit_range_num_reqs"] == 40
     assert V.realized_speed({"live": {"step_time_vs_profile": r}}) == pytest.approx(1.0)
