@@ -667,7 +667,7 @@ def _log_ratio(simulated: float | None, frontend_s: float, measured: float) -> f
 
 def fit(profile: Profile, experiments: list[Experiment], published: dict | None = None,
         duration_s: float = 90.0, warmup_s: float = 20.0, max_evals: int = 60, log=None, free=(),
-        frontend: bool = True) -> dict:
+        frontend: bool = True, stage_scale: float = STAGE_SCALE) -> dict:
     """Fit the step-time coefficients to the experiments and the published
     figures (module docstring). First the data's Jacobian at the prior says
     which coefficients the data identify (standard error of the multiplier
@@ -676,7 +676,9 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
     standard_error, identified, held_by_prior, published: {target,
     simulated}, stages, evaluations, cost, status}. Coefficients named in
     `free` are fitted even where the data do not identify them (they then
-    take up whatever the identified ones leave). With `frontend`, the
+    take up whatever the identified ones leave). A stage's log residual is
+    counted in units of `stage_scale` (its tolerance: a noisier kind of
+    stage identifies fewer coefficients and moves them less). With `frontend`, the
     measured means are compared with the simulated ones plus `frontend_s`,
     the time a call spends in the server outside the engine (HTTP, the
     prompt's tokenization, the hand-over to the engine, the first token's
@@ -709,8 +711,8 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
         r = []
         for e, s, got in [(e, s, got) for e in experiments
                           for s, got in zip(e.stages, simulate_experiment(p, e, duration_s, warmup_s))]:
-            r += [_log_ratio(got["ttft_mean"], f, s.ttft_mean_s) / STAGE_SCALE,
-                  _log_ratio(got["e2e_mean"], f, s.e2e_mean_s) / STAGE_SCALE]
+            r += [_log_ratio(got["ttft_mean"], f, s.ttft_mean_s) / stage_scale,
+                  _log_ratio(got["e2e_mean"], f, s.e2e_mean_s) / stage_scale]
         if keys:
             got = published_figures(p, target)
             r += [math.log(got[k] / want[k]) / PUBLISHED_SCALE[k] for k in keys]
@@ -718,7 +720,7 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
         if log:
             log(f"  evaluation {count[0]}: m = [{', '.join(f'{x:.3f}' for x in m)}]"
                 + (f", frontend {f * 1e3:.2f} ms" if frontend else "") + ", rms residual "
-                f"{float(np.sqrt(np.mean(np.square(r)))):.2f} (in tolerances: {STAGE_SCALE:.0%} a stage)")
+                f"{float(np.sqrt(np.mean(np.square(r)))):.2f} (in tolerances: {stage_scale:.0%} a stage)")
         return np.array(r)
 
     # which coefficients (and the frontend time, column n) the data identify, from the Jacobian at the prior
@@ -793,13 +795,13 @@ def refit_profile(profile: Profile, experiments: list[Experiment], source: str, 
 
 def refit(profile: Profile, mine: list[Experiment], source: str, tool: str, target: dict | None = None,
           duration_s: float = 90.0, warmup_s: float = 20.0, max_evals: int = 60, log=None, free=(),
-          frontend: bool = True) -> dict:
+          frontend: bool = True, stage_scale: float = STAGE_SCALE) -> dict:
     """The profile's JSON with its step time refitted (`fit`) to `mine`
     (jointly with `target`, published figures, if any), Ĉ from the capacity
     protocol, and the fit's provenance (`provenance.measurements`: `source`
     and the command, `tool`, that made it)."""
     before = compare(profile, mine, duration_s, warmup_s)
-    res = fit(profile, mine, target, duration_s, warmup_s, max_evals, log, free, frontend)
+    res = fit(profile, mine, target, duration_s, warmup_s, max_evals, log, free, frontend, stage_scale)
     d = json.loads(json.dumps(profile.raw))
     d["step_time"] = res["step_time"]
     d["engine"].pop("frontend_s", None)
@@ -857,7 +859,7 @@ def refit(profile: Profile, mine: list[Experiment], source: str, tool: str, targ
                                        "came before it), each stage a window of it as the engine's histograms saw "
                                        "it"} if any(e.timeline is not None for e in mine) else {})},
         "method": (f"scipy.optimize.least_squares (trf, bounds: the roofline at full efficiency <= coefficient <= "
-                   f"{M_MAX:g} x prior) on log residuals: stages in units of {STAGE_SCALE:.0%}, published figures in "
+                   f"{M_MAX:g} x prior) on log residuals: stages in units of {stage_scale:.0%}, published figures in "
                    "units of "
                    + ", ".join(f"{k} {v:.1%}" for k, v in PUBLISHED_SCALE.items())
                    + f", prior {PRIOR_WEIGHT:g} x (m - 1); {res['evaluations']} evaluations"),

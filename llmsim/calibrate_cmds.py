@@ -210,14 +210,15 @@ def cmd_calibrate_fit_published(a) -> int:
     return 0
 
 
-def _refit(command: str, a, prof, exps: list, source: str, tool: str) -> dict:
+def _refit(command: str, a, prof, exps: list, source: str, tool: str, stage_scale: float = ms.STAGE_SCALE) -> dict:
     """`calibrate.measurements.refit` with the fit's flags (`_fit_flags`),
-    the command that made it (`tool` and those flags) in its provenance; a
-    failed fit ends in one line naming `calibrate COMMAND`."""
+    the command that made it (`tool` and those flags) in its provenance, a
+    stage's residual in units of `stage_scale`; a failed fit ends in one
+    line naming `calibrate COMMAND`."""
     tool += "".join(f" --free {k}" for k in a.free or ()) + (" --no-frontend" if a.no_frontend else "")
     try:
         return ms.refit(prof, exps, source, tool, max_evals=a.max_evals, log=_say, free=tuple(a.free or ()),
-                        frontend=not a.no_frontend)
+                        frontend=not a.no_frontend, stage_scale=stage_scale)
     except (ms.MeasurementsError, ValueError, RuntimeError) as e:
         raise _err(f"calibrate {command}: {e}") from None
 
@@ -305,7 +306,7 @@ def cmd_calibrate_from_metrics(a) -> int:
            "the fit)")
     tool = (f"python -m llmsim calibrate from-metrics {a.scrapes} --profile {a.profile} --window {a.window:g} "
             f"--min-requests {a.min_requests}")
-    d = _refit("from-metrics", a, prof, exps, a.scrapes, tool)
+    d = _refit("from-metrics", a, prof, exps, a.scrapes, tool, mr.WINDOW_SCALE)
     d["provenance"]["kind"] = f"fitted to vLLM {mr.SUPPORTED} Prometheus metrics"
     pm = d["provenance"]["measurements"]
     pm["assumptions"] = mr.ASSUMPTIONS

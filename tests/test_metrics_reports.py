@@ -196,6 +196,20 @@ def test_from_metrics_fits_the_windows_and_says_what_it_assumed(tmp_path, capsys
     assert load_profile(str(out)).engine["num_gpu_blocks"] == 8192
     printed = capsys.readouterr().out
     assert "assumed: request-level histograms do not determine a step-time model" in printed
+    assert "stages in units of 10%" in pm["method"]         # a window's tolerance (M.WINDOW_SCALE), not 2 %
+
+
+def test_a_window_counts_at_its_own_tolerance_and_identifies_no_more_than_a_load_tests_stage():
+    """The windows rebuilt from scrapes are noisier than a load test's
+    stages: at their tolerance (`WINDOW_SCALE`) the same data identify a
+    subset of the coefficients they would at a stage's."""
+    from calibrate import measurements as ms
+    prof = load_profile("vllm-cpu-tiny")
+    exps = M.experiments(M.windows(M.read_scrapes(str(SCRAPES)), 20.0, 15), prof, str(SCRAPES))
+    assert M.WINDOW_SCALE > ms.STAGE_SCALE
+    at = {sc: ms.fit(prof, exps, None, max_evals=1, stage_scale=sc) for sc in (ms.STAGE_SCALE, M.WINDOW_SCALE)}
+    assert set(at[M.WINDOW_SCALE]["identified"]) <= set(at[ms.STAGE_SCALE]["identified"])
+    assert at[M.WINDOW_SCALE]["identified"], "the windows identify nothing at their tolerance"
 
 
 def test_a_long_timeline_is_simulated_in_runs_of_bounded_span_each_window_with_what_came_before_it():
