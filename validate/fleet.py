@@ -365,9 +365,9 @@ def fleet_step_time_ratio(ratios: list[dict | None]) -> dict | None:
     actual, pred = sum(r["actual_s"] for r in known), sum(r["predicted_s"] for r in known)
     out = {"ratio": actual / pred, "steps": sum(r["steps"] for r in known), "actual_s": actual,
            "predicted_s": pred, "replicas": ratios}
-    busy = [(r.get("busy_actual_s", r["actual_s"]), r.get("busy_predicted_s", r["predicted_s"])) for r in known]
     if any("ratio_busy" in r for r in known):     # the busy steps of each replica (a replica with too few: all)
-        out["ratio_busy"] = sum(a for a, _ in busy) / sum(q for _, q in busy)
+        out["ratio_busy"] = (sum(r.get("busy_actual_s", r["actual_s"]) for r in known)
+                             / sum(r.get("busy_predicted_s", r["predicted_s"]) for r in known))
     return out
 
 

@@ -215,7 +215,7 @@ def busy_num_reqs(profile: Profile) -> int:
     load, those of 8 or more 0.95-1.05 x, and a point with a long light
     stretch (coalesce, 128 s of such steps) read 0.89 over all of its steps
     and 0.95 over the busy ones."""
-    return max(1, int(profile.engine.get("max_num_seqs", 0)) // BUSY_SHARE)
+    return max(1, profile.engine["max_num_seqs"] // BUSY_SHARE)
 
 
 def fitted_num_reqs(profile: Profile) -> int | None:
