@@ -50,6 +50,7 @@ from pathlib import Path
 from sim.profile import Profile
 from sim.scenario import NamedScenario
 from validate import engine as E, harness as HV, loadtest as L, scrape as S, validation as V
+from validate.step_log import read_steps
 
 from . import bench_reports as B, live_capacity as LC, measurements as ms
 
@@ -195,9 +196,10 @@ OF_THE_PROFILE = ("engine_speed", "sim_profile", "agreement", "sim_step_adjusted
 def against(doc: dict, prof: Profile, vs: NamedScenario) -> dict:
     """`doc`'s live points predicted with another profile `prof`: each
     point's `sim` the simulator's record of the same trace (the arrivals at
-    the Ĉ the live run was drawn at), its live record as it was; the speed
-    figures, the live steps' ratio to the profile's included, are left out
-    (they are of the profile the point was run for)."""
+    the Ĉ the live run was drawn at), its live record as it was; its speed
+    figures those of `prof` where the point kept its engine's steps (k, the
+    live steps over `prof`'s, and the prediction at k: `sim_step_adjusted`),
+    else left out (they were of the profile the point was run for)."""
     points = []
     for p in doc["points"]:
         if "failed" in p:
@@ -207,6 +209,14 @@ def against(doc: dict, prof: Profile, vs: NamedScenario) -> dict:
         q["live"] = {k: v for k, v in p["live"].items() if k != "step_time_vs_profile"}
         q["sim"] = V.predict(prof, p["condition"], vs, doc["capacity"])
         q["agreement"] = V.agreement(q)
+        steps = p["live"].get("steps_file")
+        if steps and Path(steps).exists():
+            st = V.steps_ratio(read_steps(steps)[1], prof)
+            q["live"]["step_time_vs_profile"] = st
+            q["engine_speed"] = V.live_speed(q["live"])
+            q["sim_step_adjusted"] = V.predict(V.scaled_profile(prof, V.point_k(st)), p["condition"], vs,
+                                               doc["capacity"])
+            q["agreement_step_adjusted"] = V.agreement({"sim": q["sim_step_adjusted"], "live": q["live"]})
         points.append(q)
     return {**doc, "points": points}
 
@@ -226,5 +236,7 @@ def verdicts(doc: dict) -> list[dict]:
                     "hold_sim": V.cohort_pct(p["sim"]["cohorts"]["hold"], "delivered"),
                     "hold_live": V.cohort_pct(p["live"]["cohorts"]["hold"], "delivered"),
                     "k": sp.get("k"), "tests_model": sp.get("tests_model"),
+                    **({"hold_sim_at_k": V.cohort_pct(p["sim_step_adjusted"]["cohorts"]["hold"], "delivered")}
+                       if "sim_step_adjusted" in p else {}),
                     "holds": a["recovered"] and a["hold"]})
     return out

@@ -155,7 +155,8 @@ class Experiment:
     tp: int = 1                     # GPUs per engine (tensor parallelism)
     gpu: str = ""
     quantization: str | None = None
-    # the calls as they came, ((start s, end s, calls), ...): the stages are windows of it (`Stage.window`),
+    # the calls as they came, ((start s, end s, calls[, their shared prefix tokens]), ...): the stages are
+    # windows of it (`Stage.window`),
     # simulated in one run, a long one in several (`timeline_runs`); None: each stage a run of its own
     timeline: tuple | None = None
 
@@ -518,12 +519,12 @@ def _simulate_once(profile: Profile, e: Experiment, duration_s: float, warmup_s:
 
 def timeline_runs(timeline, windows: list[tuple], lead_s: float = LEAD_S, span_s: float = SPAN_S) -> list[tuple]:
     """The runs that simulate `windows` of a `timeline` ((start, end,
-    calls) intervals, in order): consecutive windows in one run while it
+    calls[, prefix]) intervals, in order): consecutive windows in one run while it
     spans at most about `span_s`, each run starting at the first interval
     that begins `lead_s` or more before its first window (or the timeline's
     start), so that what came before a window is in its run. Per run,
     (its intervals and its windows, both shifted to the run's start)."""
-    starts = [a for a, _, _ in timeline]
+    starts = [p[0] for p in timeline]
     groups: list[list[tuple]] = []
     for w in windows:
         if groups and w[1] - groups[-1][0][0] + lead_s <= span_s:
@@ -534,7 +535,7 @@ def timeline_runs(timeline, windows: list[tuple], lead_s: float = LEAD_S, span_s
     for ws in groups:
         k = max(0, bisect.bisect_right(starts, ws[0][0] - lead_s) - 1)
         t0, end = starts[k], ws[-1][1]
-        out.append(([(a - t0, b - t0, n) for a, b, n in timeline[k:] if a < end],
+        out.append(([(p[0] - t0, p[1] - t0, *p[2:]) for p in timeline[k:] if p[0] < end],
                     [(a - t0, b - t0) for a, b in ws]))
     return out
 

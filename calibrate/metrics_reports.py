@@ -86,9 +86,10 @@ ASSUMPTIONS = ("request-level histograms do not determine a step-time model: a r
                "finished plus the change in those running and waiting; a long one in runs of about 15 minutes, "
                "each window with at least 2 minutes of what came before it), at random times within each interval "
                "(arrival times are not in the metrics), every prompt and response of the windows' mean lengths "
-               "(the length distributions' spread is not used), and one prefix every prompt shares, of the "
-               "prefix-cache hit share times the mean prompt rounded to whole KV blocks (which prompts share what is "
-               "not in the metrics); the engine flags other than the KV cache (max_num_seqs, "
+               "(the length distributions' spread is not used), and one prefix the prompts share, each interval's "
+               "calls as much of it as the share of prompt tokens the engine found in its prefix cache in that "
+               "interval times the mean prompt, rounded to whole KV blocks (which prompts share what is not in the "
+               "metrics); the engine flags other than the KV cache (max_num_seqs, "
                "max_num_batched_tokens, max_model_len) are the base profile's; the queue, prefill and decode times "
                "and the gauges are checks, not fitted; a window's TTFT and E2E means count in the fit to a "
                f"tolerance of {WINDOW_SCALE:.0%} (a load test's stage: 2%), so such windows identify fewer terms")
@@ -117,6 +118,7 @@ class Window:
     origin: float = 0.0         # its segment's first scrape (the timeline's 0)
     segment: int = 0            # which of its replica's segments (cut at counter resets)
     phases: tuple = field(default=(), compare=False)     # its segment's `arrivals`
+    shares: tuple = field(default=(), compare=False)     # its segment's `hit_shares`
 
 
 def _text(path: str) -> str:
@@ -239,7 +241,7 @@ def windows(scrapes: list[Scrape], window_s: float, min_requests: int, log=None)
                 cur.append(b)
         segments.append(cur)
         for n_seg, seg in enumerate(segments):
-            phases = arrivals(seg)
+            phases, shares = arrivals(seg), hit_shares(seg)
             i = 0
             while i < len(seg) - 1:
                 j = next((k for k in range(i + 1, len(seg)) if seg[k].t - seg[i].t >= window_s * 0.999), None)
@@ -249,7 +251,7 @@ def windows(scrapes: list[Scrape], window_s: float, min_requests: int, log=None)
                 if w is None:
                     few += 1
                 else:
-                    out.append(replace(w, origin=seg[0].t, segment=n_seg, phases=phases))
+                    out.append(replace(w, origin=seg[0].t, segment=n_seg, phases=phases, shares=shares))
                 i = j
     if log:
         log(f"  {len(out)} windows of at least {window_s:g} s are stages; dropped: {few} with fewer than "
@@ -277,6 +279,26 @@ def arrivals(seg: list[Scrape]) -> tuple:
         out.append((a.t - t0, b.t - t0, came - before))
         before = came
     return tuple(out)
+
+
+def hit_shares(seg: list[Scrape]) -> tuple:
+    """Per interval between consecutive scrapes of one segment, the share of
+    the prompt tokens the engine looked up in its prefix cache in it that it
+    found there (the calls scheduled in it: the prefix their prompts shared
+    with what came before); where it looked up none, that of the next
+    interval that did (the calls that came wait for it), else of the last
+    one that did, else 0."""
+    got = []
+    for a, b in zip(seg, seg[1:]):
+        q = b.samples.get(COUNTERS["queries"], 0.0) - a.samples.get(COUNTERS["queries"], 0.0)
+        h = b.samples.get(COUNTERS["hits"], 0.0) - a.samples.get(COUNTERS["hits"], 0.0)
+        got.append(h / q if q > 0 else None)
+    out, ahead = [None] * len(got), None
+    for k in range(len(got) - 1, -1, -1):
+        ahead = got[k] if got[k] is not None else ahead
+        out[k] = ahead
+    last = next((x for x in reversed(got) if x is not None), 0.0)
+    return tuple(last if x is None else x for x in out)
 
 
 def _window(seg: list[Scrape], i: int, j: int, min_requests: int):
@@ -322,7 +344,8 @@ def experiments(ws: list[Window], profile: Profile, source: str) -> list[Experim
     calls as they came (`arrivals`: the experiment's timeline, simulated in
     one run, a long one in several) and a stage per window, in time order; its workload the
     windows' request-weighted mean lengths and shared prefix (whole KV
-    blocks)."""
+    blocks), each interval's calls sharing the prefix its own hit share
+    tells (`hit_shares`)."""
     flags = profile_flags(profile)
     groups: dict[tuple, list[Window]] = {}
     for w in ws:
@@ -347,5 +370,12 @@ def experiments(ws: list[Window], profile: Profile, source: str) -> list[Experim
         out.append(Experiment(eid, str((profile.raw.get("model") or {}).get("name", profile.name)), SUPPORTED,
                               dict(flags), prefix, prompt - prefix, output, 1, st, mine[0].kv_blocks,
                               {"scrapes": source, "replica": replica, "windows": [[w.t0, w.t1] for w in mine]},
-                              arrivals="poisson", timeline=mine[0].phases))
+                              arrivals="poisson", timeline=_with_prefixes(mine[0], prompt, size)))
     return out
+
+
+def _with_prefixes(w: Window, prompt: int, block_size: int) -> tuple:
+    """`w`'s segment's timeline, each interval's calls with the prefix its
+    hit share tells (of `prompt`, whole KV blocks, less than the prompt)."""
+    return tuple((a, b, n, min(block_size * round(share * prompt / block_size), prompt - 1))
+                 for (a, b, n), share in zip(w.phases, w.shares))

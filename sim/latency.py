@@ -9,6 +9,8 @@ one run, so that what a stage leaves in the prefix cache serves the next.
 seen in windows as the engine's histograms see them."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .conditions import Condition
@@ -16,7 +18,7 @@ from .model import Run
 from .policy.proxy import ProxyConfig
 from .profile import Profile
 from .scenario import PAPER, Scenario
-from .workload import make_trace
+from .workload import Trace, make_trace
 
 STRAIGHT = Condition("straight", retries=False, proxy=ProxyConfig(cancellation="off"))
 
@@ -121,21 +123,39 @@ def latency_stages(profile: Profile, stages: list[tuple], scenario: Scenario = P
     return out
 
 
+def with_phase_prefixes(trace: Trace, counts: list[int], prefixes: list[int]) -> Trace:
+    """`trace` (its calls in phase order, `counts` a phase) with each
+    phase's calls sharing its `prefixes` tokens (one prefix, group 0; a
+    call's cut to its prompt less a token)."""
+    pre = np.repeat(np.asarray(prefixes, dtype=np.int64), counts)
+    pre = np.minimum(pre, trace.prompt_len - 1)
+    return replace(trace, shared_prefix=int(pre.min()), prefix_len=pre,
+                   prefix_group=np.zeros(len(trace), dtype=np.int64))
+
+
 def latency_windows(profile: Profile, phases: list[tuple], windows: list[tuple], scenario: Scenario = PAPER,
                     seed: int = 0, max_batched_tokens: int | None = None) -> list[dict]:
     """Calls straight to the engine in one run, `phases` giving when they
-    came: (start s, end s, calls), each phase's calls at random times in it
-    (`poisson_exact`: its count exact); per window (start s, end s), the
+    came: (start s, end s, calls) or (start s, end s, calls, prefix
+    tokens), each phase's calls at uniform random times in it (`uniform_exact`:
+    its count exact), with a prefix given each of its calls shares that many
+    leading tokens with every other call's (one prefix, cut to the call's
+    prompt; 0: none), else the scenario's; per window (start s, end s), the
     means the engine's own histograms observe in it, as vLLM's `/metrics`
     report them: the TTFT of the calls whose first token came in it and
     the E2E of the calls that finished in it (`ttft_calls`, `calls`: how
     many; a mean None where none did)."""
-    # a rate whose count is `calls` exactly (poisson_exact takes int(rate x length))
-    ph = [(float(a), float(b), (n + 0.5) / (b - a), "poisson_exact") for a, b, n in phases if n >= 1 and b > a]
+    kept = [p for p in phases if p[2] >= 1 and p[1] > p[0]]
+    # a rate whose count is `calls` exactly (uniform_exact takes int(rate x length))
+    ph = [(float(p[0]), float(p[1]), (p[2] + 0.5) / (p[1] - p[0]), "uniform_exact") for p in kept]
     if not ph:
         return [{"ttft_mean": None, "e2e_mean": None, "ttft_p90": None, "e2e_p90": None, "ttft_calls": 0,
                  "calls": 0} for _ in windows]
-    log = run_straight(profile, scenario, seed, ph, max_batched_tokens)
+    sc = scenario.with_(deadline_s=1e9, delivery_horizon_s=1e9)
+    trace = make_trace(1.0, sc, seed, phases=ph)
+    if all(len(p) > 3 for p in kept):
+        trace = with_phase_prefixes(trace, [int(p[2]) for p in kept], [int(p[3]) for p in kept])
+    log = Run(profile, trace, STRAIGHT, sc, seed, max_batched_tokens).run(until=ph[-1][1] + 3600.0)
     done = [e for e in log.executions if e.fate == "completed"]
     first = np.array([e.first_token_at for e in done])
     end = np.array([e.finished_at for e in done])

@@ -51,8 +51,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 LENGTH_KINDS = ("normal", "lognormal", "fixed", "empirical")
 # how a phase's calls arrive (sim.workload.phase_arrivals): a Poisson process; one call every 1/rate s; or
-# int(rate x duration) calls with exponential gaps rescaled to the phase's length (inference-perf's `constant` load)
-ARRIVALS = ("poisson", "constant", "poisson_exact")
+# int(rate x duration) calls with exponential gaps rescaled to the phase's length (inference-perf's `constant` load);
+# or int(rate x duration) calls at uniform random times in it (a Poisson process given its count: the calls an
+# engine's metrics count between two scrapes)
+ARRIVALS = ("poisson", "constant", "poisson_exact", "uniform_exact")
 
 
 @dataclass(frozen=True)

@@ -379,7 +379,8 @@ SCHEMA = Schema([
     Key("phase", "rate", NUMBER, "calls/s (or load)", lo=0.0),
     Key("phase", "arrivals", STRING, "poisson; constant: one call every 1/rate s (guidellm's constant); "
                                      "poisson_exact: int(rate x duration_s) calls, exponential gaps rescaled to "
-                                     "the phase's length (inference-perf's constant)", default="poisson",
+                                     "the phase's length (inference-perf's constant); uniform_exact: int(rate x "
+                                     "duration_s) calls at uniform random times in it", default="poisson",
         choices=ARRIVALS),
     Key("phase", "drained", BOOL, "the phase starts once every call of the phase before has finished (a load "
                                   "generator's stage; llmsim latency --stages)", default=False),

@@ -75,6 +75,15 @@ def poisson_exact_arrivals(rng: np.random.Generator, rate: float, start: float, 
     return np.minimum(start + np.cumsum(gaps) * ((end - start) / gaps.sum()), end)
 
 
+def uniform_exact_arrivals(rng: np.random.Generator, rate: float, start: float, end: float) -> np.ndarray:
+    """int(rate x (end - start)) calls at uniform random times on [start,
+    end), sorted: a Poisson process given its count, as the calls an
+    engine's metrics count between two scrapes came (`poisson_exact` puts
+    the last at the end, so one call a phase would come at fixed intervals)."""
+    n = int(rate * (end - start)) if rate > 0 and end > start else 0
+    return np.sort(rng.uniform(start, end, n)) if n > 0 else np.empty(0)
+
+
 def phase_arrivals(rng: np.random.Generator, start: float, end: float, rate: float,
                    kind: str = "poisson") -> np.ndarray:
     """The arrival times of one phase: Poisson or Poisson with an exact count
@@ -83,6 +92,8 @@ def phase_arrivals(rng: np.random.Generator, start: float, end: float, rate: flo
         return constant_arrivals(rate, start, end)
     if kind == "poisson_exact":
         return poisson_exact_arrivals(rng, rate, start, end)
+    if kind == "uniform_exact":
+        return uniform_exact_arrivals(rng, rate, start, end)
     if kind != "poisson":
         raise ValueError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {kind!r}")
     return poisson_arrivals(rng, rate, start, end)

@@ -6,6 +6,7 @@ query_range export of the same samples reads the same; bad files end in one
 line naming the file, which is left as it was."""
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import json
@@ -35,6 +36,10 @@ def _stage_spans(scrapes):
     idle = [i for i in range(1, len(c) - 1) if c[i - 1] == c[i] == c[i + 1]]
     spans = [(a, b) for a, b in zip(idle, idle[1:]) if b > a + 1]
     return [(scrapes[a], scrapes[b]) for a, b in spans]
+
+
+def _with_counter(s: M.Scrape, name: str, value: float) -> M.Scrape:
+    return dataclasses.replace(s, samples={**s.samples, name: value})
 
 
 def test_the_scrapes_of_a_load_test_hold_its_stages_as_the_tool_measured_them():
@@ -69,10 +74,29 @@ def test_windows_are_stages_of_one_workload_in_one_timeline_of_the_calls_as_they
     assert [s.window for s in e.stages] == [(w.t0 - scrapes[0].t, w.t1 - scrapes[0].t) for w in ws]
     assert all(a[1] <= b[0] for a, b in zip([s.window for s in e.stages], [s.window for s in e.stages][1:]))
     # the timeline: an interval a scrape, and each tool run's calls exactly, between the idle scrapes around it
-    assert len(e.timeline) == len(scrapes) - 1 and all(n >= 0 for _, _, n in e.timeline)
+    assert len(e.timeline) == len(scrapes) - 1 and all(n >= 0 for _, _, n, _ in e.timeline)
     for (a, b), rate in zip(_stage_spans(scrapes), RATES):
-        came = sum(n for t0, t1, n in e.timeline if a.t - scrapes[0].t <= t0 and t1 <= b.t - scrapes[0].t)
+        came = sum(n for t0, t1, n, _ in e.timeline if a.t - scrapes[0].t <= t0 and t1 <= b.t - scrapes[0].t)
         assert came == json.loads((DATA / f"r{rate}.json").read_text())["completed"]
+    # each interval's calls share the prefix its own prefix-cache hits tell, in whole KV blocks: the windows'
+    # 256 tokens, but for an interval whose lookups were few
+    pre = [p for _, _, n, p in e.timeline if n]
+    assert all(p % 128 == 0 for p in pre) and sum(p != 256 for p in pre) <= 2 < len(pre) // 10
+
+
+def test_each_intervals_calls_share_the_prefix_its_own_hits_tell():
+    scrapes = M.read_scrapes(str(SCRAPES))
+    busy = [i for i, s in enumerate(scrapes) if M.in_flight(s) > 0]
+    seg = scrapes[busy[0] - 1:]
+    shares = M.hit_shares(seg)
+    assert len(shares) == len(seg) - 1 and all(0 <= x <= 1 for x in shares)
+    q = [b.samples[M.COUNTERS["queries"]] - a.samples[M.COUNTERS["queries"]] for a, b in zip(seg, seg[1:])]
+    # an interval that looked nothing up takes the share of the next one that did
+    k = next(i for i, x in enumerate(q) if x == 0 and any(q[i + 1:]))
+    assert shares[k] == shares[next(i for i in range(k + 1, len(q)) if q[i] > 0)]
+    # a run whose calls shared no prefix: a window of its own share, and its intervals' calls none
+    none = [_with_counter(s, M.COUNTERS["hits"], 0.0) for s in seg]
+    assert set(M.hit_shares(none)) == {0.0}
 
 
 def test_the_calls_in_flight_at_the_first_scrape_came_in_its_first_interval():

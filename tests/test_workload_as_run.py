@@ -13,7 +13,7 @@ from sim.latency import STRAIGHT, latency_stages, latency_windows
 from sim.model import Run
 from sim.profile import load_profile
 from sim.scenario import PAPER, Lengths, Phase
-from sim.workload import make_trace, poisson_exact_arrivals, pool_turns
+from sim.workload import make_trace, poisson_exact_arrivals, pool_turns, uniform_exact_arrivals
 
 POOL = PAPER.with_(prompt=Lengths("fixed", value=547), response=Lengths("fixed", value=8), shared_prefix=0,
                    prompt_pool=10, deadline_s=1e9, delivery_horizon_s=1e9)
@@ -57,6 +57,20 @@ def test_poisson_exact_arrivals_count_span_and_gaps():
     assert abs(gaps.std() / gaps.mean() - 1) < 0.1
     assert abs((gaps > gaps.mean()).mean() - np.exp(-1)) < 0.03
     assert len(poisson_exact_arrivals(rng, 0.5, 0.0, 5.0)) == 2 and len(poisson_exact_arrivals(rng, 0.1, 0, 5)) == 0
+
+
+def test_uniform_exact_arrivals_are_a_poisson_process_given_its_count():
+    rng = np.random.default_rng(2)
+    # one call a phase: anywhere in it, not at its end (as poisson_exact puts its last call)
+    one = np.array([uniform_exact_arrivals(rng, 0.6, 0.0, 2.0)[0] for _ in range(4000)])
+    assert one.min() >= 0.0 and one.max() < 2.0 and abs(one.mean() - 1.0) < 0.05
+    assert abs((one < 0.5).mean() - 0.25) < 0.03
+    t = uniform_exact_arrivals(rng, 8.0, 100.0, 700.0)
+    assert len(t) == 4800 and np.all(np.diff(t) >= 0) and 100.0 <= t[0] and t[-1] < 700.0
+    gaps = np.diff(t)
+    assert abs(gaps.std() / gaps.mean() - 1) < 0.1
+    assert len(uniform_exact_arrivals(rng, 0.1, 0, 5)) == 0
+    assert make_trace(1.0, PAPER, 0, phases=[(0, 2, 3.0, "uniform_exact")]).arrival.size == 6
 
 
 def test_constant_keeps_its_fixed_interval():
@@ -117,8 +131,8 @@ def test_latency_stages_from_a_scenario_file(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra,arrivals,says", [
     ("prompt_pool = 0", "poisson", "workload.prompt_pool must be >= 1, got 0"),
-    ("prompt_pool = 10", "exact", "workload.phases[0].arrivals must be one of poisson, constant, poisson_exact, "
-                                  "got 'exact'"),
+    ("prompt_pool = 10", "exact", "workload.phases[0].arrivals must be one of poisson, constant, "
+                                  "poisson_exact, uniform_exact, got 'exact'"),
     ("prompt_pool = 10\nshared_prefix = 100", "poisson", "workload.shared_prefix and workload.prompt_pool both given"),
 ])
 def test_bad_workload_as_run_is_one_line(tmp_path, capsys, extra, arrivals, says):
@@ -149,3 +163,16 @@ def test_windows_of_one_run_see_each_call_once_as_an_engines_histograms_do():
     # a window where no call finished has no mean
     (empty,) = latency_windows(prof, phases, [(1e6, 2e6)], scenario=sc, seed=3)
     assert empty["calls"] == 0 and empty["e2e_mean"] is None and empty["ttft_mean"] is None
+
+
+def test_a_phase_given_a_prefix_gives_its_calls_that_prefix():
+    """A phase's calls share the prefix given with it (one prefix; 0: none):
+    the same calls without one take longer to their first token."""
+    prof = load_profile("vllm-cpu-tiny")
+    sc = POOL.with_(prompt_pool=None, prompt=Lengths("fixed", value=2048), response=Lengths("fixed", value=8))
+    phases, cuts = [(0.0, 20.0, 10), (20.0, 40.0, 0), (40.0, 60.0, 10)], [(0.0, 30.0), (30.0, 1e6)]
+    shared = latency_windows(prof, [p + (1536,) for p in phases], cuts, scenario=sc, seed=1)
+    mixed = latency_windows(prof, [p + (0 if p[0] == 40.0 else 1536,) for p in phases], cuts, scenario=sc, seed=1)
+    assert [r["calls"] for r in shared] == [r["calls"] for r in mixed]
+    assert mixed[0]["ttft_mean"] == pytest.approx(shared[0]["ttft_mean"], rel=1e-9)
+    assert mixed[1]["ttft_mean"] > 1.5 * shared[1]["ttft_mean"]

@@ -173,7 +173,11 @@ def step_time_ratio(step_log, profile: Profile, skip: int = 0) -> dict | None:
         raw = [json.loads(line) for k, line in enumerate(f) if k >= skip and line.strip()]
     if not raw:
         return None
-    rows = steps_from_raw(raw, [])
+    return steps_ratio(steps_from_raw(raw, []), profile)
+
+
+def steps_ratio(rows: list[dict], profile: Profile) -> dict:
+    """`step_time_ratio` of steps as a steps file holds them (`step_log.read_steps`)."""
     actual = np.array([r["duration_s"] for r in rows])
     pred = predict_steps(profile.step_time, rows)
     out = {"ratio": float(actual.sum() / pred.sum()), "median_step_ratio": float(np.median(actual / pred)),
