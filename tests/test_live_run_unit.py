@@ -272,6 +272,8 @@ def test_a_points_k_is_read_over_its_busy_steps(tmp_path):
     # too few busy steps: the whole point's ratio
     few = V.step_time_ratio(str(p), prof, skip=2000 - 2 * (V.MIN_STEPS_IN_RANGE - 1))
     assert "ratio_busy" not in few and V.engine_speed(few)["k"] == pytest.approx(few["ratio"]) and few["ratio"] < 0.95
+    # a profile that does not say its fitted range: the speed expected of the next point is the point's k
+    assert V.realized_speed({"live": {"step_time_vs_profile": r}}) == pytest.approx(1.0)
 
 
 def test_the_speed_a_point_ran_at_is_read_over_the_steps_the_profile_was_fitted_on(tmp_path):

@@ -404,13 +404,14 @@ def realized_speed(point: dict) -> float | None:
     steps against the prediction's profile, times the k that profile was
     scaled by): over its steps no busier than any the profile was fitted on
     where it had enough of them (`ratio_in_fit_range`: busier steps say how
-    the profile extrapolates, not how fast the machine was), else over all;
-    None where no steps were recorded."""
+    the profile extrapolates, not how fast the machine was), else as the
+    point's k (`point_k`: over its busy steps, where enough); None where no
+    steps were recorded."""
     live = point.get("live") or {}
     st = live.get("step_time_vs_profile")
     if st is None:
         return None
-    return st.get("ratio_in_fit_range", st["ratio"]) * (probe_k(live.get("speed_probe")) or 1.0)
+    return st.get("ratio_in_fit_range", point_k(st)) * (probe_k(live.get("speed_probe")) or 1.0)
 
 
 def probe_k(probed: dict | None) -> float | None:
