@@ -16,8 +16,9 @@ over the storms, the fd counts and the latency the proxy adds (p50 / p99).
 The load generator runs at a higher scheduling priority than the engine
 where the system allows it (`nice -10`, as root): the engine's forward
 passes keep both cores busy, and a load generator starved of them ended its
-calls' attempts late, some past its bound (a storm then reads calls
-"unfinished"). Deselect with `-m "not live"`. Time: engine start-up ~50-130 s,
+calls' attempts late, some past its bound (a storm then read calls
+"unfinished"; the generator now waits for its late calls to end,
+`validate.loadgen.STRAGGLERS_S`). Deselect with `-m "not live"`. Time: engine start-up ~50-130 s,
 each storm 12 s plus the engine's drain (~80-100 s on two cores)."""
 from __future__ import annotations
 
