@@ -351,7 +351,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--arrivals", choices=ARRIVALS, default="poisson",
                    help="poisson (default); constant: one call every 1/rate s (guidellm's constant rate); "
                         "poisson_exact: int(rate x duration) calls, exponential gaps rescaled to the duration "
-                        "(inference-perf's constant load)")
+                        "(inference-perf's constant load); uniform_exact: int(rate x duration) calls at uniform "
+                        "random times")
     p.add_argument("--duration", type=args.positive(most=args.DURATION_MAX), default=600.0,
                    help="seconds of arrivals (default 600)")
     p.add_argument("--seed", type=args.positive(int, allow_zero=True), default=0)
