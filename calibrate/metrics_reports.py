@@ -81,18 +81,19 @@ E2E_COUNT = HIST["e2e"] + "_count"      # requests finished
 # on their windows at their best; held to 2 %, such windows identified the decode term and walked it to 3.5 x
 # the prior in one of them, whose held-out no-retry point it then missed by 24 points
 WINDOW_SCALE = 0.10
-ASSUMPTIONS = ("request-level histograms do not determine a step-time model: a replica's scrapes are simulated as "
-               "one run whose calls come as the scrapes tell (per interval between two scrapes, the requests that "
-               "finished plus the change in those running and waiting; a long one in runs of about 15 minutes, "
-               "each window with at least 2 minutes of what came before it), at random times within each interval "
-               "(arrival times are not in the metrics), every prompt and response of the windows' mean lengths "
-               "(the length distributions' spread is not used), and one prefix the prompts share, each interval's "
-               "calls as much of it as the share of prompt tokens the engine found in its prefix cache in that "
-               "interval times the mean prompt, rounded to whole KV blocks (which prompts share what is not in the "
-               "metrics); the engine flags other than the KV cache (max_num_seqs, "
-               "max_num_batched_tokens, max_model_len) are the base profile's; the queue, prefill and decode times "
-               "and the gauges are checks, not fitted; a window's TTFT and E2E means count in the fit to a "
-               f"tolerance of {WINDOW_SCALE:.0%} (a load test's stage: 2%), so such windows identify fewer terms")
+ASSUMPTIONS = ("request-level histograms do not determine a step-time model: a replica's scrapes are simulated "
+               "as one run whose calls come as the scrapes tell (per interval between two scrapes, the requests "
+               "that finished plus the change in those running and waiting; a long one in runs of about 15 "
+               "minutes, each window with at least 2 minutes of what came before it), at uniform random times "
+               "within each interval (arrival times are not in the metrics), every prompt and response of the "
+               "windows' mean lengths (the length distributions' spread is not used), and one prefix the prompts"
+               " share, each interval's calls as much of it as the share of prompt tokens the engine found in "
+               "its prefix cache in that interval times the mean prompt, rounded to whole KV blocks (which "
+               "prompts share what is not in the metrics); the engine flags other than the KV cache "
+               "(max_num_seqs, max_num_batched_tokens, max_model_len) are the base profile's; the queue, prefill"
+               " and decode times and the gauges are checks, not fitted; a window's TTFT and E2E means count in "
+               f"the fit to a tolerance of {WINDOW_SCALE:.0%} (a load test's stage: 2%), so such windows identify"
+               " fewer terms")
 
 
 @dataclass(frozen=True)
