@@ -24,12 +24,17 @@ STRAIGHT = Condition("straight", retries=False, proxy=ProxyConfig(cancellation="
 
 
 def run_straight(profile: Profile, scenario: Scenario, seed: int, phases: list[tuple],
-                 max_batched_tokens: int | None = None, mixed_prompts: bool = False):
+                 max_batched_tokens: int | None = None, mixed_prompts: bool = False,
+                 prefixes: list[tuple] | None = None):
     """The RunLog of calls arriving by `phases` ((start, end, rate, arrivals)
     each) sent straight to the engine (`STRAIGHT`, no deadline), run to an
-    hour past the last phase's end."""
+    hour past the last phase's end; `prefixes` ((calls, prefix tokens) a
+    phase, `with_phase_prefixes`), where given, the prefix each phase's calls
+    share."""
     sc = scenario.with_(deadline_s=1e9, delivery_horizon_s=1e9)
     trace = make_trace(1.0, sc, seed, mixed_prompts=mixed_prompts, phases=phases)
+    if prefixes is not None:
+        trace = with_phase_prefixes(trace, [n for n, _ in prefixes], [p for _, p in prefixes])
     return Run(profile, trace, STRAIGHT, sc, seed, max_batched_tokens).run(until=phases[-1][1] + 3600.0)
 
 
@@ -151,11 +156,8 @@ def latency_windows(profile: Profile, phases: list[tuple], windows: list[tuple],
     if not ph:
         return [{"ttft_mean": None, "e2e_mean": None, "ttft_p90": None, "e2e_p90": None, "ttft_calls": 0,
                  "calls": 0} for _ in windows]
-    sc = scenario.with_(deadline_s=1e9, delivery_horizon_s=1e9)
-    trace = make_trace(1.0, sc, seed, phases=ph)
-    if all(len(p) > 3 for p in kept):
-        trace = with_phase_prefixes(trace, [int(p[2]) for p in kept], [int(p[3]) for p in kept])
-    log = Run(profile, trace, STRAIGHT, sc, seed, max_batched_tokens).run(until=ph[-1][1] + 3600.0)
+    prefixes = [(int(p[2]), int(p[3])) for p in kept] if all(len(p) > 3 for p in kept) else None
+    log = run_straight(profile, scenario, seed, ph, max_batched_tokens, prefixes=prefixes)
     done = [e for e in log.executions if e.fate == "completed"]
     first = np.array([e.first_token_at for e in done])
     end = np.array([e.finished_at for e in done])
