@@ -198,8 +198,10 @@ def against(doc: dict, prof: Profile, vs: NamedScenario) -> dict:
     point's `sim` the simulator's record of the same trace (the arrivals at
     the Ĉ the live run was drawn at), its live record as it was; its speed
     figures those of `prof` where the point kept its engine's steps (k, the
-    live steps over `prof`'s, and the prediction at k: `sim_step_adjusted`),
-    else left out (they were of the profile the point was run for)."""
+    live steps over `prof`'s, the prediction across the speed band,
+    `band_speeds`, which says whether the point's recovery tests the model,
+    and the prediction at k: `sim_step_adjusted`), else left out (they were
+    of the profile the point was run for)."""
     points = []
     for p in doc["points"]:
         if "failed" in p:
@@ -207,23 +209,28 @@ def against(doc: dict, prof: Profile, vs: NamedScenario) -> dict:
             continue
         q = {k: v for k, v in p.items() if k not in OF_THE_PROFILE}
         q["live"] = {k: v for k, v in p["live"].items() if k != "step_time_vs_profile"}
+        def simulate_scaled(k, cond=p["condition"]):
+            return V.predict(V.scaled_profile(prof, k), cond, vs, doc["capacity"])
         q["sim"] = V.predict(prof, p["condition"], vs, doc["capacity"])
-        q["agreement"] = V.agreement(q)
         steps = p["live"].get("steps_file")
         if steps and Path(steps).exists():
             st = V.steps_ratio(read_steps(steps)[1], prof)
             q["live"]["step_time_vs_profile"] = st
             q["engine_speed"] = V.live_speed(q["live"])
-            q["sim_step_adjusted"] = V.predict(V.scaled_profile(prof, V.point_k(st)), p["condition"], vs,
-                                               doc["capacity"])
+            q["band_speeds"] = V.band_speeds(simulate_scaled, 1.0, q["engine_speed"]["band"], at_k0=q["sim"])
+            q["sim_step_adjusted"] = simulate_scaled(V.point_k(st))
             q["agreement_step_adjusted"] = V.agreement({"sim": q["sim_step_adjusted"], "live": q["live"]})
+        q["agreement"] = V.agreement(q)
         points.append(q)
     return {**doc, "points": points}
 
 
 def verdicts(doc: dict) -> list[dict]:
     """Per point: the recovery verdicts and hold deliveries (%) predicted and
-    live, k, whether k is in the speed band, and whether the must-hold holds."""
+    live, k, whether k is in the speed band, whether the point's recovery
+    tests the model (the prediction does not flip across the band,
+    `validation.band_speeds`), the prediction at k where the point kept its
+    steps, and whether the must-hold holds."""
     out = []
     for p in doc["points"]:
         if "failed" in p:
@@ -236,7 +243,9 @@ def verdicts(doc: dict) -> list[dict]:
                     "hold_sim": V.cohort_pct(p["sim"]["cohorts"]["hold"], "delivered"),
                     "hold_live": V.cohort_pct(p["live"]["cohorts"]["hold"], "delivered"),
                     "k": sp.get("k"), "tests_model": sp.get("tests_model"),
-                    **({"hold_sim_at_k": V.cohort_pct(p["sim_step_adjusted"]["cohorts"]["hold"], "delivered")}
+                    "recovery_tests_model": a["recovery_tests_model"],
+                    **({"recovered_sim_at_k": p["sim_step_adjusted"]["recovered"],
+                        "hold_sim_at_k": V.cohort_pct(p["sim_step_adjusted"]["cohorts"]["hold"], "delivered")}
                        if "sim_step_adjusted" in p else {}),
-                    "holds": a["recovered"] and a["hold"]})
+                    "holds": (a["recovered"] or not a["recovery_tests_model"]) and a["hold"]})
     return out

@@ -14,6 +14,7 @@ from calibrate import bench_reports as B, heldout as H, measurements as ms
 from llmsim.cli import main
 from sim.profile import load_profile
 from sim.scenario import get_scenario
+from sim.steps import predict as predict_steps
 from validate import validation as V
 from validate.loadgen import TextPrompts, TracePrompts
 from validate.tokenizer import tokenizer_json, word
@@ -161,3 +162,33 @@ def test_live_points_are_put_against_another_profile_on_the_same_trace():
     (v, f) = H.verdicts(out)
     assert v["holds"] and v["k"] is None and f == {"condition": "no-retry", "failed": "engine lost"}
     assert not H.verdicts(doc)[0]["holds"]          # the engine 1.5 x slower: another verdict
+
+
+def test_a_point_with_kept_steps_is_judged_across_the_other_profiles_speed_band(tmp_path):
+    # the live record: the simulator's own record of the point; its steps file: steps that took what the
+    # profile says, so the engine ran at k 1 against it
+    vs = get_scenario("cpu-tiny")
+    prof = load_profile("vllm-cpu-tiny")
+    cap = 4.14
+    rows = [{"duration_s": 0.0, "num_reqs": n, "num_tokens": t, "prefill_pairs": t * t / 2, "decode_ctx": c}
+            for n, t, c in [(1, 1024, 0), (8, 1024, 4000), (20, 20, 30000), (12, 600, 9000)] * 40]
+    for r, d in zip(rows, predict_steps(prof.step_time, rows)):
+        r["duration_s"] = float(d)
+    steps = tmp_path / "point.steps.jsonl"
+    steps.write_text("\n".join(json.dumps(r) for r in [{"meta": {}}] + rows) + "\n")
+    live = V.predict(prof, "no-retry+cancel", vs, cap)
+    doc = {"capacity": cap, "points": [{"condition": "no-retry+cancel", "sim": live,
+                                        "live": {**live, "steps_file": str(steps)}}]}
+    (p,) = H.against(doc, prof, vs)["points"]
+    assert p["engine_speed"]["k"] == pytest.approx(1.0, rel=1e-6) and p["engine_speed"]["tests_model"]
+    band = p["band_speeds"]
+    assert band["k"][0] == pytest.approx(0.9) and band["k"][-1] == pytest.approx(1.1)
+    assert band["recovered"][len(band["k"]) // 2] == p["sim"]["recovered"]     # its middle is the prediction
+    assert p["agreement"]["recovery_tests_model"] == (not band["flips"])
+    (v,) = H.verdicts(H.against(doc, prof, vs))
+    assert v["recovery_tests_model"] == (not band["flips"]) and v["recovered_sim_at_k"] == v["recovered_sim"]
+    assert v["hold_sim_at_k"] == pytest.approx(v["hold_sim"], abs=1e-9) and v["holds"]
+    # a point whose prediction flips across the band does not hold its recovery to the bar; its delivery still
+    flipped = {**p, "band_speeds": {**band, "flips": True}, "live": {**p["live"], "recovered": not live["recovered"]}}
+    (w,) = H.verdicts({"points": [flipped]})
+    assert w["recovered_sim"] != w["recovered_live"] and not w["recovery_tests_model"] and w["holds"]

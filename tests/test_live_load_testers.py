@@ -18,10 +18,12 @@ its output. Deselect with `-m "not live"`.
   scenario's prompt lengths, from a third of the engine's capacity to near
   it) predicts a further rate and a burst point of `validate` that no report
   saw, on the same engine with the same kind of prompts (text): the same
-  recovery verdict as live and hold delivery within 10 points; and a profile
-  fitted from the engine's /metrics alone, scraped through the load tests
-  (`llmsim calibrate from-metrics`), on the same live point: the same
-  verdict, and hold delivery within 10 points at the speed the engine ran
+  recovery verdict as live where the prediction's recovery does not flip
+  across the speed band (as `validate` judges a point) and hold delivery
+  within 10 points; and a profile fitted from the engine's /metrics alone,
+  scraped through the load tests (`llmsim calibrate from-metrics`), on the
+  same live point: the same verdict (likewise), and hold delivery within 10
+  points at the speed the engine ran
   during the point (its steps over the profile's: the engine runs slower
   through the load tests, whose metrics the profile describes).
 
@@ -162,7 +164,10 @@ def test_a_fit_from_the_reports_alone_predicts_points_they_did_not_see(tmp_path,
     if v["tests_model"] is False:
         assert "not a test of the model" in V.table(doc["points"])
         return
-    assert v["recovered_sim"] == v["recovered_live"], v
+    # recovery is held to the bar where the prediction does not flip across the speed band (as `validate`
+    # judges a point, docs/validation.md); the hold delivery always
+    if v["recovery_tests_model"]:
+        assert v["recovered_sim"] == v["recovered_live"], v
     assert abs(v["hold_live"] - v["hold_sim"]) <= H.HOLD_POINTS, v
     # the same live point, predicted with a profile fitted from the engine's metrics alone
     from_metrics = tmp_path / "from-metrics.json"
@@ -172,7 +177,8 @@ def test_a_fit_from_the_reports_alone_predicts_points_they_did_not_see(tmp_path,
     assert vm["tests_model"] is not None, vm        # its k, from the point's kept steps
     if vm["tests_model"] is False:
         return
-    assert vm["recovered_sim"] == vm["recovered_live"], vm
+    if vm["recovery_tests_model"]:
+        assert vm["recovered_sim"] == vm["recovered_live"], vm
     # the engine's busy steps run 5-9 % slower through the load tests (its scheduler on the core they run on)
     # than through the point, and the metrics' profile is of the engine as it ran then: its hold delivery is
     # held to the bar at the speed the engine ran during the point (sim x k); the plain one is printed
