@@ -167,16 +167,23 @@ class Run(Interpreter):
         rp, records, calls = self.replicas, self.records, self.calls
         self._subscribe, self._drop, self._orphaned = records.subscribe, records.drop, records.orphaned
         self._dispatch, self._cancel = rp.dispatch, rp.cancel
+        if self.stack.group_below_proxy:    # the lowest gateway stands below the one proxy: it takes its executions
+            self._dispatch, self._cancel = self._dispatch_below, self._cancel_below
         self._refused, self._completed = calls.refused, calls.completed
         self._sent, self._delivered, self._given_up = calls.sent, calls.delivered, calls.given_up
         Interpreter.__init__(self)
         self.proxy_queues = self.stack.config("proxy").proxy_cap is not None
         rp.proxy_queue_log = self.proxy_queue_log
+        below = None
+        if self.stack.group_below_proxy:
+            layers, gateway = layers[:-1], layers[-1]
+            below = (gateway, (rp.engine_attempt, rp.engine_left))
+            rp.below_proxy(gateway)
         if layers:          # the lowest layer's attempts reach the proxy through `_proxy_attempt`
             records.proxy_rows = []
-            self._chain(layers, (self._proxy_attempt, self.proxy.on_attempt_left))
+            self._chain(layers, (self._proxy_attempt, self.proxy.on_attempt_left), below)
         else:
-            self._chain(layers, (self.proxy.on_attempt, self.proxy.on_attempt_left))
+            self._chain(layers, (self.proxy.on_attempt, self.proxy.on_attempt_left), below)
         self.proxy_rows = records.proxy_rows
         if self.cluster.per_replica_queues and self.stack.config("proxy").proxy_cap is not None:
             self._do = self._do_and_log_replica_queues
@@ -201,7 +208,9 @@ class Run(Interpreter):
         # fast-forward takes ahead: requests added to a replica whose
         # admission is blocked change none of its steps (EngineCore)
         # (nor any layer above the proxy reads the engines' state: `reads_engines`; nor replicas come and go)
+        # (nor a gateway below the proxy, which closes its upstream attempts on its own timeouts)
         never_aborts = (pcfg.cancellation == "off" and (self.router_config.policy != "least-kv" or n == 1)
+                        and not self.stack.group_below_proxy
                         and not any(getattr(layer, "reads_engines", False) for layer in self.layers)
                         and not (self.autoscaler is not None and not self.autoscaler.fixed))
         # only a proxy that reads its view (`Proxy.estimate_wait`) needs the prompt throughput
@@ -237,6 +246,12 @@ class Run(Interpreter):
         """The lowest layer's upstream attempt reaches the proxy (its row noted in `proxy_rows`)."""
         self.proxy_rows.append(up.row)
         return self.proxy.on_attempt(t, up, params, prompt_len)
+
+    def _execution_refused(self, t: float, ex) -> None:
+        """The gateway below the proxy answered `ex` with an error: one no engine took is refused."""
+        erec = self.executions[ex.id]
+        if not erec.accepted:
+            erec.fate, erec.finished_at = "refused", t
 
     def _wake_at(self, t: float, a: Wake) -> None:
         self.timers.at(a.at, self._wake, a.execution)

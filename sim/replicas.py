@@ -11,7 +11,7 @@ from .clock import INF
 from .conditions import Condition
 from .engine.core import EngineConfig, EngineCore
 from .engine.request import Request
-from .policy.proxy import Cancel, EngineView, PromptRate, Proxy
+from .policy.proxy import Cancel, EngineView, PromptRate, Proxy, Refuse
 from .policy.router import ReplicaView
 from .profile import Profile
 from .runlog import thin_log
@@ -82,6 +82,7 @@ class Replicas:
         # Proxy.on_dispatched does nothing: called only where a proxy overrides it
         self.report_dispatch = type(self.proxy).on_dispatched is not Proxy.on_dispatched
         self.executions = self.calls = self.do = None
+        self.group_gateway = None       # a gateway's upstream group below the one proxy (`below_proxy`)
 
     def make(self, condition: Condition, scenario: Scenario, max_batched_tokens: int | None, fast_forward: bool,
              on_finished, next_input: list, never_aborts: bool, reads_view: bool) -> None:
@@ -92,6 +93,8 @@ class Replicas:
         group_of = self.cluster.group_of
         first_token = [partial(self.on_first_token_of, self.prompt_rates[group_of[r]]) if reads_view else None
                        for r in range(self.n)]
+        if self.group_gateway is not None:      # the gateway below the proxy hears each stream's first token
+            first_token = [partial(self.first_token_below, f) for f in first_token]
         self.engines.extend(
             EngineCore(self.env, engine_config(p, condition, max_batched_tokens, scenario), p.step_time,
                        on_finished=on_finished, on_first_token=first_token[r], next_input_time=next_input[r],
@@ -195,6 +198,76 @@ class Replicas:
         ex = self.proxy.executions.get(req.request_id)
         if ex is not None:
             self.do(t, self.proxy.on_finished(t, ex))
+
+    # ------------------------------------------------- below a gateway's upstream group
+    # (`Stack.group_below_proxy`: the one proxy's executions go to the gateway, `group_gateway`, whose
+    # upstream attempts reach their servers' engines here; `below_proxy` sets this up)
+    def below_proxy(self, gateway) -> None:
+        """Route the engines' answers to `gateway`, the upstream group below the one proxy."""
+        self.group_gateway = gateway
+        self.upstream_requests: dict = {}       # the gateway's upstream attempt -> its request in an engine
+        self.request_upstream: dict = {}        # and back
+        self.on_finished = self.on_finished_below
+        self.cancel_on = self.cancel_on_below
+
+    def engine_attempt(self, t: float, up, params: tuple, prompt_len: int) -> list:
+        """The gateway's upstream attempt reaches its server's engine: the
+        execution it carries runs there (an execution the gateway tries again
+        runs again, on the server it picks; its record is the last try's);
+        the engine's 503 (its cap) is the gateway's to hear."""
+        ex = up.above.of
+        erec = self.executions[ex.id]
+        if erec.dispatched_at != erec.dispatched_at:        # NaN: its first try
+            erec.dispatched_at = t
+        calls, i, r = self.calls, ex.call_id, up.server
+        req = Request(ex.id, i, erec.prompt_len, erec.max_tokens, calls.prefix_len[i], record=erec,
+                      prefix_group=calls.prefix_group[i], priority=calls.call_priority[i])
+        self.exec_replica[ex.id] = r
+        if not self.engines[r].add_request(req, t):
+            return [Refuse(up, 503, None, "engine")]
+        erec.accepted = True
+        up.execution = ex
+        up.answering = True             # vLLM sends a stream's status and header as it takes the request
+        self.upstream_requests[up] = req
+        self.request_upstream[req] = up
+        return []
+
+    def engine_left(self, t: float, up) -> list:
+        """The gateway closed its upstream attempt: the engine aborts the
+        request (vLLM aborts a request whose client disconnected)."""
+        req = self.upstream_requests.pop(up, None)
+        if req is not None:
+            del self.request_upstream[req]
+            self.executions[req.request_id].cancel_requested_at = t
+            self.engines[up.server].abort_request(req, t)
+        return []
+
+    def first_token_below(self, also, req: Request, t: float) -> None:
+        """An engine's first token of a request: its upstream attempt streams (then `also(req, t)`, if any)."""
+        up = self.request_upstream.get(req)
+        if up is not None:
+            up.streaming = True
+        if also is not None:
+            also(req, t)
+
+    def on_finished_below(self, req: Request, t: float) -> None:
+        """An engine streamed a request's last token: the gateway's upstream attempt is complete."""
+        up = self.request_upstream.pop(req, None)
+        if up is not None:
+            del self.upstream_requests[up]
+            self.do(t, self.group_gateway.on_complete(t, up))
+
+    def cancel_on_below(self, t: float, r: int) -> None:
+        """Cancel the requests on replica r: each aborted in its engine and
+        its upstream attempt refused (503) to the gateway."""
+        for up in [u for u in self.upstream_requests if u.server == r]:
+            req = self.upstream_requests.pop(up, None)
+            if req is None:
+                continue
+            del self.request_upstream[req]
+            self.executions[req.request_id].cancel_requested_at = t
+            self.engines[r].abort_request(req, t)
+            self.do(t, self.group_gateway.on_refused(t, up, 503, None, "engine"))
 
     def log_replica_queues(self, t: float) -> None:
         """Log each replica's own proxy queue length where it changed."""

@@ -48,6 +48,63 @@ def test_a_group_with_health_off_is_the_fleet_under_the_same_router(balance, rou
     assert g["upstream_group"]["marked_down"] == 0 and g["no_live_upstream"] == 0
 
 
+@pytest.mark.parametrize("balance, router", [("round-robin", "round-robin"), ("hash", "call-affinity")])
+def test_a_group_below_the_one_proxy_with_health_off_is_the_fleet_under_the_same_router(balance, router):
+    """The condition's one proxy before nginx's group of three, max_fails = 0,
+    its timeout over the whole answer (as above the proxy, where the answer
+    comes at once), under `cancel`: each replica gets the calls, attempts
+    and executions a [fleet] of three under the router of the same policy
+    gives it with nginx of one server above the proxy (nginx's timeout
+    closes the execution's request either way: there its disconnect reaches
+    the proxy, which cancels; here it reaches the engine, which aborts)."""
+    gw = dict(NGINX, fails_to_mark_down=0, balance=balance, timeout_between_reads=False)
+    doc = _dep([SDK, gw], "deployment", 3, "cancel").document()
+    doc["fleet"]["router"] = router
+    fleet = from_document(doc, "tiny.toml")
+    group = _dep([SDK, dict(gw, upstream_servers=3)], "deployment", 3, "cancel")
+    a, b = fleet.run(0), group.run(0)
+    assert b["fleet"]["proxy"] == "deployment"
+    assert a["fleet"]["calls"] == b["fleet"]["calls"] and a["attempts"] == b["attempts"]
+    assert a["executions"] == b["executions"]
+    for ra, rb in zip(a["replicas"], b["replicas"]):
+        for k in PER_REPLICA:
+            assert ra[k] == rb[k], k
+    (g,) = [x for x in b["extra"]["layers"] if "upstream_group" in x]
+    assert g["upstream_group"]["marked_down"] == 0 and g["no_live_upstream"] == 0 and g["upstream_timeout"] > 0
+
+
+@pytest.mark.parametrize("condition", ["no-control", "coalesce"])
+def test_below_the_one_proxy_nginx_cuts_streams_without_a_token_and_counts_no_failure(condition):
+    """The condition's one proxy before nginx's group of two: vLLM sends a
+    stream's status and header as it takes the request, so nginx's read
+    timeout cuts only a stream still waiting for its first token (the engine
+    aborts it, whatever the proxy's cancellation), never retries it, and
+    counts no failure toward max_fails (ngx_http_upstream_finalize_request
+    frees the peer with state 0): no server goes out, nginx answers nothing
+    alone. Counted as a failure (`cut_counts_as_failure`), the same cuts
+    take servers out and nginx answers 502s alone."""
+    dep = _dep([SDK, dict(NGINX, upstream_servers=2)], "deployment", 2, condition)
+    cond = dep.condition_for()
+    run = Run(list(dep.fleet.profiles), dep.trace(0), cond, dep.scenario, 0, stack=dep.stack_for(cond))
+    log = run.run()
+    (nginx,) = run.layers
+    c = nginx.counts
+    assert c["upstream_timeout"] > 0 and c["marked_down"] == 0 and c["no_live_upstream"] == 0
+    assert c["retries"] == 0 and c["upstream_attempts"] == len(log.executions)
+    aborted = [e for e in log.executions if e.fate == "aborted"]
+    assert len(aborted) == c["upstream_timeout"]                    # each cut, and nothing else, aborted
+    # cut before its first token (NaN), or the step in flight when the abort came gave it one
+    assert all(not e.first_token_at <= e.cancel_requested_at for e in aborted)
+    rec = dep.run(0)
+    assert rec["attempts"]["refused_gateway"] >= c["upstream_timeout"] if condition == "coalesce" else \
+        rec["attempts"]["refused_gateway"] == c["upstream_timeout"]
+    counted = _dep([SDK, dict(NGINX, upstream_servers=2, cut_counts_as_failure=True)], "deployment", 2,
+                   condition).run(0)
+    (g,) = [x for x in counted["extra"]["layers"] if "upstream_group" in x]
+    assert g["marked_down"] > 0 and g["no_live_upstream"] == g["upstream_group"]["answered_alone"] > 0
+    assert counted["executions"]["refused"] == g["no_live_upstream"]     # no engine took those: nginx answered
+
+
 def test_nginx_takes_servers_out_under_overload_and_answers_502_alone():
     dep = _dep([SDK, dict(NGINX, upstream_servers=2)], "replica", 2)
     rec = dep.run(0)
@@ -63,14 +120,15 @@ def test_nginx_takes_servers_out_under_overload_and_answers_502_alone():
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 3), st.integers(1, 4), st.sampled_from([2.0, 5.0, 10.0]),
-       st.sampled_from(["nginx", "haproxy", "envoy", "litellm"]))
-def test_every_attempt_the_gateway_answers_alone_is_counted_once(seed, fails, down, software):
-    """Directly below the SDK, each of the gateway's own answers (its
+       st.sampled_from(["nginx", "haproxy", "envoy", "litellm"]), st.sampled_from(["replica", "deployment"]))
+def test_every_attempt_the_gateway_answers_alone_is_counted_once(seed, fails, down, software, placement):
+    """Directly below the SDK (or below the one proxy, under no-control:
+    one attempt an execution), each of the gateway's own answers (its
     upstream timeouts not retried, its no-live-upstream refusals) is one
     attempt the SDK saw refused by the gateway."""
     gw = {"preset": software, "timeout_s": 3.0, "fails_to_mark_down": fails, "down_for_s": down,
           "max_retries": 0, "passes_disconnect": True}
-    dep = _dep([SDK, dict(gw, upstream_servers=2)], "replica", 2)
+    dep = _dep([SDK, dict(gw, upstream_servers=2)], placement, 2)
     rec = dep.run(seed)
     (g,) = [x for x in rec["extra"]["layers"] if x["preset"] == software]
     assert rec["attempts"].get("refused_gateway", 0) == g["upstream_timeout"] + g["no_live_upstream"]
@@ -164,8 +222,8 @@ def test_haproxy_back_up_is_all_the_way_up_and_a_good_check_clears_the_errors():
 
 
 @pytest.mark.parametrize("change, why", [
-    (dict(placement="deployment"), "one proxy in front of a gateway's upstream group .*proxy = \"replica\""),
     (dict(replicas=3), "3 replicas"),
+    (dict(placement="deployment", replicas=3), "3 replicas"),
 ])
 def test_what_a_group_cannot_stand_before_is_refused_in_one_line(change, why):
     placement, replicas = change.get("placement", "replica"), change.get("replicas", 2)
@@ -178,9 +236,10 @@ def test_what_a_group_cannot_stand_before_is_refused_in_one_line(change, why):
 # ------------------------------------------------------------ margin and advise along the group's keys
 @pytest.mark.parametrize("axis", ["layer.gateway.fails_to_mark_down", "layer.gateway.down_for_s",
                                   "layer.gateway.timeout_s"])
-def test_margin_moves_a_groups_passive_health_and_timeout(axis):
+@pytest.mark.parametrize("placement", ["replica", "deployment"])
+def test_margin_moves_a_groups_passive_health_and_timeout(axis, placement):
     from sim.experiments import margin as M
-    dep = _dep([SDK, dict(NGINX, upstream_servers=2)], "replica", 2, "cancel")
+    dep = _dep([SDK, dict(NGINX, upstream_servers=2)], placement, 2, "cancel")
     prof = replace(dep.profile, capacity=dep.capacity)
     res = M.margin(prof, dep.scenario, dep.condition_for(), [0, 1], [axis], workers=1, fleet=dep.fleet,
                    layers=dep.run_layers())
@@ -211,22 +270,25 @@ def test_advise_tries_a_groups_passive_health():
 SCALER = {"max_replicas": 3, "target": 2.0, "provisioning_s": 5.0, "sync_period_s": 5.0}
 
 
-def _scaled(gw, condition="no-control", scaler=None):
-    """The SDK above `gw` (a group of max_replicas servers) above an autoscaled fleet of sidecars."""
-    doc = {**TINY, "proxy": {"condition": condition}, "fleet": {"proxy": "replica"},
+def _scaled(gw, condition="no-control", scaler=None, placement="replica"):
+    """The SDK above `gw` (a group of max_replicas servers) above an
+    autoscaled fleet of sidecars (or below the one proxy: `placement`
+    "deployment")."""
+    doc = {**TINY, "proxy": {"condition": condition}, "fleet": {"proxy": placement},
            "autoscaler": dict(SCALER, **(scaler or {})), "layer": [SDK, dict(gw, upstream_servers=3)]}
     return from_document(doc, "tiny.toml")
 
 
 def _watched_run(dep, seed):
     """A run of `dep` that notes each pick of the group (t, server, panic
-    routing) and each attempt a sidecar takes (t, replica, its replica up)."""
+    routing) and each attempt a sidecar (or, below the one proxy, an
+    engine) takes (t, replica, its replica up)."""
     cond = dep.condition_for()
     run = Run(list(dep.fleet.profiles), dep.trace(seed), cond, dep.scenario, seed, stack=dep.stack_for(cond),
               autoscaler=dep.fleet.autoscaler)
     (gw,) = [x for x in run.layers if isinstance(x, GroupGateway)]
     picks, landed = [], []
-    pick, send_to = gw.group.pick, run.cluster.proxy._send_to
+    pick = gw.group.pick
 
     def noted_pick(t, call_id, tried):
         panicking = gw.group.rule is not None and gw.group.rule.panic(t)
@@ -234,24 +296,36 @@ def _watched_run(dep, seed):
         if s is not None:
             picks.append((t, s, panicking))
         return s
+    gw.group.pick = noted_pick
+    if run.stack.group_below_proxy:
+        engine_attempt, left = run._below[gw]
+
+        def noted_engine(t, up, params, prompt_len):
+            landed.append((t, up.server, run.replicas.up(up.server)))
+            return engine_attempt(t, up, params, prompt_len)
+        run._below[gw] = (noted_engine, left)
+        return run, gw, run.run(), picks, landed
+    send_to = run.cluster.proxy._send_to
 
     def noted_send(t, attempt, st, r):
         landed.append((t, r, run.replicas.up(r)))
         return send_to(t, attempt, st, r)
-    gw.group.pick, run.cluster.proxy._send_to = noted_pick, noted_send
+    run.cluster.proxy._send_to = noted_send
     log = run.run()
     return run, gw, log, picks, landed
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 3), st.sampled_from(["nginx", "haproxy", "envoy", "litellm"]), st.integers(1, 3))
-def test_no_attempt_reaches_a_replica_that_is_not_up_nor_a_server_out_of_rotation(seed, software, fails):
-    """Over an autoscaled fleet: every attempt a sidecar takes is on a
-    replica up then; an attempt to a server whose replica is not up is a
-    connection error the passive-health rule counts; no server is picked
-    while out of rotation but by Envoy's panic routing."""
+@given(st.integers(0, 3), st.sampled_from(["nginx", "haproxy", "envoy", "litellm"]), st.integers(1, 3),
+       st.sampled_from(["replica", "deployment"]))
+def test_no_attempt_reaches_a_replica_that_is_not_up_nor_a_server_out_of_rotation(seed, software, fails, placement):
+    """Over an autoscaled fleet: every attempt a sidecar (or, below the one
+    proxy, an engine) takes is on a replica up then; an attempt to a server
+    whose replica is not up is a connection error the passive-health rule
+    counts; no server is picked while out of rotation but by Envoy's panic
+    routing."""
     gw = {"preset": software, "timeout_s": 3.0, "fails_to_mark_down": fails, "down_for_s": 4.0}
-    dep = _scaled(gw)
+    dep = _scaled(gw, placement=placement)
     run, g, log, picks, landed = _watched_run(dep, seed)
     assert landed and all(up for _, _, up in landed)
     assert g.counts["connect_error"] > 0                     # servers 1, 2 are not up at first
@@ -264,14 +338,17 @@ def test_no_attempt_reaches_a_replica_that_is_not_up_nor_a_server_out_of_rotatio
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 3), st.integers(1, 3), st.sampled_from(["nginx", "haproxy", "envoy", "litellm"]))
-def test_over_an_autoscaler_every_attempt_the_gateway_answers_alone_is_counted_once(seed, fails, software):
-    """Directly below the SDK, with no retries of the gateway's own: each
-    upstream timeout, no-live-upstream refusal and connection error the
-    gateway answers is one attempt the SDK saw refused by the gateway."""
+@given(st.integers(0, 3), st.integers(1, 3), st.sampled_from(["nginx", "haproxy", "envoy", "litellm"]),
+       st.sampled_from(["replica", "deployment"]))
+def test_over_an_autoscaler_every_attempt_the_gateway_answers_alone_is_counted_once(seed, fails, software,
+                                                                                     placement):
+    """Directly below the SDK (or below the one proxy, under no-control),
+    with no retries of the gateway's own: each upstream timeout,
+    no-live-upstream refusal and connection error the gateway answers is
+    one attempt the SDK saw refused by the gateway."""
     gw = {"preset": software, "timeout_s": 3.0, "fails_to_mark_down": fails, "down_for_s": 4.0, "max_retries": 0,
           "passes_disconnect": True}
-    rec = _scaled(gw).run(seed)
+    rec = _scaled(gw, placement=placement).run(seed)
     (g,) = [x for x in rec["extra"]["layers"] if x["preset"] == software]
     grp = g["upstream_group"]
     answered = g["upstream_timeout"] + g["no_live_upstream"] + g["connect_error_answered"]
@@ -282,8 +359,9 @@ def test_over_an_autoscaler_every_attempt_the_gateway_answers_alone_is_counted_o
     assert g["marked_down"] == grp["marked_down"] >= grp["not_up"]["marked_down"]
 
 
+@pytest.mark.parametrize("placement", ["replica", "deployment"])
 @pytest.mark.parametrize("software", ["nginx", "haproxy", "envoy", "litellm"])
-def test_a_group_over_an_autoscaler_runs_and_its_replicas_join_when_up(software):
+def test_a_group_over_an_autoscaler_runs_and_its_replicas_join_when_up(software, placement):
     """Deployment.run: the group lists max_replicas servers; those whose
     replica is not up refuse connections, counted by the preset's rule
     (nginx's error retried on the next server); a replica that comes up
@@ -291,7 +369,8 @@ def test_a_group_over_an_autoscaler_runs_and_its_replicas_join_when_up(software)
     gw = {"preset": software, "timeout_s": 3.0}
     if software in ("haproxy", "envoy"):
         gw["fails_to_mark_down"] = 3        # their passive health is off by default
-    rec = _scaled(gw).run(0)
+    rec = _scaled(gw, placement=placement).run(0)
+    assert rec["fleet"]["proxy"] == placement
     (g,) = [x for x in rec["extra"]["layers"] if x["preset"] == software]
     a, not_up = rec["autoscaler"], g["upstream_group"]["not_up"]
     assert a["scale_ups"] and all(s["first_call_since_burst_s"] is not None for s in a["started"]

@@ -136,6 +136,11 @@ from .proxy_http import MAX_BODY_BYTES, HttpSide, Waiter
 from .proxy_views import EngineViews, Metrics
 
 LATENCY_SAMPLES = 100_000
+# the one proxy before a real gateway's upstream group: not run live (docs/layers.md)
+LIVE_GROUP_BELOW_PROXY = (
+    "upstream_servers: the condition's one proxy before a gateway's upstream group ([fleet] proxy = "
+    "\"deployment\") runs in the simulator only (`llmsim run`, `diagnose`); give --fleet-proxy replica "
+    "(a sidecar before each engine, behind the group) to run it live")
 
 
 class LiveProxy(Interpreter):
@@ -199,6 +204,8 @@ class LiveProxy(Interpreter):
             if layers:
                 raise ValueError("the live proxy behind a gateway's upstream group hosts no layer")
             stack = stack.with_layers([self.group])
+            if stack.group_below_proxy:
+                raise ValueError(LIVE_GROUP_BELOW_PROXY)
         v = self.views
         self.cluster = cl = stack.bind(len(self.upstreams), v.engine_view_of, lambda grp: pt * len(grp) if pt else pt,
                                        replica_view=v.replica_view)

@@ -182,6 +182,8 @@ class Gateway:
             r = self._relay_of(up)
             if r is None or not up.open:
                 return out                  # answered, or already left running with nobody waiting
+            if up.streaming and self.policy.timeout_between_reads:
+                return out                  # a stream's tokens keep coming: no silence reaches a read timeout
             r.upstream = None
             if self.policy.passes_disconnect:
                 out.append(Leave(up))
@@ -193,8 +195,11 @@ class Gateway:
                 return out
             self.counts["upstream_timeout"] += 1
             gw = self.policy
-            self._failed(t, r, Failure(TIMEOUT, t), Refuse(r.above, gw.timeout_status, None, "upstream_timeout"),
-                         out)
+            answer = Refuse(r.above, gw.timeout_status, None, "upstream_timeout")
+            if up.answering:                # the answer's status and header went above: the stream is cut, not retried
+                self._answer(r, answer, out)
+            else:
+                self._failed(t, r, Failure(TIMEOUT, t), answer, out)
         elif token.state == "queued" and t >= token.expires:
             self.queued -= 1
             self.counts["queue_timeout"] += 1
@@ -397,8 +402,10 @@ class GroupGateway(Gateway):
 
     def on_timer(self, t: float, token) -> list:
         if type(token) is Upstream and token.open and self.relays.get(token.above) is not None \
-                and self.relays[token.above].upstream is token:
-            self._tell(t, token, FAIL)          # the gateway's upstream timeout
+                and self.relays[token.above].upstream is token \
+                and not (token.streaming and self.policy.timeout_between_reads):
+            # the gateway's upstream timeout; a stream it cuts counts as the preset says
+            self._tell(t, token, FAIL if not token.answering or self.policy.cut_counts_as_failure else CLOSED)
         return super().on_timer(t, token)
 
     def on_attempt_left(self, t: float, attempt: Attempt) -> list:

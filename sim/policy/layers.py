@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from .proxy import Attempt
+from .proxy import Attempt, Execution
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,11 @@ class Upstream(Attempt):
     serves); `ran_on` marks one nobody waits for any more, `closed` one
     whose connection the layer has closed or seen answered; `server`, the
     server of a gateway's upstream group it goes to (-1: none chosen, the
-    cluster places it)."""
-    __slots__ = ("layer", "above", "row", "ran_on", "closed", "server")
+    cluster places it). Where the answer below streams (an engine's, to the
+    gateway below the one proxy), `answering` marks one whose status and
+    header came (vLLM sends them as it takes the request) and `streaming`
+    one whose first token came."""
+    __slots__ = ("layer", "above", "row", "ran_on", "closed", "server", "answering", "streaming")
 
     def __init__(self, call_id: int, number: int, deadline: float, layer, above: Attempt):
         super().__init__(call_id, number, deadline, above.klass)     # the call's class, for shedding by class
@@ -128,6 +131,21 @@ class Upstream(Attempt):
         self.ran_on = False
         self.closed = False
         self.server = -1
+        self.answering = False
+        self.streaming = False
+
+
+class ExecutionAttempt(Attempt):
+    """An execution of the one proxy as it goes to the gateway below it
+    (`Stack.group_below_proxy`): the gateway's attempt from above, answered
+    to the proxy (`Interpreter._complete`, `_refuse`). `row` is the
+    attempt-log row of the client's attempt it was made for."""
+    __slots__ = ("of", "row")
+
+    def __init__(self, ex: Execution, row: int):
+        super().__init__(ex.call_id, ex.id, klass=ex.klass)
+        self.of = ex
+        self.row = row
 
 
 # actions of a layer between the client and the proxy (answers to the layer above: proxy.Complete / proxy.Refuse)
@@ -157,5 +175,5 @@ class Timer:
     token: object
 
 
-__all__ = ["LayerKind", "Figures", "LayerContext", "register", "kinds", "layer_kind", "Upstream", "Send", "Leave",
-           "RunOn", "Timer"]
+__all__ = ["LayerKind", "Figures", "LayerContext", "register", "kinds", "layer_kind", "Upstream", "ExecutionAttempt",
+           "Send", "Leave", "RunOn", "Timer"]

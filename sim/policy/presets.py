@@ -167,6 +167,11 @@ LITELLM = Preset("gateway", "litellm (proxy, Router)", "1.110.2", {
     "throttle": _c("none", "no retry throttling in the Router"),
     "timeout_status": _c(408, "exceptions.py Timeout: `self.status_code = exception_status_code or 408`; that "
                               "the proxy answers with this status was not verified in its error mapping"),
+    "timeout_between_reads": _c(True, "the timeout reaches the provider's client (openai-python's httpx.Timeout): a "
+                                      "read timeout, between bytes (a stream's silences), as the openai-python "
+                                      "preset's; not verified in the compiled router core"),
+    "cut_counts_as_failure": _c(True, "a stream cut by the timeout raises in the Router's call: taken as a failure "
+                                      "toward the deployment's cooldown (not verified in source)"),
     "passes_disconnect": _c(False, "proxy/_types.py ConfigGeneralSettings.cancel_on_disconnect = None; "
                                    "proxy/common_request_processing.py: the upstream call is cancelled only "
                                    "`if general_settings.get(\"cancel_on_disconnect\", False)` (non-streaming)"),
@@ -235,6 +240,12 @@ NGINX = Preset("gateway", "nginx", "1.22.1", {
     "throttle": _c("none", "no retry throttling"),
     "timeout_status": _c(504, "ngx_http_upstream.c ngx_http_upstream_next: NGX_HTTP_UPSTREAM_FT_TIMEOUT -> "
                               "NGX_HTTP_GATEWAY_TIME_OUT"),
+    "timeout_between_reads": _c(True, "ngx_http_proxy_module.c: proxy_read_timeout is set \"only between two "
+                                      "successive read operations\" of the response (the module's documentation)"),
+    "cut_counts_as_failure": _c(False, "ngx_http_upstream.c: a read timeout once the response header is sent ends in "
+                                       "ngx_http_upstream_finalize_request, `u->peer.free(&u->peer, u->peer.data, 0)`: "
+                                       "not NGX_PEER_FAILED; only ngx_http_upstream_next, before the header, counts a "
+                                       "failure"),
     "passes_disconnect": _c(True, "ngx_http_proxy_merge_loc_conf: proxy_ignore_client_abort 0 (off); "
                                   "ngx_http_upstream.c ngx_http_upstream_check_broken_connection: \"client "
                                   "prematurely closed connection, so upstream connection is closed too\""),
@@ -294,6 +305,12 @@ HAPROXY = Preset("gateway", "haproxy", "2.6.0", {
     "should_retry_header": _c(False, "no such header"),
     "throttle": _c("none", "no retry throttling"),
     "timeout_status": _c(504, "src/http_ana.c http_wait_for_response: \"read timeout : return a 504 to the client\""),
+    "timeout_between_reads": _c(True, "doc/configuration.txt \"timeout server\": \"the maximum inactivity time on "
+                                      "the server side\""),
+    "cut_counts_as_failure": _c(False, "src/http_ana.c http_wait_for_response: health_adjust(..., "
+                                       "HANA_STATUS_HTTP_READ_TIMEOUT) only while waiting for the response header; a "
+                                       "200's header is HANA_STATUS_HTTP_OK, and a timeout while the body is forwarded "
+                                       "adjusts nothing"),
     "passes_disconnect": _c(False, "src/http_ana.c http_request_forward_body: only with \"option abortonclose\" is "
                                    "the client's shutdown forwarded to the server; doc/configuration.txt "
                                    "\"option abortonclose\": by default aborted requests will be served"),
@@ -376,6 +393,12 @@ ENVOY = Preset("gateway", "envoy", "API v3 (main at commit 0035e40; these defaul
                                "\"budget\" to use it)"),
     "min_retry_concurrency": _c(3, f"{_ENVOY_CB} RetryBudget.min_retry_concurrency: \"Defaults to 3\""),
     "timeout_status": _c(504, "router filter: an upstream request timeout is answered 504: not verified in source"),
+    "timeout_between_reads": _c(False, f"{_ENVOY_ROUTE} RouteAction.timeout: it \"spans between the point at which "
+                                       "the entire downstream request ... has been processed and when the upstream "
+                                       "response has been completely processed\": the whole answer"),
+    "cut_counts_as_failure": _c(True, "router filter onUpstreamTimeout: the host's outlier detector is told of a "
+                                      "timeout (a local-origin failure, counted with the 5xx unless "
+                                      "split_external_local_origin_errors): not verified in source"),
     "passes_disconnect": _c(True, "the router filter resets the upstream request when the downstream stream is "
                                   "reset: not verified in source"),
     "passes_disconnect_queued": _c(True, "as passes_disconnect: not verified in source"),
@@ -427,6 +450,8 @@ INFERENCE_GATEWAY = Preset("gateway", "inference-gateway (Gateway API Inference 
     "kv_cache_threshold": _c(0.8, f"{_GAIE} pkg/epp/saturationdetector/config.go DefaultKVCacheUtilThreshold = 0.8"),
     "metrics_staleness_s": _c(0.2, f"{_GAIE} pkg/epp/saturationdetector/config.go "
                                    "DefaultMetricsStalenessThreshold = 200 * time.Millisecond"),
+    "timeout_between_reads": _c(False, "Envoy-based data plane: see the envoy preset (not verified in source)"),
+    "cut_counts_as_failure": _c(True, "Envoy-based data plane: see the envoy preset (not verified in source)"),
     "passes_disconnect": _c(True, "Envoy-based data plane: see the envoy preset (not verified in source)"),
     "passes_disconnect_queued": _c(True, "no queue in v1.0.0 (flow control came later)"),
     "max_connections": _c(None, "no connection limit of its own"),

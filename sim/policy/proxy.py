@@ -486,12 +486,19 @@ class Proxy:
 
     def on_engine_refused(self, t: float, ex: Execution) -> list:
         """The engine answered 503 (engine cap): every subscriber is refused."""
+        return self.on_upstream_refused(t, ex, 503, None, "engine")
+
+    def on_upstream_refused(self, t: float, ex: Execution, status: int, retry_after: float | None,
+                            reason: str) -> list:
+        """What stands below answered the execution with an error (`status`,
+        `reason`: an engine's 503, or a gateway's own answer below the proxy,
+        its 502 or 504): every subscriber is refused with it."""
         subs, ex.subscribers = ex.subscribers, []
         self._end(ex, "refused")
         out = []
         for a in subs:
             a.open = False
-            out.append(Refuse(a, 503, None, "engine"))
+            out.append(Refuse(a, status, retry_after, reason))
         return self._pump(t, out)
 
     def on_attempt_left(self, t: float, attempt: Attempt) -> list:

@@ -597,6 +597,11 @@ class GatewayPolicy:
     and for one still queued; shedding of sheddable requests (priority < 0)
     when the pool is saturated."""
     timeout_status: int = 504
+    # where the answer below streams (the one proxy's executions below it: `Upstream.answering`), whether the
+    # timeout bounds the silences between reads (else the whole answer), and whether a stream it cuts (its
+    # status and header already sent: never retried) counts toward the server's passive health
+    timeout_between_reads: bool = False
+    cut_counts_as_failure: bool = True
     passes_disconnect: bool = True
     passes_disconnect_queued: bool = True
     max_connections: int | None = None

@@ -15,7 +15,11 @@ placements:
 
 Between the client and the proxy stand any layers of the kinds registered in
 `sim.policy.layers` (gateways: `sim.policy.gateway`), in order
-(`Stack.with_layers`, `Stack.chain`).
+(`Stack.with_layers`, `Stack.chain`). The lowest, where it is a gateway
+with an upstream group over the replicas, balances them itself: behind it a
+sidecar proxy per replica (`replica`), or, with the one proxy of
+`deployment`, it stands below that proxy (`Stack.group_below_proxy`) and
+takes its executions (`Interpreter._dispatch_below`).
 
 `Stack.from_config(condition, router, scenario)` is the stack of a
 condition (its proxy; its client on the scenario's deadline and backoff) and
@@ -35,7 +39,7 @@ from functools import partial
 from typing import Callable, Sequence
 
 from .client import ClientConfig, Delivered, GivenUp
-from .layers import Leave, RunOn, Send, Timer, Upstream, layer_kind
+from .layers import ExecutionAttempt, Leave, RunOn, Send, Timer, Upstream, layer_kind
 from .proxy import Cancel, Complete, Dispatch, Drop, EngineView, Execution, Proxy, ProxyConfig, Refuse, Subscribe, Wake
 from .router import GroupSidecars, ReplicaProxies, Router, RouterConfig
 
@@ -116,6 +120,13 @@ class Stack:
         return n if chain[-1][0] == "gateway" and n > 1 else 0
 
     @property
+    def group_below_proxy(self) -> bool:
+        """The condition's one proxy stands before the lowest gateway's
+        upstream group (`[fleet] proxy = "deployment"`): that gateway takes
+        the proxy's executions (`ExecutionAttempt`) and balances them."""
+        return bool(self.upstream_group) and self.proxy_before_router
+
+    @property
     def proxy_before_router(self) -> bool:
         kinds = [k for k, _ in self.layers]
         return kinds.index("proxy") < kinds.index("router")
@@ -134,7 +145,7 @@ class Stack:
         group = self.upstream_group
         if group:
             check_group(self, n)
-            kind = GroupSidecarPerReplica
+            kind = ProxyBeforeGroup if self.proxy_before_router else GroupSidecarPerReplica
         groups = kind.groups(n)
         proxies = [Proxy(cfg, engine_view=partial(engine_view, grp, g), prompt_throughput=prompt_throughput(grp))
                    for g, grp in enumerate(groups)]
@@ -285,26 +296,34 @@ class SidecarPerReplica(Cluster):
 def check_group(stack: Stack, n: int) -> None:
     """Raises (one line) unless the stack's upstream group can stand before
     a cluster of n replicas: as many servers as replicas (the group is the
-    cluster's router), the condition's proxy a sidecar before each engine
-    (the one proxy of `deployment` takes no gateway below it), no router
-    retries of its own (the group retries itself), and no other gateway
-    with a group above it (one balancer of the replicas)."""
+    cluster's router), no router retries of its own (the group retries
+    itself), and no other gateway with a group above it (one balancer of
+    the replicas). The condition's proxy stands before the group (the one
+    proxy of `deployment`: the group takes its executions) or behind it, a
+    sidecar before each engine (`replica`)."""
     group = stack.upstream_group
     if group != n:
         raise ValueError(f"upstream_servers: the gateway's upstream group has {group} servers and the fleet {n} "
                          "replicas; give [fleet] replicas the same number")
     router = stack.config("router")
-    if router.proxy != "replica":
-        raise ValueError("upstream_servers: the condition's one proxy in front of a gateway's upstream group "
-                         "([fleet] proxy = \"deployment\") is not simulated: that proxy dispatches executions to the "
-                         "engines itself and hears only their answers, not a gateway's timeouts, retries and refusals "
-                         "below it; give [fleet] proxy = \"replica\" (a sidecar before each engine)")
     if router.retries:
         raise ValueError("upstream_servers: a gateway's upstream group is the router and retries itself; "
                          "set [fleet] router_retries = 0")
     above = [s for k, s in stack.chain[:-1] if isinstance(s, dict) and s.get("upstream_servers", 1) > 1]
     if above:
         raise ValueError("upstream_servers: only the lowest gateway may balance the replicas (an upstream group)")
+
+
+class ProxyBeforeGroup(ProxyBeforeRouter):
+    """The condition's one proxy before a gateway's upstream group: the
+    group places each execution (its upstream attempt's `server`); the
+    driver sends the proxy's executions to the gateway
+    (`Interpreter._dispatch_below`) and the gateway's upstream attempts to
+    their servers' engines."""
+    placement = "deployment"
+
+    def place(self, ex: Execution) -> int:
+        raise RuntimeError("the gateway's upstream group places the executions (Interpreter._dispatch_below)")
 
 
 class GroupSidecarPerReplica(SidecarPerReplica):
@@ -353,10 +372,14 @@ class Interpreter:
                           Delivered: self._delivered, GivenUp: self._given_up}
 
     # ---------------------------------------------------------- the chain of layers
-    def _chain(self, layers, bottom: tuple) -> None:
+    def _chain(self, layers, bottom: tuple, below_proxy: tuple | None = None) -> None:
         """Wire `layers` (from the top) above `bottom`, the (on_attempt,
         on_attempt_left) of what stands below the lowest of them (the
-        proxy): `_enter` / `_enter_left` take the top's attempts. Without
+        proxy): `_enter` / `_enter_left` take the top's attempts.
+        `below_proxy`, where the stack's upstream group stands below the one
+        proxy (`Stack.group_below_proxy`): (its gateway, the (on_attempt,
+        on_attempt_left) of the engines below it); the proxy's executions
+        then go to that gateway (`_dispatch_below`, `_cancel_below`). Without
         layers every answer is to the top, and every attempt sent the
         client's: `_refused` / `_completed` / `_sent` take them straight from
         the table."""
@@ -364,6 +387,12 @@ class Interpreter:
         entries = [(layer.on_attempt, layer.on_attempt_left) for layer in self.layers] + [bottom]
         self._enter, self._enter_left = entries[0]
         self._below = dict(zip(self.layers, entries[1:]))     # each layer's layer below
+        self._above = len(self.layers)                        # the layers above the proxy: self.layers[:_above]
+        if below_proxy is not None:
+            self._group_below, engines = below_proxy
+            self.layers.append(self._group_below)
+            self._below[self._group_below] = engines
+            self._below_attempts: dict = {}         # execution id -> its ExecutionAttempt, while it is live
         h = self._handlers
         if not self.layers and h[Refuse].__func__ is Interpreter._refuse:
             h[Refuse] = self._refused
@@ -373,22 +402,51 @@ class Interpreter:
             h[Send] = self._sent            # every attempt sent is the client's
 
     def _below_layer(self, layer):
-        """The layer below `layer` between the client and the proxy (None: the proxy)."""
+        """The layer below `layer` between the client and the proxy (None: the
+        proxy, or the engines below the gateway under the proxy)."""
         k = self.layers.index(layer) + 1
-        return self.layers[k] if k < len(self.layers) else None
+        return self.layers[k] if k < self._above else None
 
     def _refuse(self, t: float, a: Refuse) -> None:
-        if type(a.attempt) is Upstream:     # a layer's upstream attempt: the answer goes to that layer
+        ta = type(a.attempt)
+        if ta is Upstream:                  # a layer's upstream attempt: the answer goes to that layer
             up = a.attempt
             self._do(t, up.layer.on_refused(t, up, a.status, a.retry_after, a.reason))
+        elif ta is ExecutionAttempt:        # the gateway below the proxy answered an execution by itself
+            ex = a.attempt.of
+            self._below_attempts.pop(ex.id, None)
+            self._execution_refused(t, ex)
+            self._do(t, self.proxy.on_upstream_refused(t, ex, a.status, a.retry_after, a.reason))
         else:
             self._refused(t, a)
 
     def _complete(self, t: float, a: Complete) -> None:
-        if type(a.attempt) is Upstream:
+        ta = type(a.attempt)
+        if ta is Upstream:
             self._do(t, a.attempt.layer.on_complete(t, a.attempt))
+        elif ta is ExecutionAttempt:        # through the gateway below the proxy: the execution is complete
+            ex = a.attempt.of
+            self._below_attempts.pop(ex.id, None)
+            self._do(t, self.proxy.on_finished(t, ex))
         else:
             self._completed(t, a)
+
+    def _dispatch_below(self, t: float, ex: Execution) -> None:
+        """The proxy dispatches `ex`: it goes to the gateway below the proxy
+        as an attempt (`ExecutionAttempt`) carrying the call's request."""
+        row = ex.subscribers[0].row if ex.subscribers else -1
+        ea = self._below_attempts[ex.id] = ExecutionAttempt(ex, row)
+        params, prompt_len = self._request(ea)
+        self._do(t, self._group_below.on_attempt(t, ea, params, prompt_len))
+
+    def _cancel_below(self, t: float, a: Cancel) -> None:
+        """The proxy cancels an execution: the gateway below it hears the disconnect."""
+        ea = self._below_attempts.pop(a.execution.id, None)
+        if ea is not None:
+            self._do(t, self._group_below.on_attempt_left(t, ea))
+
+    def _execution_refused(self, t: float, ex: Execution) -> None:
+        """Hook: the gateway below the proxy answered `ex` with an error (a driver records it)."""
 
     def _send_below(self, t: float, a: Send) -> None:
         """A layer's upstream attempt goes to the layer below; it carries
@@ -503,4 +561,4 @@ class Interpreter:
 
 
 __all__ = ["LAYERS", "Stack", "Cluster", "ProxyBeforeRouter", "SidecarPerReplica", "GroupSidecarPerReplica",
-           "check_group", "Interpreter"]
+           "ProxyBeforeGroup", "check_group", "Interpreter"]
