@@ -30,7 +30,7 @@ from validate.harness import (
     measured_under,
     under_harness_here,
 )
-from validate.proxy import LIVE_GROUP_BELOW_PROXY, main as proxy_main, upstream_url
+from validate.proxy import main as proxy_main, upstream_url
 from validate.validation import (
     GPU_MODELS,
     EngineSpec,
@@ -314,8 +314,6 @@ def cmd_validate_fleet(a, from_file=None) -> int:
                                                RouterConfig(r, a.router_retries, a.fleet_proxy))
                     if stack.upstream_group:
                         check_group(stack, n)
-                    if stack.group_below_proxy:
-                        raise ValueError(LIVE_GROUP_BELOW_PROXY)
                 except ValueError as e:
                     raise _err(f"validate: {a.scenario}: {e}") from None
     eng, urls = a.engine, None

@@ -130,6 +130,7 @@ def test_group_events_read_the_gateways_own_lines(tmp_path):
         "[WARNING]  (1650) : Server llmsim_upstream/s0 is DOWN, reason: Health analyze\n"
         "<129>1 2026-12-04T12:43:49.179926+00:00 - haproxy 1650 - - Server llmsim_upstream/s0 is DOWN, reason: x\n"
         "<134>1 2026-12-04T12:43:51.671256+00:00 - haproxy 1650 - - 17 503 <NOSRV>\n"
+        "<134>1 2026-12-04T12:43:52.000000+00:00 - haproxy 1650 - - - 200 <NOSRV>\n"     # its own /health
         "<133>1 2026-12-04T12:43:53.000000+00:00 - haproxy 1650 - - Server llmsim_upstream/s0 is UP, reason: y\n")
     ev = G.group_events("haproxy", tmp_path, hosts)
     assert ev["marked"] == [0] and ev["back"] == [0] and ev["alone_calls"] == ["17"]
@@ -204,9 +205,11 @@ async def _through(gateway_settings, client_settings, cond, trace, sc, slots):
         await server.close()
 
 
-async def _through_group(gateway_settings, cond, trace, sc, slots):
+async def _through_group(gateway_settings, cond, trace, sc, slots, placement="replica"):
     """`_through` with a stub engine per server of the gateway's upstream
-    group, the reference client in front of the gateway."""
+    group, the reference client in front of the gateway (a sidecar proxy
+    before each engine), or in front of the one proxy before the gateway
+    (`placement` "deployment")."""
     from validate.live_run import LiveRun
     n = gateway_settings["upstream_servers"]
     stubs = [SlotStub(slots) for _ in range(n)]
@@ -216,7 +219,7 @@ async def _through_group(gateway_settings, cond, trace, sc, slots):
     try:
         urls = [str(server.make_url("")).rstrip("/") for server in servers]
         run = LiveRun(urls, "stub", trace, get_condition(cond), sc, seed=0, router=RouterConfig("round-robin", 0,
-                                                                                               "replica"),
+                                                                                               placement),
                       gateway=lambda ups: G.start(gateway_settings, ups), group=gateway_settings)
         try:
             end = await run._run(until=float(trace.arrival[-1]) + sc.delivery_horizon_s, port=G.E.free_port())
@@ -312,3 +315,35 @@ def test_an_upstream_group_takes_servers_out_and_answers_alone(software):
                             [t - run.t0_wall for t in ev["back_at"]])["spells"]
     placed = [(lp.exec_replica[i], lp.exec_placed[i]) for i in lp.exec_replica]
     assert _out_while_placed(spells, placed) == []            # (a spell with no "is UP" runs to the end)
+
+
+@_needs
+@pytest.mark.parametrize("software", ["nginx", "haproxy"])
+def test_before_a_group_the_one_proxy_sees_streams_cut_and_no_server_goes_out(software):
+    """The condition's one proxy before a real gateway's group of two stub
+    engines of one slot each, which send a stream's status and header as
+    they take a request (as vLLM does): the calls beyond the slots wait past
+    the read timeout without a token; the gateway cuts those streams (its
+    status already sent: not retried), the proxy refuses their attempts with
+    the gateway's timeout, and, such a cut being no failure for either
+    software's passive health, no server goes out and the gateway answers
+    nothing alone. Each execution's replica is the one the gateway says it
+    sent it to."""
+    sc = _scenario(deadline=6.0)
+    if software == "nginx":
+        gw = preset("gateway", "nginx", timeout_s=0.5, upstream_servers=2, down_for_s=3.0)
+    else:
+        gw = preset("gateway", "haproxy", timeout_s=0.5, upstream_servers=2, fails_to_mark_down=1, fall=1,
+                    rise=2, check_interval_s=1.0, max_retries=0)
+    run, log, stubs = asyncio.run(_through_group(gw, "no-control", _long_calls(12, tokens=100), sc, slots=1,
+                                                 placement="deployment"))
+    lp = run.proxy
+    assert lp.below and lp.below_url == run.gateway.url and run.front_url == run.proxy_url
+    g = log.extra["layers"][0]["upstream_group"]
+    assert g["servers"] == 2 and g["marked_down"] == 0 and g["answered_alone"] == 0
+    outcomes = {a.outcome for a in log.attempts}
+    assert "refused_gateway" in outcomes and "complete" in outcomes
+    cut = [e for e in lp.executions if e.fate == "aborted"]
+    assert cut and all(not e.first_token_at <= e.finished_at for e in cut)     # NaN: cut before a token
+    assert set(lp.exec_replica.values()) == {0, 1}
+    assert sum(s.completed for s in stubs) == sum(e.fate == "completed" for e in lp.executions)

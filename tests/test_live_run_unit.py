@@ -36,7 +36,11 @@ class SlotStub:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/health", self.health)     # as vLLM's (a gateway's active checks)
         return app
+
+    async def health(self, request):
+        return web.Response()
 
     async def metrics(self, request):
         return web.Response(text=f"vllm:num_requests_waiting {self.waiting}\n"

@@ -146,23 +146,3 @@ def test_a_stack_the_live_harness_cannot_run_exits_2_in_one_line(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
     assert not out.exists()
-
-
-def test_the_one_proxy_before_a_live_gateway_group_exits_2_in_one_line(tmp_path, capsys):
-    """The example's nginx group with the condition's one proxy before it
-    ([fleet] proxy = "deployment"): simulated, not run live; refused before
-    any engine starts."""
-    src = Path(__file__).resolve().parent.parent / "examples" / "live-cpu-tiny-nginx-group.toml"
-    text = src.read_text()
-    assert text.count('proxy = "replica"') == 1
-    path = tmp_path / "dep-group.toml"
-    path.write_text(text.replace('proxy = "replica"', 'proxy = "deployment"'))
-    out = tmp_path / "x.json"
-    assert main(["validate", "--engine", "http://127.0.0.1:9,http://127.0.0.1:10", "--scenario", str(path),
-                 "--points", "no-control", "--json", str(out)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "runs in the simulator only" in err[0] and "--fleet-proxy replica" in err[0], err
-    assert not out.exists()
-    assert main(["run", "--scenario", str(path), "--json", str(out)]) == 0      # the simulator runs it
-    rec = json.loads(out.read_text())
-    assert rec["fleet"]["proxy"] == "deployment" and rec["extra"]["layers"][-1]["upstream_group"]["servers"] == 2

@@ -293,6 +293,8 @@ http {{
         location = /health {{ return 200 "ok\\n"; }}
         location / {{
             proxy_pass http://{GROUP_NAME};
+            # the servers tried, for the live proxy before the group (the replica an execution ran on)
+            add_header X-Upstream-Addr $upstream_addr always;
             proxy_read_timeout {_secs(s['timeout_s'])};
             proxy_next_upstream {nu};
             proxy_next_upstream_tries {int(s['max_tries'])};
@@ -364,6 +366,8 @@ def haproxy_config(s: dict, port: int, upstream: str, run_dir: Path) -> str:
         lines.append("    option httpchk GET /health")
     if l7 and not s["retry_sent_non_idempotent"]:
         lines.append("    http-request disable-l7-retry if METH_POST")
+    # its server, for the live proxy before the group (the replica an execution ran on)
+    lines.append("    http-response set-header X-Upstream-Server %[srv_name]")
     lines += [f"    server s{i} {h}{opts}" for i, h in enumerate(hosts)] + [""]
     return "\n".join(lines)
 
@@ -454,7 +458,8 @@ def group_events(name: str, run_dir: Path, hosts: list[str]) -> dict:
     `back_at` (HAProxy's "is UP"; nginx logs no return) and
     `alone_calls` (the call of each request the gateway answered with no
     server left: nginx's `$upstream_addr` the group's name, HAProxy's
-    `<NOSRV>`)."""
+    `<NOSRV>`, a request without a call id, the gateway's own `/health`,
+    left out)."""
     index = {h: i for i, h in enumerate(hosts)}
     marked, at, alone, back, back_at = [], [], [], [], []
     if name == "nginx":
@@ -477,8 +482,8 @@ def group_events(name: str, run_dir: Path, hosts: list[str]) -> dict:
         if (d := _HAPROXY_STATE.match(msg)) is not None:
             (marked if d.group(2) == "DOWN" else back).append(int(d.group(1)))
             (at if d.group(2) == "DOWN" else back_at).append(datetime.fromisoformat(m.group(1)).timestamp())
-        elif (parts := msg.split()) and len(parts) == 3 and parts[2] == "<NOSRV>":
-            alone.append(parts[0])
+        elif (parts := msg.split()) and len(parts) == 3 and parts[2] == "<NOSRV>" and parts[0] != "-":
+            alone.append(parts[0])          # (a line without a call: HAProxy's own /health answer)
     return {"marked": marked, "marked_at": at, "alone_calls": alone, "back": back, "back_at": back_at}
 
 

@@ -147,7 +147,7 @@ class LiveClient:
         async with session.post(self.front_url + "/v1/completions", json=body, headers=headers) as resp:
             rec.execution = int(resp.headers.get("X-Execution-Id", -1))
             rec.attached = resp.headers.get("X-Attached") == "1"
-            if resp.status in (429, 503):
+            if resp.status in (429, 503) or "X-Refused-Reason" in resp.headers:    # the proxy's refusal
                 await resp.read()
                 ra = resp.headers.get("Retry-After")
                 return resp.status, float(ra) if ra is not None else None, resp.headers.get("X-Refused-Reason",

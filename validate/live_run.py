@@ -165,7 +165,7 @@ class LiveRun:
     # ---------------------------------------------------------------- run
     async def _run(self, until: float, port: int | None = None) -> float:
         runner = await self._serve_proxy(port or free_port())
-        self.front_url = self.gateway.url if self.gateway is not None else self.proxy_url
+        self.front_url = self.gateway.url if self.gateway is not None and not self.proxy.below else self.proxy_url
         sdk = self.client_side.open(self.front_url, self.gateway is not None)
         conn = aiohttp.TCPConnector(limit=0, force_close=True)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
@@ -183,7 +183,7 @@ class LiveRun:
         runner = web.AppRunner(self.proxy.app(), handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
-        if self.proxy.group is not None:          # behind a gateway's upstream group: a port per engine
+        if self.proxy.group is not None and not self.proxy.below:     # behind the group: a port per engine
             self.proxy.server_ports = {free_port(): r for r in range(len(self.urls))}
             for p in self.proxy.server_ports:
                 await web.TCPSite(runner, "127.0.0.1", p).start()
@@ -254,10 +254,15 @@ class LiveRun:
     def start_gateway(self, port: int) -> None:
         """Start the gateway (where there is one) in front of the proxy at
         `port`, or with an upstream group in front of the proxy's port per
-        engine (`LiveProxy.server_ports`)."""
+        engine (`LiveProxy.server_ports`), or, where the one proxy stands
+        before the group (`LiveProxy.below`), in front of the engines, the
+        proxy's executions sent to it (`LiveProxy.below_url`)."""
         if self.gateway_factory is None:
             return
-        if self.proxy.group is not None:
+        if self.proxy.below:
+            self.gateway = self.gateway_factory(list(self.urls))
+            self.proxy.below_url = self.gateway.url
+        elif self.proxy.group is not None:
             self.gateway = self.gateway_factory([f"http://127.0.0.1:{p}" for p in self.proxy.server_ports])
         else:
             self.gateway = self.gateway_factory(f"http://127.0.0.1:{port}")

@@ -136,11 +136,6 @@ from .proxy_http import MAX_BODY_BYTES, HttpSide, Waiter
 from .proxy_views import EngineViews, Metrics
 
 LATENCY_SAMPLES = 100_000
-# the one proxy before a real gateway's upstream group: not run live (docs/layers.md)
-LIVE_GROUP_BELOW_PROXY = (
-    "upstream_servers: the condition's one proxy before a gateway's upstream group ([fleet] proxy = "
-    "\"deployment\") runs in the simulator only (`llmsim run`, `diagnose`); give --fleet-proxy replica "
-    "(a sidecar before each engine, behind the group) to run it live")
 
 
 class LiveProxy(Interpreter):
@@ -174,6 +169,7 @@ class LiveProxy(Interpreter):
         self.router_config = router
         self.group = group
         self.server_ports: dict[int, int] = {}      # behind a gateway's group: local port -> replica
+        self.below_url: str | None = None           # before the group: the gateway's URL (set once it listens)
         self.metrics = Metrics()
         self.views = v = EngineViews(self.upstreams, self.now, self.metrics, scrape_every_s)
         self._bind(condition, router, prompt_throughput, layers, seed)
@@ -204,8 +200,7 @@ class LiveProxy(Interpreter):
             if layers:
                 raise ValueError("the live proxy behind a gateway's upstream group hosts no layer")
             stack = stack.with_layers([self.group])
-            if stack.group_below_proxy:
-                raise ValueError(LIVE_GROUP_BELOW_PROXY)
+        self.below = stack.group_below_proxy      # the one proxy before the group: the gateway takes its executions
         v = self.views
         self.cluster = cl = stack.bind(len(self.upstreams), v.engine_view_of, lambda grp: pt * len(grp) if pt else pt,
                                        replica_view=v.replica_view)
@@ -219,6 +214,33 @@ class LiveProxy(Interpreter):
             self.layers.append(kind.make(settings, LayerContext(draws.uniform, v.pods, None, i + 1)))
         self._chain(self.layers, (self._proxy_attempt, self.proxy.on_attempt_left))
         v.bind(cl)
+
+    # ------------------------------------------------ before a gateway's upstream group
+    def upstream_replica(self, headers) -> int | None:
+        """The replica the gateway below sent an execution to, from the
+        header its config adds (nginx: `X-Upstream-Addr`, the servers tried,
+        the last one's host:port; HAProxy: `X-Upstream-Server`, its server's
+        name `sN`); None where it sent it nowhere (its own answer)."""
+        addr = headers.get("X-Upstream-Addr")
+        if addr:
+            host = addr.split(",")[-1].strip()
+            hosts = [u.split("://", 1)[-1] for u in self.upstreams]
+            return hosts.index(host) if host in hosts else None
+        name = headers.get("X-Upstream-Server", "")
+        return int(name[1:]) if name[:1] == "s" and name[1:].isdigit() else None
+
+    def below_reason(self, status: int, replica: int | None) -> str:
+        """Why the gateway below answered an execution with `status`: the
+        engine's own answer passed on where it reached one, else the
+        gateway's (as the simulator's gateway says it)."""
+        g = self.group
+        if status == g["timeout_status"]:
+            return "upstream_timeout"
+        if replica is None and status == g["no_live_status"]:
+            return "no_live_upstream"
+        if replica is None or status == g["connect_error_status"]:
+            return "connect_error"
+        return "engine"
 
     # ------------------------------------------------------------ plumbing
     def now(self) -> float:

@@ -76,7 +76,9 @@ class EngineStreams:
         """The execution `ex` goes to its engine (placed now if the cluster has not placed it yet)."""
         st = self.streams[ex.id]
         at_once = st.record is not None and st.record.created_at == t     # not held in the proxy queue
-        if not st.tried:                     # placed when dispatched (the proxy before the router)
+        if self.lp.below_url is not None:    # the gateway below places it: counted on replica 0 until it says
+            st.replica = 0
+        elif not st.tried:                   # placed when dispatched (the proxy before the router)
             r = self.lp.cluster.place(ex)
             st.tried.append(r)
             self.place(st, r, t)
@@ -90,6 +92,17 @@ class EngineStreams:
         st.replica = r
         if self.keep_records and st.record is not None:
             self.exec_replica[st.record.id], self.exec_placed[st.record.id] = r, t
+
+    def move(self, st: Stream, r: int) -> None:
+        """The execution of `st` runs on replica r (where the gateway below sent it)."""
+        v = self.views
+        if r != st.replica:
+            if not st.first_token:
+                v.awaiting[st.replica] -= st.prompt_len
+                v.awaiting[r] += st.prompt_len
+            v.held[st.replica] -= 1
+            v.held[r] += 1
+        self.place(st, r, self.lp.now())
 
     def reroute(self, st: Stream, ex) -> bool:
         """An engine answered 503 to the execution of `st`: send it to the
@@ -126,6 +139,15 @@ class EngineStreams:
             if resp is None:
                 return
             async with resp:
+                below = self.lp.below_url is not None
+                if below:
+                    r = self.lp.upstream_replica(resp.headers)
+                    if r is not None:
+                        self.move(st, r)
+                    if resp.status != 200:   # the gateway's own answer, or the engine's passed on
+                        await resp.read()
+                        self.upstream_refused(ex, st, resp.status, self.lp.below_reason(resp.status, r))
+                        return
                 if resp.status != 200:       # passed to the subscribers as it came
                     st.error = (resp.status, await resp.read())
                     self.finished(ex, st, "failed")
@@ -133,6 +155,9 @@ class EngineStreams:
                 self._accepted(st)
                 async for line in resp.content:
                     self._line(st, line)
+                if below and not st.first_token:
+                    self.cut(ex, st)         # the gateway's read timeout cut the stream before its first token
+                    return
                 self.finished(ex, st, "completed")
         except asyncio.CancelledError:
             if resp is not None:
@@ -142,7 +167,9 @@ class EngineStreams:
             st.notify()
             raise
         except (aiohttp.ClientError, TimeoutError):
-            if st.accepted:
+            if st.accepted and self.lp.below_url is not None and not st.first_token:
+                self.cut(ex, st)
+            elif st.accepted:
                 self.finished(ex, st, "failed")
             else:
                 self.engine_refused(ex, st)
@@ -152,6 +179,8 @@ class EngineStreams:
         cluster names another replica; None once the execution is refused."""
         body = dict(st.body, stream=True)
         body["stream_options"] = dict(body.get("stream_options") or {}, include_usage=True)
+        if self.lp.below_url is not None:    # the gateway below balances the engines and answers for them
+            return await self.session.post(self.lp.below_url + "/v1/completions", json=body)
         while True:
             resp = await self.session.post(self.views.upstreams[st.replica] + "/v1/completions", json=body)
             if resp.status != 503:
@@ -213,6 +242,29 @@ class EngineStreams:
         if st.record is not None:
             st.record.fate, st.record.finished_at = "refused", t
         self.do(t, self.lp.proxy.on_engine_refused(t, ex))
+
+    def upstream_refused(self, ex, st: Stream, status: int, reason: str) -> None:
+        """The gateway below answered the execution with an error before any
+        token (`status`, `reason`: `LiveProxy.below_reason`): the policy core
+        refuses its subscribers with it (`Proxy.on_upstream_refused`)."""
+        self.forget_first_token(st)
+        st.fate = "refused"
+        st.done = True
+        self.streams.pop(ex.id, None)
+        t = self.lp.now()
+        if st.record is not None:
+            if st.accepted:                  # an engine took it, and the gateway closed it: the engine aborted it
+                st.record.fate, st.record.cancel_requested_at = "aborted", t
+            else:
+                st.record.fate = "refused"
+            st.record.finished_at, st.record.tokens_generated = t, st.tokens
+        self.do(t, self.lp.proxy.on_upstream_refused(t, ex, status, None, reason))
+
+    def cut(self, ex, st: Stream) -> None:
+        """The gateway below cut the stream before its first token (its read
+        timeout, the status already sent): as the simulator's gateway, its
+        timeout's answer."""
+        self.upstream_refused(ex, st, self.lp.group["timeout_status"], "upstream_timeout")
 
     def finished(self, ex, st: Stream, fate: str) -> None:
         self.forget_first_token(st)

@@ -161,7 +161,7 @@ class HttpSide:
         call = self._call_id(request)
         att = RequestAttempt(call, self._number(call, request.headers.get("X-Attempt")),
                              klass=_header(request, "X-Class"))
-        group = self.lp.group is not None
+        group = self.lp.group is not None and not self.lp.below      # behind the group: a port per replica
         att.server = self.lp.server_ports.get(request.transport.get_extra_info("sockname")[1]) if group else None
         if group and att.server is None:
             raise web.HTTPNotFound(text="behind a gateway's upstream group a request comes in on a replica's port")

@@ -61,7 +61,7 @@ def attempt_outcome(status: int, headers, gateway: bool = False) -> str:
     (`refused_gateway`, as the simulator records it); anything else (an
     engine error passed on) is an error."""
     reason = headers.get("X-Refused-Reason")
-    if reason is not None and status in (429, 503):
+    if reason is not None:          # the live proxy's refusal (a gateway's answer below it among them)
         return refusal_outcome(reason)
     if gateway and status in GATEWAY_STATUSES:
         return "refused_gateway"
