@@ -284,6 +284,15 @@ def _out_while_placed(spells: list, placed: list, slack: float = 0.75) -> list:
     return [(s, t) for s, a, b in spells for r, t in placed if r == s and a + slack < t < b - slack]
 
 
+def _group_of_two(software: str) -> dict:
+    """A gateway's group of two servers, a read timeout of 0.5 s, passive health on (HAProxy: one error, one
+    failed check)."""
+    if software == "nginx":
+        return preset("gateway", "nginx", timeout_s=0.5, upstream_servers=2, down_for_s=3.0)
+    return preset("gateway", "haproxy", timeout_s=0.5, upstream_servers=2, fails_to_mark_down=1, fall=1,
+                  rise=2, check_interval_s=1.0, max_retries=0)
+
+
 @_needs
 @pytest.mark.parametrize("software", ["nginx", "haproxy"])
 def test_an_upstream_group_takes_servers_out_and_answers_alone(software):
@@ -292,11 +301,7 @@ def test_an_upstream_group_takes_servers_out_and_answers_alone(software):
     out of rotation, and with none left the gateway answers by itself; the
     gateway's own logs say so, and no attempt reached a server it had out."""
     sc = _scenario(deadline=6.0)
-    if software == "nginx":
-        gw = preset("gateway", "nginx", timeout_s=0.5, upstream_servers=2, down_for_s=3.0)
-    else:
-        gw = preset("gateway", "haproxy", timeout_s=0.5, upstream_servers=2, fails_to_mark_down=1, fall=1,
-                    rise=2, check_interval_s=1.0, max_retries=0)
+    gw = _group_of_two(software)
     run, log, stubs = asyncio.run(_through_group(gw, "no-control", _long_calls(12, tokens=100), sc, slots=1))
     layer = log.extra["layers"][0]
     g = layer["upstream_group"]
@@ -330,11 +335,7 @@ def test_before_a_group_the_one_proxy_sees_streams_cut_and_no_server_goes_out(so
     nothing alone. Each execution's replica is the one the gateway says it
     sent it to."""
     sc = _scenario(deadline=6.0)
-    if software == "nginx":
-        gw = preset("gateway", "nginx", timeout_s=0.5, upstream_servers=2, down_for_s=3.0)
-    else:
-        gw = preset("gateway", "haproxy", timeout_s=0.5, upstream_servers=2, fails_to_mark_down=1, fall=1,
-                    rise=2, check_interval_s=1.0, max_retries=0)
+    gw = _group_of_two(software)
     run, log, stubs = asyncio.run(_through_group(gw, "no-control", _long_calls(12, tokens=100), sc, slots=1,
                                                  placement="deployment"))
     lp = run.proxy
