@@ -60,7 +60,11 @@ def describe(dep: Deployment) -> dict:
                        "unknown": nan(attempts=li.attempts, reaching_below=li.reaching, attempts_sent=sent,
                                       attempt_s=li.attempt_s, span_s=li.span_s)})
     # a layer that cannot be composed leaves figures unknown: None in JSON as no bound is, named in `unknown`
+    group = next((s.get("upstream_servers", 1) for s in settings if s.get("kind") == "gateway"
+                  and s.get("upstream_servers", 1) > 1), None)
+    placement = dep.fleet.router.proxy if dep.fleet is not None and group else None
     return {"scenario": dep.name, "reference_design": reference, "layers": layers,
+            "upstream_group": None if group is None else {"servers": group, "proxy": placement},
             "engine_attempts": _finite(float(info.engine_attempts)), "longest_s": _finite(float(info.longest_s)),
             "runs_on": list(info.runs_on), "not_composed": list(info.not_composed),
             "unknown": nan(engine_attempts=info.engine_attempts, longest_s=info.longest_s)}
@@ -106,6 +110,10 @@ def cmd_stack(a) -> int:
         print(f"   attempts per attempt from above {_num(layer, 'attempts')}, of which "
               f"{_num(layer, 'reaching_below')} can reach below; one attempt lasts at most "
               f"{_num(layer, 'attempt_s', ' s')}, with its retries {_num(layer, 'span_s', ' s')}{runs}")
+    if (g := d["upstream_group"]) is not None:
+        where = ("before it ([fleet] proxy = \"deployment\"): the gateway takes its executions" if g["proxy"] ==
+                 "deployment" else "behind it, a sidecar before each engine ([fleet] proxy = \"replica\")")
+        print(f"the gateway's upstream group balances {g['servers']} replicas; the condition's proxy stands {where}")
     print(f"most attempts one call can cause at the engine: {_num(d, 'engine_attempts')}")
     print(f"longest a call can go on being retried: {_num(d, 'longest_s', ' s')}")
     print("layers that let an abandoned request run on: " + (", ".join(d["runs_on"]) or "none"))

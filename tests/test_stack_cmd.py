@@ -82,6 +82,19 @@ def test_the_command_prints_the_stack_and_writes_the_same_as_json(tmp_path, caps
     assert citations("litellm")["passes_disconnect"] in text
 
 
+@pytest.mark.parametrize("placement, says", [("replica", "behind it, a sidecar before each engine"),
+                                              ("deployment", "before it ([fleet] proxy = \"deployment\")")])
+def test_an_upstream_group_says_where_the_proxy_stands(tmp_path, capsys, placement, says):
+    text = open(_example("live-cpu-tiny-nginx-group.toml")).read()
+    f = tmp_path / "group.toml"
+    f.write_text(text.replace('proxy = "replica"', f'proxy = "{placement}"'))
+    assert main(["stack", "--scenario", str(f)]) == 0
+    assert f"the gateway's upstream group balances 2 replicas; the condition's proxy stands {says}" in \
+        capsys.readouterr().out
+    assert describe(load(str(f)))["upstream_group"] == {"servers": 2, "proxy": placement}
+    assert describe(load("paper"))["upstream_group"] is None
+
+
 def test_a_bad_stack_exits_2_in_one_line(tmp_path, capsys):
     f = tmp_path / "bad.toml"
     f.write_text('[[layer]]\npreset = "nginx"\ntimeout_s = -1\n')
