@@ -11,8 +11,8 @@ calibrate from-bench` from `vllm-cpu-tiny` on those reports alone, `vllm bench
 serve` at 0.65 against the fitted profile's prediction, and `validate`'s points
 of the scenario predicted with the fitted profile and run live on the engine
 with text prompts; then the same live points against a profile fitted from
-the engine's /metrics alone, scraped through the load tests (`llmsim
-calibrate from-metrics`), and against a profile from llmsim's own
+the engine's /metrics alone, scraped through the load tests and the
+further rate (`llmsim calibrate from-metrics`), and against a profile from llmsim's own
 calibration run on the same engine (`validate --calibrate-from capacity`'s
 capacity run through the live proxy), the bar both fits are held to.
 
@@ -33,7 +33,7 @@ from calibrate import heldout as H, measurements as ms  # noqa: E402
 from llmsim.cli import main as llmsim  # noqa: E402
 from sim.profile import load_profile  # noqa: E402
 from sim.scenario import get_scenario  # noqa: E402
-from validate import engine as E, harness as HV, validation as V  # noqa: E402
+from validate import engine as E, harness as HV, step_log, validation as V  # noqa: E402
 from validate.tokenizer import write_tokenizer  # noqa: E402
 
 
@@ -45,7 +45,10 @@ def main() -> int:
     ap.add_argument("--base", default="vllm-cpu-tiny")
     ap.add_argument("--layout", default=HV.DEFAULT_LAYOUT, choices=HV.LAYOUTS,
                     help=f"where the engine runs (validate's --layout; default {HV.DEFAULT_LAYOUT})")
+    ap.add_argument("--load-testers-nice", type=int, default=H.LOAD_TESTERS_NICE,
+                    help=f"the load testers' niceness (default {H.LOAD_TESTERS_NICE}; 0: as the engine)")
     a = ap.parse_args()
+    H.LOAD_TESTERS_NICE = a.load_testers_nice
     vs = get_scenario(a.scenario)
     tmp = Path(tempfile.mkdtemp(prefix="heldout-"))
     tok = write_tokenizer(tmp / "tokenizer", E.TINY_MODEL)
@@ -57,20 +60,26 @@ def main() -> int:
         est = H.estimate_capacity(eng, load_profile(a.base), vs)
         print(f"capacity estimate: {est['capacity']:.3f} calls/s (base {est['base_capacity']:.3f}, k {est['k']:.3f})")
         scrapes = tmp / "scrapes.jsonl"
-        reports = H.load_tests(eng, tok, vs, est["capacity"], tmp, a.seconds, scrapes=scrapes)
-        t["load tests"] = time.monotonic() - t0
+        with H.scraping(eng, scrapes):
+            s0 = V.engine_steps(eng)
+            reports = H.load_tests(eng, tok, vs, est["capacity"], tmp, a.seconds)
+            load_steps = tmp / "load-tests.steps.jsonl"       # the engine's steps through the load tests
+            step_log.record(eng, load_steps, s0, source={"kind": "live run", "run": "the load tests"})
+            t["load tests"] = time.monotonic() - t0
+            t0 = time.monotonic()
+            fitted = tmp / "fitted.json"
+            if llmsim(H.fit_args(reports, a.base, fitted)) != 0:
+                raise SystemExit("llmsim calibrate from-bench failed")
+            prof = load_profile(str(fitted))
+            t["fit"] = time.monotonic() - t0
+            t0 = time.monotonic()
+            rows = H.further_rate(eng, tok, vs, est["capacity"], prof, tmp, a.seconds)
+            t["further rate"] = time.monotonic() - t0
         t0 = time.monotonic()
-        fitted = tmp / "fitted.json"
-        if llmsim(H.fit_args(reports, a.base, fitted)) != 0:
-            raise SystemExit("llmsim calibrate from-bench failed")
-        prof = load_profile(str(fitted))
         from_metrics = tmp / "from-metrics.json"
         if llmsim(H.fit_metrics_args(scrapes, a.base, from_metrics)) != 0:
             raise SystemExit("llmsim calibrate from-metrics failed")
-        t["fits"] = time.monotonic() - t0
-        t0 = time.monotonic()
-        rows = H.further_rate(eng, tok, vs, est["capacity"], prof, tmp, a.seconds)
-        t["further rate"] = time.monotonic() - t0
+        t["fit from the metrics"] = time.monotonic() - t0
         print("\nfurther rate, not in the fit:")
         print(ms.stage_table(rows))
         t0 = time.monotonic()
@@ -99,6 +108,14 @@ def main() -> int:
     print("\nthe same live points, predicted with the profile of llmsim's own calibration run on this engine:")
     print(V.table(doc_o["points"]))
     print(json.dumps(H.verdicts(doc_o), indent=1))
+    print("\nthe engine's busy steps over each profile's (k), through the load tests and through the point:")
+    _, rows = step_log.read_steps(load_steps)
+    _, point_rows = step_log.read_steps(doc["points"][0]["live"]["steps_file"])
+    for name, path in (("reports", fitted), ("metrics", from_metrics), ("own calibration", own)):
+        p = load_profile(str(path))
+        ks = [V.steps_ratio(r, p) for r in (rows, point_rows)]
+        print(f"  {name:16s} load tests {ks[0].get('ratio_busy', ks[0]['ratio']):.3f}   "
+              f"point {ks[1].get('ratio_busy', ks[1]['ratio']):.3f}")
     print("times (s):", {k: round(v) for k, v in t.items()})
     print(f"(files in {tmp})")
     return 0

@@ -17,7 +17,8 @@ and queueing terms are identified:
    random dataset: the scenario's shared prefix + the rest of its prompt,
    responses of its mean), and inference-perf one stage at `IP_RATE` x it
    (random data, the whole prompt unshared: another mix of cached and
-   prefilled tokens);
+   prefilled tokens); the load testers at `LOAD_TESTERS_NICE`, so that the
+   engine's server and scheduler, on the core they share, run first;
 3. `fit_args`: `llmsim calibrate from-bench` on those reports alone, from
    the base profile (run by the caller: the command line is above this
    package);
@@ -31,8 +32,9 @@ and queueing terms are identified:
    each against the must-hold (same recovery verdict, hold delivery within
    `HOLD_POINTS`);
 6. the same points against a profile fitted from the engine's metrics
-   alone: `/metrics` scraped through the load tests (`load_tests`'
-   `scrapes`, `validate.scrape.record`), `llmsim calibrate from-metrics`
+   alone: `/metrics` scraped through the load tests and the further rate
+   (`scraping`, `validate.scrape.record`: the traffic before the burst, as
+   production's Prometheus holds it), `llmsim calibrate from-metrics`
    from the base profile (`fit_metrics_args`), and the live points of 5
    predicted with it on the same trace (`against`);
 7. and against a profile from llmsim's own calibration run on the same
@@ -59,6 +61,7 @@ IP_RATE = 0.55                  # inference-perf's one stage
 FURTHER_RATE = 0.65             # the held-out rate
 HOLD_POINTS = 10.0              # hold delivery within this many points of live
 SCRAPE_EVERY_S = 2.0            # the metrics' scrape interval through the load tests
+LOAD_TESTERS_NICE = 10          # the load testers' niceness: the engine's server and scheduler first on their core
 METRICS_WINDOW_S, METRICS_MIN_REQUESTS = 20.0, 15     # from-metrics' windows: a load-test stage holds one or two
 
 
@@ -103,39 +106,39 @@ def _bench(eng: E.Engine, tok: Path, vs: NamedScenario, rate: float, seconds: fl
            seed: int) -> str:
     shared, own, response = lengths(vs)
     n = max(8, round(rate * seconds))
-    L.run_bench_serve(L.bench_serve_args(eng.url, tok, rate, n, own, response, out, prefix_len=shared, seed=seed))
+    L.run_bench_serve(L.bench_serve_args(eng.url, tok, rate, n, own, response, out, prefix_len=shared, seed=seed),
+                      nice=LOAD_TESTERS_NICE)
     return str(out)
 
 
-def load_tests(eng: E.Engine, tok: Path, vs: NamedScenario, capacity: float, folder: Path,
-               seconds: float = 30.0, scrapes: Path | None = None) -> list[str]:
-    """The reports the fit is made of: `vllm bench serve` at each of
-    `BENCH_RATES` and inference-perf at `IP_RATE` (x `capacity`), about
-    `seconds` of arrivals each. Returns their paths. With `scrapes`, the
-    engine's /metrics is recorded there every `SCRAPE_EVERY_S` throughout,
-    as production's Prometheus would."""
-    if scrapes is None:
-        return _load_tests(eng, tok, vs, capacity, folder, seconds)
+@contextmanager
+def scraping(eng: E.Engine, scrapes: Path):
+    """The engine's /metrics recorded at `scrapes` every `SCRAPE_EVERY_S`
+    while the body runs, as production's Prometheus would."""
     stop = threading.Event()
     rec = threading.Thread(target=S.record, args=(eng.url, str(scrapes), SCRAPE_EVERY_S, 24 * 3600.0),
                            kwargs={"log": None, "stop": stop.is_set}, daemon=True)
     rec.start()
     try:
-        return _load_tests(eng, tok, vs, capacity, folder, seconds)
+        yield scrapes
     finally:
         stop.set()
         rec.join(timeout=60)
 
 
-def _load_tests(eng: E.Engine, tok: Path, vs: NamedScenario, capacity: float, folder: Path,
-                seconds: float) -> list[str]:
+def load_tests(eng: E.Engine, tok: Path, vs: NamedScenario, capacity: float, folder: Path,
+               seconds: float = 30.0) -> list[str]:
+    """The reports the fit is made of: `vllm bench serve` at each of
+    `BENCH_RATES` and inference-perf at `IP_RATE` (x `capacity`), about
+    `seconds` of arrivals each. Returns their paths."""
     reports = [_bench(eng, tok, vs, r * capacity, seconds, folder / f"bench-{r:g}.json", seed=k)
                for k, r in enumerate(BENCH_RATES)]
     shared, own, response = lengths(vs)
     rate = round(IP_RATE * capacity, 2)
     cfg = L.inference_perf_config(eng.url, tok, folder / "inference-perf", [(rate, int(seconds))], response,
                                   data="random", input_len=shared + own, seed=7)
-    reports.append(str(L.run_inference_perf(cfg, folder / "inference-perf.yml", timeout=600)))
+    reports.append(str(L.run_inference_perf(cfg, folder / "inference-perf.yml", timeout=600,
+                                           nice=LOAD_TESTERS_NICE)))
     return reports
 
 

@@ -19,7 +19,9 @@ passes keep both cores busy, and a load generator starved of them ended its
 calls' attempts late, some past its bound (a storm then read calls
 "unfinished"; the generator now waits for its late calls to end,
 `validate.loadgen.STRAGGLERS_S`). Deselect with `-m "not live"`. Time: engine start-up ~50-130 s,
-each storm 12 s plus the engine's drain (~80-100 s on two cores)."""
+each storm 8 s plus the engine's drain (~30-60 s on two cores). A leak of
+replay buffers keeps ~200 kB a call (1,000 tokens' chunks): 40 MB a storm of
+200 calls, well over RSS_GROWTH_MB."""
 from __future__ import annotations
 
 import json
@@ -38,7 +40,7 @@ from validate import engine as E
 
 pytestmark = pytest.mark.live
 ROOT = Path(__file__).resolve().parent.parent
-STORM = {"rate": 25, "duration": 12, "max-calls": 300, "deadline": 0.3, "retries": 3, "retry-wait": 0.1,
+STORM = {"rate": 25, "duration": 8, "max-calls": 200, "deadline": 0.3, "retries": 3, "retry-wait": 0.1,
          "prompt-len": 64, "max-tokens": 1000}
 FD_SLACK = 3
 RSS_GROWTH_MB = 15

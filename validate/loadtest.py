@@ -68,11 +68,19 @@ def bench_serve_args(url: str, tokenizer: Path, rate: float, num_prompts: int, i
             "--disable-tqdm"]
 
 
-def run_bench_serve(flags: list[str], timeout: float = 900.0, log=sys.stderr) -> None:
-    """Runs `vllm bench serve FLAGS` in the engine's environment; raises
-    EngineError with its last lines when it fails."""
+def niced(nice: int):
+    """A `preexec_fn` lowering a load tester's scheduling priority by `nice`
+    (None for 0): on cores it shares with the engine's server and scheduler,
+    the engine is served first."""
+    return (lambda: os.nice(nice)) if nice else None
+
+
+def run_bench_serve(flags: list[str], timeout: float = 900.0, log=sys.stderr, nice: int = 0) -> None:
+    """Runs `vllm bench serve FLAGS` in the engine's environment (at
+    `nice`, `niced`); raises EngineError with its last lines when it fails."""
     r = subprocess.run([str(E.cpu_python()), "-c", BENCH_SERVE, *flags], capture_output=True, text=True,
-                       timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
+                       timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"},
+                       preexec_fn=niced(nice))
     if r.returncode != 0:
         tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-8:])
         raise E.EngineError(f"vllm bench serve failed (exit {r.returncode}):\n{tail}")
@@ -284,15 +292,16 @@ def inference_perf_config(url: str, tokenizer: Path, out: Path, stages: list[tup
     }
 
 
-def run_inference_perf(config: dict, config_path: Path, timeout: float = 900.0, log=sys.stderr) -> Path:
+def run_inference_perf(config: dict, config_path: Path, timeout: float = 900.0, log=sys.stderr,
+                       nice: int = 0) -> Path:
     """Writes `config` to `config_path` and runs inference-perf on it from
-    its venv; returns the report folder. EngineError with its last lines when
-    it fails or writes no summary."""
+    its venv (at `nice`, `niced`); returns the report folder. EngineError
+    with its last lines when it fails or writes no summary."""
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     out = Path(config["storage"]["local_storage"]["path"])
     r = subprocess.run([str(inference_perf_python()), "-m", "inference_perf.main", "--config_file", str(config_path),
                         "--log-level", "WARNING"], capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}, preexec_fn=niced(nice))
     if r.returncode != 0 or not (out / "summary_lifecycle_metrics.json").exists():
         tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-8:])
         raise E.EngineError(f"inference-perf failed (exit {r.returncode}):\n{tail}")

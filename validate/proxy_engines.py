@@ -232,13 +232,17 @@ class EngineStreams:
             st.first_token = True            # no longer awaited
             self.views.awaiting[st.replica] -= st.prompt_len
 
-    def engine_refused(self, ex, st: Stream) -> None:
+    def _ended_refused(self, ex, st: Stream) -> float:
+        """The stream of `ex` ends refused and is forgotten; returns the time."""
         self.forget_first_token(st)
         st.fate = "refused"
-        self.metrics.engine_refused.inc()
         st.done = True
         self.streams.pop(ex.id, None)
-        t = self.lp.now()
+        return self.lp.now()
+
+    def engine_refused(self, ex, st: Stream) -> None:
+        self.metrics.engine_refused.inc()
+        t = self._ended_refused(ex, st)
         if st.record is not None:
             st.record.fate, st.record.finished_at = "refused", t
         self.do(t, self.lp.proxy.on_engine_refused(t, ex))
@@ -247,11 +251,7 @@ class EngineStreams:
         """The gateway below answered the execution with an error before any
         token (`status`, `reason`: `LiveProxy.below_reason`): the policy core
         refuses its subscribers with it (`Proxy.on_upstream_refused`)."""
-        self.forget_first_token(st)
-        st.fate = "refused"
-        st.done = True
-        self.streams.pop(ex.id, None)
-        t = self.lp.now()
+        t = self._ended_refused(ex, st)
         if st.record is not None:
             if st.accepted:                  # an engine took it, and the gateway closed it: the engine aborted it
                 st.record.fate, st.record.cancel_requested_at = "aborted", t

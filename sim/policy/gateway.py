@@ -179,11 +179,9 @@ class Gateway:
         out: list = []
         if type(token) is Upstream:
             up = token
-            r = self._relay_of(up)
-            if r is None or not up.open:
-                return out                  # answered, or already left running with nobody waiting
-            if up.streaming and self.policy.timeout_between_reads:
-                return out                  # a stream's tokens keep coming: no silence reaches a read timeout
+            r = self._cut_by_timeout(up)
+            if r is None:
+                return out
             r.upstream = None
             if self.policy.passes_disconnect:
                 out.append(Leave(up))
@@ -218,6 +216,16 @@ class Gateway:
         """The relay waiting for `up`'s answer (None: nobody waits for it)."""
         r = self.relays.get(up.above)
         return r if r is not None and r.upstream is up else None
+
+    def _cut_by_timeout(self, up: Upstream) -> Relay | None:
+        """The relay whose upstream attempt `up` its timeout cuts now; None
+        where it was answered, was left running with nobody waiting, or is a
+        stream whose tokens keep coming under a timeout between reads (no
+        silence reaches it)."""
+        r = self._relay_of(up)
+        if r is None or not up.open or (up.streaming and self.policy.timeout_between_reads):
+            return None
+        return r
 
     def _admit(self, t: float, r: Relay, out: list) -> None:
         gw = self.policy
@@ -401,9 +409,7 @@ class GroupGateway(Gateway):
         return super().on_refused(t, up, status, retry_after, reason)
 
     def on_timer(self, t: float, token) -> list:
-        if type(token) is Upstream and token.open and self.relays.get(token.above) is not None \
-                and self.relays[token.above].upstream is token \
-                and not (token.streaming and self.policy.timeout_between_reads):
+        if type(token) is Upstream and self._cut_by_timeout(token) is not None:
             # the gateway's upstream timeout; a stream it cuts counts as the preset says
             self._tell(t, token, FAIL if not token.answering or self.policy.cut_counts_as_failure else CLOSED)
         return super().on_timer(t, token)
