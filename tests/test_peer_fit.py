@@ -309,22 +309,22 @@ def test_a_refitted_profile_simulates_its_fitted_frontend_on_every_calls_way_in(
     base = next(x for x in experiments if x.exp_id == "64")
     frontend_s, stages = 0.004, []
     for k, rate in enumerate((3.0, 24.0)):
-        got = ms.simulate_stage(prof, base, ms.Stage(k, rate, 60.0, 1.0, 2.0), 40.0, 10.0)
+        got = ms.simulate_stage(prof, base, ms.Stage(k, rate, 60.0, 1.0, 2.0), 20.0, 5.0)
         stages.append(ms.Stage(k, rate, 60.0, got["ttft_mean"] + frontend_s, got["e2e_mean"] + frontend_s))
     e = replace(base, stages=tuple(stages))
-    d = ms.refit(prof, [e], "synthetic", "test", None, duration_s=40.0, warmup_s=10.0, max_evals=10)
+    d = ms.refit(prof, [e], "synthetic", "test", None, duration_s=20.0, warmup_s=5.0, max_evals=10)
     pm = d["provenance"]["measurements"]
     fitted = from_dict(d, "refitted")
     assert fitted.frontend_s == pm["frontend_s"] == pytest.approx(frontend_s, abs=0.001)
     assert ms.unsimulated_frontend(fitted) == 0.0
-    rows = ms.compare(fitted, [e], 40.0, 10.0)
+    rows = ms.compare(fitted, [e], 20.0, 5.0)
     for r, rec in zip(rows, pm["stages"]):
         assert r["ttft_residual"] == pytest.approx(rec["ttft_residual"], abs=1e-6)
         assert r["e2e_residual"] == pytest.approx(rec["e2e_residual"], abs=1e-6)
         assert abs(r["ttft_residual"]) < 0.02
     bare = ms.without_frontend(fitted)
     assert bare.frontend_s == 0.0 and bare.step_time.to_dict() == fitted.step_time.to_dict()
-    added = ms.compare(bare, [e], 40.0, 10.0, frontend_s=fitted.frontend_s)
+    added = ms.compare(bare, [e], 20.0, 5.0, frontend_s=fitted.frontend_s)
     for r, a in zip(rows, added):       # the frontend simulated is the frontend added: the input moved as a whole
         assert r["e2e_mean_simulated"] == pytest.approx(a["e2e_mean_simulated"], rel=1e-9)
         assert r["ttft_mean_simulated"] == pytest.approx(a["ttft_mean_simulated"], rel=1e-9)
