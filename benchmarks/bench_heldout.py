@@ -48,7 +48,6 @@ def main() -> int:
     ap.add_argument("--load-testers-nice", type=int, default=H.LOAD_TESTERS_NICE,
                     help=f"the load testers' niceness (default {H.LOAD_TESTERS_NICE}; 0: as the engine)")
     a = ap.parse_args()
-    H.LOAD_TESTERS_NICE = a.load_testers_nice
     vs = get_scenario(a.scenario)
     tmp = Path(tempfile.mkdtemp(prefix="heldout-"))
     tok = write_tokenizer(tmp / "tokenizer", E.TINY_MODEL)
@@ -62,7 +61,7 @@ def main() -> int:
         scrapes = tmp / "scrapes.jsonl"
         with H.scraping(eng, scrapes):
             s0 = V.engine_steps(eng)
-            reports = H.load_tests(eng, tok, vs, est["capacity"], tmp, a.seconds)
+            reports = H.load_tests(eng, tok, vs, est["capacity"], tmp, a.seconds, nice=a.load_testers_nice)
             load_steps = tmp / "load-tests.steps.jsonl"       # the engine's steps through the load tests
             step_log.record(eng, load_steps, s0, source={"kind": "live run", "run": "the load tests"})
             t["load tests"] = time.monotonic() - t0
@@ -73,7 +72,7 @@ def main() -> int:
             prof = load_profile(str(fitted))
             t["fit"] = time.monotonic() - t0
             t0 = time.monotonic()
-            rows = H.further_rate(eng, tok, vs, est["capacity"], prof, tmp, a.seconds)
+            rows = H.further_rate(eng, tok, vs, est["capacity"], prof, tmp, a.seconds, nice=a.load_testers_nice)
             t["further rate"] = time.monotonic() - t0
         t0 = time.monotonic()
         from_metrics = tmp / "from-metrics.json"
@@ -109,13 +108,12 @@ def main() -> int:
     print(V.table(doc_o["points"]))
     print(json.dumps(H.verdicts(doc_o), indent=1))
     print("\nthe engine's busy steps over each profile's (k), through the load tests and through the point:")
-    _, rows = step_log.read_steps(load_steps)
+    _, load_rows = step_log.read_steps(load_steps)
     _, point_rows = step_log.read_steps(doc["points"][0]["live"]["steps_file"])
     for name, path in (("reports", fitted), ("metrics", from_metrics), ("own calibration", own)):
         p = load_profile(str(path))
-        ks = [V.steps_ratio(r, p) for r in (rows, point_rows)]
-        print(f"  {name:16s} load tests {ks[0].get('ratio_busy', ks[0]['ratio']):.3f}   "
-              f"point {ks[1].get('ratio_busy', ks[1]['ratio']):.3f}")
+        k_load, k_point = (V.point_k(V.steps_ratio(r, p)) for r in (load_rows, point_rows))
+        print(f"  {name:16s} load tests {k_load:.3f}   point {k_point:.3f}")
     print("times (s):", {k: round(v) for k, v in t.items()})
     print(f"(files in {tmp})")
     return 0

@@ -103,11 +103,11 @@ def estimate_capacity(eng: E.Engine, base: Profile, vs: NamedScenario, log=E.say
 
 
 def _bench(eng: E.Engine, tok: Path, vs: NamedScenario, rate: float, seconds: float, out: Path,
-           seed: int) -> str:
+           seed: int, nice: int) -> str:
     shared, own, response = lengths(vs)
     n = max(8, round(rate * seconds))
     L.run_bench_serve(L.bench_serve_args(eng.url, tok, rate, n, own, response, out, prefix_len=shared, seed=seed),
-                      nice=LOAD_TESTERS_NICE)
+                      nice=nice)
     return str(out)
 
 
@@ -127,18 +127,18 @@ def scraping(eng: E.Engine, scrapes: Path):
 
 
 def load_tests(eng: E.Engine, tok: Path, vs: NamedScenario, capacity: float, folder: Path,
-               seconds: float = 30.0) -> list[str]:
+               seconds: float = 30.0, nice: int = LOAD_TESTERS_NICE) -> list[str]:
     """The reports the fit is made of: `vllm bench serve` at each of
     `BENCH_RATES` and inference-perf at `IP_RATE` (x `capacity`), about
-    `seconds` of arrivals each. Returns their paths."""
-    reports = [_bench(eng, tok, vs, r * capacity, seconds, folder / f"bench-{r:g}.json", seed=k)
+    `seconds` of arrivals each, the load testers at `nice`. Returns their paths."""
+    reports = [_bench(eng, tok, vs, r * capacity, seconds, folder / f"bench-{r:g}.json", seed=k, nice=nice)
                for k, r in enumerate(BENCH_RATES)]
     shared, own, response = lengths(vs)
     rate = round(IP_RATE * capacity, 2)
     cfg = L.inference_perf_config(eng.url, tok, folder / "inference-perf", [(rate, int(seconds))], response,
                                   data="random", input_len=shared + own, seed=7)
     reports.append(str(L.run_inference_perf(cfg, folder / "inference-perf.yml", timeout=600,
-                                           nice=LOAD_TESTERS_NICE)))
+                                           nice=nice)))
     return reports
 
 
@@ -160,10 +160,10 @@ def fit_record(fitted: Path) -> dict:
 
 
 def further_rate(eng: E.Engine, tok: Path, vs: NamedScenario, capacity: float, prof: Profile,
-                 folder: Path, seconds: float = 30.0) -> list[dict]:
-    """`vllm bench serve` at `FURTHER_RATE` x `capacity` against the fitted
-    profile's prediction of it: the stage rows of `calibrate.measurements.compare`."""
-    path = _bench(eng, tok, vs, FURTHER_RATE * capacity, seconds, folder / "further.json", seed=11)
+                 folder: Path, seconds: float = 30.0, nice: int = LOAD_TESTERS_NICE) -> list[dict]:
+    """`vllm bench serve` at `FURTHER_RATE` x `capacity` (at `nice`) against the
+    fitted profile's prediction of it: the stage rows of `calibrate.measurements.compare`."""
+    path = _bench(eng, tok, vs, FURTHER_RATE * capacity, seconds, folder / "further.json", seed=11, nice=nice)
     return ms.compare(prof, B.experiments(B.read_reports([path]), prof), frontend_s=ms.unsimulated_frontend(prof))
 
 

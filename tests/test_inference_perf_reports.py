@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -209,3 +212,13 @@ def test_the_install_needs_a_python_312_and_says_so(monkeypatch):
         L.python_312()
     monkeypatch.setattr(L, "_py_version", lambda py: (3, 12))
     assert L.python_312()
+
+
+def test_a_load_tester_runs_niced_as_asked_and_as_it_was_where_refused():
+    here = os.nice(0)
+    own = [sys.executable, "-c", "import os; print(os.nice(0))"]
+    assert L.niced(0) is None
+    r = subprocess.run(own, capture_output=True, text=True, preexec_fn=L.niced(3), check=True)
+    assert int(r.stdout) == min(here + 3, 19)
+    r = subprocess.run(own, capture_output=True, text=True, preexec_fn=L.niced(-1), check=True)
+    assert int(r.stdout) in (here, max(here - 1, -20))     # lowered only where the system allows it (root)

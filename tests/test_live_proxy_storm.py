@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 from sim.profile import load_profile
-from validate import engine as E
+from validate import engine as E, loadtest as L
 
 pytestmark = pytest.mark.live
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,15 +44,6 @@ STORM = {"rate": 25, "duration": 8, "max-calls": 200, "deadline": 0.3, "retries"
          "prompt-len": 64, "max-tokens": 1000}
 FD_SLACK = 3
 RSS_GROWTH_MB = 15
-
-
-def ahead_of_the_engine() -> None:
-    """In the load generator's process before it starts: a higher scheduling
-    priority where the system allows it (module docstring)."""
-    try:
-        os.nice(-10)
-    except OSError:
-        pass
 
 
 def rss_kb(pid: int) -> int:
@@ -123,7 +114,7 @@ def test_the_proxy_under_a_retry_storm_frees_its_buffers_and_fds(cpu_engine_inst
             gen = subprocess.Popen([sys.executable, "-m", "validate.loadgen", "--url", proxy_url, "--model",
                                     "tiny-qwen2", *[x for f, v in STORM.items() for x in (f"--{f}", str(v))],
                                     "--seed", str(k)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                                   preexec_fn=ahead_of_the_engine)
+                                   preexec_fn=L.niced(-10))      # ahead of the engine (module docstring)
             peak, fd_peak = rss0, fd0
             while gen.poll() is None:
                 peak, fd_peak = max(peak, rss_kb(proxy.pid)), max(fd_peak, fds(proxy.pid))

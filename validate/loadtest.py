@@ -69,10 +69,19 @@ def bench_serve_args(url: str, tokenizer: Path, rate: float, num_prompts: int, i
 
 
 def niced(nice: int):
-    """A `preexec_fn` lowering a load tester's scheduling priority by `nice`
-    (None for 0): on cores it shares with the engine's server and scheduler,
-    the engine is served first."""
-    return (lambda: os.nice(nice)) if nice else None
+    """A `preexec_fn` moving a load tester's scheduling priority by `nice`
+    (None for 0); where the system refuses (a negative `nice` needs root) it
+    runs as it was. Positive: on cores it shares with the engine's server and
+    scheduler, the engine is served first; negative: the load tester first."""
+    if not nice:
+        return None
+
+    def preexec() -> None:
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
+    return preexec
 
 
 def run_bench_serve(flags: list[str], timeout: float = 900.0, log=sys.stderr, nice: int = 0) -> None:
