@@ -62,9 +62,10 @@ FURTHER_RATE = 0.65             # the held-out rate
 HOLD_POINTS = 10.0              # hold delivery within this many points of live
 SCRAPE_EVERY_S = 2.0            # the metrics' scrape interval through the load tests
 LOAD_TESTERS_NICE = 10          # the load testers' niceness: the engine's server and scheduler first on their core
-# how long the check's engine keeps an idle connection: longer than the load testers' pools keep one (aiohttp's
-# 15 s), so that none sends a call on a connection the server is closing (vLLM's 5 s: "Server disconnected")
-ENGINE_KEEP_ALIVE_S = 60
+# how long the check's engine keeps an idle connection: longer than the load testers' pools keep one
+# (inference-perf: aiohttp's default 15 s; vllm bench serve: 60 s), so that none sends a call on a connection the
+# server is closing (vLLM's 5 s: "Server disconnected")
+ENGINE_KEEP_ALIVE_S = 120
 METRICS_WINDOW_S, METRICS_MIN_REQUESTS = 20.0, 15     # from-metrics' windows: a load-test stage holds one or two
 
 
