@@ -38,7 +38,7 @@ def main() -> int:
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="from-bench-"))
     tok = write_tokenizer(tmp / "tokenizer", E.TINY_MODEL)
-    eng = E.start_cpu(timeout=600, tokenizer=tok, dev_mode=True)
+    eng = E.start_cpu(timeout=600, tokenizer=tok, dev_mode=True, keep_alive_s=L.ENGINE_KEEP_ALIVE_S)
     try:
         reports = []
         for rate in FIT + (FURTHER,):

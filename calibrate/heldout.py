@@ -62,10 +62,6 @@ FURTHER_RATE = 0.65             # the held-out rate
 HOLD_POINTS = 10.0              # hold delivery within this many points of live
 SCRAPE_EVERY_S = 2.0            # the metrics' scrape interval through the load tests
 LOAD_TESTERS_NICE = 10          # the load testers' niceness: the engine's server and scheduler first on their core
-# how long the check's engine keeps an idle connection: longer than the load testers' pools keep one
-# (inference-perf: aiohttp's default 15 s; vllm bench serve: 60 s), so that none sends a call on a connection the
-# server is closing (vLLM's 5 s: "Server disconnected")
-ENGINE_KEEP_ALIVE_S = 120
 METRICS_WINDOW_S, METRICS_MIN_REQUESTS = 20.0, 15     # from-metrics' windows: a load-test stage holds one or two
 
 
@@ -79,13 +75,14 @@ def text_engine(tok: Path, layout: str = HV.DEFAULT_LAYOUT):
     engine steps as fast under the load testers as under the points' load
     generator and live proxy: unpinned, the engine's speed went with what ran
     beside it, and a fit from the load tests described another engine than
-    the one the points met. It keeps an idle connection `ENGINE_KEEP_ALIVE_S`:
+    the one the points met. It keeps an idle connection
+    `validate.loadtest.ENGINE_KEEP_ALIVE_S`:
     at vLLM's 5 s, a load tester's pool, starved of its core, sent calls on
     connections the server had closed, and reported them failed."""
     cpus, harness = HV.layout_cpus(layout)
     with HV.harness_on(harness):
         eng = E.start_cpu(timeout=600, tokenizer=tok, dev_mode=True, cpus=cpus,
-                          compute_cpus=HV.layout_compute_cpus(layout), keep_alive_s=ENGINE_KEEP_ALIVE_S)
+                          compute_cpus=HV.layout_compute_cpus(layout), keep_alive_s=L.ENGINE_KEEP_ALIVE_S)
         try:
             yield eng
         finally:

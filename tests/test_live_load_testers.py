@@ -87,7 +87,7 @@ def test_inference_perf_report_folder_is_read_and_fitted(tmp_path, text_engine, 
 
 def test_the_engine_keeps_an_idle_connection_past_vllms_default(text_engine):
     # vLLM's 5 s closed pooled connections under the load testers, whose next call on one failed ("Server
-    # disconnected"): the check's engine keeps one ENGINE_KEEP_ALIVE_S, longer than the load testers' pools do
+    # disconnected"): the check's engine keeps one L.ENGINE_KEEP_ALIVE_S, longer than the load testers' pools do
     # (inference-perf: aiohttp's default 15 s; vllm bench serve: 60 s)
     eng, _ = text_engine
     host, port = eng.url.removeprefix("http://").split(":")
@@ -95,7 +95,7 @@ def test_the_engine_keeps_an_idle_connection_past_vllms_default(text_engine):
     conn.request("GET", "/health")
     assert conn.getresponse().read() is not None
     sock = conn.sock
-    assert H.ENGINE_KEEP_ALIVE_S > 60
+    assert L.ENGINE_KEEP_ALIVE_S > 60
     time.sleep(8.0)                         # idle past vLLM's default
     conn.request("GET", "/health")          # on the same connection: it fails where the server closed it
     r = conn.getresponse()

@@ -43,6 +43,11 @@ import yaml
 
 from . import engine as E
 
+# how long an engine the load testers call keeps an idle connection (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by
+# default): longer than their pools keep one (inference-perf: aiohttp's default 15 s; vllm bench serve: 60 s), so
+# that none sends a call on a connection the server is closing ("Server disconnected": it never reaches the engine)
+ENGINE_KEEP_ALIVE_S = 120
+
 BENCH_SERVE = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
                "from vllm.benchmarks.serve import add_cli_args, main; p = FlexibleArgumentParser(); "
                "add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
