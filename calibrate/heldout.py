@@ -76,9 +76,9 @@ def text_engine(tok: Path, layout: str = HV.DEFAULT_LAYOUT):
     generator and live proxy: unpinned, the engine's speed went with what ran
     beside it, and a fit from the load tests described another engine than
     the one the points met. It keeps an idle connection
-    `validate.loadtest.ENGINE_KEEP_ALIVE_S`:
-    at vLLM's 5 s, a load tester's pool, starved of its core, sent calls on
-    connections the server had closed, and reported them failed."""
+    `validate.loadtest.ENGINE_KEEP_ALIVE_S`: at vLLM's 5 s, a load tester's
+    pool, starved of its core, sent calls on connections the server had
+    closed, and reported them failed."""
     cpus, harness = HV.layout_cpus(layout)
     with HV.harness_on(harness):
         eng = E.start_cpu(timeout=600, tokenizer=tok, dev_mode=True, cpus=cpus,

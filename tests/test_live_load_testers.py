@@ -93,7 +93,9 @@ def test_the_engine_keeps_an_idle_connection_past_vllms_default(text_engine):
     host, port = eng.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     conn.request("GET", "/health")
-    assert conn.getresponse().read() is not None
+    r = conn.getresponse()
+    r.read()
+    assert r.status == 200
     sock = conn.sock
     assert L.ENGINE_KEEP_ALIVE_S > 60
     time.sleep(8.0)                         # idle past vLLM's default
