@@ -469,7 +469,8 @@ def run_live(spec: EngineSpec, profile: Profile, name: str, vs: NamedScenario, c
             raise PointFailed(engine_gone(eng) or f"the speed probe failed: {e}", eng.log_tail(20),
                               eng.log_errors()) from None
         point_profile = scaled_profile(profile, probed["applied_k"]) if probed else profile
-        base = _counters(eng) if probed else {}
+        # a running engine's counters hold what it served before the point (a fresh one's: the probe's)
+        base = _counters(eng) if probed or not started else {}
         steps0 = engine_steps(eng)
 
         def step_count():
