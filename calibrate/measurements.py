@@ -64,7 +64,15 @@ coefficients the data identify: a coefficient whose multiplier the data alone
 give to within `SE_IDENTIFIED` is fitted (the largest such set: the least
 identified coefficient is held, one at a time, until every free one is
 within it), the others are held at the prior and reported as such, so that no term absorbs what another
-one's error leaves. The coefficients are those of the profile's step-time form
+one's error leaves; except that where the data identify the held ones taken together (one multiplier
+shared by them, the prior's proportions among them kept: `together_standard_error` within
+`SE_IDENTIFIED`), that shared multiplier is fitted too. A prior from another machine is off on every
+term alike by the machine's speed; the terms held at it left the fitted ones to make up their share (on
+a 2-core AMD VM, 2026-12-06, `calibrate.heldout`'s three reports against `vllm-cpu-tiny`, made on an
+Intel VM: held, the decode terms stayed at the prior and `per_prefill_pair_s` went to 2.0x, the stages
+within 16%, and the next burst's prefill steps ran 0.96x that profile, its decode-only steps 1.59x;
+fitted together, the decode terms went to 2.6x and `per_prefill_pair_s` to 0.52x, the stages within 6%,
+the burst's prefill steps 1.01x, its decode-only ones 1.44x). The coefficients are those of the profile's step-time form
 (`sim.engine.step_time`: linear, or roofline with `weights_s`).
 
 The measured means include the time a call spends in the server outside the
@@ -660,6 +668,22 @@ def identified_terms(jac: np.ndarray, limit: float = SE_IDENTIFIED) -> tuple[lis
     return free, se
 
 
+def together_standard_error(jac: np.ndarray, free: list[int], held: list[int], frontend: int | None) -> float:
+    """The standard error of one multiplier shared by the `held` columns of
+    `jac` (the prior's proportions among them kept: their columns summed),
+    fitted beside the `free` ones and the frontend time's column (`frontend`,
+    or None); inf where nothing is held. The terms the data do not tell
+    apart one by one are mostly moved alike by the machine's speed, which a
+    prior from another machine does not know: held at the prior, they left
+    the fitted terms to absorb it (decode held at an Intel VM's cost on an
+    AMD one that decoded 1.9x slower, and prefill fitted 2x to make up)."""
+    if not held:
+        return math.inf
+    cols = [jac[:, free], jac[:, held].sum(axis=1, keepdims=True)] + ([jac[:, [frontend]]] if frontend is not None
+                                                                      else [])
+    return identifiability(np.hstack(cols))[len(free)]
+
+
 def _log_ratio(simulated: float | None, frontend_s: float, measured: float) -> float:
     """log((simulated + frontend_s) / measured); a window where the
     simulation saw no call (`latency_windows`' None) counts as ten times off."""
@@ -739,27 +763,33 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
     frontend_se = se[n] if frontend else math.inf
     se = se[:n]
     free = sorted(set(ident) | {names.index(k) for k in free_names})
+    held = [k for k in range(n) if k not in free]
+    together_se = together_standard_error(J0, free, held, n if fit_frontend else None)
+    together = [names[k] for k in held] if together_se <= SE_IDENTIFIED else []
     if log:
         log("  identified by the data: " + (", ".join(names[k] for k in ident) or "none") + "; fitted: "
-            + (", ".join(names[k] for k in free) or "none") + "; held at the "
-            "prior: " + (", ".join(names[k] for k in range(n) if k not in free) or "none")
+            + (", ".join(names[k] for k in free) or "none")
+            + (f"; fitted as one (one multiplier, the prior's proportions among them kept): {', '.join(together)}"
+               if together else "; held at the prior: " + (", ".join(names[k] for k in held) or "none"))
             + ("; the frontend time " + ("fitted" if fit_frontend else "not identified: held at 0") if frontend
                else ""))
-    nf = len(free)
+    nf, ng = len(free), int(bool(together))
 
     def full(x):
         m = np.ones(n)
         m[free] = x[:nf]
-        return m, (x[nf] * FRONTEND_UNIT_S if fit_frontend else 0.0)
+        if ng:
+            m[held] = x[nf]
+        return m, (x[nf + ng] * FRONTEND_UNIT_S if fit_frontend else 0.0)
 
     def resid(x):
-        return np.concatenate([data(*full(x)), PRIOR_WEIGHT * (np.asarray(x[:nf]) - 1.0)])
+        return np.concatenate([data(*full(x)), PRIOR_WEIGHT * (np.asarray(x[:nf + ng]) - 1.0)])
 
     floor = physical_floor(profile)
-    lo = [floor[names[k]] for k in free] + [0.0] * fit_frontend
-    hi = [M_MAX] * nf + [FRONTEND_MAX_S / FRONTEND_UNIT_S] * fit_frontend
+    lo = [floor[names[k]] for k in free] + [max(floor[names[k]] for k in held)] * ng + [0.0] * fit_frontend
+    hi = [M_MAX] * (nf + ng) + [FRONTEND_MAX_S / FRONTEND_UNIT_S] * fit_frontend
     if lo:
-        sol = least_squares(resid, np.array([1.0] * nf + [0.0] * fit_frontend), bounds=(lo, hi),
+        sol = least_squares(resid, np.array([1.0] * (nf + ng) + [0.0] * fit_frontend), bounds=(lo, hi),
                             method="trf", diff_step=DIFF_STEP, max_nfev=max_evals, xtol=1e-3, ftol=1e-3)
         (m, frontend_s), cost, status = full(sol.x), float(sol.cost), sol.message
     else:
@@ -769,11 +799,13 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
     sim_pub = published_figures(fitted, target) if keys else {}
     return {"step_time": fitted.step_time.to_dict(), "prior": prior,
             "multipliers": dict(zip(names, map(float, m))),
-            "floor": floor, "at_floor": [names[k] for k in free if m[k] <= floor[names[k]] + 1e-3],
+            "floor": floor, "at_floor": [names[k] for k in free + held * ng if m[k] <= floor[names[k]] + 1e-3],
             "standard_error": {k: v if math.isfinite(v) else None for k, v in zip(names, se)},
             "identified": [names[k] for k in ident],
             "freed": list(free_names),
-            "held_by_prior": [names[k] for k in range(n) if k not in free],
+            "held_by_prior": [] if together else [names[k] for k in held],
+            "together": together,
+            "together_standard_error": together_se if math.isfinite(together_se) else None,
             "frontend_s": float(frontend_s),
             "frontend": ("fitted" if fit_frontend else "held at 0 (not identified)") if frontend else "not fitted",
             "frontend_standard_error_s": (frontend_se * FRONTEND_UNIT_S if math.isfinite(frontend_se) else None),
@@ -823,7 +855,9 @@ def refit(profile: Profile, mine: list[Experiment], source: str, tool: str, targ
                  "'fitted') times a multiplier >= 0, fitted to the mean TTFT and E2E of every stage below, "
                  "simulated with the experiment's arrivals and the server's flags"
                  + (", jointly with the published figures above" if target else "")
-                 + "; a coefficient the data do not identify is held at its prior"),
+                 + "; the coefficients the data do not identify one by one are fitted as one where the data "
+                   "identify that (one multiplier, the prior's proportions among them kept: 'together'), else "
+                   "held at their prior"),
         "source": source,
         "experiments": [{"exp_id": e.exp_id, "model": e.model, "vllm": e.vllm,
                          "flags": {k: v for k, v in e.flags.items()},
@@ -835,6 +869,8 @@ def refit(profile: Profile, mine: list[Experiment], source: str, tool: str, targ
         "standard_error": res["standard_error"],
         "identified": res["identified"],
         "held_by_prior": res["held_by_prior"],
+        "together": res["together"],
+        "together_standard_error": res["together_standard_error"],
         "freed": res["freed"],
         "frontend_s": res["frontend_s"],
         "frontend": (f"{res['frontend']}: the time a call spends in the server outside the engine (HTTP, "
@@ -898,9 +934,11 @@ def stage_table(rows: list[dict], before: list[dict] | None = None) -> str:
     return "\n".join(lines)
 
 
-def coefficient_table(prior: dict, fitted: dict, se: dict | None = None, held=()) -> str:
+def coefficient_table(prior: dict, fitted: dict, se: dict | None = None, held=(), together=(),
+                      together_se: float | None = None) -> str:
     """The step-time coefficients before and after, their ratio, and whether
-    the data identified each."""
+    the data identified each (`together`: those fitted as one, with
+    `together_se` the standard error of their shared multiplier)."""
     lines = [f"{'coefficient':<20} {'before':>12} {'after':>12} {'after/before':>12}  data"]
     if fitted.get("form", "linear") != prior.get("form", "linear"):
         lines.insert(0, f"step-time form: {prior.get('form', 'linear')} before, {fitted.get('form', 'linear')} after")
@@ -911,7 +949,10 @@ def coefficient_table(prior: dict, fitted: dict, se: dict | None = None, held=()
         a, b = prior[k], fitted[k]
         ratio = f"{b / a:>12.3f}" if a else f"{'-':>12}"
         s = (se or {}).get(k)
-        how = "held at the prior (not identified)" if k in held else "fitted"
+        how = ("held at the prior (not identified)" if k in held else
+               "fitted as one with " + ", ".join(x for x in together if x != k)
+               + (f" (se of the shared multiplier {together_se:.2f}; alone" if together_se is not None else " (alone")
+               + " not identified)" if k in together else "fitted")
         if s is not None and math.isfinite(s) and s < 100:
             how += f", se of the multiplier {s:.2f}"
         elif k in held:
@@ -925,7 +966,8 @@ def fit_table(profile: dict) -> str:
     pm = profile["provenance"]["measurements"]
     out = [stage_table(pm["stages"], pm.get("stages_before")), "",
            coefficient_table(pm["prior_step_time"], profile["step_time"], pm.get("standard_error"),
-                             pm.get("held_by_prior", ()))]
+                             pm.get("held_by_prior", ()), pm.get("together", ()),
+                             pm.get("together_standard_error"))]
     if "frontend_s" in pm:
         se = pm.get("frontend_standard_error_s")
         out.append(f"{'frontend_s':<20} {pm['frontend_s']:>12.4e}  {pm['frontend'].split(':')[0]}"
