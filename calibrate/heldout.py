@@ -240,13 +240,14 @@ def as_it_ran(doc: dict, prof: Profile) -> Profile:
     during `doc`'s points (`calibrate.fit.nnls_fit`): the engine as it ran
     them, the most a calibration of llmsim's own could know of its steps,
     and the bar a profile fitted from reports or metrics is held to (its
-    hold delivery within `HOLD_POINTS` of this one's, on the same trace:
-    `against`). Live is the bar where the model follows the live run; on a
-    2-core VM the run itself strayed from it at times (2026-12-06: the
-    calls' way to the engine stalled for 2 s late in the hold, no new call
-    reaching it while ten were due, and this profile read 70% hold
-    delivered where live read 59%), which no fit of step times can follow.
-    Raises ValueError where the points kept no steps."""
+    hold delivery at the speed the engine ran during the point within
+    `HOLD_POINTS` of this one's, on the same trace: `against`). Live is
+    the bar where the model follows the live run; on a 2-core VM the run
+    itself strayed from it at times (2026-12-06: the calls' way to the
+    engine stalled for 2 s late in the hold, no new call reaching it while
+    ten were due, and this profile read 70% hold delivered where live read
+    59%), which no fit of step times can follow. Raises ValueError where
+    the points kept no steps."""
     rows = [r for p in doc["points"] if "failed" not in p
             for f in [p["live"].get("steps_file")] if f and Path(f).exists() for r in read_steps(f)[1]]
     if not rows:

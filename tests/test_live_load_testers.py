@@ -17,11 +17,13 @@ its output. Deselect with `-m "not live"`.
   as the tool wrote them) predicts a further rate and a burst point of `validate` that no report
   saw, on the same engine with the same kind of prompts (text): the same
   recovery verdict as live where the prediction's recovery does not flip
-  across the speed band (as `validate` judges a point) and hold delivery
-  within 10 points of the same trace predicted with the engine's own steps
-  during the point (`calibrate.heldout.as_it_ran`; live printed beside: on
-  this 2-core VM a live run strays from the model by more than the bar at
-  times); and a profile fitted from the engine's /metrics alone,
+  across the speed band (as `validate` judges a point) and hold delivery,
+  at the speed the engine ran during the point (its steps over the
+  profile's), within 10 points of the same trace predicted with the
+  engine's own steps during the point (`calibrate.heldout.as_it_ran`; the
+  plain prediction and live printed beside: on a 2-core VM a live run
+  strays from the model by more than the bar at times); and a profile
+  fitted from the engine's /metrics alone,
   scraped through the load tests and the further rate (`llmsim calibrate
   from-metrics`), on the same live point: the same verdict (likewise), and
   hold delivery within 10 points at the speed the engine ran during the
@@ -173,15 +175,18 @@ def test_a_fit_from_the_reports_alone_predicts_points_they_did_not_see(tmp_path,
     (ran,) = H.verdicts(H.against(doc, H.as_it_ran(doc, prof), vs))
     print(f"held out: {v}; the engine as it ran: {ran}; further rate: E2E {further[0]['e2e_residual']:+.1%}, "
           f"TTFT {further[0]['ttft_residual']:+.1%}")
+    assert v["tests_model"] is not None, v          # its k, from the point's kept steps
     # an engine that ran outside the speed band does not test the model, and the point says so (docs/validation.md)
     if v["tests_model"] is False:
         assert "not a test of the model" in V.table(doc["points"])
         return
     # recovery is held to live where the prediction does not flip across the speed band (as `validate` judges
-    # a point, docs/validation.md); the hold delivery to the engine's own steps' prediction, live printed
+    # a point, docs/validation.md); the hold delivery to the engine's own steps' prediction at the speed the
+    # engine ran during the point (sim x k), the plain one and live printed: plain, on a 2-core AMD VM the
+    # reports' profile read 7.4-10 points above it in three runs (k 1.04-1.09; docs/load-tests.md)
     if v["recovery_tests_model"]:
         assert v["recovered_sim"] == v["recovered_live"], v
-    assert abs(v["hold_sim"] - ran["hold_sim"]) <= H.HOLD_POINTS, (v, ran)
+    assert abs(v["hold_sim_at_k"] - ran["hold_sim"]) <= H.HOLD_POINTS, (v, ran)
     # the same live point, predicted with a profile fitted from the engine's metrics alone
     from_metrics = tmp_path / "from-metrics.json"
     assert main(H.fit_metrics_args(scrapes, "vllm-cpu-tiny", from_metrics)) == 0
