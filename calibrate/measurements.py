@@ -774,6 +774,7 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
             + ("; the frontend time " + ("fitted" if fit_frontend else "not identified: held at 0") if frontend
                else ""))
     nf, ng = len(free), int(bool(together))
+    moved = free + (held if ng else [])         # the coefficients the fit moves
 
     def full(x):
         m = np.ones(n)
@@ -799,7 +800,7 @@ def fit(profile: Profile, experiments: list[Experiment], published: dict | None 
     sim_pub = published_figures(fitted, target) if keys else {}
     return {"step_time": fitted.step_time.to_dict(), "prior": prior,
             "multipliers": dict(zip(names, map(float, m))),
-            "floor": floor, "at_floor": [names[k] for k in free + held * ng if m[k] <= floor[names[k]] + 1e-3],
+            "floor": floor, "at_floor": [names[k] for k in moved if m[k] <= floor[names[k]] + 1e-3],
             "standard_error": {k: v if math.isfinite(v) else None for k, v in zip(names, se)},
             "identified": [names[k] for k in ident],
             "freed": list(free_names),
@@ -949,10 +950,13 @@ def coefficient_table(prior: dict, fitted: dict, se: dict | None = None, held=()
         a, b = prior[k], fitted[k]
         ratio = f"{b / a:>12.3f}" if a else f"{'-':>12}"
         s = (se or {}).get(k)
-        how = ("held at the prior (not identified)" if k in held else
-               "fitted as one with " + ", ".join(x for x in together if x != k)
-               + (f" (se of the shared multiplier {together_se:.2f}; alone" if together_se is not None else " (alone")
-               + " not identified)" if k in together else "fitted")
+        if k in held:
+            how = "held at the prior (not identified)"
+        elif k in together:
+            shared = f"se of the shared multiplier {together_se:.2f}; " if together_se is not None else ""
+            how = f"fitted as one with {', '.join(x for x in together if x != k)} ({shared}alone not identified)"
+        else:
+            how = "fitted"
         if s is not None and math.isfinite(s) and s < 100:
             how += f", se of the multiplier {s:.2f}"
         elif k in held:
