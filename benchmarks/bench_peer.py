@@ -5,7 +5,8 @@ hardware efficiencies (calibrate.efficiencies): no profile of any of them.
 
     python benchmarks/bench_peer.py                        # the fitted efficiencies on the handed folder
     python benchmarks/bench_peer.py --measurements DIR     # any folder in that format
-    python benchmarks/bench_peer.py --fit -o eff.json      # fit the efficiencies first (progress shown)
+    python benchmarks/bench_peer.py --fit -o eff.json      # fit the efficiencies first (progress shown),
+                                                           # from --efficiencies (default: the embedded fit)
 
 Prints one row per stage (E2E and TTFT means, measured and predicted, and
 the error predicted / measured - 1), the medians of |error|, the KV blocks
@@ -45,14 +46,20 @@ def table(rows: list[dict], experiments: list) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--measurements", default=ef.PEER_FOLDER, help="a measurements folder (default: the handed one)")
-    ap.add_argument("--efficiencies", default=ef.FITTED, help="a file of fitted efficiencies (default: the embedded)")
+    ap.add_argument("--efficiencies", default=ef.FITTED,
+                    help="a file of fitted efficiencies (default: the embedded); with --fit, where the fit starts")
     ap.add_argument("--fit", action="store_true", help="fit the efficiencies on the folder first")
+    ap.add_argument("--from-defaults", action="store_true",
+                    help="with --fit: start from calibrate.efficiencies.Efficiencies()'s defaults instead")
     ap.add_argument("-o", "--out", default=None, help="with --fit: write the fitted efficiencies here")
     a = ap.parse_args(argv)
     experiments = ms.read_experiments(a.measurements)
     t = time.perf_counter()
     if a.fit:
-        doc = ef.fitted_document(experiments, a.measurements, log=lambda s: print(s, file=sys.stderr, flush=True))
+        start, source = ((ef.Efficiencies(), "the defaults") if a.from_defaults
+                         else (ef.load(a.efficiencies), os.path.relpath(a.efficiencies, ROOT)))
+        doc = ef.fitted_document(experiments, a.measurements, log=lambda s: print(s, file=sys.stderr, flush=True),
+                                 start=start, start_source=source)
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(doc, f, indent=1)
@@ -78,4 +85,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (ValueError, OSError, ms.MeasurementsError) as err:     # a bad folder or file: one line, no trace
+        sys.exit(f"bench_peer.py: {err}")

@@ -8,7 +8,8 @@ it was run, its KV cache as the server reported it.
 The efficiencies (`Efficiencies`, one set for every model and GPU): the
 achieved fraction of peak FLOP/s of the matrix products (`mfu`) and of the
 attention (`attn_eff`), of the memory bandwidth in reading the weights
-(`bw_eff`) and the paged KV cache (`kv_bw_eff`), and of the
+(`bw_eff`), a mixture of experts' routed experts in its grouped matrix
+products (`moe_bw_eff`) and the paged KV cache (`kv_bw_eff`), and of the
 link's bandwidth in all-reduces (`allreduce_eff`: small all-reduces, a
 decode step's few hundred kB, reach a fraction of the link's bandwidth),
 the per-step and per-request overheads, and the time a call spends in the
@@ -25,9 +26,11 @@ over the efficiencies in log space within `BOUNDS` (scipy's least_squares,
 trf, under the robust loss `LOSS`); it says which of them the data cannot identify (their standard
 errors from the Jacobian, `_standard_errors`).
 
-For speed a stage of the fit is simulated over its first `FIT_STAGE_S`
-seconds of arrivals (the steady state is reached within a few E2E times);
-`predict` simulates every stage whole."""
+The fit simulates every stage whole, as `predict` checks it (`FIT_STAGE_S`
+None): a stage's first seconds are not its steady state (the first hundred
+calls find the prefix cache empty; a 40-second call has not yet met the
+load it will), and a fit to a 150-second window read a stage's mean TTFT up
+to 41 points away from the whole stage's."""
 from __future__ import annotations
 
 import datetime
@@ -58,12 +61,13 @@ TTFT_WEIGHT = 0.5         # a TTFT residual counts half an E2E one (TTFT is the 
 # so that a few stages the physics does not capture (an engine with per-step costs no other has) pull the
 # efficiencies every other stage shares by their sign, not by their square
 LOSS, LOSS_SCALE = "soft_l1", 0.05
-FIT_STAGE_S = 150.0
+FIT_STAGE_S = None        # seconds of a stage the fit simulates (None: the whole stage)
 
 
 @dataclass(frozen=True)
 class Efficiencies:
-    """One set of efficiencies; the defaults are the fit's starting point."""
+    """One set of efficiencies; the defaults are a starting point for a fit
+    from nothing (`benchmarks/bench_peer.py --fit --from-defaults`)."""
     mfu: float = 0.7
     bw_eff: float = 0.8
     kv_bw_eff: float = 0.8
@@ -72,6 +76,7 @@ class Efficiencies:
     step_overhead_s: float = 0.0011
     request_overhead_s: float = 1.7e-5
     frontend_s: float = 0.0068    # HTTP, tokenization and hand-over: on every call's way in (engine.frontend_s)
+    moe_bw_eff: float = 0.8       # a mixture of experts' grouped expert matrix products: their share of bandwidth
 
     def as_kwargs(self) -> dict:
         """prior_profile's keyword arguments."""
@@ -80,7 +85,8 @@ class Efficiencies:
 
 BOUNDS = {"mfu": (0.05, 1.0), "bw_eff": (0.2, 1.0), "kv_bw_eff": (0.2, 1.0), "attn_eff": (0.02, 1.0),
           "allreduce_eff": (0.05, 1.0),
-          "step_overhead_s": (1e-4, 0.05), "request_overhead_s": (1e-7, 1e-3), "frontend_s": (1e-4, 0.1)}
+          "step_overhead_s": (1e-4, 0.05), "request_overhead_s": (1e-7, 1e-3), "frontend_s": (1e-4, 0.1),
+          "moe_bw_eff": (0.2, 1.0)}
 NAMES = tuple(f.name for f in fields(Efficiencies))
 
 
@@ -249,20 +255,25 @@ def load(path: str = FITTED) -> Efficiencies:
     try:
         with open(path) as f:
             doc = json.load(f)
-        return Efficiencies(**{n: float(doc["efficiencies"][n]) for n in NAMES})
+        got = doc["efficiencies"]
+        # a file from before moe_bw_eff: its experts were read at its bw_eff
+        return Efficiencies(**{n: float(got[n] if n in got or n != "moe_bw_eff" else got["bw_eff"]) for n in NAMES})
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a file of fitted efficiencies ({e!r}); write one with "
                          f"benchmarks/bench_peer.py --fit -o FILE") from None
 
 
-def fitted_document(experiments: list[ms.Experiment], folder: str, log=print) -> dict:
-    """The fit (`fit`) and every stage simulated whole with its result: what
+def fitted_document(experiments: list[ms.Experiment], folder: str, log=print,
+                    start: Efficiencies = Efficiencies(), start_source: str = "the defaults") -> dict:
+    """The fit (`fit`, from `start`, read from `start_source`) and every
+    stage simulated whole with its result: what
     `calibrate/data/efficiencies.json` holds."""
-    res = fit(experiments, folder, log=log)
+    res = fit(experiments, folder, start=start, log=log)
     eff = Efficiencies(**res["efficiencies"])
     rows = predict(experiments, folder, eff)
     keep = ("exp_id", "stage", "rate", "e2e_mean_measured", "e2e_mean_simulated", "e2e_residual",
             "ttft_mean_measured", "ttft_mean_simulated", "ttft_residual")
-    return {**res, "stages": [{k: r[k] for k in keep} for r in rows], "reference": reference(eff),
+    return {**res, "start": {"efficiencies": asdict(start), "source": start_source},
+            "stages": [{k: r[k] for k in keep} for r in rows], "reference": reference(eff),
             "source": os.path.relpath(folder, os.path.dirname(HERE)), "date": datetime.date.today().isoformat(),
-            "tool": "python benchmarks/bench_peer.py --fit -o calibrate/data/efficiencies.json"}
+            "tool": "python benchmarks/bench_peer.py --fit [--efficiencies START] -o calibrate/data/efficiencies.json"}

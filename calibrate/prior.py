@@ -13,7 +13,11 @@ ways, the vocabulary too) and the efficiencies (`mfu`, `bw_eff`, `attn_eff`,
                   peak (a GPU without FP8 runs them at the 16-bit peak: weight-only)
   comm_per_token_s  (TP > 1) 2 all-reduces a layer of hidden x 2 bytes a token, a ring
                   moving 2 (TP-1)/TP of them over the link at allreduce_eff (the
-                  linear form adds it to per_token_s)
+                  linear form adds it to per_token_s); the roofline forms' bulk
+                  regime: past CUSTOM_ALLREDUCE_MAX_BYTES a message (vLLM's custom
+                  all-reduce's largest; NCCL beyond) the further tokens at
+                  ALLREDUCE_BULK_EFF of the link (comm_bulk_fixed_s,
+                  comm_bulk_per_token_s: sim.engine.step_time)
   fixed_s         step_overhead_s + 2 layers x the link's all-reduce latency (TP > 1)
                   + offloaded bytes / (host link bandwidth * bw_eff) (`cpu_offload_gb`
                   of weights per GPU cross PCIe every step)
@@ -45,6 +49,12 @@ GPUS = CATALOGUE
 __all__ = ["GPU", "GPUS", "MODELS", "ModelShape", "Serving", "kv_cache", "prior_profile", "shape_from_config",
            "step_time", "gpu_key"]
 ALLREDUCE_BYTES = 2         # activations all-reduced in 16 bits
+# vLLM's custom all-reduce takes messages up to 8 MiB (CustomAllreduce's max_size,
+# vllm/distributed/device_communicators/custom_all_reduce.py); larger ones go to NCCL, whose ring reaches most
+# of the link's bandwidth (nccl-tests' bus bandwidth at large sizes): an assumption, not fitted, since the
+# measurements' prefills are prefix-cached and their all-reduces small
+CUSTOM_ALLREDUCE_MAX_BYTES = 8 * 1024 * 1024
+ALLREDUCE_BULK_EFF = 0.8
 
 
 @dataclass(frozen=True)
@@ -125,7 +135,8 @@ def kv_cache(shape: ModelShape, gpu: GPU, utilization: float = 0.9, block_size: 
 
 def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: float | None = None,
               step_overhead_s: float = 0.002, request_overhead_s: float = 2e-5, form: str = "linear",
-              serving: Serving | None = None, allreduce_eff: float = 0.7, kv_bw_eff: float | None = None) -> dict:
+              serving: Serving | None = None, allreduce_eff: float = 0.7, kv_bw_eff: float | None = None,
+              moe_bw_eff: float | None = None) -> dict:
     """The step-time coefficients of the module docstring, as a profile's
     `step_time` object."""
     serving = serving or Serving()
@@ -142,10 +153,15 @@ def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: 
     share = shape.active_quantized_share()
     flops_s = 2 * shape.active_params / tp * (share / fp8 + (1 - share) / gpu.peak_flops) / mfu
     allreduce_s, latency_s = 0.0, 0.0
+    bulk = {}
     if tp > 1:
-        allreduce_s = (2 * shape.layers * 2 * (tp - 1) / tp * shape.hidden * ALLREDUCE_BYTES
-                       / (gpu.link_bandwidth * allreduce_eff))
+        ring_bytes = 2 * shape.layers * 2 * (tp - 1) / tp * shape.hidden * ALLREDUCE_BYTES   # a token, a step
+        allreduce_s = ring_bytes / (gpu.link_bandwidth * allreduce_eff)
         latency_s = 2 * shape.layers * gpu.allreduce_latency_s
+        bulk_s = ring_bytes / (gpu.link_bandwidth * ALLREDUCE_BULK_EFF)
+        if bulk_s < allreduce_s:     # past the custom all-reduce's largest message: NCCL's rate
+            knee = CUSTOM_ALLREDUCE_MAX_BYTES / (shape.hidden * ALLREDUCE_BYTES)
+            bulk = {"comm_bulk_fixed_s": (allreduce_s - bulk_s) * knee, "comm_bulk_per_token_s": bulk_s}
     offload_s = per["offload"] / (gpu.host_bandwidth * bw_eff) if per["offload"] else 0.0
     weights_s = per["dense_read"] / (gpu.bandwidth * bw_eff)
     fixed_s = step_overhead_s + latency_s + offload_s
@@ -161,8 +177,10 @@ def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: 
     out = {"form": form, **out, "weights_s": weights_s}
     if allreduce_s:
         out["comm_per_token_s"] = allreduce_s
+        out |= bulk
     if form == "moe":
-        out |= {"expert_weights_s": per["experts_read"] / (gpu.bandwidth * bw_eff), "experts": shape.experts,
+        moe_bw_eff = bw_eff if moe_bw_eff is None else moe_bw_eff
+        out |= {"expert_weights_s": per["experts_read"] / (gpu.bandwidth * moe_bw_eff), "experts": shape.experts,
                 "experts_per_token": shape.experts_per_token}
     return out
 

@@ -9,6 +9,7 @@ Schema (all keys required unless marked optional):
                        the larger of compute and memory time, sim.engine.step_time) or "moe" (with
                        weights_s, expert_weights_s and the routing: whole experts, experts_per_token);
                        roofline and moe: optional comm_per_token_s (tensor-parallel all-reduces a token)
+                       and comm_bulk_fixed_s, comm_bulk_per_token_s (their bulk regime)
   engine               {max_num_seqs, max_num_batched_tokens, block_size, num_gpu_blocks, depth, max_model_len}
   capacity             float, calls/s (Ĉ) — of this profile's engine under the reference workload
   provenance           {kind: "measured" | "fitted to published figures" | ..., ...}

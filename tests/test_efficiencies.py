@@ -3,7 +3,11 @@
 config.json, GPU and TP, the recorded fit reproduced, and the fit itself."""
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
+from dataclasses import replace
 
 import pytest
 
@@ -49,9 +53,11 @@ def test_the_fit_is_within_its_stated_residuals():
     """docs/any-model.md states these figures: the median |E2E error| over
     the handed stages, the largest, and how many stages lie within 8 %."""
     e2e = [abs(r["e2e_residual"]) for r in RECORD["stages"]]
-    assert statistics.median(e2e) <= 0.04          # 3.9 % (BLIS's best: about 7 %)
-    assert max(e2e) < 0.15                         # 12.0 % (Llama-4-Scout at 2.5 calls/s)
-    assert sum(x < 0.08 for x in e2e) >= 21        # 21 of 27 stages
+    ttft = [abs(r["ttft_residual"]) for r in RECORD["stages"]]
+    assert statistics.median(e2e) <= 0.04          # 3.5 % (BLIS's best: about 7 %)
+    assert max(e2e) < 0.14                         # 13.1 % (Mistral-Nemo on two GPUs at 6 calls/s)
+    assert sum(x < 0.08 for x in e2e) >= 22        # 22 of 27 stages
+    assert sum(x < 0.15 for x in ttft) >= 25       # 25 of 27 (not Llama-4-Scout's two smallest batches)
     assert RECORD["loss"] == ef.LOSS and RECORD["loss_scale"] == ef.LOSS_SCALE
     assert RECORD["with_reference"]
     for r in RECORD["reference"]:                  # the reference design's published figures
@@ -74,7 +80,27 @@ def test_a_fit_lowers_the_error_it_starts_from():
     after = ef._residuals(ef.predict([e], ef.PEER_FOLDER, ef.Efficiencies(**res["efficiencies"]), stage_s=40.0))
     assert math.fsum(after ** 2) < 0.5 * math.fsum(before ** 2)
     assert logs and "rms log error" in logs[0]
-    assert res["not_identified"]                    # one experiment cannot identify eight efficiencies
+    assert "moe_bw_eff" in res["not_identified"]      # a dense model's stages say nothing of experts
+
+
+def test_the_experts_are_read_at_their_own_efficiency():
+    """moe_bw_eff moves a mixture of experts' step and no dense model's."""
+    eff = ef.load()
+    slow = replace(eff, moe_bw_eff=eff.moe_bw_eff / 2)
+    for exp_id, moved in (("17", True), ("16", False)):
+        e = BY_ID[exp_id]
+        a = ef.derived_profile(e, ef.PEER_FOLDER, eff).step_time
+        b = ef.derived_profile(e, ef.PEER_FOLDER, slow).step_time
+        assert (a != b) == moved, exp_id
+    a, b = (ef.derived_profile(BY_ID["17"], ef.PEER_FOLDER, x).step_time for x in (eff, slow))
+    assert b.expert_weights_s == pytest.approx(2 * a.expert_weights_s, rel=1e-12) and b.weights_s == a.weights_s
+
+
+def test_a_file_from_before_moe_bw_eff_reads_its_experts_at_its_bw_eff(tmp_path):
+    old = {n: v for n, v in RECORD["efficiencies"].items() if n != "moe_bw_eff"}
+    f = tmp_path / "old.json"
+    f.write_text(json.dumps({"efficiencies": old}))
+    assert ef.load(str(f)).moe_bw_eff == old["bw_eff"]
 
 
 def test_a_file_that_is_not_a_fit_is_refused_in_one_line(tmp_path):
@@ -83,6 +109,22 @@ def test_a_file_that_is_not_a_fit_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="not a file of fitted efficiencies") as err:
         ef.load(str(bad))
     assert "\n" not in str(err.value)
+
+
+def test_the_benchmark_refuses_a_file_that_is_not_a_fit_in_one_line(tmp_path):
+    bad = tmp_path / "e.json"
+    bad.write_text('{"efficiencies": {"mfu": 0.5}}')
+    script = os.path.join(os.path.dirname(ef.HERE), "benchmarks", "bench_peer.py")
+    for args in (["--efficiencies", str(bad)], ["--fit", "--efficiencies", str(bad)]):
+        r = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and r.stdout == ""
+        assert r.stderr.strip().count("\n") == 0 and "not a file of fitted efficiencies" in r.stderr
+
+
+def test_the_record_says_where_its_fit_started():
+    start = RECORD["start"]
+    assert set(start["efficiencies"]) == set(ef.NAMES) and start["source"]
+    assert RECORD["stage_s"] is None                 # the fit met every stage whole, as the check does
 
 
 def test_derived_kv_blocks_are_checked_against_the_reported_ones():

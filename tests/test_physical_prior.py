@@ -12,7 +12,7 @@ import pytest
 
 from calibrate.gpus import CATALOGUE, gpu, gpu_key
 from calibrate.model_shape import MODELS, name_of_config, shape_from_config
-from calibrate.prior import GiB, Serving, kv_cache, prior_profile, step_time
+from calibrate.prior import ALLREDUCE_BULK_EFF, GiB, Serving, kv_cache, prior_profile, step_time
 from sim.engine.step_time import MoEStepTimeModel, graph_tokens, step_time_model
 from sim.profile import ProfileError, from_dict
 
@@ -116,6 +116,14 @@ def test_tensor_parallelism_splits_weights_kv_and_flops_and_adds_allreduces():
     assert "comm_per_token_s" not in one and four["per_token_s"] == pytest.approx(one["per_token_s"] / 4)
     linear = step_time(s, h100, 0.6, 0.8, serving=Serving(tensor_parallel_size=4))
     assert linear["per_token_s"] == pytest.approx(four["per_token_s"] + ring, rel=1e-9)
+    # past 8 MiB a message (512 tokens of 8,192 x 2 bytes) NCCL's bulk rate: a 8,192-token chunk's
+    # all-reduces cost the first 512 tokens at allreduce_eff, the rest at ALLREDUCE_BULK_EFF
+    bulk = ring * 0.7 / ALLREDUCE_BULK_EFF
+    st = step_time_model(four)
+    assert st.comm_s(64) == pytest.approx(64 * ring, rel=1e-9)
+    assert st.comm_s(8192) == pytest.approx(512 * ring + (8192 - 512) * bulk, rel=1e-9)
+    assert "comm_bulk_per_token_s" not in step_time(s, h100, 0.6, 0.8, form="roofline", allreduce_eff=0.9,
+                                                    serving=Serving(tensor_parallel_size=4))
     kv = kv_cache(s, h100, 0.9, 16, serving=Serving(tensor_parallel_size=4))
     assert kv["kv_bytes_per_token"] == 2 * 80 * 2 * 128 * 2     # 8 KV heads on 4 GPUs: 2 each
     assert abs(kv["weights_bytes"] / s.weight_bytes - 0.25) < 1e-6

@@ -122,3 +122,26 @@ def test_tensor_parallel_all_reduces_add_to_the_step_whatever_bounds_its_matrix_
     d["step_time"]["comm_per_token_s"] = -1.0
     with pytest.raises(ProfileError, match="comm_per_token_s must be a finite non-negative number"):
         from_dict(d, "r.json")
+
+
+def test_large_all_reduces_run_in_their_bulk_regime():
+    """Past the knee (here 512 tokens) a step's all-reduces grow at the bulk
+    rate: min(small x n, bulk_fixed + bulk x n)."""
+    small, bulk, knee = 3e-6, 0.5e-6, 512
+    comm = RooflineStepTimeModel(**{k: getattr(ROOF, k) for k in RooflineStepTimeModel.coefficients},
+                                 comm_per_token_s=small, comm_bulk_fixed_s=(small - bulk) * knee,
+                                 comm_bulk_per_token_s=bulk)
+    assert comm.comm_s(40) == pytest.approx(40 * small)
+    assert comm.comm_s(knee) == pytest.approx(knee * small)
+    assert comm.comm_s(8192) == pytest.approx(knee * small + (8192 - knee) * bulk)
+    for n in (40, 8192):
+        assert comm.duration(1, n, 0.0, 0.0) - ROOF.duration(1, n, 0.0, 0.0) == pytest.approx(comm.comm_s(n))
+    total = sum(comm.duration(600, 600, 0.0, 60_000 + 600 * m) for m in range(20))   # decode past the knee
+    assert comm.fast_forward_duration(600, 60_000, 20) == pytest.approx(total, rel=1e-9)
+    assert comm.scaled(2.0).comm_s(8192) == pytest.approx(2 * comm.comm_s(8192))
+    d = _roofline_profile()
+    d["step_time"] = comm.to_dict()
+    assert from_dict(d, "r.json").step_time == comm
+    d["step_time"]["comm_bulk_per_token_s"] = -1.0
+    with pytest.raises(ProfileError, match="comm_bulk_per_token_s must be a finite non-negative number"):
+        from_dict(d, "r.json")

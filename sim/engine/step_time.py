@@ -18,7 +18,12 @@ Two forms (a profile's `step_time.form`):
 the roofline and moe forms take an optional `comm_per_token_s` (0 unless
 given): the tensor-parallel all-reduces' time per scheduled token, added to
 the step (an all-reduce runs between the matrix products, not under their
-weights' read);
+weights' read), and the optional bulk regime of large all-reduces
+(`comm_bulk_fixed_s`, `comm_bulk_per_token_s`; both 0 unless given): a step's
+all-reduce time is min(comm_per_token_s x tokens, comm_bulk_fixed_s +
+comm_bulk_per_token_s x tokens), so a prefill chunk's all-reduces, past the
+size at which they leave vLLM's custom all-reduce for NCCL, run at NCCL's
+bandwidth rather than the small messages' rate;
 `step_time_model(d)` builds any of them from a profile's `step_time` object."""
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 COEFFICIENTS = ("fixed_s", "per_request_s", "per_token_s", "per_prefill_pair_s", "per_decode_ctx_s")
 ROOFLINE_COEFFICIENTS = COEFFICIENTS + ("weights_s",)
 # optional in the roofline and moe forms (0 when absent), written only when not 0
-OPTIONAL_COEFFICIENTS = ("comm_per_token_s",)
+OPTIONAL_COEFFICIENTS = ("comm_per_token_s", "comm_bulk_fixed_s", "comm_bulk_per_token_s")
 MOE_COEFFICIENTS = ROOFLINE_COEFFICIENTS + ("expert_weights_s",)
 FORMS = ("linear", "roofline", "moe")
 
@@ -101,34 +106,52 @@ class RooflineStepTimeModel(StepTimeModel):
     by its context only; the attention kernels are bound each by one of them.
     `comm_per_token_s` (tensor parallelism) is the all-reduces' bandwidth
     time per token: a separate kernel between the matrix products, so it
-    adds to the step whatever bounds them."""
+    adds to the step whatever bounds them; with a bulk regime
+    (`comm_bulk_per_token_s` not 0) a step's all-reduces take the smaller of
+    that and `comm_bulk_fixed_s` + `comm_bulk_per_token_s` x tokens
+    (`comm_s`)."""
     weights_s: float
     comm_per_token_s: float = field(default=0.0, kw_only=True)
+    comm_bulk_fixed_s: float = field(default=0.0, kw_only=True)
+    comm_bulk_per_token_s: float = field(default=0.0, kw_only=True)
 
     form = "roofline"
     coefficients = ROOFLINE_COEFFICIENTS
 
     def __post_init__(self):
         super().__post_init__()
-        v = self.comm_per_token_s
-        if not (isinstance(v, (int, float)) and v >= 0):
-            raise ValueError(f"step-time coefficient comm_per_token_s must be a non-negative number, got {v!r}")
+        for k in OPTIONAL_COEFFICIENTS:
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and v >= 0):
+                raise ValueError(f"step-time coefficient {k} must be a non-negative number, got {v!r}")
+
+    def comm_s(self, num_tokens: int) -> float:
+        """The all-reduces' time of a step of `num_tokens` tokens."""
+        comm = self.comm_per_token_s * num_tokens
+        if self.comm_bulk_per_token_s:
+            bulk = self.comm_bulk_fixed_s + self.comm_bulk_per_token_s * num_tokens
+            if bulk < comm:
+                return bulk
+        return comm
 
     def duration(self, num_reqs: int, num_tokens: int, prefill_pairs: float, decode_ctx: float) -> float:
         matmul = self.per_token_s * num_tokens
         if matmul < self.weights_s:
             matmul = self.weights_s
-        return (self.fixed_s + (self.per_request_s * num_reqs + self.comm_per_token_s * num_tokens) + matmul
+        comm = self.comm_per_token_s * num_tokens        # comm_s inlined: no call on every step
+        if self.comm_bulk_per_token_s and self.comm_bulk_fixed_s + self.comm_bulk_per_token_s * num_tokens < comm:
+            comm = self.comm_bulk_fixed_s + self.comm_bulk_per_token_s * num_tokens
+        return (self.fixed_s + (self.per_request_s * num_reqs + comm) + matmul
                 + self.per_prefill_pair_s * prefill_pairs + self.per_decode_ctx_s * decode_ctx)
 
     def _first_step_s(self, n: int, ctx: float) -> float:
         """The first of a run of decode-only steps of n requests, context ctx."""
         matmul = self.per_token_s * n
-        return (self.fixed_s + (self.per_request_s + self.comm_per_token_s) * n
+        return (self.fixed_s + self.per_request_s * n + self.comm_s(n)
                 + (matmul if matmul > self.weights_s else self.weights_s) + self.per_decode_ctx_s * ctx)
 
     def scaled(self, factor: float) -> "StepTimeModel":
-        return replace(super().scaled(factor), comm_per_token_s=self.comm_per_token_s * factor)
+        return replace(super().scaled(factor), **{k: getattr(self, k) * factor for k in OPTIONAL_COEFFICIENTS})
 
     def fast_forward_duration(self, num_decode_reqs: int, decode_context: float, num_steps: int) -> float:
         n, m = num_decode_reqs, num_steps
@@ -141,8 +164,9 @@ class RooflineStepTimeModel(StepTimeModel):
 
     def to_dict(self) -> dict:
         d = {"form": self.form, **asdict(self)}
-        if not d["comm_per_token_s"]:
-            del d["comm_per_token_s"]
+        for k in OPTIONAL_COEFFICIENTS:
+            if not d[k]:
+                del d[k]
         return d
 
 
@@ -184,13 +208,13 @@ class MoEStepTimeModel(RooflineStepTimeModel):
     def duration(self, num_reqs: int, num_tokens: int, prefill_pairs: float, decode_ctx: float) -> float:
         matmul = self.per_token_s * num_tokens
         memory = self.memory_s(num_tokens)
-        return (self.fixed_s + (self.per_request_s * num_reqs + self.comm_per_token_s * num_tokens)
+        return (self.fixed_s + (self.per_request_s * num_reqs + self.comm_s(num_tokens))
                 + (matmul if matmul > memory else memory) + self.per_prefill_pair_s * prefill_pairs
                 + self.per_decode_ctx_s * decode_ctx)
 
     def _first_step_s(self, n: int, ctx: float) -> float:
         matmul, memory = self.per_token_s * n, self.memory_s(n)
-        return (self.fixed_s + (self.per_request_s + self.comm_per_token_s) * n
+        return (self.fixed_s + self.per_request_s * n + self.comm_s(n)
                 + (matmul if matmul > memory else memory) + self.per_decode_ctx_s * ctx)
 
 
