@@ -5,9 +5,11 @@ and time) sends calls open-loop at several times what the engine can serve,
 every attempt cut at 0.3 s and retried three times, retries attaching to
 their call's live execution and replaying its buffer. A call lives about
 1.5 s over its four attempts, and its one execution streams through all of
-them: 1,000 tokens take the engine at least 2.8 s even alone (300 tokens
+them: 2,000 tokens take the engine at least 5.6 s even alone (300 tokens
 did not: on a quiet machine a call's fourth attempt could see its execution
-finish), so every attempt times out. Two storms in a row; after each, once the engine has
+finish; nor did 1,000 once, a CI run's first storm seeing one call complete
+on its fourth attempt, the generator's attempts late), so every attempt
+times out. Two storms in a row; after each, once the engine has
 drained, the proxy must hold nothing live, its file descriptors must be back
 where they were, and the second storm must not leave the proxy's RSS above the
 first's by more than RSS_GROWTH_MB (a leak of replay buffers — every stream
@@ -20,7 +22,7 @@ calls' attempts late, some past its bound (a storm then read calls
 "unfinished"; the generator now waits for its late calls to end,
 `validate.loadgen.STRAGGLERS_S`). Deselect with `-m "not live"`. Time: engine start-up ~50-130 s,
 each storm 8 s plus the engine's drain (~30-60 s on two cores). A leak of
-replay buffers keeps ~200 kB a call (1,000 tokens' chunks): 40 MB a storm of
+replay buffers keeps ~400 kB a call (2,000 tokens' chunks): 80 MB a storm of
 200 calls, well over RSS_GROWTH_MB."""
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from validate import engine as E, loadtest as L
 pytestmark = pytest.mark.live
 ROOT = Path(__file__).resolve().parent.parent
 STORM = {"rate": 25, "duration": 8, "max-calls": 200, "deadline": 0.3, "retries": 3, "retry-wait": 0.1,
-         "prompt-len": 64, "max-tokens": 1000}
+         "prompt-len": 64, "max-tokens": 2000}
 FD_SLACK = 3
 RSS_GROWTH_MB = 15
 
