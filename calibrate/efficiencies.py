@@ -255,9 +255,9 @@ def load(path: str = FITTED) -> Efficiencies:
     try:
         with open(path) as f:
             doc = json.load(f)
-        got = doc["efficiencies"]
-        # a file from before moe_bw_eff: its experts were read at its bw_eff
-        return Efficiencies(**{n: float(got[n] if n in got or n != "moe_bw_eff" else got["bw_eff"]) for n in NAMES})
+        got = dict(doc["efficiencies"])
+        got.setdefault("moe_bw_eff", got.get("bw_eff"))    # a file from before it: experts read at its bw_eff
+        return Efficiencies(**{n: float(got[n]) for n in NAMES})
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a file of fitted efficiencies ({e!r}); write one with "
                          f"benchmarks/bench_peer.py --fit -o FILE") from None

@@ -139,8 +139,10 @@ class RooflineStepTimeModel(StepTimeModel):
         if matmul < self.weights_s:
             matmul = self.weights_s
         comm = self.comm_per_token_s * num_tokens        # comm_s inlined: no call on every step
-        if self.comm_bulk_per_token_s and self.comm_bulk_fixed_s + self.comm_bulk_per_token_s * num_tokens < comm:
-            comm = self.comm_bulk_fixed_s + self.comm_bulk_per_token_s * num_tokens
+        if self.comm_bulk_per_token_s:
+            bulk = self.comm_bulk_fixed_s + self.comm_bulk_per_token_s * num_tokens
+            if bulk < comm:
+                comm = bulk
         return (self.fixed_s + (self.per_request_s * num_reqs + comm) + matmul
                 + self.per_prefill_pair_s * prefill_pairs + self.per_decode_ctx_s * decode_ctx)
 
