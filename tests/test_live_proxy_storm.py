@@ -5,11 +5,12 @@ and time) sends calls open-loop at several times what the engine can serve,
 every attempt cut at 0.3 s and retried three times, retries attaching to
 their call's live execution and replaying its buffer. A call lives about
 1.5 s over its four attempts, and its one execution streams through all of
-them: 2,000 tokens take the engine at least 5.6 s even alone (300 tokens
-did not: on a quiet machine a call's fourth attempt could see its execution
-finish; nor did 1,000 once, a CI run's first storm seeing one call complete
-on its fourth attempt, the generator's attempts late), so every attempt
-times out. Two storms in a row; after each, once the engine has
+them: 2,000 tokens take the engine at least 5.6 s even alone, so the
+attempts time out (at least 95 % of them must: two runs' first storms each
+saw one or two attempts end early; the generator now tells an answer that
+ends with its `[DONE]` from a stream that ends short, and none may end
+short, and the proxy's /stats says how each execution ended). Two storms
+in a row; after each, once the engine has
 drained, the proxy must hold nothing live, its file descriptors must be back
 where they were, and the second storm must not leave the proxy's RSS above the
 first's by more than RSS_GROWTH_MB (a leak of replay buffers — every stream
@@ -21,9 +22,9 @@ passes keep both cores busy, and a load generator starved of them ended its
 calls' attempts late, some past its bound (a storm then read calls
 "unfinished"; the generator now waits for its late calls to end,
 `validate.loadgen.STRAGGLERS_S`). Deselect with `-m "not live"`. Time: engine start-up ~50-130 s,
-each storm 8 s plus the engine's drain (~30-60 s on two cores). A leak of
-replay buffers keeps ~400 kB a call (2,000 tokens' chunks): 80 MB a storm of
-200 calls, well over RSS_GROWTH_MB."""
+each storm 4 s plus the engine's drain. A leak of replay buffers keeps
+~400 kB a call (2,000 tokens' chunks): 40 MB a storm of 100 calls, well over
+RSS_GROWTH_MB."""
 from __future__ import annotations
 
 import json
@@ -42,7 +43,7 @@ from validate import engine as E, loadtest as L
 
 pytestmark = pytest.mark.live
 ROOT = Path(__file__).resolve().parent.parent
-STORM = {"rate": 25, "duration": 8, "max-calls": 200, "deadline": 0.3, "retries": 3, "retry-wait": 0.1,
+STORM = {"rate": 25, "duration": 4, "max-calls": 100, "deadline": 0.3, "retries": 3, "retry-wait": 0.1,
          "prompt-len": 64, "max-tokens": 2000}
 FD_SLACK = 3
 RSS_GROWTH_MB = 15
@@ -127,7 +128,7 @@ def test_the_proxy_under_a_retry_storm_frees_its_buffers_and_fds(cpu_engine_inst
             figures["storms"].append({"counts": counts, "rss_peak_mb": peak / 1024, "fd_peak": fd_peak,
                                       "drain_s": time.monotonic() - t0, "rss_after_mb": rss_kb(proxy.pid) / 1024,
                                       "fd_after": fds(proxy.pid)})
-        figures["added_latency_s"] = st["added_latency_s"]
+        figures["added_latency_s"], figures["ended"] = st["added_latency_s"], st["ended"]
         assert proxy.poll() is None, "the proxy died in the storm"
     finally:
         proxy.terminate()
@@ -138,7 +139,7 @@ def test_the_proxy_under_a_retry_storm_frees_its_buffers_and_fds(cpu_engine_inst
     s1, s2 = figures["storms"]
     for s in (s1, s2):
         c = s["counts"]
-        assert c["unfinished"] == 0 and c.get("complete", 0) == 0
-        assert c["timeout"] == c["attempts"] == c["calls"] * (STORM["retries"] + 1)      # every attempt timed out
+        assert c["unfinished"] == 0 and c.get("truncated", 0) == 0     # no stream ends short but clean
+        assert c["timeout"] >= 0.95 * c["calls"] * (STORM["retries"] + 1)    # a storm: attempts time out
         assert s["fd_after"] <= fd0 + FD_SLACK
     assert s2["rss_after_mb"] <= s1["rss_after_mb"] + RSS_GROWTH_MB, figures

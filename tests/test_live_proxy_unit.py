@@ -22,8 +22,9 @@ DELAY = 0.05     # s between stub chunks
 class StubEngine:
     """A stub, not vLLM: streams N token chunks, then usage and [DONE]."""
 
-    def __init__(self, refuse: bool = False, delay: float = DELAY):
-        self.refuse, self.delay = refuse, delay
+    def __init__(self, refuse: bool = False, delay: float = DELAY, break_after: int | None = None):
+        # break_after: that many chunks, then the connection drops
+        self.refuse, self.delay, self.break_after = refuse, delay, break_after
         self.requests: list[dict] = []
         self.completed = 0
         self.disconnects = 0
@@ -47,6 +48,9 @@ class StubEngine:
             await resp.prepare(request)
             for i in range(N):
                 await asyncio.sleep(self.delay)
+                if i == self.break_after:
+                    request.transport.abort()        # the engine's connection breaks mid-stream
+                    return resp
                 d = {"id": "cmpl-stub", "model": "stub", "choices": [{"index": 0, "text": f"t{i} ",
                                                                       "finish_reason": None}]}
                 await resp.write(b"data: " + json.dumps(d).encode() + b"\n\n")
@@ -83,9 +87,9 @@ async def _read_stream(resp, stop_after: int | None = None) -> tuple[str, list[b
 
 
 def _run(condition: str, scenario, refuse: bool = False, prompt_throughput: float | None = 100.0,
-         delay: float = DELAY):
+         delay: float = DELAY, break_after: int | None = None):
     async def main():
-        stub = StubEngine(refuse, delay)
+        stub = StubEngine(refuse, delay, break_after)
         async with TestServer(stub.app()) as up:
             lp = LiveProxy(str(up.make_url("")), get_condition(condition), prompt_throughput=prompt_throughput)
             async with TestServer(lp.app()) as px:
@@ -123,6 +127,24 @@ def test_completion_passes_through_streaming_and_not():
         assert m["llmsim_proxy_executions_created_total"] == 2
         assert m["completion_ratio"] == 1.0 and m["useful_token_ratio"] == 1.0 and m["abort_rate"] == 0.0
     _run("no-control", sc)
+
+
+def test_a_stream_broken_upstream_is_broken_for_the_client():
+    """The engine's connection drops after 3 chunks: the client reads those and
+    then an error, never a clean end it could take for a whole answer."""
+    async def sc(s, url, stub, lp):
+        async with s.post(url + "/v1/completions", json=BODY) as r:
+            assert r.status == 200
+            try:
+                text, raw = await _read_stream(r)
+            except aiohttp.ClientPayloadError:
+                raw = None
+        assert raw is None, f"the client read a clean end after {raw}"
+        async with s.post(url + "/v1/completions", json=dict(BODY, stream=False)) as r:
+            assert r.status == 502                   # not the 3 chunks aggregated as a whole answer
+        await wait_until(lambda: not lp.streams)
+        assert not lp.streams and not lp.accepted_live
+    _run("no-control", sc, break_after=3)
 
 
 def test_attach_replays_the_identical_token_stream():

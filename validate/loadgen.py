@@ -259,18 +259,20 @@ async def retry_storm(url: str, model: str, rate: float, duration_s: float, max_
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as s:
         async def call(i: int) -> None:
             body = request_body(model, rng.integers(VOCAB_LO, VOCAB_HI, prompt_len).tolist(), max_tokens)
-            async def attempt(k: int) -> None:
+            async def attempt(k: int) -> bool:
+                """Whether the stream ended with its `[DONE]` (else it was cut short: counted "truncated")."""
                 async with s.post(url + "/v1/completions", json=body,
                                   headers={"X-Call-Id": f"storm-{i}", "X-Attempt": str(k)}) as r:
                     count(f"status_{r.status}")
-                    async for _ in r.content:
-                        pass
+                    last = b""
+                    async for line in r.content:
+                        last = line.strip() or last
+                    return last == b"data: [DONE]"
 
             for k in range(retries + 1):
                 count("attempts")
                 try:
-                    await cut_at(attempt(k), deadline_s)
-                    count("complete")
+                    count("complete" if await cut_at(attempt(k), deadline_s) else "truncated")
                     return
                 except TimeoutError:
                     count("timeout")

@@ -127,7 +127,8 @@ class HttpSide:
         return web.json_response({"added_latency_s": {k: _quantiles(v) for k, v in lp.added_s.items()},
                                   "live": {"streams": len(lp.streams), "waiters": len(self.waiters),
                                            "accepted_live": len(lp.accepted_live),
-                                           "call_ids": len(self.attempt_counts)}})
+                                           "call_ids": len(self.attempt_counts)},
+                                  "ended": dict(lp.views.fates)})
 
     async def handle_completion(self, request: web.Request) -> web.StreamResponse:
         received = time.monotonic()
@@ -207,6 +208,9 @@ class HttpSide:
         if not streaming:
             while not w.completed:
                 await w.changed.wait()
+            if st.fate == "failed":          # the engine's stream broke off: no answer to aggregate
+                return web.json_response({"error": {"message": "the engine's stream broke off", "code": 502}},
+                                         status=502, headers=ids)
             return web.json_response(_aggregate(st.chunks), headers=ids)
         return await self._stream_out(request, w, st, ids)
 
@@ -243,6 +247,11 @@ class HttpSide:
                 break
             await st.changed.wait()
             waited = True
+        if st.fate == "failed":
+            # the engine's stream broke off: so does the attempt's, without the last
+            # chunk, so that its client reads an error, not an answer cut short
+            request.transport.abort()
+            return resp
         await resp.write_eof()
         return resp
 

@@ -66,6 +66,7 @@ class EngineViews:
         self.prompt_rates: list[PromptRate] = []
         self.accepted_live: set = set()            # streams accepted by the engine, not ended (waste gauges)
         self.accepted_ended = {"n": 0, "cancelled": 0, "max_tokens": 0, "tokens": 0, "useful": 0}
+        self.fates: dict[str, int] = {}            # accepted executions ended, by fate (GET /stats)
         self.scraper: asyncio.Task | None = None
 
     def bind(self, cluster) -> None:
@@ -134,3 +135,4 @@ class EngineViews:
             e["max_tokens"] += st.max_tokens
             e["tokens"] += st.tokens
             e["useful"] += st.tokens if st.fate == "completed" else 0
+            self.fates[str(st.fate)] = self.fates.get(str(st.fate), 0) + 1
