@@ -12,7 +12,8 @@ attention (`attn_eff`), of the memory bandwidth in reading the weights
 products (`moe_bw_eff`) and the paged KV cache (`kv_bw_eff`), and of the
 link's bandwidth in all-reduces (`allreduce_eff`: small all-reduces, a
 decode step's few hundred kB, reach a fraction of the link's bandwidth),
-the per-step and per-request overheads, and the time a call spends in the
+the per-step, per-MoE-layer (`moe_layer_overhead_s`: a MoE block's fixed time
+a step, whatever its batch) and per-request overheads, and the time a call spends in the
 server outside the engine (`frontend_s`: HTTP, tokenization, the hand-over
 to the engine), simulated on every call's way in (the derived profile's
 `engine.frontend_s`). The fit (`fit`) minimises the log ratios simulated /
@@ -77,6 +78,7 @@ class Efficiencies:
     request_overhead_s: float = 1.7e-5
     frontend_s: float = 0.0068    # HTTP, tokenization and hand-over: on every call's way in (engine.frontend_s)
     moe_bw_eff: float = 0.8       # a mixture of experts' grouped expert matrix products: their share of bandwidth
+    moe_layer_overhead_s: float = 5e-5   # a MoE block's fixed time a step (routing, alignment, launches)
 
     def as_kwargs(self) -> dict:
         """prior_profile's keyword arguments."""
@@ -86,7 +88,7 @@ class Efficiencies:
 BOUNDS = {"mfu": (0.05, 1.0), "bw_eff": (0.2, 1.0), "kv_bw_eff": (0.2, 1.0), "attn_eff": (0.02, 1.0),
           "allreduce_eff": (0.05, 1.0),
           "step_overhead_s": (1e-4, 0.05), "request_overhead_s": (1e-7, 1e-3), "frontend_s": (1e-4, 0.1),
-          "moe_bw_eff": (0.2, 1.0)}
+          "moe_bw_eff": (0.2, 1.0), "moe_layer_overhead_s": (1e-7, 1e-3)}
 NAMES = tuple(f.name for f in fields(Efficiencies))
 
 
@@ -257,6 +259,7 @@ def load(path: str = FITTED) -> Efficiencies:
             doc = json.load(f)
         got = dict(doc["efficiencies"])
         got.setdefault("moe_bw_eff", got.get("bw_eff"))    # a file from before it: experts read at its bw_eff
+        got.setdefault("moe_layer_overhead_s", 0.0)        # a file from before it: no MoE block's fixed time
         return Efficiencies(**{n: float(got[n]) for n in NAMES})
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a file of fitted efficiencies ({e!r}); write one with "

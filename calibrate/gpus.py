@@ -8,8 +8,9 @@ datasheets give NVLink as the sum of both directions: 900 GB/s on H100 SXM
 is 450 GB/s each way, which is what a ring all-reduce moves at). The
 datasheets' headline FLOP/s are with 2:4 sparsity; the peaks here are half
 of them. `allreduce_latency_s` is not a datasheet figure: it is the time of
-one small all-reduce (a few microseconds over NVLink with vLLM's custom
-all-reduce, more over PCIe), an assumption the efficiencies' fit may move.
+one small all-reduce (about 5 microseconds over NVLink with vLLM's custom
+all-reduce inside a CUDA graph, `NVLINK_ALLREDUCE_S`, more over PCIe), an
+assumption, not fitted.
 
 `gpu(name)` takes a key (`h100`) or a name as a server reports it
 (`NVIDIA H100 80GB HBM3`, with or without `NVIDIA `); anything else raises
@@ -24,6 +25,10 @@ NVLINK3 = 300e9           # NVLink 3 (A100): 600 GB/s both ways
 NVLINK5 = 900e9           # NVLink 5 (B200): 1.8 TB/s both ways
 PCIE5 = 64e9              # PCIe Gen5 x16: 128 GB/s both ways
 PCIE4 = 32e9              # PCIe Gen4 x16: 64 GB/s both ways
+# one small all-reduce over NVLink with vLLM's custom all-reduce inside a CUDA graph: 4-6 us on H100 at TP 2
+# to 8 (sglang-project/sglang#2904's benchmark of it: 9-10 us a call with its launch, 3.7-5.9 us without;
+# vllm-project/vllm#24532: 10 us at 0.5 MB, TP 4); an assumption, not a datasheet figure
+NVLINK_ALLREDUCE_S = 5e-6
 
 
 @dataclass(frozen=True)
@@ -51,19 +56,20 @@ _B200 = "NVIDIA HGX B200 datasheet (nvidia.com/en-us/data-center/hgx)"
 CATALOGUE = {
     # the three keys of the embedded profiles keep their names and figures
     "h100": GPU("NVIDIA H100 80GB HBM3 (SXM)", int(79.1 * GiB), 989.4e12, 3.35e12, 1978.9e12, "NVLink 4",
-                NVLINK4, 10e-6, PCIE5, _H100 + ": SXM5 80 GB, 1,979 TF BF16 / 3,958 TF FP8 sparse, 3.35 TB/s",
+                NVLINK4, NVLINK_ALLREDUCE_S, PCIE5,
+                _H100 + ": SXM5 80 GB, 1,979 TF BF16 / 3,958 TF FP8 sparse, 3.35 TB/s",
                 ("NVIDIA H100 80GB HBM3", "H100 80GB HBM3", "NVIDIA H100 SXM5 80GB")),
     "h100-pcie": GPU("NVIDIA H100 PCIe", int(79.1 * GiB), 756e12, 2.0e12, 1513e12, "PCIe Gen5", PCIE5, 25e-6,
                      PCIE5, _H100 + ": PCIe 80 GB, 1,513 TF BF16 / 3,026 TF FP8 sparse, 2.0 TB/s (no NVLink bridge)",
                      ("NVIDIA H100 PCIe", "H100 PCIe")),
     "h200": GPU("NVIDIA H200 (SXM, 141 GB)", int(139.8 * GiB), 989.4e12, 4.8e12, 1978.9e12, "NVLink 4", NVLINK4,
-                10e-6, PCIE5, _H200 + ": SXM 141 GB, 1,979 TF BF16 / 3,958 TF FP8 sparse, 4.8 TB/s",
+                NVLINK_ALLREDUCE_S, PCIE5, _H200 + ": SXM 141 GB, 1,979 TF BF16 / 3,958 TF FP8 sparse, 4.8 TB/s",
                 ("NVIDIA H200", "H200", "NVIDIA H200 141GB HBM3e")),
-    "a100": GPU("NVIDIA A100-SXM4-80GB", int(79.2 * GiB), 312e12, 2.039e12, None, "NVLink 3", NVLINK3, 10e-6,
-                PCIE4, _A100 + ": SXM4 80 GB, 624 TF BF16 sparse, 2,039 GB/s, no FP8",
+    "a100": GPU("NVIDIA A100-SXM4-80GB", int(79.2 * GiB), 312e12, 2.039e12, None, "NVLink 3", NVLINK3,
+                NVLINK_ALLREDUCE_S, PCIE4, _A100 + ": SXM4 80 GB, 624 TF BF16 sparse, 2,039 GB/s, no FP8",
                 ("NVIDIA A100-SXM4-80GB", "A100-SXM4-80GB", "NVIDIA A100 80GB")),
-    "a100-40gb": GPU("NVIDIA A100-SXM4-40GB", int(39.4 * GiB), 312e12, 1.555e12, None, "NVLink 3", NVLINK3, 10e-6,
-                     PCIE4, _A100 + ": SXM4 40 GB, 624 TF BF16 sparse, 1,555 GB/s, no FP8",
+    "a100-40gb": GPU("NVIDIA A100-SXM4-40GB", int(39.4 * GiB), 312e12, 1.555e12, None, "NVLink 3", NVLINK3,
+                     NVLINK_ALLREDUCE_S, PCIE4, _A100 + ": SXM4 40 GB, 624 TF BF16 sparse, 1,555 GB/s, no FP8",
                      ("NVIDIA A100-SXM4-40GB", "A100-SXM4-40GB", "NVIDIA A100 40GB")),
     "a100-pcie": GPU("NVIDIA A100 80GB PCIe", int(79.2 * GiB), 312e12, 1.935e12, None, "PCIe Gen4", PCIE4, 25e-6,
                      PCIE4, _A100 + ": PCIe 80 GB, 624 TF BF16 sparse, 1,935 GB/s, no FP8 (no NVLink bridge)",
@@ -74,7 +80,8 @@ CATALOGUE = {
     "l4": GPU("NVIDIA L4", int(22.5 * GiB), 121e12, 0.3e12, 242.5e12, "PCIe Gen4", PCIE4, 25e-6, PCIE4,
               _L4 + ": 24 GB GDDR6, 242 TF BF16 / 485 TF FP8 sparse, 300 GB/s, no NVLink",
               ("NVIDIA L4", "L4")),
-    "b200": GPU("NVIDIA B200", int(179.0 * GiB), 2250e12, 7.7e12, 4500e12, "NVLink 5", NVLINK5, 8e-6, PCIE5,
+    "b200": GPU("NVIDIA B200", int(179.0 * GiB), 2250e12, 7.7e12, 4500e12, "NVLink 5", NVLINK5,
+                NVLINK_ALLREDUCE_S, PCIE5,
                 _B200 + ": per GPU 180 GB HBM3e, 4.5 PF BF16 / 9 PF FP8 sparse, 7.7 TB/s, NVLink 5 1.8 TB/s",
                 ("NVIDIA B200", "B200")),
 }

@@ -18,7 +18,10 @@ ways, the vocabulary too) and the efficiencies (`mfu`, `bw_eff`, `attn_eff`,
                   all-reduce's largest; NCCL beyond) the further tokens at
                   ALLREDUCE_BULK_EFF of the link (comm_bulk_fixed_s,
                   comm_bulk_per_token_s: sim.engine.step_time)
-  fixed_s         step_overhead_s + 2 layers x the link's all-reduce latency (TP > 1)
+  fixed_s         step_overhead_s + MoE layers x moe_layer_overhead_s (a MoE block's fixed
+                  time a step, whatever its batch: routing, top-k, the tokens' alignment by
+                  expert, the grouped GEMMs' launches over many small problems, the combine)
+                  + 2 layers x the link's all-reduce latency (TP > 1)
                   + offloaded bytes / (host link bandwidth * bw_eff) (`cpu_offload_gb`
                   of weights per GPU cross PCIe every step)
   per_request_s   2 * hidden * vocab / TP / (peak * mfu)   (LM head, sampled token) + request_overhead_s
@@ -136,7 +139,7 @@ def kv_cache(shape: ModelShape, gpu: GPU, utilization: float = 0.9, block_size: 
 def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: float | None = None,
               step_overhead_s: float = 0.002, request_overhead_s: float = 2e-5, form: str = "linear",
               serving: Serving | None = None, allreduce_eff: float = 0.7, kv_bw_eff: float | None = None,
-              moe_bw_eff: float | None = None) -> dict:
+              moe_bw_eff: float | None = None, moe_layer_overhead_s: float = 0.0) -> dict:
     """The step-time coefficients of the module docstring, as a profile's
     `step_time` object."""
     serving = serving or Serving()
@@ -164,7 +167,7 @@ def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: 
             bulk = {"comm_bulk_fixed_s": (allreduce_s - bulk_s) * knee, "comm_bulk_per_token_s": bulk_s}
     offload_s = per["offload"] / (gpu.host_bandwidth * bw_eff) if per["offload"] else 0.0
     weights_s = per["dense_read"] / (gpu.bandwidth * bw_eff)
-    fixed_s = step_overhead_s + latency_s + offload_s
+    fixed_s = step_overhead_s + shape.moe_layers * moe_layer_overhead_s + latency_s + offload_s
     out = {
         "fixed_s": fixed_s if form != "linear" else weights_s + fixed_s,
         "per_request_s": 2 * shape.hidden * shape.vocab / tp / (gpu.peak_flops * mfu) + request_overhead_s,

@@ -54,10 +54,10 @@ def test_the_fit_is_within_its_stated_residuals():
     the handed stages, the largest, and how many stages lie within 8 %."""
     e2e = [abs(r["e2e_residual"]) for r in RECORD["stages"]]
     ttft = [abs(r["ttft_residual"]) for r in RECORD["stages"]]
-    assert statistics.median(e2e) <= 0.04          # 3.5 % (BLIS's best: about 7 %)
-    assert max(e2e) < 0.14                         # 13.1 % (Mistral-Nemo on two GPUs at 6 calls/s)
-    assert sum(x < 0.08 for x in e2e) >= 22        # 22 of 27 stages
-    assert sum(x < 0.15 for x in ttft) >= 25       # 25 of 27 (not Llama-4-Scout's two smallest batches)
+    assert statistics.median(e2e) <= 0.04          # 3.1 % (BLIS's best: about 7 %)
+    assert max(e2e) < 0.12                         # 11.6 % (Llama-3.1-8B's experiment 22 at 20 calls/s)
+    assert sum(x < 0.08 for x in e2e) >= 25        # 25 of 27 stages
+    assert sum(x < 0.15 for x in ttft) >= 26       # 26 of 27 (not Llama-4-Scout's 1,034-token prompts)
     assert RECORD["loss"] == ef.LOSS and RECORD["loss_scale"] == ef.LOSS_SCALE
     assert RECORD["with_reference"]
     for r in RECORD["reference"]:                  # the reference design's published figures
@@ -80,7 +80,7 @@ def test_a_fit_lowers_the_error_it_starts_from():
     after = ef._residuals(ef.predict([e], ef.PEER_FOLDER, ef.Efficiencies(**res["efficiencies"]), stage_s=40.0))
     assert math.fsum(after ** 2) < 0.5 * math.fsum(before ** 2)
     assert logs and "rms log error" in logs[0]
-    assert "moe_bw_eff" in res["not_identified"]      # a dense model's stages say nothing of experts
+    assert {"moe_bw_eff", "moe_layer_overhead_s"} <= set(res["not_identified"])   # a dense model: nothing of experts
 
 
 def test_the_experts_are_read_at_their_own_efficiency():
@@ -101,6 +101,13 @@ def test_a_file_from_before_moe_bw_eff_reads_its_experts_at_its_bw_eff(tmp_path)
     f = tmp_path / "old.json"
     f.write_text(json.dumps({"efficiencies": old}))
     assert ef.load(str(f)).moe_bw_eff == old["bw_eff"]
+
+
+def test_a_file_from_before_moe_layer_overhead_s_gives_a_moe_block_no_fixed_time(tmp_path):
+    old = {n: v for n, v in RECORD["efficiencies"].items() if n != "moe_layer_overhead_s"}
+    f = tmp_path / "old.json"
+    f.write_text(json.dumps({"efficiencies": old}))
+    assert ef.load(str(f)).moe_layer_overhead_s == 0.0
 
 
 def test_a_file_that_is_not_a_fit_is_refused_in_one_line(tmp_path):

@@ -129,6 +129,19 @@ def test_tensor_parallelism_splits_weights_kv_and_flops_and_adds_allreduces():
     assert abs(kv["weights_bytes"] / s.weight_bytes - 0.25) < 1e-6
 
 
+def test_a_moe_block_costs_its_fixed_time_every_step_and_a_dense_layer_nothing():
+    h100 = CATALOGUE["h100"]
+    dense = shape_from_config(config("llama-3.1-8b-instruct"))
+    base, more = (step_time(dense, h100, 0.6, 0.8, form="roofline", moe_layer_overhead_s=x) for x in (0.0, 6e-5))
+    assert more == base
+    scout = shape_from_config(config("llama-4-scout-17b-16e-instruct-fp8-dynamic"))
+    assert (scout.layers, scout.moe_layers) == (48, 48)
+    base, more = (step_time(scout, h100, 0.6, 0.8, form="moe", moe_layer_overhead_s=x,
+                            serving=Serving(tensor_parallel_size=2)) for x in (0.0, 6e-5))
+    assert more["fixed_s"] - base["fixed_s"] == pytest.approx(48 * 6e-5, rel=1e-9)
+    assert {k: v for k, v in more.items() if k != "fixed_s"} == {k: v for k, v in base.items() if k != "fixed_s"}
+
+
 def test_kv_heads_are_replicated_beyond_their_count_and_refused_when_vllm_would():
     s = shape_from_config(config("llama-3.1-8b-instruct"))
     p = prior_profile(s, "h100", serving=Serving(tensor_parallel_size=16))
