@@ -96,18 +96,13 @@ def test_the_experts_are_read_at_their_own_efficiency():
     assert b.expert_weights_s == pytest.approx(2 * a.expert_weights_s, rel=1e-12) and b.weights_s == a.weights_s
 
 
-def test_a_file_from_before_moe_bw_eff_reads_its_experts_at_its_bw_eff(tmp_path):
-    old = {n: v for n, v in RECORD["efficiencies"].items() if n != "moe_bw_eff"}
+@pytest.mark.parametrize("name, filled", [("moe_bw_eff", lambda old: old["bw_eff"]),     # experts at its bw_eff
+                                           ("moe_layer_overhead_s", lambda old: 0.0)])   # no MoE block's time
+def test_a_file_from_before_an_efficiency_loads_with_it_filled(tmp_path, name, filled):
+    old = {n: v for n, v in RECORD["efficiencies"].items() if n != name}
     f = tmp_path / "old.json"
     f.write_text(json.dumps({"efficiencies": old}))
-    assert ef.load(str(f)).moe_bw_eff == old["bw_eff"]
-
-
-def test_a_file_from_before_moe_layer_overhead_s_gives_a_moe_block_no_fixed_time(tmp_path):
-    old = {n: v for n, v in RECORD["efficiencies"].items() if n != "moe_layer_overhead_s"}
-    f = tmp_path / "old.json"
-    f.write_text(json.dumps({"efficiencies": old}))
-    assert ef.load(str(f)).moe_layer_overhead_s == 0.0
+    assert getattr(ef.load(str(f)), name) == filled(old)
 
 
 def test_a_file_that_is_not_a_fit_is_refused_in_one_line(tmp_path):

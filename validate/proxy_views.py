@@ -135,4 +135,5 @@ class EngineViews:
             e["max_tokens"] += st.max_tokens
             e["tokens"] += st.tokens
             e["useful"] += st.tokens if st.fate == "completed" else 0
-            self.fates[str(st.fate)] = self.fates.get(str(st.fate), 0) + 1
+            fate = str(st.fate)
+            self.fates[fate] = self.fates.get(fate, 0) + 1
