@@ -82,12 +82,16 @@ class ModelShape:
         return g
 
     @property
+    def routed_params(self) -> int:
+        """The routed experts' parameters a token runs through (k of them a MoE layer; 0 for a dense model)."""
+        return self.moe_layers * self.experts_per_token * 3 * self.hidden * self.expert_intermediate
+
+    @property
     def active_params(self) -> int:
         """Parameters a token runs through in the decoder's matrix products
         (not the embedding, the LM head or the vision tower; k of the experts)."""
         g = self.groups
-        routed = self.moe_layers * self.experts_per_token * 3 * self.hidden * self.expert_intermediate
-        return g["attention"] + g["mlp"] + g["shared"] + g["router"] + routed
+        return g["attention"] + g["mlp"] + g["shared"] + g["router"] + self.routed_params
 
     def quantized(self, group: str) -> bool:
         return self.quantization == "fp8" and group not in self.unquantized
@@ -95,12 +99,12 @@ class ModelShape:
     def group_bytes(self, group: str) -> int:
         return self.groups[group] * (1 if self.quantized(group) else self.dtype_bytes)
 
-    def active_quantized_share(self) -> float:
-        """The share of `active_params` in FP8 matrix products."""
+    def active_quantized_share(self, experts: bool = True) -> float:
+        """The share of `active_params` in FP8 matrix products (`experts`
+        False: of the dense ones only, the routed experts left out)."""
         g = self.groups
-        routed = self.moe_layers * self.experts_per_token * 3 * self.hidden * self.expert_intermediate
         parts = {"attention": g["attention"], "mlp": g["mlp"], "shared": g["shared"], "router": g["router"],
-                 "experts": routed}
+                 "experts": self.routed_params if experts else 0}
         total = sum(parts.values())
         return sum(v for k, v in parts.items() if self.quantized(k)) / total if total else 0.0
 

@@ -10,7 +10,9 @@ ways, the vocabulary too) and the efficiencies (`mfu`, `bw_eff`, `attn_eff`,
                   dtype's; the embedding table is looked up, not read)
                   / (bandwidth * bw_eff)
   per_token_s     2 * active params / TP / (peak * mfu), the FP8 share at the FP8
-                  peak (a GPU without FP8 runs them at the 16-bit peak: weight-only)
+                  peak (a GPU without FP8 runs them at the 16-bit peak: weight-only);
+                  a mixture of experts: the dense ones only, its routed experts' apart
+                  (expert_per_token_s, the same rule over k experts a MoE layer)
   comm_per_token_s  (TP > 1) 2 all-reduces a layer of hidden x 2 bytes a token, a ring
                   moving 2 (TP-1)/TP of them over the link at allreduce_eff (the
                   linear form adds it to per_token_s); the roofline forms' bulk
@@ -153,8 +155,15 @@ def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: 
     kv_bw_eff = bw_eff if kv_bw_eff is None else kv_bw_eff
     tp, per = serving.tensor_parallel_size, _per_gpu(shape, serving)
     fp8 = gpu.fp8_flops or gpu.peak_flops         # without FP8 tensor cores FP8 weights run at the 16-bit peak
-    share = shape.active_quantized_share()
-    flops_s = 2 * shape.active_params / tp * (share / fp8 + (1 - share) / gpu.peak_flops) / mfu
+
+    def compute_s(params: int, share: float) -> float:      # a token's matrix products, `share` of them in FP8
+        return 2 * params / tp * (share / fp8 + (1 - share) / gpu.peak_flops) / mfu
+
+    if form == "moe":        # the routed experts' grouped GEMMs are kernels of their own (expert_per_token_s)
+        flops_s = compute_s(shape.active_params - shape.routed_params, shape.active_quantized_share(experts=False))
+        expert_s = compute_s(shape.routed_params, 1.0 if shape.quantized("experts") else 0.0)
+    else:
+        flops_s = compute_s(shape.active_params, shape.active_quantized_share())
     allreduce_s, latency_s = 0.0, 0.0
     bulk = {}
     if tp > 1:
@@ -183,8 +192,8 @@ def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: 
         out |= bulk
     if form == "moe":
         moe_bw_eff = bw_eff if moe_bw_eff is None else moe_bw_eff
-        out |= {"expert_weights_s": per["experts_read"] / (gpu.bandwidth * moe_bw_eff), "experts": shape.experts,
-                "experts_per_token": shape.experts_per_token}
+        out |= {"expert_weights_s": per["experts_read"] / (gpu.bandwidth * moe_bw_eff), "expert_per_token_s": expert_s,
+                "experts": shape.experts, "experts_per_token": shape.experts_per_token}
     return out
 
 

@@ -7,7 +7,8 @@ Schema (all keys required unless marked optional):
   step_time            {fixed_s, per_request_s, per_token_s, per_prefill_pair_s, per_decode_ctx_s}  seconds;
                        optional form: "linear" (the default, their sum) or "roofline" (with weights_s:
                        the larger of compute and memory time, sim.engine.step_time) or "moe" (with
-                       weights_s, expert_weights_s and the routing: whole experts, experts_per_token);
+                       weights_s, expert_weights_s, expert_per_token_s and the routing: whole experts,
+                       experts_per_token);
                        roofline and moe: optional comm_per_token_s (tensor-parallel all-reduces a token)
                        and comm_bulk_fixed_s, comm_bulk_per_token_s (their bulk regime)
   engine               {max_num_seqs, max_num_batched_tokens, block_size, num_gpu_blocks, depth, max_model_len}

@@ -142,6 +142,22 @@ def test_a_moe_block_costs_its_fixed_time_every_step_and_a_dense_layer_nothing()
     assert {k: v for k, v in more.items() if k != "fixed_s"} == {k: v for k, v in base.items() if k != "fixed_s"}
 
 
+def test_a_moe_prefill_pays_its_dense_layers_compute_while_its_experts_ride_on_their_read():
+    h100, scout = CATALOGUE["h100"], shape_from_config(config("llama-4-scout-17b-16e-instruct-fp8-dynamic"))
+    st = step_time_model(step_time(scout, h100, 0.6, 0.8, form="moe", serving=Serving(tensor_parallel_size=2)))
+    # the routed experts' compute: k of E experts a MoE layer, FP8, split two ways; the dense layers' the rest
+    routed = 48 * 1 * 3 * 5120 * 8192
+    assert scout.routed_params == routed
+    assert st.expert_per_token_s == pytest.approx(2 * routed / 2 / (h100.fp8_flops * 0.6), rel=1e-9)
+    assert st.per_token_s > st.expert_per_token_s > 0
+    n = 1024            # a prefill chunk: the dense layers compute-bound, the experts (64 tokens each) memory-bound
+    assert st.per_token_s * n > st.weights_s and st.expert_per_token_s * n < st.experts_read_s(n)
+    assert st.matmul_s(n) == pytest.approx(st.per_token_s * n + st.expert_weights_s, rel=1e-9)
+    # one kernel bound by the larger of the sums would hide the dense compute under the experts' read
+    assert st.matmul_s(n) > max((st.per_token_s + st.expert_per_token_s) * n, st.memory_s(n)) + 5e-3
+    assert st.matmul_s(1) == pytest.approx(st.memory_s(1), rel=1e-12)      # a lone decode: reads only
+
+
 def test_kv_heads_are_replicated_beyond_their_count_and_refused_when_vllm_would():
     s = shape_from_config(config("llama-3.1-8b-instruct"))
     p = prior_profile(s, "h100", serving=Serving(tensor_parallel_size=16))

@@ -11,10 +11,13 @@ Two forms (a profile's `step_time.form`):
                 + per_prefill_pair_s * pairs                 prefill attention (compute)
                 + per_decode_ctx_s * decode context          decode attention (memory)
   moe       the roofline of a mixture-of-experts model
-            (`MoEStepTimeModel`): the matrix products' memory time is the
-            dense weights' read plus the share of the experts' weights its
-            tokens route to (`expert_weights_s` x the expected share of
-            distinct experts under top-k routing of that many tokens);
+            (`MoEStepTimeModel`): the dense matrix products as the roofline's
+            (per_token_s, weights_s) plus the routed experts' grouped GEMMs,
+            kernels of their own bound by their compute
+            (`expert_per_token_s` x tokens) or their memory (the share of
+            the experts' weights its tokens route to: `expert_weights_s` x
+            the expected share of distinct experts under top-k routing of
+            that many tokens);
 the roofline and moe forms take an optional `comm_per_token_s` (0 unless
 given): the tensor-parallel all-reduces' time per scheduled token, added to
 the step (an all-reduce runs between the matrix products, not under their
@@ -34,7 +37,7 @@ COEFFICIENTS = ("fixed_s", "per_request_s", "per_token_s", "per_prefill_pair_s",
 ROOFLINE_COEFFICIENTS = COEFFICIENTS + ("weights_s",)
 # optional in the roofline and moe forms (0 when absent), written only when not 0
 OPTIONAL_COEFFICIENTS = ("comm_per_token_s", "comm_bulk_fixed_s", "comm_bulk_per_token_s")
-MOE_COEFFICIENTS = ROOFLINE_COEFFICIENTS + ("expert_weights_s",)
+MOE_COEFFICIENTS = ROOFLINE_COEFFICIENTS + ("expert_weights_s", "expert_per_token_s")
 FORMS = ("linear", "roofline", "moe")
 
 
@@ -184,10 +187,13 @@ class MoEStepTimeModel(RooflineStepTimeModel):
     (`graph_tokens`), and its padding rows pass through the router and the
     experts like the real ones (a decode step of 11 runs as 16: a share of
     0.64 of 16 experts, not 0.51). The
-    matrix products take max(per_token_s x tokens, weights_s +
-    expert_weights_s x that share): `weights_s` the dense weights' read
-    (attention, shared experts, LM head), `expert_weights_s` all experts'."""
+    dense matrix products (attention, shared experts, LM head) take
+    max(per_token_s x tokens, weights_s) and the experts' grouped GEMMs,
+    kernels of their own, max(expert_per_token_s x tokens, expert_weights_s
+    x that share): a prefill chunk whose experts ride on their weights' read
+    still pays its dense layers' compute."""
     expert_weights_s: float
+    expert_per_token_s: float
     experts: int
     experts_per_token: int
 
@@ -204,20 +210,26 @@ class MoEStepTimeModel(RooflineStepTimeModel):
     def memory_s(self, num_tokens: int) -> float:
         """The matrix products' memory time of a step of `num_tokens` tokens
         (routed as the CUDA graph it runs in pads them: `graph_tokens`)."""
+        return self.weights_s + self.experts_read_s(num_tokens)
+
+    def experts_read_s(self, num_tokens: int) -> float:
+        """The experts' weights a step of `num_tokens` tokens reads (the share they route to)."""
         missed = (1.0 - self.experts_per_token / self.experts) ** graph_tokens(num_tokens)
-        return self.weights_s + self.expert_weights_s * (1.0 - missed)
+        return self.expert_weights_s * (1.0 - missed)
+
+    def matmul_s(self, num_tokens: int) -> float:
+        """The matrix products of a step: the dense ones and the experts', each the larger of compute and memory."""
+        dense, experts = self.per_token_s * num_tokens, self.expert_per_token_s * num_tokens
+        read = self.experts_read_s(num_tokens)
+        return max(dense, self.weights_s) + max(experts, read)
 
     def duration(self, num_reqs: int, num_tokens: int, prefill_pairs: float, decode_ctx: float) -> float:
-        matmul = self.per_token_s * num_tokens
-        memory = self.memory_s(num_tokens)
-        return (self.fixed_s + (self.per_request_s * num_reqs + self.comm_s(num_tokens))
-                + (matmul if matmul > memory else memory) + self.per_prefill_pair_s * prefill_pairs
-                + self.per_decode_ctx_s * decode_ctx)
+        return (self.fixed_s + (self.per_request_s * num_reqs + self.comm_s(num_tokens)) + self.matmul_s(num_tokens)
+                + self.per_prefill_pair_s * prefill_pairs + self.per_decode_ctx_s * decode_ctx)
 
     def _first_step_s(self, n: int, ctx: float) -> float:
-        matmul, memory = self.per_token_s * n, self.memory_s(n)
-        return (self.fixed_s + self.per_request_s * n + self.comm_s(n)
-                + (matmul if matmul > memory else memory) + self.per_decode_ctx_s * ctx)
+        return (self.fixed_s + self.per_request_s * n + self.comm_s(n) + self.matmul_s(n)
+                + self.per_decode_ctx_s * ctx)
 
 
 # vLLM's default CUDA graph sizes (V1, max_num_seqs up to 256): 1, 2, 4, then every 8 to 256 and every 16
