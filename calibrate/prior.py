@@ -14,7 +14,8 @@ ways, the vocabulary too) and the efficiencies (`mfu`, `bw_eff`, `attn_eff`,
                   a mixture of experts: the dense ones only, its routed experts' apart
                   (expert_per_token_s, the same rule over k experts a MoE layer)
   comm_per_token_s  (TP > 1) 2 all-reduces a layer of hidden x 2 bytes a token, a ring
-                  moving 2 (TP-1)/TP of them over the link at allreduce_eff (the
+                  moving 2 (TP-1)/TP of them over the link at allreduce_eff over NVLink,
+                  PCIE_ALLREDUCE_EFF over PCIe (the
                   linear form adds it to per_token_s); the roofline forms' bulk
                   regime: past CUSTOM_ALLREDUCE_MAX_BYTES a message (vLLM's custom
                   all-reduce's largest; NCCL beyond) the further tokens at
@@ -60,6 +61,11 @@ ALLREDUCE_BYTES = 2         # activations all-reduced in 16 bits
 # measurements' prefills are prefix-cached and their all-reduces small
 CUSTOM_ALLREDUCE_MAX_BYTES = 8 * 1024 * 1024
 ALLREDUCE_BULK_EFF = 0.8
+# over PCIe the link itself bounds a decode step's all-reduces: NCCL's ring moved 128-384 kB messages at 0.76 of
+# a PCIe Gen3 x16 link (bus bandwidth, 4 V100s behind one PCIe switch, inside CUDA graphs:
+# haohervchb/sglang-V100#2), where over NVLink vLLM's custom all-reduce reaches a tenth of the link
+# (`allreduce_eff`, fitted on H100s: only NVLink in the handed data); an assumption, not fitted
+PCIE_ALLREDUCE_EFF = 0.75
 
 
 @dataclass(frozen=True)
@@ -168,7 +174,8 @@ def step_time(shape: ModelShape, gpu: GPU, mfu: float, bw_eff: float, attn_eff: 
     bulk = {}
     if tp > 1:
         ring_bytes = 2 * shape.layers * 2 * (tp - 1) / tp * shape.hidden * ALLREDUCE_BYTES   # a token, a step
-        allreduce_s = ring_bytes / (gpu.link_bandwidth * allreduce_eff)
+        eff = allreduce_eff if gpu.link.startswith("NVLink") else PCIE_ALLREDUCE_EFF
+        allreduce_s = ring_bytes / (gpu.link_bandwidth * eff)
         latency_s = 2 * shape.layers * gpu.allreduce_latency_s
         bulk_s = ring_bytes / (gpu.link_bandwidth * ALLREDUCE_BULK_EFF)
         if bulk_s < allreduce_s:     # past the custom all-reduce's largest message: NCCL's rate

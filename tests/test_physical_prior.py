@@ -12,7 +12,7 @@ import pytest
 
 from calibrate.gpus import CATALOGUE, gpu, gpu_key
 from calibrate.model_shape import MODELS, name_of_config, shape_from_config
-from calibrate.prior import ALLREDUCE_BULK_EFF, GiB, Serving, kv_cache, prior_profile, step_time
+from calibrate.prior import ALLREDUCE_BULK_EFF, PCIE_ALLREDUCE_EFF, GiB, Serving, kv_cache, prior_profile, step_time
 from sim.engine.step_time import MoEStepTimeModel, graph_tokens, step_time_model
 from sim.profile import ProfileError, from_dict
 
@@ -127,6 +127,20 @@ def test_tensor_parallelism_splits_weights_kv_and_flops_and_adds_allreduces():
     kv = kv_cache(s, h100, 0.9, 16, serving=Serving(tensor_parallel_size=4))
     assert kv["kv_bytes_per_token"] == 2 * 80 * 2 * 128 * 2     # 8 KV heads on 4 GPUs: 2 each
     assert abs(kv["weights_bytes"] / s.weight_bytes - 0.25) < 1e-6
+
+
+def test_allreduces_over_pcie_move_at_the_links_rate_not_the_fitted_nvlink_fraction():
+    s = shape_from_config(config("llama-3.1-8b-instruct"))
+    l40s, two = CATALOGUE["l40s"], Serving(tensor_parallel_size=2)
+    assert l40s.link.startswith("PCIe") and CATALOGUE["h100"].link.startswith("NVLink")
+    a, b = (step_time(s, l40s, 0.6, 0.8, form="roofline", allreduce_eff=x, serving=two) for x in (0.1, 0.9))
+    ring = 2 * 32 * 2 * 1 / 2 * 4096 * 2        # bytes a token moves: 2 all-reduces a layer, ring share 1/2
+    assert a["comm_per_token_s"] == b["comm_per_token_s"] == pytest.approx(
+        ring / (l40s.link_bandwidth * PCIE_ALLREDUCE_EFF), rel=1e-9)
+    assert a["fixed_s"] - 0.002 == pytest.approx(2 * 32 * l40s.allreduce_latency_s, rel=1e-9)
+    h100 = [step_time(s, CATALOGUE["h100"], 0.6, 0.8, form="roofline", allreduce_eff=x, serving=two)
+            for x in (0.1, 0.9)]
+    assert h100[0]["comm_per_token_s"] == pytest.approx(9 * h100[1]["comm_per_token_s"], rel=1e-9)
 
 
 def test_a_moe_block_costs_its_fixed_time_every_step_and_a_dense_layer_nothing():
