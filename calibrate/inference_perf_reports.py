@@ -64,11 +64,12 @@ How the run is simulated: as inference-perf 0.7.0 ran it
   is the tool's n-th after the shuffle; the shuffle only permutes which
   prompt is which, every prompt being `system_prompt_len + question_len`
   tokens). A repeat hits its whole prompt in the prefix cache, block-aligned
-  as vLLM's (all its full KV blocks short of its last token). What the pool
-  does not carry: two prompts of one group share their system prompt's KV
-  blocks in vLLM's cache, and not in the simulator's pool, so the first
-  send of up to G x (U - 1) prompts prefills its system prompt's full
-  blocks again (`prefix_note` says which, with the profile's block size).
+  as vLLM's (all its full KV blocks short of its last token); the pool's
+  prompts start with the G system prompts, U prompts each (the scenario's
+  `prefix_groups` with `prompt_pool`), so the first send of a prompt hits
+  its system prompt's full blocks where another of its group came before,
+  as in vLLM's cache (`prefix_note` says what, with the profile's block
+  size).
   Random data: no prompt repeats (`datagen/synthetic/random_datagen.py:
   RandomDataGenerator.load_lazy_data` draws each prompt's text afresh from
   the worker's generator, which each worker reseeds with base_seed + its
@@ -258,10 +259,10 @@ def read_folder(folder: str, shared_prefix: int | None = None) -> list[dict]:
 
 
 def prefix_note(prompt: int, prefix: int, groups: int, pool: int | None, block: int, data: str) -> str:
-    """What the simulated pool serves from the prefix cache against what the
-    server's did (module docstring): a repeat exactly; a first send, the
-    system prompt's full KV blocks it shares with an earlier prompt of its
-    group, which the server served and the simulator prefills again."""
+    """What the simulated pool serves from the prefix cache, as the
+    server's did (module docstring): a repeat its whole prompt; a first
+    send the system prompt's full KV blocks it shares with an earlier prompt
+    of its group."""
     if data != "shared_prefix" or not pool:
         return "random prompts: no prompt repeated, no prefix shared"
     whole, shared = (prompt - 1) // block * block, prefix // block * block
@@ -272,5 +273,5 @@ def prefix_note(prompt: int, prefix: int, groups: int, pool: int | None, block: 
             f"server's prefix cache did (KV blocks of {block})")
     if not shared or users < 2:
         return f"exact: {said}; no two prompts share a KV block"
-    return (f"approximate: {said}; the first send of up to {groups * (users - 1)} prompts prefills the {shared} "
-            "tokens of its system prompt that the server served from another prompt of its group")
+    return (f"exact: {said}; the first send of up to {groups * (users - 1)} prompts hits the {shared} tokens "
+            "of its system prompt that another prompt of its group left")

@@ -423,17 +423,17 @@ def check_call_fits(where: str, prompt: int, output: int, flags: dict) -> None:
 
 
 def experiment_scenario(e: Experiment):
-    """The experiment's workload as it was run: a pool of `pool` whole prompts
-    sent in turn (`sim.scenario.Scenario.prompt_pool`), or every prompt one
-    of `groups` system prompts (each a prefix group) and a question of its
-    own; every response `output_len`."""
-    if e.pool:
-        return PAPER.with_(prompt=Lengths("fixed", value=e.prompt_len), response=Lengths("fixed", value=e.output_len),
-                           shared_prefix=0, prompt_pool=e.pool, max_call_tokens=e.flags["max_model_len"])
+    """The experiment's workload as it was run: every prompt one of `groups`
+    system prompts (each a prefix group, `system_prompt_len` tokens) and a
+    question; with a pool, `pool` whole prompts sent in turn
+    (`sim.scenario.Scenario.prompt_pool`), the system prompts dealt to them
+    equally, else every call a question of its own; every response
+    `output_len`."""
     pre = e.system_prompt_len
     groups = tuple((pre, 1.0) for _ in range(e.groups)) if pre > 0 else None
     return PAPER.with_(prompt=Lengths("fixed", value=e.prompt_len), response=Lengths("fixed", value=e.output_len),
-                       shared_prefix=pre, prefix_groups=groups, max_call_tokens=e.flags["max_model_len"])
+                       shared_prefix=pre, prefix_groups=groups, prompt_pool=e.pool or None,
+                       max_call_tokens=e.flags["max_model_len"])
 
 
 def experiment_profile(profile: Profile, e: Experiment) -> Profile:

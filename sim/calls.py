@@ -39,6 +39,8 @@ class Calls:
         # each call's shared-prefix tokens and prefix group (trace.prefix_of)
         self.prefix_len = trace.prefix_len.tolist() if trace.prefix_len is not None else [trace.shared_prefix] * n
         self.prefix_group = trace.prefix_group.tolist() if trace.prefix_len is not None else [0] * n
+        # the prompt each call sends past its prefix (trace.prompt_id): a pool's, else its own
+        self.prompt_id = trace.prompt_id.tolist() if trace.prompt_id is not None else range(n)
         self.call_priority = call_priorities(trace, scenario)
         self.call_class = call_classes(trace, scenario)     # carried by each attempt (shedding by class)
         self.calls: list[CallState | None] = [None] * n     # client state of the calls in progress

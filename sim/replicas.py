@@ -154,7 +154,8 @@ class Replicas:
         erec.dispatched_at = t
         calls = self.calls
         req = Request(ex_id, i, erec.prompt_len, erec.max_tokens, calls.prefix_len[i], record=erec,
-                      prefix_group=calls.prefix_group[i], priority=calls.call_priority[i])
+                      prefix_group=calls.prefix_group[i], priority=calls.call_priority[i],
+                      prompt_id=calls.prompt_id[i])
         reps, cl = self.exec_replica, self.cluster
         r = cl.place(ex)
         tried = None
@@ -221,7 +222,8 @@ class Replicas:
             erec.dispatched_at = t
         calls, i, r = self.calls, ex.call_id, up.server
         req = Request(ex.id, i, erec.prompt_len, erec.max_tokens, calls.prefix_len[i], record=erec,
-                      prefix_group=calls.prefix_group[i], priority=calls.call_priority[i])
+                      prefix_group=calls.prefix_group[i], priority=calls.call_priority[i],
+                      prompt_id=calls.prompt_id[i])
         self.exec_replica[ex.id] = r
         if not self.engines[r].add_request(req, t):
             return [Refuse(up, 503, None, "engine")]

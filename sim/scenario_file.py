@@ -24,9 +24,10 @@ File sections: the rows of `sim.schema.SCHEMA`, which checks the file
 profile | hf_config + gpu, and capacity; `[engine]` vLLM's flags and
 `max_num_queued_reqs` (the engine cap); `[workload]` phases (absent: the
 reference design's), prompt and response lengths (empirical ones read from
-a CSV column), shared_prefix or prefix_groups or prompt_pool,
-mixed_share, mixed_prompt_len, or trace (CSV) with trace_speedup; `[client]` and
-`[measures]` the Scenario's fields of those names (with the burst phase, or
+a CSV column), shared_prefix or prefix_groups, prompt_pool (whose prompts
+start with those prefixes: system prompts), mixed_share, mixed_prompt_len,
+or trace (CSV) with trace_speedup; `[client]` and `[measures]` the
+Scenario's fields of those names (with the burst phase, or
 burst_start_s/burst_end_s with a trace); `[proxy]` condition plus control
 overrides; `[faults]`; `[fleet]` replicas behind a router; `[autoscaler]`;
 `[[layer]]` the stack's layers. A section of the table that no resolver
@@ -395,12 +396,13 @@ def _generated(w: _Doc, me: _Doc, base_dir: str, schema: Schema) -> tuple[dict, 
         if L is not None:                # the mean the proxy's first throughput estimate uses
             sc[k] = float(L.expected)
     if w.has("prompt_pool"):
-        for k in ("shared_prefix", "prefix_groups", "classes"):
-            if w.has(k):
-                raise w.err(k, "and workload.prompt_pool both given: a pool's calls send its prompts whole")
+        if w.has("classes"):
+            raise w.err("classes", "and workload.prompt_pool both given: a pool's calls send its prompts whole")
         if w.get("mixed_share"):
             raise w.err("mixed_share", "and workload.prompt_pool both given: a pool's calls send its prompts whole")
-        sc.update(prompt_pool=int(w.get("prompt_pool")), shared_prefix=0)
+        # the pool's prompts start with the system prompts shared_prefix or prefix_groups says, else with none
+        sc.update(prompt_pool=int(w.get("prompt_pool")),
+                  **({} if w.has("shared_prefix") or w.has("prefix_groups") else {"shared_prefix": 0}))
     if w.has("mixed_prompt_len"):
         sc["mixed_prompt_len"] = int(w.get("mixed_prompt_len"))
     share = w.get("mixed_share")

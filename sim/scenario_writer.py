@@ -66,7 +66,7 @@ def _workload(dep) -> dict:
                  "dist": "lognormal", "median": s.response_median, "mean": s.response_mean}}
         if s.prompt_pool:
             w["prompt_pool"] = s.prompt_pool
-        elif s.prefix_groups:
+        if s.prefix_groups:
             w["prefix_groups"] = [{"tokens": t, "share": sh} for t, sh in s.prefix_groups]
         else:
             w["shared_prefix"] = s.shared_prefix

@@ -348,8 +348,9 @@ SCHEMA = Schema([
         of="prefix_group"),
     Key("workload", "prompt_pool", WHOLE, "a pool of this many whole prompts (lengths drawn once from prompt), sent "
                                           "in turn: call n of a phase sends prompt n mod prompt_pool, a repeat hit "
-                                          "whole in the prefix cache (as a load generator's prompt set; instead of "
-                                          "shared_prefix, prefix_groups)", **AT_LEAST_1),
+                                          "whole in the prefix cache (as a load generator's prompt set); its prompts "
+                                          "start with the system prompts shared_prefix or prefix_groups give (the "
+                                          "groups' shares of the pool), none without them", **AT_LEAST_1),
     Key("workload", "mixed_share", NUMBER, "share of calls given mixed_prompt_len-token prompts", default=0.0,
         lo=0.0, hi=1.0),
     Key("workload", "mixed_prompt_len", WHOLE, "the mixed calls' prompt tokens", default=PAPER.mixed_prompt_len,

@@ -23,6 +23,9 @@ class Trace:
     prefix_len: np.ndarray | None = None     # per call: its prefix group's tokens (int64); None: shared_prefix
     prefix_group: np.ndarray | None = None   # per call: its prefix group (int64, 0 first); None: all in group 0
     klass: np.ndarray | None = None          # per call: its traffic class (int64, index into scenario.classes)
+    # per call: which prompt it sends past its prefix (int64): calls of one id send the same tokens (a pool's
+    # prompt), so they share those KV blocks; None: every call its own prompt
+    prompt_id: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.arrival)
@@ -186,26 +189,37 @@ def _pool_trace(rng: np.random.Generator, s: Scenario, arrival: np.ndarray, coun
     """The trace of calls sending a pool of `s.prompt_pool` whole prompts in
     turn (`pool_turns`: call n of a phase sends prompt n mod N). The pool's
     lengths are drawn once from the prompt distribution, then each call's
-    response. A prompt is its own prefix group, all of it but its last token
-    the group's prefix: its repeats share its KV blocks, so the prefix cache
-    hits the whole prompt block-aligned (its full blocks, at most all but
-    the last token, as vLLM's), and no block with another prompt of the pool
-    (`Trace.shared_prefix` 0). Prefix groups, a mixed-prompt share and
-    traffic classes, which give each call its own prompt, are refused."""
-    for k, on in (("prefix_groups", s.prefix_groups), ("mixed_share", s.mixed_share or mixed_prompts),
-                  ("classes", s.classes)):
+    response. A prompt is its own (`Trace.prompt_id`, its index in the pool):
+    its repeats share its KV blocks, so the prefix cache hits the whole
+    prompt block-aligned (its full blocks, at most all but the last token, as
+    vLLM's). The pool's prompts start with the scenario's system prompts:
+    `prefix_groups` (each of its tokens; a group's share of the pool's
+    prompts, dealt exactly and in a shuffled order, as inference-perf's
+    shared-prefix data deals G system prompts to G x U prompts), else
+    `shared_prefix` tokens all of them (0: none): prompts of one system
+    prompt share its blocks. A mixed-prompt share and traffic classes, which
+    give each call its own prompt, are refused."""
+    for k, on in (("mixed_share", s.mixed_share or mixed_prompts), ("classes", s.classes)):
         if on:
             raise ValueError(f"prompt_pool and {k} both given: a pool's calls send its prompts whole")
-    turn = pool_turns(counts, s.prompt_pool)
-    pool_len = np.maximum(draw_lengths(rng, s.prompt or Lengths("normal", mean=s.prompt_mean, sd=s.prompt_sd),
-                                       s.prompt_pool), 1)
-    prompt = pool_len[turn]
+    n = s.prompt_pool
+    turn = pool_turns(counts, n)
+    pool_len = np.maximum(draw_lengths(rng, s.prompt or Lengths("normal", mean=s.prompt_mean, sd=s.prompt_sd), n), 1)
     resp = np.maximum(1, draw_lengths(rng, s.response or Lengths("lognormal", median=s.response_median,
                                                                  mean=s.response_mean), len(arrival)))
+    pool_pre, pool_group = np.full(n, s.shared_prefix, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    if s.prefix_groups:             # drawn after every other draw: a pool without groups keeps its trace
+        tokens = np.array([g[0] for g in s.prefix_groups], dtype=np.int64)
+        share = np.array([g[1] for g in s.prefix_groups], dtype=float)
+        edges = np.cumsum(share / share.sum())
+        pool_group = np.minimum(np.searchsorted(edges, (rng.permutation(n) + 0.5) / n), len(tokens) - 1)
+        pool_pre = tokens[pool_group]
+    pool_len = np.maximum(pool_len, pool_pre + 1)
+    prompt = pool_len[turn]
     if s.max_call_tokens is not None:            # the response is cut, never the prompt (it is the pool's)
         resp = np.maximum(1, np.minimum(resp, s.max_call_tokens - prompt))
-    return Trace(arrival=arrival, prompt_len=prompt, max_tokens=resp, shared_prefix=0, prefix_len=prompt - 1,
-                 prefix_group=turn)
+    return Trace(arrival=arrival, prompt_len=prompt, max_tokens=resp, shared_prefix=int(pool_pre.min()),
+                 prefix_len=pool_pre[turn], prefix_group=pool_group[turn], prompt_id=turn)
 
 
 def _draw_classes(rng: np.random.Generator, s: Scenario, counts: list[int]) -> np.ndarray:

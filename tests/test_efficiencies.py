@@ -54,9 +54,11 @@ def test_the_fit_is_within_its_stated_residuals():
     the handed stages, the largest, and how many stages lie within 8 %."""
     e2e = [abs(r["e2e_residual"]) for r in RECORD["stages"]]
     ttft = [abs(r["ttft_residual"]) for r in RECORD["stages"]]
-    assert statistics.median(e2e) <= 0.04          # 3.1 % (BLIS's best: about 7 %)
+    assert statistics.median(e2e) <= 0.04          # 2.8 % (BLIS's best: about 7 %)
     assert max(e2e) < 0.12                         # 11.6 % (Llama-3.1-8B's experiment 22 at 20 calls/s)
-    assert sum(x < 0.08 for x in e2e) >= 25        # 25 of 27 stages
+    # 24 of 27 stages: not Llama-3.1-8B's 22 at 20 calls/s, Llama-4-Scout's 1,034-token prompts (-9.0 %), and
+    # Llama-3.1-70B at 10 calls/s (+8.0 %) since the refit of 2026-12-07 on the pool's system prompts
+    assert sum(x < 0.08 for x in e2e) >= 24
     assert sum(x < 0.15 for x in ttft) >= 26       # 26 of 27 (not Llama-4-Scout's 1,034-token prompts)
     assert RECORD["loss"] == ef.LOSS and RECORD["loss_scale"] == ef.LOSS_SCALE
     assert RECORD["with_reference"]

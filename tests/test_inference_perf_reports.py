@@ -59,16 +59,16 @@ def test_the_stages_are_one_run_of_a_pool_of_whole_prompts_started_drained():
                             "arrivals": "poisson_exact", "prompt_pool": 40, "drained": True}
     assert [s.index for s in e.stages] == [0, 1, 2] and e.raw["tool"] == "inference-perf"
     sc = ms.experiment_scenario(e)
-    assert (sc.prompt_pool, sc.shared_prefix, sc.prefix_groups) == (40, 0, None)
+    assert (sc.prompt_pool, sc.shared_prefix, sc.prefix_groups) == (40, 256, ((256, 1.0),) * 4)
     # simulated in one run, int(rate x duration) calls a stage, over draws of the arrivals (a stage of 40 calls)
     rows = ms.simulate_experiment(load_profile("vllm-cpu-tiny"), e)
     assert [r["calls"] for r in rows] == [40, 48, 48]
     assert [r["draws"] for r in rows] == [ms.MAX_DRAWS] * 3 == [ms.arrival_draws(e)] * 3
-    # a repeat is exact; the system prompt two prompts of a group share is not shared by the simulated pool
-    assert e.raw["prefix_reuse"].startswith("approximate: a pool of 40 whole prompts (4 system prompts of 256 "
+    # a repeat is exact, and so is the system prompt two prompts of a group share
+    assert e.raw["prefix_reuse"].startswith("exact: a pool of 40 whole prompts (4 system prompts of 256 "
                                             "tokens x 10 questions)")
     assert "a repeat hits 256 of its 352 tokens" in e.raw["prefix_reuse"]
-    assert "the first send of up to 36 prompts prefills the 256 tokens" in e.raw["prefix_reuse"]
+    assert "the first send of up to 36 prompts hits the 256 tokens" in e.raw["prefix_reuse"]
     assert IP.prefix_note(352, 100, 4, 40, 128, "shared_prefix").startswith("exact: a pool of 40")
     assert IP.prefix_note(352, 256, 4, 4, 128, "shared_prefix").startswith("exact: a pool of 4 ")
     assert IP.prefix_note(352, 0, 1, None, 128, "random").startswith("random prompts")
@@ -175,13 +175,13 @@ def test_from_bench_fits_the_folder_closer_than_the_prior_and_leaves_it_as_it_wa
     assert pm["experiments"][0]["workload"] == {"system_prompt_len": 256, "question_len": 96, "output_len": 32,
                                                 "groups": 4, "arrivals": "poisson_exact", "prompt_pool": 40,
                                                 "drained": True}
-    assert pm["experiments"][0]["prefix_reuse"].startswith("approximate: a pool of 40 whole prompts")
+    assert pm["experiments"][0]["prefix_reuse"].startswith("exact: a pool of 40 whole prompts")
     assert "stages that start drained one after another in one run" in pm["simulation"]["as_run"]
     assert [r["rate"] for r in pm["stages"]] == [4.0, 8.0, 12.0]
     assert _rms(pm["stages"], "e2e_residual") < _rms(pm["stages_before"], "e2e_residual")
     assert _rms(pm["stages"], "ttft_residual") < _rms(pm["stages_before"], "ttft_residual")
     err = capsys.readouterr().err
-    assert "prefix reuse approximate: a pool of 40" in err and "one after another in one run" in err
+    assert "prefix reuse exact: a pool of 40" in err and "one after another in one run" in err
 
 
 def test_the_config_written_for_the_tool_states_the_run(tmp_path):

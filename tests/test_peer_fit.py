@@ -80,7 +80,8 @@ def test_experiment_workload_and_engine(experiments):
     e = next(x for x in experiments if x.exp_id == "22")
     sc = ms.experiment_scenario(e)
     assert sc.prompt.value == 547 and sc.response.value == 248 and sc.prompt_pool == 100
-    assert sc.prefix_groups is None and sc.shared_prefix == 0
+    # 10 system prompts of 100 tokens, each the start of 10 of the pool's prompts
+    assert sc.prefix_groups == ((100, 1.0),) * 10 and sc.shared_prefix == 100
     p = ms.experiment_profile(load_profile("llama-3.1-8b"), e)
     assert p.engine["max_num_batched_tokens"] == 1024 and p.engine["max_num_seqs"] == 128
     assert p.engine["max_model_len"] == 4096
@@ -306,7 +307,9 @@ def test_a_refitted_profile_simulates_its_fitted_frontend_on_every_calls_way_in(
     gives the fit's own residuals; a fit starts from the engine without it
     (`without_frontend`: no time counted twice)."""
     prof = load_profile("qwen2.5-7b")
-    base = next(x for x in experiments if x.exp_id == "64")
+    # every call a question of its own after its system prompt: stages of 20 s of the pool's prompts are its
+    # first sends (no repeat yet), and there the frontend is not told apart from the prefill's terms
+    base = replace(next(x for x in experiments if x.exp_id == "64"), pool=None)
     frontend_s, stages = 0.004, []
     for k, rate in enumerate((3.0, 24.0)):
         got = ms.simulate_stage(prof, base, ms.Stage(k, rate, 60.0, 1.0, 2.0), 20.0, 5.0)

@@ -23,15 +23,16 @@ def test_call_n_of_a_phase_sends_prompt_n_mod_the_pool():
     assert pool_turns([12, 3], 5).tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 0, 1, 2]
     tr = make_trace(1.0, POOL, 0, phases=[(0, 10, 3.0, "poisson_exact"), (10, 20, 2.0, "poisson_exact")])
     assert len(tr) == 50
-    assert tr.prefix_group.tolist() == [n % 10 for n in range(30)] + [n % 10 for n in range(20)]
-    assert (tr.prompt_len == 547).all() and (tr.prefix_len == 546).all() and tr.shared_prefix == 0
+    assert tr.prompt_id.tolist() == [n % 10 for n in range(30)] + [n % 10 for n in range(20)]
+    assert (tr.prompt_len == 547).all() and tr.shared_prefix == 0
+    assert (tr.prefix_len == 0).all() and (tr.prefix_group == 0).all()      # no system prompt
 
 
 def test_the_pool_lengths_are_drawn_once_and_repeat_with_their_prompt():
     sc = POOL.with_(prompt=Lengths("normal", mean=800, sd=200))
     tr = make_trace(1.0, sc, 3, phases=[(0, 20, 3.0)])
     for g in range(10):
-        assert len(set(tr.prompt_len[tr.prefix_group == g].tolist())) == 1
+        assert len(set(tr.prompt_len[tr.prompt_id == g].tolist())) == 1
     assert len(set(tr.prompt_len.tolist())) > 1
 
 
@@ -99,9 +100,35 @@ def test_a_drained_phase_refused_where_arrivals_are_planned():
     assert sc.phases[1].to_dict()["drained"] is True and "drained" not in sc.phases[0].to_dict()
 
 
+def test_a_pools_prompts_start_with_their_system_prompts_dealt_equally_and_shuffled():
+    sc = POOL.with_(prompt_pool=100, shared_prefix=100, prefix_groups=tuple((100, 1.0) for _ in range(10)))
+    tr = make_trace(1.0, sc, 0, phases=[(0, 100, 2.0, "poisson_exact")])
+    assert tr.prompt_id.tolist() == [n % 100 for n in range(200)]
+    assert (tr.prefix_len == 100).all() and tr.shared_prefix == 100 and (tr.prompt_len == 547).all()
+    first = tr.prefix_group[:100]
+    assert sorted(np.bincount(first, minlength=10).tolist()) == [10] * 10     # 10 system prompts x 10 questions
+    assert (tr.prefix_group[100:] == first).all()                             # a prompt keeps its system prompt
+    assert first.tolist() != sorted(first.tolist())                           # dealt in a shuffled order
+    # without groups the trace is the pool's as before: the groups draw after every other draw
+    plain = make_trace(1.0, POOL.with_(prompt_pool=100), 0, phases=[(0, 100, 2.0, "poisson_exact")])
+    assert (plain.arrival == tr.arrival).all() and (plain.max_tokens == tr.max_tokens).all()
+
+
+def test_prompts_of_one_system_prompt_share_its_blocks_at_their_first_send():
+    prof = load_profile("llama-3.1-8b")
+    bs = prof.engine["block_size"]
+    one = (100, 1.0)
+    for groups, shared in ((None, 0), ((one, one), 100)):
+        sc = POOL.with_(prompt_pool=10, shared_prefix=shared, prefix_groups=groups)
+        tr = make_trace(1.0, sc, 0, phases=[(0, 10, 1.0, "poisson_exact")])     # each prompt sent once
+        c = Run(prof, tr, STRAIGHT, sc, 0).run(until=1000.0).counters
+        # two system prompts of 100 tokens (6 full blocks): each prompt after its system prompt's first hits them
+        assert c["prefix_cache_hits_total"] == (0 if groups is None else (10 - 2) * (100 // bs * bs))
+
+
 def test_pool_and_per_call_prompts_refused_together():
-    with pytest.raises(ValueError, match="prompt_pool and prefix_groups"):
-        make_trace(1.0, POOL.with_(prefix_groups=((100, 1.0),)), 0, phases=[(0, 5, 1.0)])
+    with pytest.raises(ValueError, match="prompt_pool and mixed_share"):
+        make_trace(1.0, POOL.with_(mixed_share=0.5), 0, phases=[(0, 5, 1.0)])
     with pytest.raises(ValueError, match="prompt_pool must be a whole number"):
         POOL.with_(prompt_pool=0)
 
@@ -133,7 +160,7 @@ def test_latency_stages_from_a_scenario_file(tmp_path, capsys):
     ("prompt_pool = 0", "poisson", "workload.prompt_pool must be >= 1, got 0"),
     ("prompt_pool = 10", "exact", "workload.phases[0].arrivals must be one of poisson, constant, "
                                   "poisson_exact, uniform_exact, got 'exact'"),
-    ("prompt_pool = 10\nshared_prefix = 100", "poisson", "workload.shared_prefix and workload.prompt_pool both given"),
+    ("prompt_pool = 10\nmixed_share = 0.5", "poisson", "workload.mixed_share and workload.prompt_pool both given"),
 ])
 def test_bad_workload_as_run_is_one_line(tmp_path, capsys, extra, arrivals, says):
     f = tmp_path / "bad.toml"

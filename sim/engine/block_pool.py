@@ -3,8 +3,9 @@
 costs a handful of operations rather than 750 block objects.
 
 A block's hash is its *key*: (space, index). Blocks of the shared prompt
-prefix live in space 0; full blocks lying wholly inside one call's prompt live
-in that call's space (a retry resends the same prompt, so it may hit them);
+prefix live in space 0 (or their prefix group's); full blocks lying wholly inside
+one call's prompt live in that call's space (a retry resends the same prompt, so
+it may hit them; the calls that send one prompt of a pool share its space);
 blocks holding output tokens, or a prompt's partial tail, live in the
 execution's own space. Within a space, index = the block's position in the
 sequence, so a request's leading run of cached blocks is a chain of ranges.

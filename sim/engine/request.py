@@ -14,7 +14,7 @@ class Request:
     `DecodeGroup.sync` — so a decode step costs nothing per request."""
 
     __slots__ = (
-        "request_id", "call_id", "num_prompt_tokens", "max_tokens", "shared_prefix", "prefix_group",
+        "request_id", "call_id", "num_prompt_tokens", "max_tokens", "shared_prefix", "prefix_group", "prompt_id",
         "arrival_time", "status", "num_computed_tokens", "num_output_tokens", "outputs_done",
         "blocks", "kv_layout", "ever_preempted", "first_output_done", "chunks", "record",
         # decode group (see DecodeGroup)
@@ -28,13 +28,16 @@ class Request:
 
     def __init__(self, request_id: int, call_id: int, num_prompt_tokens: int, max_tokens: int,
                  shared_prefix: int = 0, record=None, stop_at: int | None = None, prefix_group: int = 0,
-                 priority: int = 0):
+                 priority: int = 0, prompt_id: int | None = None):
         self.request_id = request_id
         self.call_id = call_id
         self.num_prompt_tokens = int(num_prompt_tokens)
         self.max_tokens = int(max_tokens)
         self.shared_prefix = int(shared_prefix)
         self.prefix_group = int(prefix_group)     # calls of one group share their prefix's blocks
+        # requests of one prompt id send the same tokens past the prefix and share those blocks: an execution of
+        # a call (the default: retries resend its prompt), or of a pool's prompt (sim.workload.Trace.prompt_id)
+        self.prompt_id = call_id if prompt_id is None else int(prompt_id)
         self.arrival_time = 0.0         # when it reached the engine (set by the engine)
         self.status = WAITING
         self.num_computed_tokens = 0

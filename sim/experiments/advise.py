@@ -391,7 +391,8 @@ def cut_trace(trace: Trace, cut: tuple[float, float]) -> Trace:
 
     return Trace(arrival=trace.arrival[i:j] - cut[0], prompt_len=trace.prompt_len[i:j],
                  max_tokens=trace.max_tokens[i:j], shared_prefix=trace.shared_prefix,
-                 prefix_len=pick(trace.prefix_len), prefix_group=pick(trace.prefix_group))
+                 prefix_len=pick(trace.prefix_len), prefix_group=pick(trace.prefix_group),
+                 prompt_id=pick(trace.prompt_id))
 
 
 def cut_tag(cut: tuple[float, float] | None) -> str:
