@@ -104,6 +104,9 @@ def from_dict(d: dict, source: str = "profile") -> Profile:
     if form not in FORMS:
         raise ProfileError(f"{source}: step_time.form must be one of {', '.join(FORMS)}, got {_show(form)}")
     coefficients = FORM_MODELS[form].coefficients
+    if form == "moe" and isinstance(d["step_time"], dict) and "expert_per_token_s" not in d["step_time"]:
+        raise ProfileError(f"{source}: step_time lacks step_time.expert_per_token_s (the routed experts' compute, a "
+                           "moe step time's since 2026-12-07): derive the profile again (llmsim calibrate prior)")
     st = _section(d, "step_time", coefficients, source)
     optional = [k for k in OPTIONAL_COEFFICIENTS if k in st] if form != "linear" else []
     for k in (*coefficients, *optional):

@@ -234,6 +234,10 @@ def test_a_moe_profile_without_its_routing_is_refused():
     del d["step_time"]["experts"]
     with pytest.raises(ProfileError, match="step_time.experts"):
         from_dict(d)
+    old = prior_profile(shape_from_config(MIXTRAL), "h100", serving=Serving(tensor_parallel_size=2))
+    del old["step_time"]["expert_per_token_s"]          # a moe profile derived before the experts' own compute
+    with pytest.raises(ProfileError, match=r"lacks step_time.expert_per_token_s .*derive the profile again"):
+        from_dict(old)
     with pytest.raises(ValueError, match="form moe"):
         step_time(shape_from_config(MIXTRAL), CATALOGUE["h100"], 0.6, 0.8, form="linear")
 

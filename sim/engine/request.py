@@ -37,7 +37,7 @@ class Request:
         self.prefix_group = int(prefix_group)     # calls of one group share their prefix's blocks
         # requests of one prompt id send the same tokens past the prefix and share those blocks: an execution of
         # a call (the default: retries resend its prompt), or of a pool's prompt (sim.workload.Trace.prompt_id)
-        self.prompt_id = call_id if prompt_id is None else int(prompt_id)
+        self.prompt_id = call_id if prompt_id is None else prompt_id
         self.arrival_time = 0.0         # when it reached the engine (set by the engine)
         self.status = WAITING
         self.num_computed_tokens = 0
