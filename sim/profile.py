@@ -82,13 +82,21 @@ def embedded_names() -> list[str]:
     return sorted(p.name[:-5] for p in d.iterdir() if p.name.endswith(".json"))
 
 
+# What to do about a key a profile written before it existed lacks.
+ADDED_KEYS = {
+    "step_time.expert_per_token_s": "the routed experts' compute, a moe step time's since 2026-12-07: derive the "
+                                    "profile again (llmsim calibrate prior)",
+}
+
+
 def _section(d: dict, name: str, keys, source: str) -> dict:
     sec = d[name]
     if not isinstance(sec, dict):
         raise ProfileError(f"{source}: {name} must be an object with {', '.join(keys)}")
-    miss = [k for k in keys if k not in sec]
+    miss = [f"{name}.{k}" for k in keys if k not in sec]
     if miss:
-        raise ProfileError(f"{source}: {name} lacks {', '.join(f'{name}.{k}' for k in miss)}")
+        hints = "; ".join(f"{k}: {ADDED_KEYS[k]}" for k in miss if k in ADDED_KEYS)
+        raise ProfileError(f"{source}: {name} lacks {', '.join(miss)}" + (f" ({hints})" if hints else ""))
     return sec
 
 
@@ -104,9 +112,6 @@ def from_dict(d: dict, source: str = "profile") -> Profile:
     if form not in FORMS:
         raise ProfileError(f"{source}: step_time.form must be one of {', '.join(FORMS)}, got {_show(form)}")
     coefficients = FORM_MODELS[form].coefficients
-    if form == "moe" and isinstance(d["step_time"], dict) and "expert_per_token_s" not in d["step_time"]:
-        raise ProfileError(f"{source}: step_time lacks step_time.expert_per_token_s (the routed experts' compute, a "
-                           "moe step time's since 2026-12-07): derive the profile again (llmsim calibrate prior)")
     st = _section(d, "step_time", coefficients, source)
     optional = [k for k in OPTIONAL_COEFFICIENTS if k in st] if form != "linear" else []
     for k in (*coefficients, *optional):

@@ -170,9 +170,8 @@ def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bo
     prefix_len = group = None
     shared = s.shared_prefix
     if s.prefix_groups:
-        tokens = np.array([g[0] for g in s.prefix_groups], dtype=np.int64)
-        share = np.array([g[1] for g in s.prefix_groups], dtype=float)
-        group = rng.choice(len(tokens), size=n, p=share / share.sum()).astype(np.int64)
+        tokens, share = _prefix_groups(s)
+        group = rng.choice(len(tokens), size=n, p=share).astype(np.int64)
         prefix_len = tokens[group]
         shared = int(tokens.min())
         prompt = np.maximum(prompt, prefix_len + 1)
@@ -182,6 +181,13 @@ def make_trace(capacity: float, scenario: Scenario, seed: int, mixed_prompts: bo
         prompt = np.maximum(np.minimum(prompt, s.max_call_tokens - resp), pre + 1)
     return Trace(arrival=arrival, prompt_len=prompt, max_tokens=resp, shared_prefix=shared,
                  prefix_len=prefix_len, prefix_group=group, klass=klass)
+
+
+def _prefix_groups(s: Scenario) -> tuple[np.ndarray, np.ndarray]:
+    """The system prompts of `s.prefix_groups`: each one's tokens and its share (summing to 1)."""
+    tokens = np.array([g[0] for g in s.prefix_groups], dtype=np.int64)
+    share = np.array([g[1] for g in s.prefix_groups], dtype=float)
+    return tokens, share / share.sum()
 
 
 def _pool_trace(rng: np.random.Generator, s: Scenario, arrival: np.ndarray, counts: list[int],
@@ -209,9 +215,8 @@ def _pool_trace(rng: np.random.Generator, s: Scenario, arrival: np.ndarray, coun
                                                                  mean=s.response_mean), len(arrival)))
     pool_pre, pool_group = np.full(n, s.shared_prefix, dtype=np.int64), np.zeros(n, dtype=np.int64)
     if s.prefix_groups:             # drawn after every other draw: a pool without groups keeps its trace
-        tokens = np.array([g[0] for g in s.prefix_groups], dtype=np.int64)
-        share = np.array([g[1] for g in s.prefix_groups], dtype=float)
-        edges = np.cumsum(share / share.sum())
+        tokens, share = _prefix_groups(s)
+        edges = np.cumsum(share)
         pool_group = np.minimum(np.searchsorted(edges, (rng.permutation(n) + 0.5) / n), len(tokens) - 1)
         pool_pre = tokens[pool_group]
     pool_len = np.maximum(pool_len, pool_pre + 1)

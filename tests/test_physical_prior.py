@@ -168,8 +168,10 @@ def test_a_moe_prefill_pays_its_dense_layers_compute_while_its_experts_ride_on_t
     assert st.per_token_s * n > st.weights_s and st.expert_per_token_s * n < st.experts_read_s(n)
     assert st.matmul_s(n) == pytest.approx(st.per_token_s * n + st.expert_weights_s, rel=1e-9)
     # one kernel bound by the larger of the sums would hide the dense compute under the experts' read
-    assert st.matmul_s(n) > max((st.per_token_s + st.expert_per_token_s) * n, st.memory_s(n)) + 5e-3
-    assert st.matmul_s(1) == pytest.approx(st.memory_s(1), rel=1e-12)      # a lone decode: reads only
+    read = st.weights_s + st.experts_read_s(n)
+    assert st.matmul_s(n) > max((st.per_token_s + st.expert_per_token_s) * n, read) + 5e-3
+    # a lone decode: reads only
+    assert st.matmul_s(1) == pytest.approx(st.weights_s + st.experts_read_s(1), rel=1e-12)
 
 
 def test_kv_heads_are_replicated_beyond_their_count_and_refused_when_vllm_would():
@@ -209,12 +211,12 @@ def test_a_moe_step_reads_the_experts_its_tokens_route_to():
     p = prior_profile(shape_from_config(MIXTRAL), "h100", serving=Serving(tensor_parallel_size=2))
     st = from_dict(p).step_time
     assert isinstance(st, MoEStepTimeModel) and (st.experts, st.experts_per_token) == (8, 2)
-    assert st.memory_s(1) == pytest.approx(st.weights_s + st.expert_weights_s * 2 / 8, rel=1e-12)
-    assert st.memory_s(2048) == pytest.approx(st.weights_s + st.expert_weights_s, rel=1e-9)
+    assert st.experts_read_s(1) == pytest.approx(st.expert_weights_s * 2 / 8, rel=1e-12)
+    assert st.experts_read_s(2048) == pytest.approx(st.expert_weights_s, rel=1e-9)
     assert st.duration(1, 1, 0, 100) < st.duration(8, 8, 0, 800) < st.duration(64, 64, 0, 6400)
     # a decode step of 11 runs in the CUDA graph of 16: its padding rows are routed too
-    assert st.memory_s(11) == pytest.approx(st.weights_s + st.expert_weights_s * (1 - (6 / 8) ** 16), rel=1e-12)
-    assert st.memory_s(11) == st.memory_s(16) > st.memory_s(8)
+    assert st.experts_read_s(11) == pytest.approx(st.expert_weights_s * (1 - (6 / 8) ** 16), rel=1e-12)
+    assert st.experts_read_s(11) == st.experts_read_s(16) > st.experts_read_s(8)
     assert [graph_tokens(n) for n in (1, 2, 3, 4, 5, 9, 248, 250, 257, 512, 513, 2048)] == [
         1, 2, 4, 4, 8, 16, 248, 256, 272, 512, 513, 2048]
 

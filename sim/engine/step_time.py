@@ -207,13 +207,9 @@ class MoEStepTimeModel(RooflineStepTimeModel):
             raise ValueError(f"step_time.experts and experts_per_token must be whole numbers with "
                              f"1 <= experts_per_token <= experts, got {self.experts!r}, {self.experts_per_token!r}")
 
-    def memory_s(self, num_tokens: int) -> float:
-        """The matrix products' memory time of a step of `num_tokens` tokens
-        (routed as the CUDA graph it runs in pads them: `graph_tokens`)."""
-        return self.weights_s + self.experts_read_s(num_tokens)
-
     def experts_read_s(self, num_tokens: int) -> float:
-        """The experts' weights a step of `num_tokens` tokens reads (the share they route to)."""
+        """The experts' weights a step of `num_tokens` tokens reads (the share
+        they route to, routed as the CUDA graph it runs in pads them: `graph_tokens`)."""
         missed = (1.0 - self.experts_per_token / self.experts) ** graph_tokens(num_tokens)
         return self.expert_weights_s * (1.0 - missed)
 
