@@ -219,6 +219,13 @@ def prior_profile(model: str, gpu: str = "h100", mfu: float = 0.6, bw_eff: float
     if shape.experts:
         kw["form"] = "moe"
     kv = kv_cache(shape, g, serving.gpu_memory_utilization, block_size, serving=serving)
+    if shape.vision_params or shape.experts:
+        parts = " and ".join(x for x in ("a vision tower's profiling run" if shape.vision_params else "",
+                                         "MoE buffers" if shape.experts else "") if x)
+        notes.append(f"the KV blocks leave {kv['reserve_bytes'] / GiB:.1f} GiB a GPU for activations; {parts} "
+                     f"take more (Llama-4-Scout's servers reported 21 % fewer blocks than derived): where the "
+                     f"server's log gives its 'GPU KV cache size', give it as a scenario's [engine] "
+                     f"kv_cache_tokens (or engine.num_gpu_blocks of this profile: the tokens over block_size)")
     if shape.quantization == "fp8" and not g.fp8_flops:
         notes.append(f"{g.name} has no FP8 tensor cores: FP8 weights are read in 8 bits and multiplied at the "
                      f"16-bit peak (weight-only, as vLLM's Marlin kernels run them)")

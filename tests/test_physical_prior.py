@@ -174,6 +174,18 @@ def test_a_moe_prefill_pays_its_dense_layers_compute_while_its_experts_ride_on_t
     assert st.matmul_s(1) == pytest.approx(st.weights_s + st.experts_read_s(1), rel=1e-12)
 
 
+def test_a_vision_tower_or_experts_say_where_the_servers_kv_count_goes():
+    scout = shape_from_config(config("llama-4-scout-17b-16e-instruct-fp8-dynamic"))
+    notes = prior_profile(scout, "h100", serving=Serving(tensor_parallel_size=2))["provenance"]["notes"]
+    kv = [n for n in notes if n.startswith("the KV blocks")]
+    assert len(kv) == 1 and "vision tower" in kv[0] and "MoE" in kv[0] and "kv_cache_tokens" in kv[0]
+    mixtral = prior_profile(shape_from_config(MIXTRAL), "h100", serving=Serving(tensor_parallel_size=2))
+    assert [n for n in mixtral["provenance"]["notes"] if "vision" in n] == []
+    assert any("MoE buffers" in n for n in mixtral["provenance"]["notes"])
+    dense = prior_profile(shape_from_config(config("llama-3.1-8b-instruct")), "h100")
+    assert not any(n.startswith("the KV blocks") for n in dense["provenance"]["notes"])
+
+
 def test_kv_heads_are_replicated_beyond_their_count_and_refused_when_vllm_would():
     s = shape_from_config(config("llama-3.1-8b-instruct"))
     p = prior_profile(s, "h100", serving=Serving(tensor_parallel_size=16))
