@@ -219,13 +219,15 @@ def prior_profile(model: str, gpu: str = "h100", mfu: float = 0.6, bw_eff: float
     if shape.experts:
         kw["form"] = "moe"
     kv = kv_cache(shape, g, serving.gpu_memory_utilization, block_size, serving=serving)
-    if shape.vision_params or shape.experts:
+    kv_note = {}
+    if shape.vision_params or shape.experts:        # said apart: a scenario that gives its KV cache drops it
         parts = " and ".join(x for x in ("a vision tower's profiling run" if shape.vision_params else "",
                                          "MoE buffers" if shape.experts else "") if x)
-        notes.append(f"the KV blocks leave {kv['reserve_bytes'] / GiB:.1f} GiB a GPU for activations; {parts} "
-                     f"take more (Llama-4-Scout's servers reported 21 % fewer blocks than derived): where the "
-                     f"server's log gives its 'GPU KV cache size', give it as a scenario's [engine] "
-                     f"kv_cache_tokens (or engine.num_gpu_blocks of this profile: the tokens over block_size)")
+        kv_note["kv_note"] = (f"the KV blocks leave {kv['reserve_bytes'] / GiB:.1f} GiB a GPU for activations; "
+                              f"{parts} take more (Llama-4-Scout's servers reported 21 % fewer blocks than "
+                              f"derived): where the server's log gives its 'GPU KV cache size', give it as a "
+                              f"scenario's [engine] kv_cache_tokens (or engine.num_gpu_blocks of this profile: "
+                              f"the tokens over block_size)")
     if shape.quantization == "fp8" and not g.fp8_flops:
         notes.append(f"{g.name} has no FP8 tensor cores: FP8 weights are read in 8 bits and multiplied at the "
                      f"16-bit peak (weight-only, as vLLM's Marlin kernels run them)")
@@ -240,5 +242,5 @@ def prior_profile(model: str, gpu: str = "h100", mfu: float = 0.6, bw_eff: float
         "kv_cache": kv,
         "step_time": step_time(shape, g, mfu, bw_eff, serving=serving, **kw),
         "capacity": capacity,
-        "provenance": {"kind": "roofline prior", "mfu": mfu, "bw_eff": bw_eff, "notes": notes},
+        "provenance": {"kind": "roofline prior", "mfu": mfu, "bw_eff": bw_eff, "notes": notes, **kv_note},
     }

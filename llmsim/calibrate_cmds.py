@@ -446,7 +446,8 @@ def cmd_calibrate_prior(a) -> int:
           f"{kv['kv_bytes_per_token']} B/token of KV per GPU, {kv['num_gpu_blocks']} blocks of {kv['block_size']} "
           f"({kv['kv_tokens']} tokens); step time form {prof['step_time'].get('form', 'linear')}; "
           f"capacity {prof['capacity']:.3f} -> {a.out}")
-    for note in prof["provenance"]["notes"]:
+    kv_note = [prof["provenance"]["kv_note"]] if "kv_note" in prof["provenance"] else []
+    for note in [*prof["provenance"]["notes"], *kv_note]:
         print(f"  {note}")
     return 0
 

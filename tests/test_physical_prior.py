@@ -13,6 +13,7 @@ import pytest
 from calibrate.gpus import CATALOGUE, gpu, gpu_key
 from calibrate.model_shape import MODELS, name_of_config, shape_from_config
 from calibrate.prior import ALLREDUCE_BULK_EFF, PCIE_ALLREDUCE_EFF, GiB, Serving, kv_cache, prior_profile, step_time
+from llmsim.cli import main as cli_main
 from sim.engine.step_time import MoEStepTimeModel, graph_tokens, step_time_model
 from sim.profile import ProfileError, from_dict
 
@@ -176,14 +177,22 @@ def test_a_moe_prefill_pays_its_dense_layers_compute_while_its_experts_ride_on_t
 
 def test_a_vision_tower_or_experts_say_where_the_servers_kv_count_goes():
     scout = shape_from_config(config("llama-4-scout-17b-16e-instruct-fp8-dynamic"))
-    notes = prior_profile(scout, "h100", serving=Serving(tensor_parallel_size=2))["provenance"]["notes"]
-    kv = [n for n in notes if n.startswith("the KV blocks")]
-    assert len(kv) == 1 and "vision tower" in kv[0] and "MoE" in kv[0] and "kv_cache_tokens" in kv[0]
+    kv = prior_profile(scout, "h100", serving=Serving(tensor_parallel_size=2))["provenance"]["kv_note"]
+    assert "vision tower" in kv and "MoE" in kv and "kv_cache_tokens" in kv
     mixtral = prior_profile(shape_from_config(MIXTRAL), "h100", serving=Serving(tensor_parallel_size=2))
-    assert [n for n in mixtral["provenance"]["notes"] if "vision" in n] == []
-    assert any("MoE buffers" in n for n in mixtral["provenance"]["notes"])
-    dense = prior_profile(shape_from_config(config("llama-3.1-8b-instruct")), "h100")
-    assert not any(n.startswith("the KV blocks") for n in dense["provenance"]["notes"])
+    assert "MoE buffers" in mixtral["provenance"]["kv_note"] and "vision" not in mixtral["provenance"]["kv_note"]
+    assert "kv_note" not in prior_profile(shape_from_config(config("llama-3.1-8b-instruct")), "h100")["provenance"]
+
+
+def test_scenario_check_says_the_kv_note_unless_the_scenario_gives_its_kv_cache(tmp_path, capsys):
+    cfg = os.path.join(os.path.dirname(__file__), "..", "calibrate", "data", "peer-h100", "model_configs",
+                       "llama-4-scout-17b-16e-instruct-fp8-dynamic", "config.json")
+    model = f'[model]\nhf_config = "{os.path.abspath(cfg)}"\ngpu = "h100"\ntensor_parallel_size = 2\ncapacity = 1.0\n'
+    for engine, said in (("", True), ("[engine]\nkv_cache_tokens = 132048\n", False)):
+        f = tmp_path / "scout.toml"
+        f.write_text(model + engine)
+        assert cli_main(["scenario", "check", str(f)]) == 0
+        assert ("GPU KV cache size" in capsys.readouterr().out) == said
 
 
 def test_kv_heads_are_replicated_beyond_their_count_and_refused_when_vllm_would():

@@ -228,8 +228,9 @@ class MoEStepTimeModel(RooflineStepTimeModel):
                 + self.per_decode_ctx_s * ctx)
 
 
-# vLLM's default CUDA graph sizes (V1, max_num_seqs up to 256): 1, 2, 4, then every 8 to 256 and every 16
-# to 512; a step of more tokens runs without a graph, unpadded
+# vLLM's default CUDA graph sizes (V1): 1, 2, 4, then every 8 to 256 and every 16 to min(2 x max_num_seqs,
+# 512); a step of more tokens runs without a graph, unpadded. The largest is taken as 512 for every engine: a
+# smaller max_num_seqs ends the graphs sooner, which changes nothing past 256 tokens, where every expert is read
 GRAPH_MAX_TOKENS = 512
 
 
