@@ -225,9 +225,8 @@ def prior_profile(model: str, gpu: str = "h100", mfu: float = 0.6, bw_eff: float
                                          "MoE buffers" if shape.experts else "") if x)
         kv_note["kv_note"] = (f"the KV blocks leave {kv['reserve_bytes'] / GiB:.1f} GiB a GPU for activations; "
                               f"{parts} take more (Llama-4-Scout's servers reported 21 % fewer blocks than "
-                              f"derived): where the server's log gives its 'GPU KV cache size', give it as a "
-                              f"scenario's [engine] kv_cache_tokens (or engine.num_gpu_blocks of this profile: "
-                              f"the tokens over block_size)")
+                              f"derived): where the server's log gives its 'GPU KV cache size', give it "
+                              f"(llmsim calibrate prior --kv-cache-tokens, a scenario's [engine] kv_cache_tokens)")
     if shape.quantization == "fp8" and not g.fp8_flops:
         notes.append(f"{g.name} has no FP8 tensor cores: FP8 weights are read in 8 bits and multiplied at the "
                      f"16-bit peak (weight-only, as vLLM's Marlin kernels run them)")

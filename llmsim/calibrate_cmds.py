@@ -391,19 +391,37 @@ def _derived_args(q, required: bool) -> None:
     q.add_argument("--max-num-seqs", type=args.positive(int), default=256)
     q.add_argument("--max-batched-tokens", type=args.positive(int), default=8192)
     q.add_argument("--max-model-len", type=args.positive(int), default=32768)
+    q.add_argument("--kv-cache-tokens", type=args.positive(int), default=None,
+                   help="the KV cache the server reported (its log's 'GPU KV cache size: N tokens'), in place of "
+                        "the derived one")
 
 
 def _derived(a, command: str) -> dict:
     """The engine `_derived_args` describes, as a profile dict; bad input ends in one line."""
     try:
-        return derive_from_config(a.config, a.gpu, a.tp, a.dtype, a.quantization, a.cpu_offload_gb,
-                                  a.gpu_memory_utilization, name=getattr(a, "name", None), source=a.efficiencies,
-                                  max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_batched_tokens,
-                                  max_model_len=a.max_model_len, capacity=1.0)
+        d = derive_from_config(a.config, a.gpu, a.tp, a.dtype, a.quantization, a.cpu_offload_gb,
+                               a.gpu_memory_utilization, name=getattr(a, "name", None), source=a.efficiencies,
+                               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_batched_tokens,
+                               max_model_len=a.max_model_len, capacity=1.0)
     except (OSError, json.JSONDecodeError) as e:
         raise _err(f"calibrate {command}: cannot read {a.config}: {e}") from None
     except (KeyError, ValueError) as e:
         raise _err(f"calibrate {command}: {e}") from None
+    if a.kv_cache_tokens is not None:
+        _reported_kv(d, a.kv_cache_tokens, command)
+    return d
+
+
+def _reported_kv(d: dict, tokens: int, command: str) -> None:
+    """Give the derived profile `d` the KV cache its server reported: `tokens` in whole blocks."""
+    bs, derived = d["engine"]["block_size"], d["engine"]["num_gpu_blocks"]
+    if tokens < bs:
+        raise _err(f"calibrate {command}: --kv-cache-tokens {tokens} is less than one block of {bs} tokens")
+    d["engine"]["num_gpu_blocks"] = d["kv_cache"]["num_gpu_blocks"] = tokens // bs
+    d["kv_cache"]["kv_tokens"] = tokens // bs * bs
+    d["provenance"].pop("kv_note", None)
+    d["provenance"]["kv_cache"] = (f"{tokens} tokens as the server reported them (--kv-cache-tokens), not the "
+                                   f"{derived} blocks derived")
 
 
 def _base_profile(a, command: str):
@@ -426,7 +444,7 @@ def _engine_flags(a) -> str:
         return f"--profile {a.profile}"
     flags = [f"--config {a.config} --gpu {a.gpu}"] + [f"--{k.replace('_', '-')} {getattr(a, k)}" for k in
              ("tp", "dtype", "quantization", "cpu_offload_gb", "gpu_memory_utilization", "max_num_seqs",
-              "max_batched_tokens", "max_model_len") if getattr(a, k) is not None]
+              "max_batched_tokens", "max_model_len", "kv_cache_tokens") if getattr(a, k) is not None]
     return " ".join(flags + ([f"--efficiencies {a.efficiencies}"] if a.efficiencies != efficiencies.FITTED else []))
 
 
@@ -446,7 +464,7 @@ def cmd_calibrate_prior(a) -> int:
           f"{kv['kv_bytes_per_token']} B/token of KV per GPU, {kv['num_gpu_blocks']} blocks of {kv['block_size']} "
           f"({kv['kv_tokens']} tokens); step time form {prof['step_time'].get('form', 'linear')}; "
           f"capacity {prof['capacity']:.3f} -> {a.out}")
-    kv_note = [prof["provenance"]["kv_note"]] if "kv_note" in prof["provenance"] else []
+    kv_note = [prof["provenance"][k] for k in ("kv_note", "kv_cache") if k in prof["provenance"]]
     for note in [*prof["provenance"]["notes"], *kv_note]:
         print(f"  {note}")
     return 0

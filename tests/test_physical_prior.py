@@ -297,6 +297,18 @@ def test_cli_prior_with_tp_fp8_and_a_reported_gpu_name(tmp_path):
     from_dict(p)
 
 
+def test_cli_prior_takes_the_kv_cache_the_server_reported(tmp_path):
+    out, cfg = tmp_path / "p.json", os.path.join(CONFIGS, "llama-4-scout-17b-16e-instruct-fp8-dynamic", "config.json")
+    r = _llmsim("calibrate", "prior", "--config", cfg, "--tp", "2", "--kv-cache-tokens", "132050", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "8253 blocks of 16 (132048 tokens)" in r.stdout and "as the server reported them" in r.stdout
+    assert "GPU KV cache size" not in r.stdout          # the note saying to give it is gone once it is given
+    p = json.loads(out.read_text())
+    assert from_dict(p).engine["num_gpu_blocks"] == 8253 and "kv_note" not in p["provenance"]
+    r = _llmsim("calibrate", "prior", "--config", cfg, "--tp", "2", "--kv-cache-tokens", "8", "-o", str(out))
+    assert r.returncode == 2 and "less than one block of 16 tokens" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--gpu", "h101"], "unknown GPU 'h101': the catalogue has h100"),
     (["--tp", "3"], "does not divide the 64 attention heads"),
