@@ -188,7 +188,9 @@ def test_scenario_check_says_the_kv_note_unless_the_scenario_gives_its_kv_cache(
     cfg = os.path.join(os.path.dirname(__file__), "..", "calibrate", "data", "peer-h100", "model_configs",
                        "llama-4-scout-17b-16e-instruct-fp8-dynamic", "config.json")
     model = f'[model]\nhf_config = "{os.path.abspath(cfg)}"\ngpu = "h100"\ntensor_parallel_size = 2\ncapacity = 1.0\n'
-    for engine, said in (("", True), ("[engine]\nkv_cache_tokens = 132048\n", False)):
+    for engine, said in (("", True), ("kv_cache_tokens = 132048", False), ("num_gpu_blocks = 8253", False),
+                         ("gpu_memory_utilization = 0.85", True)):       # the last derived again: the note holds
+        engine = f"[engine]\n{engine}\n" if engine else ""
         f = tmp_path / "scout.toml"
         f.write_text(model + engine)
         assert cli_main(["scenario", "check", str(f)]) == 0
