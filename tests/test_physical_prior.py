@@ -184,6 +184,15 @@ def test_a_vision_tower_or_experts_say_where_the_servers_kv_count_goes():
     assert "kv_note" not in prior_profile(shape_from_config(config("llama-3.1-8b-instruct")), "h100")["provenance"]
 
 
+def test_beyond_four_gpus_the_profile_says_its_all_reduce_rate_was_fitted_on_fewer():
+    s = shape_from_config(config("llama-3.1-70b-instruct"))
+    notes = [n for n in prior_profile(s, "h100", serving=Serving(tensor_parallel_size=8))["provenance"]["notes"]
+             if n.startswith("TP 8")]
+    assert len(notes) == 1 and "upper end" in notes[0]
+    assert not any(n.startswith("TP ") for n in
+                   prior_profile(s, "h100", serving=Serving(tensor_parallel_size=4))["provenance"]["notes"])
+
+
 def test_scenario_check_says_the_kv_note_unless_the_scenario_gives_its_kv_cache(tmp_path, capsys):
     cfg = os.path.join(os.path.dirname(__file__), "..", "calibrate", "data", "peer-h100", "model_configs",
                        "llama-4-scout-17b-16e-instruct-fp8-dynamic", "config.json")
