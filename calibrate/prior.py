@@ -228,9 +228,9 @@ def prior_profile(model: str, gpu: str = "h100", mfu: float = 0.6, bw_eff: float
                               f"derived): where the server's log gives its 'GPU KV cache size', give it "
                               f"(llmsim calibrate prior --kv-cache-tokens, a scenario's [engine] kv_cache_tokens)")
     if serving.tensor_parallel_size > 4:
-        notes.append(f"TP {serving.tensor_parallel_size}: the all-reduce rate was fitted on engines of 2 and 4 GPUs "
-                     f"and carries more than the kernels' bytes; a loaded step at TP 8 reads as an upper end "
-                     f"(docs/any-model.md)")
+        tp = serving.tensor_parallel_size
+        notes.append(f"TP {tp}: the all-reduce rate was fitted on engines of 2 and 4 GPUs and carries more than the "
+                     f"kernels' bytes; a loaded step at TP {tp} reads as an upper end (docs/any-model.md)")
     if shape.quantization == "fp8" and not g.fp8_flops:
         notes.append(f"{g.name} has no FP8 tensor cores: FP8 weights are read in 8 bits and multiplied at the "
                      f"16-bit peak (weight-only, as vLLM's Marlin kernels run them)")

@@ -186,16 +186,16 @@ def test_a_vision_tower_or_experts_say_where_the_servers_kv_count_goes():
 
 def test_beyond_four_gpus_the_profile_says_its_all_reduce_rate_was_fitted_on_fewer():
     s = shape_from_config(config("llama-3.1-70b-instruct"))
-    notes = [n for n in prior_profile(s, "h100", serving=Serving(tensor_parallel_size=8))["provenance"]["notes"]
-             if n.startswith("TP 8")]
-    assert len(notes) == 1 and "upper end" in notes[0]
+    for tp in (8, 16):
+        notes = [n for n in prior_profile(s, "h100", serving=Serving(tensor_parallel_size=tp))["provenance"]["notes"]
+                 if n.startswith(f"TP {tp}:")]
+        assert len(notes) == 1 and f"a loaded step at TP {tp} reads as an upper end" in notes[0]
     assert not any(n.startswith("TP ") for n in
                    prior_profile(s, "h100", serving=Serving(tensor_parallel_size=4))["provenance"]["notes"])
 
 
 def test_scenario_check_says_the_kv_note_unless_the_scenario_gives_its_kv_cache(tmp_path, capsys):
-    cfg = os.path.join(os.path.dirname(__file__), "..", "calibrate", "data", "peer-h100", "model_configs",
-                       "llama-4-scout-17b-16e-instruct-fp8-dynamic", "config.json")
+    cfg = os.path.join(CONFIGS, "llama-4-scout-17b-16e-instruct-fp8-dynamic", "config.json")
     model = f'[model]\nhf_config = "{os.path.abspath(cfg)}"\ngpu = "h100"\ntensor_parallel_size = 2\ncapacity = 1.0\n'
     for engine, said in (("", True), ("kv_cache_tokens = 132048", False), ("num_gpu_blocks = 8253", False),
                          ("gpu_memory_utilization = 0.85", True)):       # the last derived again: the note holds
