@@ -136,11 +136,11 @@ def derive_from_config(path: str, gpu, tensor_parallel_size: int = 1, dtype: str
 
 def derived_profile(e: ms.Experiment, folder: str, eff: Efficiencies) -> Profile:
     """The engine of experiment `e` derived from its model's config.json,
-    GPU and TP with efficiencies `eff`; its server flags and reported KV
+    GPU, TP and weight offload with efficiencies `eff`; its server flags and reported KV
     blocks are applied by the simulation (`calibrate.measurements`)."""
     with open(config_path(e, folder)) as f:
         shape = shape_from_config(json.load(f), name=e.model.rsplit("/", 1)[-1])
-    d = derive(shape, e.gpu or "h100", Serving(tensor_parallel_size=e.tp), eff,
+    d = derive(shape, e.gpu or "h100", Serving(tensor_parallel_size=e.tp, cpu_offload_gb=e.cpu_offload_gb), eff,
                max_num_seqs=e.flags["max_num_seqs"], max_num_batched_tokens=e.flags["max_num_batched_tokens"],
                max_model_len=e.flags["max_model_len"])
     return from_dict(d, f"experiment {e.exp_id}")

@@ -58,7 +58,7 @@ CATALOGUE = {
     "h100": GPU("NVIDIA H100 80GB HBM3 (SXM)", int(79.1 * GiB), 989.4e12, 3.35e12, 1978.9e12, "NVLink 4",
                 NVLINK4, NVLINK_ALLREDUCE_S, PCIE5,
                 _H100 + ": SXM5 80 GB, 1,979 TF BF16 / 3,958 TF FP8 sparse, 3.35 TB/s",
-                ("NVIDIA H100 80GB HBM3", "H100 80GB HBM3", "NVIDIA H100 SXM5 80GB")),
+                ("NVIDIA H100 80GB HBM3", "H100 80GB HBM3", "NVIDIA H100 SXM5 80GB", "H100 80GB", "H100 SXM")),
     "h100-pcie": GPU("NVIDIA H100 PCIe", int(79.1 * GiB), 756e12, 2.0e12, 1513e12, "PCIe Gen5", PCIE5, 25e-6,
                      PCIE5, _H100 + ": PCIe 80 GB, 1,513 TF BF16 / 3,026 TF FP8 sparse, 2.0 TB/s (no NVLink bridge)",
                      ("NVIDIA H100 PCIe", "H100 PCIe")),
@@ -91,12 +91,19 @@ def gpu(name: str) -> GPU:
     """The catalogue's GPU of a key or a name a server reports."""
     if name in CATALOGUE:
         return CATALOGUE[name]
-    want = name.strip().lower().removeprefix("nvidia ").strip()
+    want = _plain(name)
+    if want.replace(" ", "-") in CATALOGUE:           # a key in other case (H100, L40S: a load test's label)
+        return CATALOGUE[want.replace(" ", "-")]
     for g in CATALOGUE.values():
-        if any(r.lower().removeprefix("nvidia ").strip() == want for r in g.reported):
+        if any(_plain(r) == want for r in g.reported):
             return g
     raise ValueError(f"unknown GPU {name!r}: the catalogue has {', '.join(CATALOGUE)} "
                      f"(or a name a server reports, such as 'NVIDIA H100 80GB HBM3')")
+
+
+def _plain(name: str) -> str:
+    """A GPU's name compared: lower case, without "NVIDIA", - and _ as spaces."""
+    return " ".join(name.lower().replace("-", " ").replace("_", " ").split()).removeprefix("nvidia ")
 
 
 def gpu_key(name: str) -> str:

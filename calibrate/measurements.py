@@ -12,7 +12,9 @@ The file format is the one of `calibrate/data/peer-h100/`: a folder (or its
                      max_num_seqs, max_model_len, max_num_batched_tokens, [gpu_memory_utilization],
                      [total_kv_blocks_reported | total_kv_blocks_measured], system_prompt_len,
                      question_len, output_len, [prompts], [arrivals], [prompt_pool],
-                     [groups_sharing_a_system_prompt], [drained], stages: [{rate, duration}, ...]}, ...]}
+                     [groups_sharing_a_system_prompt], [drained], [cpu_offload_gb],
+                     [kv_offloading_size | cpu_offload], [data_parallel_size | dp],
+                     stages: [{rate, duration}, ...]}, ...]}
   measurements.csv  exp_id, stage_index (0, 1, ...; -1 = the whole run, not used), e2e_mean_ms,
                     ttft_mean_ms (other columns kept as they are)
 
@@ -25,7 +27,12 @@ or the description in `prompts` ("G system prompts x Q questions = N
 distinct ... prompts ... sent cyclically": a pool of N); `drained` or the
 description "stage k+1 starts only after every stage-k request has
 finished". Every key the readers of this module take beside these is kept
-in `Experiment.raw`.
+in `Experiment.raw`. vLLM's `cpu_offload_gb` (weights in CPU memory) goes
+into a derived engine; `kv_offloading_size` (GiB of CPU memory for KV
+blocks; the BLIS campaign's `cpu_offload: true` is 8) is read and reported
+as what the simulation leaves out (`Experiment.unsimulated`); with
+`data_parallel_size` (or the campaign's `dp`) replicas, each is simulated at
+its share of every stage's rate.
 
 A stage is simulated with the server's flags applied to the profile
 (`sim.profile.with_engine`), the KV cache as the server reported it or,
@@ -125,6 +132,9 @@ _ARRIVALS_TEXT = (("exponential inter-arrival gaps rescaled", "poisson_exact"),
                   ("fixed inter-arrival", "constant"))
 _DRAINED_TEXT = "starts only after every stage"
 CSV_COLUMNS = ("exp_id", "stage_index", "e2e_mean_ms", "ttft_mean_ms")
+# the BLIS campaign's `cpu_offload: true` (inference-sim/tektonc-data-collection blis-campaign/generate.py:
+# --kv-offloading-size=8, GiB of CPU memory for KV blocks, with --disable-hybrid-kv-cache-manager)
+CAMPAIGN_KV_OFFLOAD_GB = 8.0
 
 
 class MeasurementsError(ValueError):
@@ -163,6 +173,9 @@ class Experiment:
     tp: int = 1                     # GPUs per engine (tensor parallelism)
     gpu: str = ""
     quantization: str | None = None
+    cpu_offload_gb: float = 0.0     # GiB of weights per GPU kept in CPU memory (vLLM's --cpu-offload-gb)
+    kv_offloading_gb: float = 0.0   # GiB of CPU memory for offloaded KV blocks (vLLM's --kv-offloading-size)
+    dp: int = 1                     # engine replicas behind the endpoint (vLLM's --data-parallel-size)
     # the calls as they came, ((start s, end s, calls[, their shared prefix tokens]), ...): the stages are
     # windows of it (`Stage.window`),
     # simulated in one run, a long one in several (`timeline_runs`); None: each stage a run of its own
@@ -182,6 +195,18 @@ class Experiment:
         if self.quantization:
             return f"{self.quantization}: an embedded profile's weights are 16-bit"
         return None
+
+    @property
+    def unsimulated(self) -> tuple[str, ...]:
+        """What of the server as it ran the simulated engine leaves out, a
+        phrase each (empty where nothing): its predictions for this
+        experiment are of an engine without them."""
+        out = []
+        if self.kv_offloading_gb:
+            out.append(f"KV offloading to CPU ({self.kv_offloading_gb:g} GiB): its stores and loads")
+        if self.dp > 1:
+            out.append(f"dp {self.dp}: each replica at 1/{self.dp} of the rate, a random split")
+        return tuple(out)
 
     def workload(self) -> dict:
         """The workload as it was run, as a provenance records it."""
@@ -251,6 +276,7 @@ def read_experiments(path: str) -> list[Experiment]:
         else:
             flags["gpu_memory_utilization"] = _num(e.get("gpu_memory_utilization", 0.9),
                                                    f"{where}: gpu_memory_utilization")
+        offload = _offload(e, where)
         lens = {k: _num(e[k], f"{where}: {k}", whole=True, positive=k != "system_prompt_len")
                 for k in ("system_prompt_len", "question_len", "output_len")}
         if lens["system_prompt_len"] < 0:
@@ -274,7 +300,30 @@ def read_experiments(path: str) -> list[Experiment]:
                               lens["system_prompt_len"], lens["question_len"], lens["output_len"],
                               run["groups"], tuple(stages), kv, e, arrivals=run["arrivals"], pool=run["pool"],
                               drained=run["drained"], tp=tp, gpu=str(e.get("gpu", "")),
-                              quantization=e.get("quantization") or None))
+                              quantization=e.get("quantization") or None, **offload))
+    return out
+
+
+def _offload(e: dict, where: str) -> dict:
+    """An experiment's weight and KV offloading and its engine replicas
+    (`Experiment` fields) from vLLM's flag names (`cpu_offload_gb`,
+    `kv_offloading_size`, `data_parallel_size`) or the BLIS campaign's keys
+    (`cpu_offload`: true is --kv-offloading-size 8, as its generator passes
+    it; `dp`)."""
+    kv = e.get("kv_offloading_size")
+    campaign = e.get("cpu_offload")
+    if campaign is not None and not isinstance(campaign, bool):
+        raise MeasurementsError(f"{where}: cpu_offload must be true or false (the campaign's key: true is "
+                                f"--kv-offloading-size 8), got {campaign!r}")
+    if kv is None:
+        kv = CAMPAIGN_KV_OFFLOAD_GB if campaign else 0
+    dp = next((e[k] for k in ("data_parallel_size", "dp") if e.get(k) is not None), 1)
+    out = {"cpu_offload_gb": float(_num(e.get("cpu_offload_gb", 0), f"{where}: cpu_offload_gb", positive=False)),
+           "kv_offloading_gb": float(_num(kv, f"{where}: kv_offloading_size", positive=False)),
+           "dp": _num(dp, f"{where}: data_parallel_size", whole=True)}
+    for k, v in (("cpu_offload_gb", out["cpu_offload_gb"]), ("kv_offloading_size", out["kv_offloading_gb"])):
+        if v < 0:
+            raise MeasurementsError(f"{where}: {k} must be at least 0 (GiB), got {v:g}")
     return out
 
 
@@ -447,20 +496,21 @@ def experiment_profile(profile: Profile, e: Experiment) -> Profile:
 def kv_peak_share(profile: Profile, e: Experiment, stage: Stage, e2e_s: float) -> float:
     """About how much of the KV cache the stage's calls in flight hold (Little's
     law: rate x E2E calls, each its prompt and half its response)."""
-    tokens = stage.rate * e2e_s * (e.prompt_len + e.output_len / 2.0)
+    tokens = stage.rate / e.dp * e2e_s * (e.prompt_len + e.output_len / 2.0)
     return tokens / experiment_profile(profile, e).kv_tokens
 
 
 def simulate_stage(profile: Profile, e: Experiment, stage: Stage, duration_s: float = 90.0,
                    warmup_s: float = 20.0, seed: int = 0) -> dict:
     """The simulator's TTFT and E2E means (s) of one stage: `duration_s` of
-    the experiment's arrivals at the stage's rate, calls created after
+    the experiment's arrivals at the stage's rate (one replica's share, rate /
+    `Experiment.dp`), calls created after
     `warmup_s`; a stage simulated as run (`Stage.as_run_s`), its own length
     from an empty engine, every call."""
     p = experiment_profile(profile, e)
     if stage.as_run_s is not None:
         duration_s, warmup_s = stage.as_run_s, 0.0
-    r = latency(p, stage.rate, duration_s=duration_s, warmup_s=warmup_s, scenario=experiment_scenario(e),
+    r = latency(p, stage.rate / e.dp, duration_s=duration_s, warmup_s=warmup_s, scenario=experiment_scenario(e),
                 seed=seed, arrivals=e.arrivals)
     return {"ttft_mean": r["ttft_mean"], "e2e_mean": r["e2e_mean"], "ttft_p90": r["ttft_p90"],
             "e2e_p90": r["e2e_p90"], "calls": r["calls"]}
@@ -520,7 +570,8 @@ def _simulate_once(profile: Profile, e: Experiment, duration_s: float, warmup_s:
         return out
     if not (e.drained and len(e.stages) > 1 and all(s.as_run_s is not None for s in e.stages)):
         return [simulate_stage(profile, e, s, duration_s, warmup_s, seed) for s in e.stages]
-    rows = latency_stages(experiment_profile(profile, e), [(s.rate, s.as_run_s, e.arrivals, True) for s in e.stages],
+    rows = latency_stages(experiment_profile(profile, e), [(s.rate / e.dp, s.as_run_s, e.arrivals, True)
+                                                           for s in e.stages],
                           scenario=experiment_scenario(e), seed=seed)
     return [{k: r[k] for k in ("ttft_mean", "e2e_mean", "ttft_p90", "e2e_p90", "calls")} for r in rows]
 

@@ -136,3 +136,91 @@ def test_derived_kv_blocks_are_checked_against_the_reported_ones():
     assert len(rows) == sum(e.kv_blocks is not None for e in EXPERIMENTS) > 10
     dense = [r["ratio"] for r in rows if "scout" not in r["model"].lower()]
     assert all(0.9 < x < 1.0 for x in dense)         # docs/any-model.md: 2-4 % below the servers' counts
+
+
+def test_the_campaigns_kv_offloading_is_read_and_marked():
+    """Experiments 48, 66 and 67 ran with the campaign's `cpu_offload` (vLLM's
+    --kv-offloading-size 8): read, marked as what the simulated engine leaves
+    out, and not taken for weight offload."""
+    for e in EXPERIMENTS:
+        offloaded = e.exp_id in ("48", "66", "67")
+        assert (e.kv_offloading_gb == 8.0) == offloaded and bool(e.unsimulated) == offloaded, e.exp_id
+        assert e.cpu_offload_gb == 0.0 and e.dp == 1
+    assert "KV offloading to CPU (8 GiB)" in BY_ID["48"].unsimulated[0]
+
+
+def _folder_with(tmp_path, exp_id, **keys):
+    doc = json.load(open(os.path.join(ef.PEER_FOLDER, "experiments.json")))
+    doc["experiments"] = [dict(e, **keys) for e in doc["experiments"] if e["exp_id"] == exp_id]
+    for name in ("measurements.csv",):
+        (tmp_path / name).write_text(open(os.path.join(ef.PEER_FOLDER, name)).read())
+    (tmp_path / "model_configs").symlink_to(os.path.join(ef.PEER_FOLDER, "model_configs"))
+    (tmp_path / "experiments.json").write_text(json.dumps(doc))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("keys,got", [
+    ({"cpu_offload": True}, (8.0, 0.0, 1)),
+    ({"cpu_offload": False}, (0.0, 0.0, 1)),
+    ({"kv_offloading_size": 16, "cpu_offload": True}, (16.0, 0.0, 1)),
+    ({"cpu_offload_gb": 4}, (0.0, 4.0, 1)),
+    ({"dp": 2}, (0.0, 0.0, 2)),
+    ({"data_parallel_size": 4}, (0.0, 0.0, 4)),
+])
+def test_offloading_and_replicas_are_read_from_vllms_flags_or_the_campaigns_keys(tmp_path, keys, got):
+    (e,) = ms.read_experiments(_folder_with(tmp_path, "16", **keys))
+    assert (e.kv_offloading_gb, e.cpu_offload_gb, e.dp) == got
+
+
+@pytest.mark.parametrize("keys,says", [
+    ({"cpu_offload": "yes"}, "cpu_offload must be true or false"),
+    ({"kv_offloading_size": -1}, "kv_offloading_size must be at least 0"),
+    ({"cpu_offload_gb": "4"}, "cpu_offload_gb must be a number"),
+    ({"dp": 1.5}, "data_parallel_size must be a whole number"),
+])
+def test_bad_offloading_or_replicas_are_one_line(tmp_path, keys, says):
+    with pytest.raises(ms.MeasurementsError) as err:
+        ms.read_experiments(_folder_with(tmp_path, "16", **keys))
+    assert says in str(err.value) and "experiment 16" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_weight_offload_is_derived_into_the_engine():
+    """An experiment's cpu_offload_gb puts its weights' trip over PCIe in
+    every step (the derived engine's fixed time grows by the bytes over the
+    host link), where the campaign's KV offloading leaves the engine as it is."""
+    eff, e = ef.load(), BY_ID["16"]
+    plain = ef.derived_profile(e, ef.PEER_FOLDER, eff)
+    kv = ef.derived_profile(replace(e, kv_offloading_gb=8.0), ef.PEER_FOLDER, eff)
+    weights = ef.derived_profile(replace(e, cpu_offload_gb=4.0), ef.PEER_FOLDER, eff)
+    assert kv.raw["step_time"] == plain.raw["step_time"]
+    assert weights.raw["serving"]["cpu_offload_gb"] == 4.0
+    grown = weights.step_time.duration(1, 1, 0.0, 0.0) - plain.step_time.duration(1, 1, 0.0, 0.0)
+    assert 4 * 2**30 / 64e9 < grown < 4 * 2**30 / 10e9          # 4 GiB over a PCIe link, tens of ms
+
+
+def test_replicas_share_the_rate():
+    """dp 2: each replica simulated at half the stage's rate, as one engine
+    at that rate is."""
+    e = BY_ID["16"]
+    short = replace(e, stages=(replace(e.stages[0], as_run_s=60.0),))
+    prof = ef.derived_profile(e, ef.PEER_FOLDER, ef.load())
+    two = ms.simulate_experiment(prof, replace(short, dp=2), draws=1)[0]
+    half = ms.simulate_experiment(prof, replace(short, stages=(replace(short.stages[0], rate=4.0),)), draws=1)[0]
+    assert two["calls"] == half["calls"] and two["e2e_mean"] == pytest.approx(half["e2e_mean"], rel=1e-12)
+    assert ms.kv_peak_share(prof, replace(e, dp=2), e.stages[0], 2.0) == pytest.approx(
+        ms.kv_peak_share(prof, e, replace(e.stages[0], rate=4.0), 2.0), rel=1e-12)
+
+
+def test_the_benchmark_marks_the_stages_of_what_the_engine_leaves_out():
+    """bench_peer's table marks the KV-offloading experiments' stages and gives
+    the medians without them beside the medians over all."""
+    sys.path.insert(0, os.path.join(os.path.dirname(ef.HERE), "benchmarks"))
+    try:
+        import bench_peer
+    finally:
+        sys.path.pop(0)
+    text = bench_peer.table(RECORD["stages"], EXPERIMENTS)
+    marked = [line.split()[0] for line in text.splitlines() if line.endswith("  *")]
+    assert sorted(marked) == ["48", "66", "67"]
+    assert "over 27 stages" in text and "without the 3 stages marked *" in text
+    assert text.count("KV offloading to CPU (8 GiB)") == 3

@@ -53,8 +53,13 @@ def test_reported_gpu_names_map_to_keys_and_unknown_ones_list_the_catalogue():
     assert gpu_key("H100 80GB HBM3") == "h100"
     assert gpu_key("NVIDIA A100-SXM4-40GB") == "a100-40gb"
     assert gpu("NVIDIA L40S") is CATALOGUE["l40s"]
+    # a load test's labels: a key in other case, dashes for spaces (the BLIS campaign's H100, A100-80GB, L40S)
+    assert [gpu_key(n) for n in ("H100", "A100-80GB", "L40S", "A100-40GB", "H100-SXM", "nvidia a100 80gb pcie")] == [
+        "h100", "a100", "l40s", "a100-40gb", "h100", "a100-pcie"]
     with pytest.raises(ValueError, match="h100, h100-pcie"):
         gpu("GeForce RTX 4090")
+    with pytest.raises(ValueError, match="unknown GPU 'H100 NVL'"):
+        gpu("H100 NVL")
 
 
 @pytest.mark.parametrize("folder,params", [("llama-3.1-8b-instruct", 8_030_261_248),
