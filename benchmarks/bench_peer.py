@@ -9,9 +9,12 @@ hardware efficiencies (calibrate.efficiencies): no profile of any of them.
                                                            # from --efficiencies (default: the embedded fit)
 
 Prints one row per stage (E2E and TTFT means, measured and predicted, and
-the error predicted / measured - 1), the medians of |error|, the KV blocks
-the model derives against those the servers reported, and the reference
-design's published figures against the derived engines'."""
+the error predicted / measured - 1), the medians of |error| (and without
+the stages of servers run with what the simulated engine leaves out, marked
+*), a line for each experiment whose engine cannot be derived or simulated
+(the rest are predicted), the KV blocks the model derives against those the
+servers reported, and the reference design's published figures against the
+derived engines'."""
 from __future__ import annotations
 
 import argparse
@@ -79,8 +82,14 @@ def main(argv=None) -> int:
     else:
         eff = ef.load(a.efficiencies)
     print(f"efficiencies: {ef.describe(eff)}")
-    rows = ef.predict(experiments, a.measurements, eff)
+    skipped = []
+    rows = ef.predict(experiments, a.measurements, eff, skipped=skipped)
+    if not rows:
+        raise ms.MeasurementsError(f"none of the {len(skipped)} experiments of {a.measurements} could be "
+                                   f"predicted; experiment {skipped[0][0]}: {skipped[0][1]}")
     print(table(rows, experiments))
+    for exp_id, why in skipped:
+        print(f"  not predicted: experiment {exp_id}: {why}")
     print("KV blocks derived against those the servers reported (the simulation uses the reported):")
     for r in ef.kv_check(experiments, a.measurements, eff):
         print(f"  {r['exp_id']:>16} {r['model'].rsplit('/', 1)[-1][:30]:<30} tp {r['tp']}  derived {r['derived']:>6}  "

@@ -138,11 +138,14 @@ def derived_profile(e: ms.Experiment, folder: str, eff: Efficiencies) -> Profile
     """The engine of experiment `e` derived from its model's config.json,
     GPU, TP and weight offload with efficiencies `eff`; its server flags and reported KV
     blocks are applied by the simulation (`calibrate.measurements`)."""
-    with open(config_path(e, folder)) as f:
-        shape = shape_from_config(json.load(f), name=e.model.rsplit("/", 1)[-1])
-    d = derive(shape, e.gpu or "h100", Serving(tensor_parallel_size=e.tp, cpu_offload_gb=e.cpu_offload_gb), eff,
-               max_num_seqs=e.flags["max_num_seqs"], max_num_batched_tokens=e.flags["max_num_batched_tokens"],
-               max_model_len=e.flags["max_model_len"])
+    try:
+        with open(config_path(e, folder)) as f:
+            shape = shape_from_config(json.load(f), name=e.model.rsplit("/", 1)[-1])
+        d = derive(shape, e.gpu or "h100", Serving(tensor_parallel_size=e.tp, cpu_offload_gb=e.cpu_offload_gb), eff,
+                   max_num_seqs=e.flags["max_num_seqs"], max_num_batched_tokens=e.flags["max_num_batched_tokens"],
+                   max_model_len=e.flags["max_model_len"])
+    except (OSError, ValueError) as err:
+        raise ms.MeasurementsError(f"experiment {e.exp_id}: {err}") from None
     return from_dict(d, f"experiment {e.exp_id}")
 
 
@@ -152,7 +155,10 @@ def kv_check(experiments: list[ms.Experiment], folder: str, eff: Efficiencies) -
     out = []
     for e in experiments:
         if e.kv_blocks is not None:
-            derived = derived_profile(e, folder, eff).engine["num_gpu_blocks"]
+            try:
+                derived = derived_profile(e, folder, eff).engine["num_gpu_blocks"]
+            except ms.MeasurementsError:
+                continue                    # an engine that cannot be derived (`predict` says why)
             out.append({"exp_id": e.exp_id, "model": e.model, "tp": e.tp, "derived": derived,
                         "reported": e.kv_blocks, "ratio": derived / e.kv_blocks})
     return out
@@ -166,14 +172,24 @@ def _shortened(e: ms.Experiment, stage_s: float | None) -> ms.Experiment:
 
 
 def predict(experiments: list[ms.Experiment], folder: str, eff: Efficiencies, stage_s: float | None = None,
-            log=None) -> list[dict]:
+            log=None, skipped: list | None = None) -> list[dict]:
     """One row per stage: measured and simulated means and their errors
-    (`calibrate.measurements.compare`'s rows), each experiment's engine derived."""
+    (`calibrate.measurements.compare`'s rows), each experiment's engine
+    derived. An experiment whose engine cannot be derived or simulated (a
+    model or GPU not modelled, a KV cache too small for its calls) raises
+    MeasurementsError naming it, or, given a list `skipped`, is left out
+    and added to it as (exp_id, why)."""
     rows = []
     for e in experiments:
-        # one draw of the arrivals: the measured stages count 1,200 calls and more (`ms.arrival_draws`
-        # gives one), and a stage the fit shortens for its speed keeps the draw it was fitted with
-        rows += ms.compare(derived_profile(e, folder, eff), [_shortened(e, stage_s)], log=log, draws=1)
+        try:
+            # one draw of the arrivals: the measured stages count 1,200 calls and more (`ms.arrival_draws`
+            # gives one), and a stage the fit shortens for its speed keeps the draw it was fitted with
+            rows += ms.compare(derived_profile(e, folder, eff), [_shortened(e, stage_s)], log=log, draws=1)
+        except (ms.MeasurementsError, RuntimeError) as err:
+            why = str(err).removeprefix(f"experiment {e.exp_id}: ")
+            if skipped is None:
+                raise ms.MeasurementsError(f"experiment {e.exp_id}: {why}") from None
+            skipped.append((e.exp_id, why))
     return rows
 
 

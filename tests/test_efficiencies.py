@@ -224,3 +224,31 @@ def test_the_benchmark_marks_the_stages_of_what_the_engine_leaves_out():
     assert sorted(marked) == ["48", "66", "67"]
     assert "over 27 stages" in text and "without the 3 stages marked *" in text
     assert text.count("KV offloading to CPU (8 GiB)") == 3
+
+
+def test_an_experiment_that_cannot_be_derived_is_named_and_the_rest_predicted(tmp_path):
+    """A folder of many experiments is checked whole: one whose engine cannot
+    be derived (a GPU not in the catalogue) is named with its reason and the
+    others are predicted; the fit refuses it in one line naming it."""
+    doc = json.load(open(os.path.join(ef.PEER_FOLDER, "experiments.json")))
+    doc["experiments"] = [dict(e, **({"gpu": "GeForce RTX 4090"} if e["exp_id"] == "22" else {}))
+                          for e in doc["experiments"] if e["exp_id"] in ("22", "16")]
+    for name in ("measurements.csv", "README.md"):
+        (tmp_path / name).write_text(open(os.path.join(ef.PEER_FOLDER, name)).read())
+    (tmp_path / "model_configs").symlink_to(os.path.join(ef.PEER_FOLDER, "model_configs"))
+    (tmp_path / "experiments.json").write_text(json.dumps(doc))
+    exps = ms.read_experiments(str(tmp_path))
+    short = [replace(e, stages=(replace(e.stages[0], as_run_s=30.0),)) for e in exps]
+    skipped = []
+    rows = ef.predict(short, str(tmp_path), ef.load(), skipped=skipped)
+    assert [r["exp_id"] for r in rows] == ["16"]
+    assert [i for i, _ in skipped] == ["22"] and "unknown GPU 'GeForce RTX 4090'" in skipped[0][1]
+    with pytest.raises(ms.MeasurementsError, match="experiment 22: unknown GPU") as err:
+        ef.predict(short, str(tmp_path), ef.load())
+    assert "\n" not in str(err.value)
+    script = os.path.join(os.path.dirname(ef.HERE), "benchmarks", "bench_peer.py")
+    r = subprocess.run([sys.executable, script, "--measurements", str(tmp_path)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "not predicted: experiment 22: unknown GPU 'GeForce RTX 4090'" in r.stdout
+    assert "over 2 stages" in r.stdout                      # experiment 16's two stages
