@@ -9,7 +9,7 @@ The file format is the one of `calibrate/data/peer-h100/`: a folder (or its
 `experiments.json`) holding
 
   experiments.json  {"experiments": [{exp_id, model, [vllm], [tp], [gpu], [config], [quantization],
-                     max_num_seqs, max_model_len, max_num_batched_tokens, [gpu_memory_utilization],
+                     max_num_seqs, max_model_len, max_num_batched_tokens, [gpu_memory_utilization | gpu_mem],
                      [total_kv_blocks_reported | total_kv_blocks_measured], system_prompt_len,
                      question_len, output_len, [prompts], [arrivals], [prompt_pool],
                      [groups_sharing_a_system_prompt], [drained], [cpu_offload_gb],
@@ -274,8 +274,8 @@ def read_experiments(path: str) -> list[Experiment]:
             kv = _num(e[kv_key], f"{where}: {kv_key}", whole=True)
             flags["num_gpu_blocks"] = kv
         else:
-            flags["gpu_memory_utilization"] = _num(e.get("gpu_memory_utilization", 0.9),
-                                                   f"{where}: gpu_memory_utilization")
+            util = next((e[k] for k in ("gpu_memory_utilization", "gpu_mem") if e.get(k) is not None), 0.9)
+            flags["gpu_memory_utilization"] = _num(util, f"{where}: gpu_memory_utilization")
         offload = _offload(e, where)
         lens = {k: _num(e[k], f"{where}: {k}", whole=True, positive=k != "system_prompt_len")
                 for k in ("system_prompt_len", "question_len", "output_len")}

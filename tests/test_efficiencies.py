@@ -166,6 +166,7 @@ def _folder_with(tmp_path, exp_id, **keys):
     ({"cpu_offload_gb": 4}, (0.0, 4.0, 1)),
     ({"dp": 2}, (0.0, 0.0, 2)),
     ({"data_parallel_size": 4}, (0.0, 0.0, 4)),
+    ({"dp": None}, (0.0, 0.0, 1)),
 ])
 def test_offloading_and_replicas_are_read_from_vllms_flags_or_the_campaigns_keys(tmp_path, keys, got):
     (e,) = ms.read_experiments(_folder_with(tmp_path, "16", **keys))
@@ -252,3 +253,11 @@ def test_an_experiment_that_cannot_be_derived_is_named_and_the_rest_predicted(tm
     assert r.returncode == 0, r.stderr
     assert "not predicted: experiment 22: unknown GPU 'GeForce RTX 4090'" in r.stdout
     assert "over 2 stages" in r.stdout                      # experiment 16's two stages
+
+
+def test_the_campaigns_memory_utilization_key_is_read(tmp_path):
+    """Without a reported KV block count the KV cache is derived at the
+    server's memory utilization, given as vLLM names it or as the campaign's
+    gpu_mem."""
+    (e,) = ms.read_experiments(_folder_with(tmp_path, "16", gpu_mem=0.95, gpu_memory_utilization=None))
+    assert e.flags["gpu_memory_utilization"] == 0.95 and e.kv_blocks is None
