@@ -138,10 +138,13 @@ def derived_profile(e: ms.Experiment, folder: str, eff: Efficiencies) -> Profile
     """The engine of experiment `e` derived from its model's config.json,
     GPU, TP and weight offload with efficiencies `eff`; its server flags and reported KV
     blocks are applied by the simulation (`calibrate.measurements`)."""
+    if not e.gpu:
+        raise ms.MeasurementsError(f"experiment {e.exp_id}: no gpu to derive its engine on: give the GPU its server "
+                                   "ran on (a catalogue key such as h100, or the name the server reports)")
     try:
         with open(config_path(e, folder)) as f:
             shape = shape_from_config(json.load(f), name=e.model.rsplit("/", 1)[-1])
-        d = derive(shape, e.gpu or "h100", Serving(tensor_parallel_size=e.tp, cpu_offload_gb=e.cpu_offload_gb), eff,
+        d = derive(shape, e.gpu, Serving(tensor_parallel_size=e.tp, cpu_offload_gb=e.cpu_offload_gb), eff,
                    max_num_seqs=e.flags["max_num_seqs"], max_num_batched_tokens=e.flags["max_num_batched_tokens"],
                    max_model_len=e.flags["max_model_len"])
     except (OSError, ValueError) as err:

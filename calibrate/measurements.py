@@ -8,7 +8,7 @@ stated rate) that the profile already satisfies.
 The file format is the one of `calibrate/data/peer-h100/`: a folder (or its
 `experiments.json`) holding
 
-  experiments.json  {"experiments": [{exp_id, model, [vllm], [tp], [gpu], [config], [quantization],
+  experiments.json  {"experiments": [{exp_id, model, [vllm], [tp], [gpu | hw], [config], [quantization],
                      max_num_seqs, max_model_len, max_num_batched_tokens, [gpu_memory_utilization | gpu_mem],
                      [total_kv_blocks_reported | total_kv_blocks_measured], system_prompt_len,
                      question_len, output_len, [prompts], [arrivals], [prompt_pool],
@@ -27,7 +27,8 @@ or the description in `prompts` ("G system prompts x Q questions = N
 distinct ... prompts ... sent cyclically": a pool of N); `drained` or the
 description "stage k+1 starts only after every stage-k request has
 finished". Every key the readers of this module take beside these is kept
-in `Experiment.raw`. vLLM's `cpu_offload_gb` (weights in CPU memory) goes
+in `Experiment.raw`. A derived engine (`calibrate.efficiencies`) needs the
+`gpu` (or the campaign's `hw`). vLLM's `cpu_offload_gb` (weights in CPU memory) goes
 into a derived engine; `kv_offloading_size` (GiB of CPU memory for KV
 blocks; the BLIS campaign's `cpu_offload: true` is 8) is read and reported
 as what the simulation leaves out (`Experiment.unsimulated`); with
@@ -299,7 +300,7 @@ def read_experiments(path: str) -> list[Experiment]:
         out.append(Experiment(eid, str(e["model"]), str(e.get("vllm", "unknown")), flags,
                               lens["system_prompt_len"], lens["question_len"], lens["output_len"],
                               run["groups"], tuple(stages), kv, e, arrivals=run["arrivals"], pool=run["pool"],
-                              drained=run["drained"], tp=tp, gpu=str(e.get("gpu", "")),
+                              drained=run["drained"], tp=tp, gpu=str(e.get("gpu") or e.get("hw") or ""),
                               quantization=e.get("quantization") or None, **offload))
     return out
 

@@ -261,3 +261,16 @@ def test_the_campaigns_memory_utilization_key_is_read(tmp_path):
     gpu_mem."""
     (e,) = ms.read_experiments(_folder_with(tmp_path, "16", gpu_mem=0.95, gpu_memory_utilization=None))
     assert e.flags["gpu_memory_utilization"] == 0.95 and e.kv_blocks is None
+
+
+def test_an_experiment_without_its_gpu_is_not_taken_for_an_h100(tmp_path):
+    (e,) = ms.read_experiments(_folder_with(tmp_path, "16", gpu=None))
+    with pytest.raises(ms.MeasurementsError, match="experiment 16: no gpu to derive its engine on") as err:
+        ef.derived_profile(e, str(tmp_path), ef.load())
+    assert "\n" not in str(err.value)
+
+
+def test_the_campaigns_hardware_key_names_the_gpu(tmp_path):
+    (e,) = ms.read_experiments(_folder_with(tmp_path, "16", gpu=None, hw="A100-80GB"))
+    assert e.gpu == "A100-80GB"
+    assert ef.derived_profile(e, str(tmp_path), ef.load()).raw["hardware"]["name"] == "NVIDIA A100-SXM4-80GB"
