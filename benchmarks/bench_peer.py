@@ -50,8 +50,9 @@ def table(rows: list[dict], experiments: list) -> str:
         out.append(f"  without the {len(rows) - len(plain)} stages marked *: median |E2E error| "
                    f"{statistics.median(e2e):.1%} (max {max(e2e):.1%}), median |TTFT error| "
                    f"{statistics.median(ttft):.1%} (max {max(ttft):.1%})")
+    shown = {r["exp_id"] for r in rows}
     out += [f"  * {e.exp_id} ran with what the simulated engine leaves out: {'; '.join(e.unsimulated)}"
-            for e in experiments if e.unsimulated and e.exp_id in {r['exp_id'] for r in rows}]
+            for e in experiments if e.unsimulated and e.exp_id in shown]
     return "\n".join(out)
 
 

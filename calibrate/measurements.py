@@ -275,8 +275,8 @@ def read_experiments(path: str) -> list[Experiment]:
             kv = _num(e[kv_key], f"{where}: {kv_key}", whole=True)
             flags["num_gpu_blocks"] = kv
         else:
-            util = next((e[k] for k in ("gpu_memory_utilization", "gpu_mem") if e.get(k) is not None), 0.9)
-            flags["gpu_memory_utilization"] = _num(util, f"{where}: gpu_memory_utilization")
+            flags["gpu_memory_utilization"] = _num(_given(e, ("gpu_memory_utilization", "gpu_mem"), 0.9),
+                                                   f"{where}: gpu_memory_utilization")
         offload = _offload(e, where)
         lens = {k: _num(e[k], f"{where}: {k}", whole=True, positive=k != "system_prompt_len")
                 for k in ("system_prompt_len", "question_len", "output_len")}
@@ -305,6 +305,12 @@ def read_experiments(path: str) -> list[Experiment]:
     return out
 
 
+def _given(e: dict, names: tuple, default):
+    """The value of the first of `names` an experiment gives (not null): vLLM's name before another
+    source's (the BLIS campaign's), else `default`."""
+    return next((e[k] for k in names if e.get(k) is not None), default)
+
+
 def _offload(e: dict, where: str) -> dict:
     """An experiment's weight and KV offloading and its engine replicas
     (`Experiment` fields) from vLLM's flag names (`cpu_offload_gb`,
@@ -318,7 +324,7 @@ def _offload(e: dict, where: str) -> dict:
                                 f"--kv-offloading-size 8), got {campaign!r}")
     if kv is None:
         kv = CAMPAIGN_KV_OFFLOAD_GB if campaign else 0
-    dp = next((e[k] for k in ("data_parallel_size", "dp") if e.get(k) is not None), 1)
+    dp = _given(e, ("data_parallel_size", "dp"), 1)
     out = {"cpu_offload_gb": float(_num(e.get("cpu_offload_gb", 0), f"{where}: cpu_offload_gb", positive=False)),
            "kv_offloading_gb": float(_num(kv, f"{where}: kv_offloading_size", positive=False)),
            "dp": _num(dp, f"{where}: data_parallel_size", whole=True)}
